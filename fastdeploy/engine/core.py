@@ -1,0 +1,72 @@
+"""The engine core: scheduler + executor, advanced one step at a time."""
+
+from __future__ import annotations
+
+import logging
+
+from fastdeploy.config import EngineConfig
+from fastdeploy.engine.request import EngineCoreOutputs, EngineCoreRequest, Request
+from fastdeploy.model_executor.model_loader import ModelSource
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_max_model_len(config: EngineConfig, source: ModelSource) -> int:
+    """``--max-model-len`` or the model's context length; never beyond what its rotary table covers."""
+    limit = source.arch.max_position_embeddings
+    wanted = config.model.max_model_len or limit
+    if wanted > limit:
+        raise ValueError(f"max_model_len {wanted} exceeds the model's context length {limit}")
+    return wanted
+
+
+class KVCacheTooSmallError(RuntimeError):
+    """The KV cache memory cannot hold even one sequence of max_model_len tokens."""
+
+
+class EngineCore:
+    """Schedules, executes and updates; the same loop serves offline and online use."""
+
+    def __init__(self, config: EngineConfig, source: ModelSource, executor_cls):
+        from fastdeploy.scheduler.scheduler import Scheduler
+
+        self.config = config
+        self.max_model_len = resolve_max_model_len(config, source)
+        self.executor = executor_cls(config, source, self.max_model_len)
+        num_blocks = self.executor.determine_num_blocks()
+        block_size = config.cache.block_size
+        if num_blocks * block_size < self.max_model_len:
+            self.executor.shutdown()
+            raise KVCacheTooSmallError(
+                f"the KV cache holds {num_blocks} blocks x {block_size} = {num_blocks * block_size} tokens, "
+                f"fewer than max_model_len={self.max_model_len}; raise --kv-cache-memory / "
+                "--gpu-memory-utilization or lower --max-model-len"
+            )
+        self.num_blocks = num_blocks
+        self.executor.initialize_cache(num_blocks)
+        self.scheduler = Scheduler(config, num_blocks, self.max_model_len)
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens)", num_blocks, block_size, num_blocks * block_size)
+
+    def add_request(self, core_request: EngineCoreRequest) -> None:
+        num_prompt = len(core_request.prompt_token_ids)
+        if not 0 < num_prompt < self.max_model_len:
+            raise ValueError(f"prompt has {num_prompt} tokens; it must have 1 to {self.max_model_len - 1}")
+        self.scheduler.add_request(Request(core_request, self.config.cache.block_size))
+
+    def abort_requests(self, request_ids: list[str]) -> EngineCoreOutputs:
+        return EngineCoreOutputs(outputs=self.scheduler.abort_requests(request_ids))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> EngineCoreOutputs:
+        """Schedule one batch, run it, and return the new tokens and a stats snapshot."""
+        if not self.scheduler.has_unfinished_requests():
+            return EngineCoreOutputs(stats=self.scheduler.make_stats())
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.executor.execute_model(scheduler_output)
+        outputs = self.scheduler.update_from_output(runner_output)
+        return EngineCoreOutputs(outputs=outputs, stats=self.scheduler.make_stats())
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

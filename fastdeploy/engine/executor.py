@@ -1,0 +1,31 @@
+"""Executors run scheduler steps on workers: in this process, or in worker processes."""
+
+from __future__ import annotations
+
+from fastdeploy.config import EngineConfig
+from fastdeploy.model_executor.model_loader import ModelSource
+from fastdeploy.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from fastdeploy.worker.worker import Worker
+
+
+class InProcExecutor:
+    """Runs the single worker in the engine core's own process (offline ``LLM``)."""
+
+    def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int):
+        self.worker = Worker(config, source, max_model_len)
+        self.worker.load_model()
+
+    def determine_num_blocks(self) -> int:
+        return self.worker.determine_num_blocks()
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.worker.initialize_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute_model(scheduler_output)
+
+    def check_health(self) -> None:
+        """Raises if a worker is dead (never, in-process)."""
+
+    def shutdown(self) -> None:
+        pass

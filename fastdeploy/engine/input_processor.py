@@ -1,0 +1,65 @@
+"""Front-end request preparation: tokenization, validation, fan-out of ``n`` choices."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastdeploy.engine.output_processor import child_request_id
+from fastdeploy.engine.request import EngineCoreRequest
+from fastdeploy.engine.sampling_params import SamplingParams
+
+
+class PromptTooLongError(ValueError):
+    """The prompt (plus requested output) does not fit the model's context."""
+
+
+class InputProcessor:
+    """Turns user prompts into engine-core requests."""
+
+    def __init__(self, tokenizer: Any, max_model_len: int, eos_token_ids: list[int]):
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer; pass prompt token ids instead of text")
+        return self.tokenizer.encode(prompt)
+
+    def validate(self, prompt_token_ids: list[int]) -> None:
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {len(prompt_token_ids)} tokens, but this model's maximum context length is "
+                f"{self.max_model_len} tokens (prompt plus at least one generated token)"
+            )
+
+    def make_core_requests(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float | None = None
+    ) -> list[EngineCoreRequest]:
+        """One engine-core request per choice; seeded choices get distinct seeds."""
+        self.validate(prompt_token_ids)
+        arrival_time = time.time() if arrival_time is None else arrival_time
+        requests = []
+        for i in range(params.n):
+            child_params = params.clone(n=1, seed=None if params.seed is None else params.seed + i)
+            requests.append(
+                EngineCoreRequest(
+                    request_id=child_request_id(request_id, i, params.n),
+                    prompt_token_ids=list(prompt_token_ids),
+                    sampling_params=child_params,
+                    eos_token_ids=list(self.eos_token_ids),
+                    arrival_time=arrival_time,
+                )
+            )
+        return requests
+
+
+def eos_ids_of(arch_eos: list[int], tokenizer: Any) -> list[int]:
+    """EOS ids from the model config plus the tokenizer's EOS token."""
+    ids = set(arch_eos)
+    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    return sorted(ids)

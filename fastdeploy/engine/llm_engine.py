@@ -1,0 +1,65 @@
+"""Synchronous engine for offline use: front end and engine core in one process."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastdeploy.config import EngineConfig
+from fastdeploy.engine.core import EngineCore
+from fastdeploy.engine.executor import InProcExecutor
+from fastdeploy.engine.input_processor import InputProcessor, eos_ids_of
+from fastdeploy.engine.output_processor import OutputProcessor, RequestState
+from fastdeploy.engine.outputs import RequestOutput
+from fastdeploy.engine.sampling_params import SamplingParams
+from fastdeploy.model_executor.model_loader import load_tokenizer, resolve_model
+
+
+class LLMEngine:
+    """Adds requests and steps the engine core until they finish."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.source = resolve_model(config.model)
+        self.tokenizer = load_tokenizer(config.model, self.source)
+        self.core = EngineCore(config, self.source, InProcExecutor)
+        self.max_model_len = self.core.max_model_len
+        self.eos_token_ids = eos_ids_of(self.source.arch.eos_token_ids, self.tokenizer)
+        self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, self.eos_token_ids)
+        self.output_processor = OutputProcessor(self.tokenizer)
+
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, prompt_text: str | None = None
+    ) -> None:
+        if isinstance(prompt, str):
+            prompt_text, prompt_ids = prompt, self.input_processor.tokenize(prompt)
+        else:
+            prompt_ids = list(prompt)
+        arrival = time.time()
+        core_requests = self.input_processor.make_core_requests(request_id, prompt_ids, params, arrival)
+        state = RequestState(request_id, prompt_text, prompt_ids, params, self.tokenizer, arrival)
+        self.output_processor.add_request(state)
+        for core_request in core_requests:
+            self.core.add_request(core_request)
+
+    def abort_request(self, request_id: str) -> None:
+        child_ids = self.output_processor.child_ids(request_id)
+        self.core.abort_requests(child_ids)
+        self.output_processor.remove_request(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step; returns cumulative outputs of the requests that progressed."""
+        core_outputs = self.core.step()
+        outputs, to_abort, _ = self.output_processor.process(core_outputs.outputs, delta=False)
+        if to_abort:
+            self.core.abort_requests(to_abort)
+        return outputs
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def shutdown(self) -> None:
+        self.core.shutdown()

@@ -1,0 +1,211 @@
+"""Front-end bookkeeping of requests: detokenization, stop strings, n choices, outputs.
+
+Runs in the process that talks to users (the offline ``LLM`` or the API server),
+so the engine core only ever deals in token ids.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastdeploy.engine.detokenizer import IncrementalDetokenizer
+from fastdeploy.engine.outputs import CompletionOutput, RequestOutput
+from fastdeploy.engine.request import EngineCoreOutput
+from fastdeploy.engine.sampling_params import SamplingParams
+
+
+def child_request_id(request_id: str, index: int, n: int) -> str:
+    """Engine-core id of choice ``index`` of a request with ``n`` choices."""
+    return request_id if n == 1 else f"{request_id}#{index}"
+
+
+@dataclass
+class ChoiceState:
+    """One choice of a request, as seen by the front end."""
+
+    index: int
+    detokenizer: IncrementalDetokenizer | None
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    sent_text_len: int = 0
+    sent_token_len: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    finish_reported: bool = False
+
+
+@dataclass
+class RequestTimes:
+    """Timestamps for the latency metrics (time.time() seconds)."""
+
+    arrival: float
+    first_token: float | None = None
+    last_token: float | None = None
+    queue_time: float | None = None
+
+
+class RequestState:
+    """All choices of one user request plus its timing."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        tokenizer: Any,
+        arrival_time: float,
+    ):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.times = RequestTimes(arrival=arrival_time)
+        self.num_cached_tokens = 0
+        self.max_stop_len = max((len(s) for s in params.stop), default=0)
+        self.choices = [
+            ChoiceState(
+                i,
+                IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens) if tokenizer else None,
+            )
+            for i in range(params.n)
+        ]
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.choices)
+
+    @property
+    def num_generation_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices)
+
+
+class OutputProcessor:
+    """Turns engine-core token deltas into ``RequestOutput``s.
+
+    ``process`` returns the outputs to hand to users and the engine-core ids to
+    abort (choices that hit a stop string, which only the front end can see).
+    ``delta=True`` yields only what is new since the last output.
+    """
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}
+        self._child_to_parent: dict[str, tuple[str, int]] = {}
+
+    def add_request(self, state: RequestState) -> list[str]:
+        """Register a request; returns the engine-core ids of its choices."""
+        self.requests[state.request_id] = state
+        ids = []
+        for i in range(state.params.n):
+            child = child_request_id(state.request_id, i, state.params.n)
+            self._child_to_parent[child] = (state.request_id, i)
+            ids.append(child)
+        return ids
+
+    def child_ids(self, request_id: str) -> list[str]:
+        state = self.requests.get(request_id)
+        if state is None:
+            return []
+        return [child_request_id(request_id, i, state.params.n) for i in range(state.params.n)]
+
+    def remove_request(self, request_id: str) -> None:
+        state = self.requests.pop(request_id, None)
+        if state:
+            for i in range(state.params.n):
+                self._child_to_parent.pop(child_request_id(request_id, i, state.params.n), None)
+
+    def process(
+        self, core_outputs: list[EngineCoreOutput], delta: bool, now: float | None = None
+    ) -> tuple[list[RequestOutput], list[str], list[RequestState]]:
+        """Apply one step's outputs → (outputs for users, engine ids to abort, finished states)."""
+        now = time.time() if now is None else now
+        touched: dict[str, RequestState] = {}
+        to_abort: list[str] = []
+        for out in core_outputs:
+            parent = self._child_to_parent.get(out.request_id)
+            if parent is None:
+                continue
+            state = self.requests[parent[0]]
+            choice = state.choices[parent[1]]
+            if choice.finish_reason is not None:
+                continue
+            self._apply(state, choice, out, now)
+            if choice.finish_reason == "stop" and out.finish_reason is None:
+                to_abort.append(out.request_id)  # a stop string ended it; the core does not know yet
+            touched[state.request_id] = state
+        results, finished = [], []
+        for state in touched.values():
+            results.append(self._make_output(state, delta))
+            if state.finished:
+                finished.append(state)
+                self.remove_request(state.request_id)
+        return results, to_abort, finished
+
+    def _apply(self, state: RequestState, choice: ChoiceState, out: EngineCoreOutput, now: float) -> None:
+        if out.new_token_ids:
+            if state.times.first_token is None:
+                state.times.first_token = now
+            state.times.last_token = now
+        if out.queue_time is not None:
+            state.times.queue_time = out.queue_time
+        state.num_cached_tokens = out.num_cached_tokens
+        choice.token_ids.extend(out.new_token_ids)
+        finishing = out.finish_reason is not None
+        if choice.detokenizer is not None:
+            new_ids = out.new_token_ids
+            if finishing and out.stop_reason is not None and not state.params.include_stop_str_in_output:
+                new_ids = [t for t in new_ids if t != out.stop_reason]  # a stop token id is not text
+            delta_text = choice.detokenizer.add_tokens(new_ids, final=finishing)
+            choice.text += delta_text
+            if state.params.stop and self._match_stop(state, choice, len(delta_text)):
+                return
+        if finishing:
+            choice.finish_reason = out.finish_reason
+            choice.stop_reason = out.stop_reason
+
+    @staticmethod
+    def _match_stop(state: RequestState, choice: ChoiceState, delta_len: int) -> bool:
+        """Cut the text at the first stop string that completed in this delta."""
+        search_from = max(0, len(choice.text) - delta_len - state.max_stop_len + 1)
+        best = None
+        for stop in state.params.stop:
+            idx = choice.text.find(stop, search_from)
+            if idx != -1 and (best is None or idx < best[0]):
+                best = (idx, stop)
+        if best is None:
+            return False
+        idx, stop = best
+        end = idx + len(stop) if state.params.include_stop_str_in_output else idx
+        choice.text = choice.text[:end]
+        choice.finish_reason = "stop"
+        choice.stop_reason = stop
+        return True
+
+    def _make_output(self, state: RequestState, delta: bool) -> RequestOutput:
+        outputs = []
+        for choice in state.choices:
+            done = choice.finish_reason is not None
+            # hold back text that could still turn out to be the start of a stop string
+            held_back = 0 if done else max(state.max_stop_len - 1, 0)
+            visible = max(choice.sent_text_len, len(choice.text) - held_back)
+            if delta:
+                text = choice.text[choice.sent_text_len : visible]
+                token_ids = choice.token_ids[choice.sent_token_len :]
+                if not text and not token_ids and (not done or choice.finish_reported):
+                    continue
+            else:
+                text, token_ids = choice.text[:visible], list(choice.token_ids)
+            choice.sent_text_len, choice.sent_token_len = visible, len(choice.token_ids)
+            choice.finish_reported = done
+            outputs.append(CompletionOutput(choice.index, text, token_ids, choice.finish_reason, choice.stop_reason))
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=outputs,
+            finished=state.finished,
+            num_cached_tokens=state.num_cached_tokens,
+        )

@@ -1,0 +1,40 @@
+"""Results handed to users of the offline API and the API server."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence (one of the ``n`` choices of a request)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    """``stop``, ``length`` or ``abort``; None while still generating."""
+    stop_reason: int | str | None = None
+    """The stop string or stop token id that ended the sequence, if any."""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request after an engine step.
+
+    In streaming use ``outputs[i].text`` / ``token_ids`` hold the delta since the
+    previous ``RequestOutput``; otherwise they hold everything generated so far.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache."""
+    metrics: dict[str, float] = field(default_factory=dict)

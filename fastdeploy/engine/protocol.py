@@ -1,0 +1,58 @@
+"""The interface the API server uses to talk to an engine.
+
+``AsyncLLM`` (engine core in another process) implements it; the API server
+depends only on this, so it never learns how the engine is laid out.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastdeploy.config import EngineConfig
+from fastdeploy.engine.outputs import RequestOutput
+from fastdeploy.engine.sampling_params import SamplingParams
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core or a worker died; requests cannot be served."""
+
+
+class EngineClient(ABC):
+    """Asynchronous generation API of a running engine."""
+
+    config: EngineConfig
+    tokenizer: Any
+    """A Hugging Face tokenizer: ``encode``, ``decode``, ``apply_chat_template``."""
+    max_model_len: int
+    eos_token_ids: list[int]
+
+    @abstractmethod
+    def generate(
+        self,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        request_id: str,
+        prompt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream the request's progress.
+
+        Each yielded ``RequestOutput`` carries the *delta* since the previous one
+        (new text and token ids per choice); the last one has ``finished=True``
+        and every choice's ``finish_reason`` set. Raises ``EngineDeadError`` if
+        the engine dies. Cancelling the iterator (client gone) aborts the request.
+        """
+
+    @abstractmethod
+    async def abort(self, request_id: str) -> None:
+        """Stop a request and free its KV cache blocks."""
+
+    @property
+    @abstractmethod
+    def is_healthy(self) -> bool:
+        """False once the engine core or a worker has died."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop the engine processes."""

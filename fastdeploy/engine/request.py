@@ -1,0 +1,156 @@
+"""Requests as the engine core sees them, and the messages that cross process borders.
+
+``EngineCoreRequest`` / ``EngineCoreOutputs`` are plain data that travel over ZMQ
+(msgpack); ``Request`` is the engine core's mutable bookkeeping for one sequence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastdeploy.engine.sampling_params import SamplingParams
+
+
+class FinishReason(str, enum.Enum):
+    """Why a sequence ended; the value is what the OpenAI API reports."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED = enum.auto()
+
+
+@dataclass
+class EngineCoreRequest:
+    """A tokenized request sent from the front end to the engine core."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: list[int] = field(default_factory=list)
+    arrival_time: float = field(default_factory=time.time)
+
+    def to_wire(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        return d
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> EngineCoreRequest:
+        d = dict(d)
+        d["sampling_params"] = SamplingParams(**d["sampling_params"])
+        return cls(**d)
+
+
+@dataclass
+class EngineCoreOutput:
+    """New tokens of one request after one engine step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    queue_time: float | None = None
+    """Seconds from arrival to first scheduling; sent with the first token only."""
+
+
+@dataclass
+class SchedulerStats:
+    """A snapshot of the scheduler for metrics."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    """Prompt tokens looked up in the prefix cache since the last snapshot."""
+    prefix_cache_hits: int = 0
+    """Of those, tokens found in the cache."""
+    num_preemptions: int = 0
+
+
+@dataclass
+class EngineCoreOutputs:
+    """Everything one engine step produced: token deltas plus a stats snapshot."""
+
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    stats: SchedulerStats | None = None
+    timestamp: float = field(default_factory=time.time)
+
+    def to_wire(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> EngineCoreOutputs:
+        return cls(
+            outputs=[EngineCoreOutput(**o) for o in d["outputs"]],
+            stats=SchedulerStats(**d["stats"]) if d.get("stats") else None,
+            timestamp=d["timestamp"],
+        )
+
+
+class Request:
+    """One sequence inside the engine core: its tokens, progress and status."""
+
+    def __init__(self, core_request: EngineCoreRequest, block_size: int):
+        self.request_id = core_request.request_id
+        self.sampling_params = core_request.sampling_params
+        self.eos_token_ids = set(core_request.eos_token_ids)
+        self.arrival_time = core_request.arrival_time
+        self.prompt_token_ids = list(core_request.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.num_preemptions = 0
+        self.first_scheduled_time: float | None = None
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: int | str | None = None
+        self.block_size = block_size
+        self.block_hashes: list[bytes] = []
+        """Chained hashes of this request's full blocks (grown as tokens arrive)."""
+        self.mm_extra_keys: list[tuple[int, int, str]] = []
+        """(start, end, mm_hash) of multimodal items, for block hashing."""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def max_tokens(self) -> int | None:
+        return self.sampling_params.max_tokens
+
+    @property
+    def queue_time(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )

@@ -1,0 +1,115 @@
+"""The offline API: ``LLM(model=...).generate(prompts, sampling_params)``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from fastdeploy.config import EngineConfig
+from fastdeploy.engine.llm_engine import LLMEngine
+from fastdeploy.engine.outputs import RequestOutput
+from fastdeploy.engine.sampling_params import SamplingParams
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    """Batch generation without a server.
+
+    Keyword arguments are the engine's config fields (``max_num_seqs=8``,
+    ``enable_prefix_caching=False``, ``dtype="float32"``, ...). With no
+    ``model``, the embedded SmolLM2-135M-Instruct is used.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any):
+        self.config = EngineConfig.from_kwargs(model=model, **kwargs)
+        self.engine = LLMEngine(self.config)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.get_tokenizer()
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; results come back in prompt order.
+
+        A prompt is text, a list of token ids, or ``{"prompt_token_ids": [...]}``
+        / ``{"prompt": "..."}``.
+        """
+        prompt_list = self._as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params_list = (
+            [sampling_params] * len(prompt_list) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        )
+        if len(params_list) != len(prompt_list):
+            raise ValueError(f"got {len(params_list)} sampling params for {len(prompt_list)} prompts")
+        request_ids = []
+        for prompt, params in zip(prompt_list, params_list):
+            request_id = str(next(self._counter))
+            if isinstance(prompt, dict):
+                prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt["prompt"]
+            self.engine.add_request(request_id, prompt, params)
+            request_ids.append(request_id)
+        return self._run(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (or a list of them) and generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.get_tokenizer()
+        prompts = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {})
+            )
+            prompts.append({"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        pending = set(request_ids)
+        finished: dict[str, RequestOutput] = {}
+        progress = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            progress = tqdm(total=len(request_ids), desc="Processed prompts")
+        try:
+            while pending:
+                for output in self.engine.step():
+                    if output.finished and output.request_id in pending:
+                        finished[output.request_id] = output
+                        pending.discard(output.request_id)
+                        if progress:
+                            progress.update(1)
+        except BaseException:
+            for request_id in pending:
+                self.engine.abort_request(request_id)
+            raise
+        finally:
+            if progress:
+                progress.close()
+        return [finished[r] for r in request_ids]
+
+    @staticmethod
+    def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        prompts = list(prompts)
+        if prompts and isinstance(prompts[0], int):
+            return [prompts]
+        return prompts
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()

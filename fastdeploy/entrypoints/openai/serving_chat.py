@@ -1,0 +1,128 @@
+"""``POST /v1/chat/completions``: messages through the chat template, assistant text out.
+
+Streaming follows OpenAI's chunk sequence: one chunk per choice with
+``delta.role = "assistant"`` first, then content deltas, the finish reason, an
+optional usage chunk with no choices, and ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from fastdeploy.entrypoints.openai.errors import BadRequestError
+from fastdeploy.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessageOut,
+    DeltaMessage,
+    random_id,
+    resolve_max_tokens,
+)
+from fastdeploy.entrypoints.openai.serving_engine import (
+    SSE_DONE,
+    EnginePrompt,
+    OpenAIServing,
+    SSEResponse,
+    UsageTracker,
+    error_event,
+    run_until_disconnected,
+    sse,
+    to_openai_error,
+)
+
+
+class OpenAIServingChat(OpenAIServing):
+    """Handler of the chat completions endpoint."""
+
+    async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
+        """Validate, render, tokenize, run and answer one chat request."""
+        model = self.resolve_model(request.model)
+        params = request.to_sampling_params()
+        if params.stop_token_ids:
+            self.check_token_ids(params.stop_token_ids, "stop_token_ids")
+        self.check_healthy()
+
+        text = await self.render_chat(request.messages)
+        token_ids = await self.encode(text, add_special_tokens=False)
+        if not token_ids:
+            raise BadRequestError("The chat template produced an empty prompt", param="messages")
+        max_tokens = resolve_max_tokens(
+            len(token_ids), params.max_tokens, self.engine.max_model_len, prompt_kind="messages"
+        )
+        prompts = [EnginePrompt(token_ids=token_ids, params=params.clone(max_tokens=max_tokens), text=text)]
+
+        request_id = random_id("chatcmpl")
+        if request.stream:
+            return SSEResponse(self._stream(request_id, model, prompts, request.include_usage))
+        response = await run_until_disconnected(raw_request, self._collect(request_id, model, prompts))
+        return JSONResponse(response.model_dump())
+
+    async def _stream(
+        self, request_id: str, model: str, prompts: list[EnginePrompt], include_usage: bool
+    ) -> AsyncIterator[str]:
+        n = prompts[0].params.n
+        tracker = UsageTracker([request_id], prompts)
+        exclude = None if include_usage else {"usage"}
+
+        def chunk(choices: list[ChatCompletionStreamChoice]) -> str:
+            body = ChatCompletionStreamResponse(id=request_id, model=model, choices=choices)
+            return f"data: {body.model_dump_json(exclude=exclude)}\n\n"
+
+        try:
+            for k in range(n):
+                yield chunk([ChatCompletionStreamChoice(index=k, delta=DeltaMessage(role="assistant", content=""))])
+            async with contextlib.aclosing(self.iterate_outputs([request_id], prompts, tracker)) as outputs:
+                async for _, out in outputs:
+                    choices = [
+                        ChatCompletionStreamChoice(
+                            index=c.index,
+                            delta=DeltaMessage(content=c.text) if c.text else DeltaMessage(),
+                            finish_reason=c.finish_reason,
+                            stop_reason=c.stop_reason,
+                        )
+                        for c in out.outputs
+                        if c.text or c.finish_reason is not None
+                    ]
+                    if choices:
+                        yield chunk(choices)
+            if include_usage:
+                usage_chunk = ChatCompletionStreamResponse(
+                    id=request_id, model=model, choices=[], usage=tracker.usage()
+                )
+                yield sse(usage_chunk)
+        except Exception as exc:
+            yield error_event(exc)
+        yield SSE_DONE
+
+    async def _collect(self, request_id: str, model: str, prompts: list[EnginePrompt]) -> ChatCompletionResponse:
+        n = prompts[0].params.n
+        texts: list[list[str]] = [[] for _ in range(n)]
+        finish: list[str | None] = [None] * n
+        stop_reason: list[int | str | None] = [None] * n
+        tracker = UsageTracker([request_id], prompts)
+        try:
+            async with contextlib.aclosing(self.iterate_outputs([request_id], prompts, tracker)) as outputs:
+                async for _, out in outputs:
+                    for c in out.outputs:
+                        texts[c.index].append(c.text)
+                        if c.finish_reason is not None:
+                            finish[c.index], stop_reason[c.index] = c.finish_reason, c.stop_reason
+        except Exception as exc:
+            raise to_openai_error(exc) from exc
+        choices = [
+            ChatCompletionResponseChoice(
+                index=k,
+                message=ChatMessageOut(content="".join(texts[k])),
+                finish_reason=finish[k] or "abort",
+                stop_reason=stop_reason[k],
+            )
+            for k in range(n)
+        ]
+        return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=tracker.usage())

@@ -1,0 +1,327 @@
+"""What the completions, chat and tokenize handlers share.
+
+Model-name checks, tokenization off the event loop, engine calls with usage
+accounting, and the plumbing that guarantees an abandoned request is aborted in
+the engine: SSE streams abort when the client goes away, non-streaming requests
+watch for the disconnect while they wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import anyio
+from pydantic import BaseModel
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from fastdeploy.engine.outputs import RequestOutput
+from fastdeploy.engine.protocol import EngineClient, EngineDeadError
+from fastdeploy.engine.sampling_params import SamplingParams, SamplingParamsError
+from fastdeploy.entrypoints.openai.errors import (
+    BadRequestError,
+    InternalServerError,
+    NotFoundError,
+    OpenAIError,
+    ServiceUnavailableError,
+)
+from fastdeploy.entrypoints.openai.protocol import ChatMessage, UsageInfo
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class ClientDisconnectedError(OpenAIError):
+    """The client went away before the response was ready (nginx's 499); nothing is sent."""
+
+    status_code = 499
+    error_type = "client_closed_request"
+
+
+def sse(payload: BaseModel | dict[str, Any]) -> str:
+    """One server-sent event: ``data: {json}`` and a blank line."""
+    data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+    return f"data: {data}\n\n"
+
+
+def to_openai_error(exc: BaseException) -> OpenAIError:
+    """Map any exception raised while serving to the error the client should see."""
+    if isinstance(exc, OpenAIError):
+        return exc
+    if isinstance(exc, EngineDeadError):
+        return ServiceUnavailableError(f"The engine is not available: {exc}", code="engine_dead")
+    if isinstance(exc, SamplingParamsError):
+        return BadRequestError(str(exc), param=exc.param)
+    logger.exception("error while serving a request", exc_info=exc)
+    return InternalServerError(f"Internal server error: {type(exc).__name__}: {exc}")
+
+
+class SSEResponse(StreamingResponse):
+    """A ``text/event-stream`` response that always closes its generator.
+
+    Starlette cancels the streaming task when the client disconnects; closing
+    the body generator here runs its ``finally`` even if the cancellation hit
+    between two chunks, which is where the engine request is aborted.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str]):
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                with anyio.CancelScope(shield=True), contextlib.suppress(RuntimeError):
+                    await aclose()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def run_until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work`` unless the client disconnects first; then cancel it.
+
+    Cancelling the work runs its cleanup, which aborts the engine requests.
+    Raises :class:`ClientDisconnectedError` when the client left. The request
+    body must have been read already.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        watcher.cancel()
+        raise
+    watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    await asyncio.wait({task})
+    raise ClientDisconnectedError("client disconnected")
+
+
+async def abort_quietly(engine: EngineClient, request_ids: Sequence[str]) -> None:
+    """Abort engine requests, shielded from cancellation, ignoring failures (dead engine)."""
+    if not request_ids:
+        return
+    with anyio.CancelScope(shield=True):
+        for request_id in request_ids:
+            try:
+                await engine.abort(request_id)
+            except Exception:  # noqa: BLE001 - a dead engine has nothing left to abort
+                logger.debug("abort of %s failed", request_id, exc_info=True)
+
+
+async def merge_async_iterators(iterators: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Interleave several async iterators as items arrive, yielding ``(iterator index, item)``.
+
+    An exception from any iterator propagates after the others are cancelled.
+    """
+    if len(iterators) == 1:
+        try:
+            async for item in iterators[0]:
+                yield 0, item
+        finally:
+            await _aclose_all(iterators)
+        return
+
+    async def next_of(it: AsyncIterator[T]) -> T:
+        return await it.__anext__()
+
+    pending = {asyncio.ensure_future(next_of(it)): i for i, it in enumerate(iterators)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=lambda t: pending[t]):
+                i = pending.pop(task)
+                try:
+                    item = task.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(next_of(iterators[i]))] = i
+                yield i, item
+    finally:
+        with anyio.CancelScope(shield=True):
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.gather(*pending, return_exceptions=True)
+        await _aclose_all(iterators)
+
+
+async def _aclose_all(iterators: Sequence[AsyncIterator[Any]]) -> None:
+    """Close async generators (running their cleanup), shielded from cancellation."""
+    with anyio.CancelScope(shield=True):
+        for it in iterators:
+            aclose = getattr(it, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(Exception):
+                    await aclose()
+
+
+@dataclass
+class EnginePrompt:
+    """One engine request behind an API request: the prompt and its sampling parameters."""
+
+    token_ids: list[int]
+    params: SamplingParams
+    text: str | None = None
+
+
+class UsageTracker:
+    """Token counts and finish state of the engine requests behind one API request."""
+
+    def __init__(self, request_ids: list[str], prompts: list[EnginePrompt]):
+        self.request_ids = request_ids
+        self.prompt_tokens = sum(len(p.token_ids) for p in prompts)
+        self.completion_tokens = 0
+        self.cached_tokens = [0] * len(prompts)
+        self.finished = [False] * len(prompts)
+
+    def update(self, i: int, out: RequestOutput) -> None:
+        """Account one delta output of engine request ``i``."""
+        self.cached_tokens[i] = max(self.cached_tokens[i], out.num_cached_tokens or 0)
+        self.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+        if out.finished:
+            self.finished[i] = True
+
+    def unfinished_request_ids(self) -> list[str]:
+        return [rid for rid, done in zip(self.request_ids, self.finished) if not done]
+
+    def usage(self) -> UsageInfo:
+        return UsageInfo.build(self.prompt_tokens, self.completion_tokens, sum(self.cached_tokens))
+
+
+class OpenAIServing:
+    """Base of the endpoint handlers: the engine client, served names and a tokenizer thread.
+
+    Tokenization runs on one dedicated thread: long prompts do not stall the
+    event loop, and a Rust tokenizer is never used from two threads at once.
+    """
+
+    def __init__(
+        self,
+        engine_client: EngineClient,
+        served_model_names: list[str],
+        tokenizer_executor: ThreadPoolExecutor | None = None,
+    ):
+        if not served_model_names:
+            raise ValueError("at least one served model name is needed")
+        self.engine = engine_client
+        self.served_model_names = list(served_model_names)
+        self.executor = tokenizer_executor or ThreadPoolExecutor(1, thread_name_prefix="fd-tokenizer")
+        self._vocab_size: int | None = None
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        """Largest valid token id + 1 (the engine's ``vocab_size`` if it has one, else the tokenizer's)."""
+        if self._vocab_size is None:
+            size = getattr(self.engine, "vocab_size", None)
+            self._vocab_size = int(size) if size else len(self.tokenizer)
+        return self._vocab_size
+
+    def resolve_model(self, name: str | None) -> str:
+        """The served name a request addresses; 404 if unknown. None means the first served name."""
+        if name is None:
+            return self.served_model_names[0]
+        if name not in self.served_model_names:
+            raise NotFoundError(f"The model `{name}` does not exist.", param="model", code="model_not_found")
+        return name
+
+    def check_healthy(self) -> None:
+        """503 if the engine has died."""
+        if not self.engine.is_healthy:
+            raise ServiceUnavailableError("The engine is not healthy; it cannot serve requests.", code="engine_dead")
+
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        """400 if a token id is outside the vocabulary (it would crash the model)."""
+        vocab = self.vocab_size
+        for t in token_ids:
+            if t >= vocab:
+                raise BadRequestError(f"token id {t} is out of range (vocabulary size {vocab})", param=param)
+
+    async def _run_tokenizer(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, lambda: fn(*args, **kwargs))
+
+    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Token ids of ``text``."""
+        ids = await self._run_tokenizer(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+        return list(ids)
+
+    async def decode(self, token_ids: list[int]) -> str:
+        return await self._run_tokenizer(self.tokenizer.decode, token_ids)
+
+    async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
+        """The chat template applied to ``messages``, as text; 400 if the template rejects them.
+
+        The text already holds the template's special tokens (BOS and role
+        markers), so it must be encoded with ``add_special_tokens=False``.
+        """
+        conversation = [m.to_template_dict() for m in messages]
+
+        def render() -> str:
+            return self.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
+
+        try:
+            text = await self._run_tokenizer(render)
+        except Exception as exc:  # jinja2 TemplateError, ValueError (no template), ...
+            raise BadRequestError(f"The chat template could not be applied: {exc}", param="messages") from None
+        if not isinstance(text, str):
+            raise InternalServerError("The chat template did not return text")
+        return text
+
+    async def iterate_outputs(
+        self, request_ids: list[str], prompts: list[EnginePrompt], tracker: UsageTracker
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Run the engine requests and yield ``(prompt index, delta output)`` as they arrive.
+
+        Whatever ends the iteration early (client gone, error), unfinished
+        engine requests are aborted.
+        """
+        try:
+            generators = [
+                self.engine.generate(p.token_ids, p.params, rid, prompt=p.text)
+                for rid, p in zip(request_ids, prompts)
+            ]
+            async with contextlib.aclosing(merge_async_iterators(generators)) as merged:
+                async for i, out in merged:
+                    tracker.update(i, out)
+                    yield i, out
+        finally:
+            await abort_quietly(self.engine, tracker.unfinished_request_ids())
+
+
+def sub_request_ids(request_id: str, count: int) -> list[str]:
+    """Engine request ids for the prompts of one API request (the id itself for one prompt)."""
+    return [request_id] if count == 1 else [f"{request_id}-{i}" for i in range(count)]
+
+
+def error_event(exc: BaseException) -> str:
+    """The SSE event that ends a failed stream; the openai client raises an ``APIError`` on it."""
+    return sse(to_openai_error(exc).body())

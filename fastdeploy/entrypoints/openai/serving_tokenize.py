@@ -1,0 +1,50 @@
+"""``POST /tokenize``, ``POST /detokenize`` and ``GET /v1/models``: answers that need no generation."""
+
+from __future__ import annotations
+
+from fastdeploy.entrypoints.openai.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+)
+from fastdeploy.entrypoints.openai.serving_engine import OpenAIServing
+
+
+class OpenAIServingTokenization(OpenAIServing):
+    """Tokenize with the server's tokenizer (and chat template), detokenize, list models."""
+
+    async def tokenize(self, request: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+        """Token ids of a prompt, or of chat messages rendered by the chat template."""
+        self.resolve_model(request.model)
+        if isinstance(request, TokenizeChatRequest):
+            text = await self.render_chat(request.messages, add_generation_prompt=request.add_generation_prompt)
+        else:
+            text = request.prompt
+        tokens = await self.encode(text, add_special_tokens=request.add_special_tokens)
+        token_strs = None
+        if request.return_token_strs:
+            token_strs = await self._run_tokenizer(self.tokenizer.convert_ids_to_tokens, tokens)
+        return TokenizeResponse(
+            count=len(tokens), max_model_len=self.engine.max_model_len, tokens=tokens, token_strs=token_strs
+        )
+
+    async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
+        """The text of a list of token ids (special tokens included)."""
+        self.resolve_model(request.model)
+        self.check_token_ids(request.tokens, "tokens")
+        return DetokenizeResponse(prompt=await self.decode(request.tokens))
+
+    def list_models(self) -> ModelList:
+        """The served model names, with the model path and context length."""
+        root = getattr(getattr(self.engine, "config", None), "model", None)
+        root_path = getattr(root, "model", None)
+        return ModelList(
+            data=[
+                ModelCard(id=name, root=root_path, max_model_len=self.engine.max_model_len)
+                for name in self.served_model_names
+            ]
+        )

@@ -1,0 +1,51 @@
+"""Every environment variable FastDeploy reads, in one place.
+
+Read through the module attribute (``envs.FD_LOG_LEVEL``) so that the value is
+taken at access time and tests can monkeypatch the environment.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+
+def _bool(name: str, default: str) -> Callable[[], bool]:
+    return lambda: os.environ.get(name, default).strip().lower() in ("1", "true", "yes", "on")
+
+
+_VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
+    "FD_LOG_LEVEL": (lambda: os.environ.get("FD_LOG_LEVEL", "INFO").upper(), "Log level of all processes."),
+    "FD_CACHE_DIR": (
+        lambda: os.path.expanduser(os.environ.get("FD_CACHE_DIR", "~/.cache/fastdeploy")),
+        "Where converted tokenizers and compiled kernels are cached.",
+    ),
+    "FD_ENGINE_READY_TIMEOUT_S": (
+        lambda: float(os.environ.get("FD_ENGINE_READY_TIMEOUT_S", "600")),
+        "Seconds the API server waits for the engine to load the model.",
+    ),
+    "FD_HEALTH_CHECK_INTERVAL_S": (
+        lambda: float(os.environ.get("FD_HEALTH_CHECK_INTERVAL_S", "0.5")),
+        "How often engine and worker processes are checked for liveness.",
+    ),
+    "FD_FEATURE_DOWNLOAD_PARALLEL": (
+        lambda: int(os.environ.get("FD_FEATURE_DOWNLOAD_PARALLEL", "8")),
+        "Multimodal feature files fetched in parallel per request (1 = serial).",
+    ),
+    "FD_DISABLE_CUSTOM_OPS": (
+        _bool("FD_DISABLE_CUSTOM_OPS", "0"),
+        "Use the torch fallbacks even when fastdeploy_ops is built.",
+    ),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _VARIABLES:
+        return _VARIABLES[name][0]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def describe() -> dict[str, str]:
+    """``{variable: description}`` for the docs."""
+    return {name: doc for name, (_, doc) in _VARIABLES.items()}

@@ -1,0 +1,52 @@
+"""The attention layer used by every model."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fastdeploy.model_executor.attention.forward_context import get_attn_metadata
+from fastdeploy.ops import reshape_and_cache_flash
+
+
+class Attention(nn.Module):
+    """Writes this step's keys/values into the paged cache, then attends.
+
+    ``kv_cache`` (key cache, value cache) is bound by the runner after the cache
+    is allocated; ``backend`` is the attention implementation chosen for the
+    platform. Without metadata (a profile or warm-up run) it attends causally
+    over the given tokens as a single sequence.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, layer_idx: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.layer_idx = layer_idx
+        self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.backend = None
+        self.kv_cache_dtype = "auto"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [T, num_heads * head_dim], k/v: [T, num_kv_heads * head_dim] → [T, num_heads * head_dim]."""
+        num_tokens = q.shape[0]
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        metadata = get_attn_metadata()
+        if metadata is None or self.kv_cache is None:
+            out = _causal_attention(q, k, v, self.scale)
+        else:
+            key_cache, value_cache = self.kv_cache
+            reshape_and_cache_flash(k, v, key_cache, value_cache, metadata.slot_mapping, self.kv_cache_dtype)
+            out = self.backend.forward(self, q, k, v, metadata)
+        return out.reshape(num_tokens, self.num_heads * self.head_dim)
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    out = nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scale, enable_gqa=True
+    )
+    return out.transpose(0, 1)

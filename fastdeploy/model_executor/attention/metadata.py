@@ -1,0 +1,34 @@
+"""The per-step description of a batch that every attention backend reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class CommonAttentionMetadata:
+    """Backend-independent layout of one step's flattened tokens.
+
+    Requests are laid out one after another in the token dimension: request
+    ``i`` owns tokens ``query_start_loc[i]:query_start_loc[i+1]`` which sit at the
+    end of its ``seq_lens[i]`` tokens of context (cached tokens come first).
+    """
+
+    num_reqs: int
+    num_actual_tokens: int
+    query_start_loc: torch.Tensor
+    """[num_reqs + 1] int32 on the device."""
+    seq_lens: torch.Tensor
+    """[num_reqs] int32 on the device: context length including this step's tokens."""
+    block_table: torch.Tensor
+    """[num_reqs, max_blocks] int32 on the device."""
+    slot_mapping: torch.Tensor
+    """[num_tokens] int64 on the device: flat cache slot of each token (-1 = skip)."""
+    query_start_loc_cpu: np.ndarray
+    seq_lens_cpu: np.ndarray
+    max_query_len: int
+    max_seq_len: int
+    block_size: int

@@ -1,0 +1,118 @@
+"""Reference attention backend in plain torch: runs everywhere, reads the paged cache.
+
+Decode requests (one new token) are attended in one batched call over their
+gathered, length-masked context; prefill chunks one request at a time, with a
+causal mask offset by the cached context when there is one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+from fastdeploy.model_executor.attention.metadata import CommonAttentionMetadata
+
+
+@dataclass
+class PrefillChunk:
+    start: int
+    end: int
+    seq_len: int
+    block_ids: torch.Tensor
+
+
+@dataclass
+class TorchAttentionMetadata:
+    common: CommonAttentionMetadata
+    decode_token_idx: torch.Tensor | None
+    """Token index of each decode request; None when there are no decodes."""
+    decode_block_ids: torch.Tensor | None
+    decode_key_mask: torch.Tensor | None
+    """[num_decodes, 1, 1, context] True where a key position is inside the sequence."""
+    all_decode: bool
+    prefills: list[PrefillChunk]
+
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        return self.common.slot_mapping
+
+
+class TorchAttentionBackend:
+    """Plain-torch paged attention (CPU default and the reference for other backends)."""
+
+    name = "torch"
+
+    def build(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
+        qsl, seq_lens, bs = common.query_start_loc_cpu, common.seq_lens_cpu, common.block_size
+        query_lens = np.diff(qsl)
+        decode_reqs = np.flatnonzero(query_lens == 1)
+        device = common.block_table.device
+        token_idx = block_ids = key_mask = None
+        if len(decode_reqs):
+            num_blocks = -(-int(seq_lens[decode_reqs].max()) // bs)
+            reqs = torch.from_numpy(decode_reqs).to(device)
+            token_idx = torch.from_numpy(qsl[decode_reqs].astype(np.int64)).to(device)
+            block_ids = common.block_table[reqs, :num_blocks].long()
+            positions = torch.arange(num_blocks * bs, device=device)
+            key_mask = (positions[None, :] < common.seq_lens[reqs][:, None]).view(len(decode_reqs), 1, 1, -1)
+        prefills = []
+        for i in np.flatnonzero(query_lens > 1):
+            num_blocks = -(-int(seq_lens[i]) // bs)
+            prefills.append(
+                PrefillChunk(int(qsl[i]), int(qsl[i + 1]), int(seq_lens[i]), common.block_table[i, :num_blocks].long())
+            )
+        return TorchAttentionMetadata(
+            common=common,
+            decode_token_idx=token_idx,
+            decode_block_ids=block_ids,
+            decode_key_mask=key_mask,
+            all_decode=len(decode_reqs) == common.num_reqs,
+            prefills=prefills,
+        )
+
+    def forward(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: TorchAttentionMetadata):
+        """q: [T, Hq, D]; k/v: [T, Hkv, D] (already in the cache) → [T, Hq, D]."""
+        key_cache, value_cache = layer.kv_cache
+        if meta.all_decode:
+            return _decode(q, key_cache, value_cache, meta, layer.scale)
+        out = torch.empty_like(q)
+        if meta.decode_token_idx is not None:
+            out[meta.decode_token_idx] = _decode(q[meta.decode_token_idx], key_cache, value_cache, meta, layer.scale)
+        for chunk in meta.prefills:
+            out[chunk.start : chunk.end] = _prefill(q, k, v, key_cache, value_cache, chunk, layer.scale)
+        return out
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """[..., nblk] block ids → [..., heads, nblk * block_size, head_dim] context."""
+    gathered = cache[block_ids]  # [..., nblk, bs, H, D]
+    gathered = gathered.flatten(-4, -3)  # [..., nblk * bs, H, D]
+    return gathered.transpose(-3, -2)
+
+
+def _decode(q, key_cache, value_cache, meta: TorchAttentionMetadata, scale: float) -> torch.Tensor:
+    keys = _gather(key_cache, meta.decode_block_ids).to(q.dtype)
+    values = _gather(value_cache, meta.decode_block_ids).to(q.dtype)
+    out = sdpa(q.unsqueeze(2), keys, values, attn_mask=meta.decode_key_mask, scale=scale, enable_gqa=True)
+    return out.squeeze(2)
+
+
+def _prefill(q, k, v, key_cache, value_cache, chunk: PrefillChunk, scale: float) -> torch.Tensor:
+    query = q[chunk.start : chunk.end].transpose(0, 1)
+    num_new = chunk.end - chunk.start
+    context = chunk.seq_len - num_new
+    if context == 0:
+        keys = k[chunk.start : chunk.end].transpose(0, 1)
+        values = v[chunk.start : chunk.end].transpose(0, 1)
+        out = sdpa(query, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        keys = _gather(key_cache, chunk.block_ids)[:, : chunk.seq_len].to(q.dtype)
+        values = _gather(value_cache, chunk.block_ids)[:, : chunk.seq_len].to(q.dtype)
+        key_pos = torch.arange(chunk.seq_len, device=q.device)
+        query_pos = torch.arange(context, chunk.seq_len, device=q.device)
+        mask = key_pos[None, :] <= query_pos[:, None]
+        out = sdpa(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)

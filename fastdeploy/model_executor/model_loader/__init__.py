@@ -1,0 +1,131 @@
+"""Find a model, read its architecture, build it and fill in its weights.
+
+Three sources: a Hugging Face folder (config.json + safetensors), a GGUF file,
+and ``load_format="dummy"`` (random weights from a config, seeded). With no
+model given, the embedded default model is used.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from fastdeploy.config import ModelConfig
+from fastdeploy.model_executor.model_loader.default_model import default_model_path
+from fastdeploy.model_executor.model_loader.gguf_loader import gguf_config_dict, iterate_gguf_weights
+from fastdeploy.model_executor.model_loader.safetensors_loader import iterate_safetensors
+from fastdeploy.model_executor.models import MODEL_REGISTRY
+from fastdeploy.transformers_utils.config import ModelArchConfig, read_config_json, read_generation_eos
+
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ModelSource:
+    """Where a model's files are and what architecture they describe."""
+
+    path: str
+    """The .gguf file or the model folder."""
+    is_gguf: bool
+    arch: ModelArchConfig
+
+    @property
+    def folder(self) -> str:
+        return os.path.dirname(self.path) if self.is_gguf else self.path
+
+    @property
+    def display_name(self) -> str:
+        return os.path.basename(self.path.rstrip("/"))
+
+
+def resolve_model(config: ModelConfig) -> ModelSource:
+    """Locate the model files and parse the architecture (no weights read yet)."""
+    if config.load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load_format {config.load_format!r}; choose one of {', '.join(LOAD_FORMATS)}")
+    path = config.model or default_model_path()
+    path = os.path.expanduser(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"model path {path!r} does not exist")
+    is_gguf = path.endswith(".gguf")
+    if is_gguf:
+        cfg = gguf_config_dict(path)
+    else:
+        cfg = read_config_json(path)
+    cfg = {**cfg, **config.hf_config_overrides}
+    arch = ModelArchConfig.from_dict(cfg)
+    if not is_gguf:
+        arch.eos_token_ids = sorted(set(arch.eos_token_ids) | set(read_generation_eos(path)))
+    return ModelSource(path=path, is_gguf=is_gguf, arch=arch)
+
+
+def resolve_dtype(dtype: str, arch: ModelArchConfig, device: torch.device) -> torch.dtype:
+    """The torch dtype for ``--dtype``; ``auto`` follows the checkpoint (float16 → bfloat16 on CPU)."""
+    if dtype != "auto":
+        if dtype not in _DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; choose auto, {', '.join(_DTYPES)}")
+        return _DTYPES[dtype]
+    chosen = _DTYPES.get(str(arch.torch_dtype).replace("torch.", ""), torch.bfloat16)
+    if chosen == torch.float16 and device.type == "cpu":
+        chosen = torch.bfloat16
+    return chosen
+
+
+def load_model(config: ModelConfig, source: ModelSource, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """Build the model on ``device`` in ``dtype`` and load (or randomly draw) its weights."""
+    model_cls = MODEL_REGISTRY[source.arch.architecture]
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = model_cls(source.arch)
+    finally:
+        torch.set_default_dtype(previous)
+    load_format = config.load_format
+    if load_format == "auto":
+        load_format = "gguf" if source.is_gguf else "safetensors"
+    with torch.no_grad():
+        if load_format == "dummy":
+            initialize_dummy_weights(model, config.seed)
+        elif load_format == "gguf":
+            if not source.is_gguf:
+                raise ValueError(f"load_format gguf needs a .gguf file, got {source.path!r}")
+            model.load_weights(iterate_gguf_weights(source.path, source.arch.raw))
+        else:
+            if source.is_gguf:
+                raise ValueError("load_format safetensors cannot read a .gguf file")
+            model.load_weights(iterate_safetensors(source.path))
+    return model.eval()
+
+
+def initialize_dummy_weights(model: torch.nn.Module, seed: int) -> None:
+    """Seeded random weights: norms near 1, matrices and embeddings ~ U(-0.05, 0.05).
+
+    Drawn on the CPU in float32 so the same seed gives the same model on every
+    device and dtype.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            values = 1.0 + 0.1 * (torch.rand(param.shape, generator=generator) - 0.5)
+        else:
+            values = 0.1 * (torch.rand(param.shape, generator=generator) - 0.5)
+        param.data.copy_(values)
+
+
+def load_tokenizer(config: ModelConfig, source: ModelSource):
+    """The model's tokenizer, or None for a dummy model folder that has none."""
+    from transformers import AutoTokenizer
+
+    from fastdeploy.model_executor.model_loader.gguf_loader import load_gguf_tokenizer
+
+    if config.tokenizer:
+        return AutoTokenizer.from_pretrained(config.tokenizer)
+    if source.is_gguf:
+        return load_gguf_tokenizer(source.path)
+    has_tokenizer = any(
+        os.path.isfile(os.path.join(source.folder, f)) for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    )
+    return AutoTokenizer.from_pretrained(source.folder) if has_tokenizer else None

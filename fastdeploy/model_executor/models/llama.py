@@ -1,0 +1,188 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3), written once.
+
+Differences between the family members are flags of ``ModelArchConfig``:
+``attention_bias`` (Qwen2), ``qk_norm`` (Qwen3), ``tie_word_embeddings`` and
+rope scaling. Inputs are flattened tokens of the whole batch; attention goes
+through the paged-cache ``Attention`` layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from fastdeploy.model_executor.attention import Attention
+from fastdeploy.model_executor.layers.layernorm import RMSNorm
+from fastdeploy.model_executor.layers.rotary_embedding import RotaryEmbedding
+from fastdeploy.transformers_utils.config import ModelArchConfig
+
+
+class WeightLoadError(ValueError):
+    """A checkpoint tensor does not fit the model (wrong shape, missing, unknown)."""
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, layer_idx: int):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+        self.rotary_emb = RotaryEmbedding(self.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, layer_idx)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelArchConfig):
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_idx)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelArchConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+# checkpoint name fragment → (our fused parameter fragment, shard id)
+_STACKED = (
+    ("q_proj", "qkv_proj", "q"),
+    ("k_proj", "qkv_proj", "k"),
+    ("v_proj", "qkv_proj", "v"),
+    ("gate_proj", "gate_up_proj", 0),
+    ("up_proj", "gate_up_proj", 1),
+)
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder plus LM head; also serves Mistral, Qwen2 and Qwen3 checkpoints."""
+
+    def __init__(self, cfg: ModelArchConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Flattened tokens [T] at absolute positions [T] → final hidden states [T, hidden]."""
+        return self.model(input_ids, positions, inputs_embeds)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states [N, hidden] → float32 logits [N, vocab]."""
+        return self.lm_head(hidden).float()
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (Hugging Face names) into the fused parameters.
+
+        Raises ``WeightLoadError`` for a shape mismatch (naming the tensor and
+        both shapes) and for parameters the checkpoint did not provide.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if self.config.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            target, shard = name, None
+            for ckpt_part, fused_part, shard_id in _STACKED:
+                if f".{ckpt_part}." in name:
+                    target, shard = name.replace(ckpt_part, fused_part), shard_id
+                    break
+            if target not in params:
+                raise WeightLoadError(f"checkpoint tensor {name!r} has no matching model parameter")
+            param = params[target]
+            dest = param.data if shard is None else self._shard_view(param.data, shard, target)
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise WeightLoadError(
+                    f"shape mismatch for {name!r}: checkpoint has {tuple(tensor.shape)}, "
+                    f"model expects {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor)
+            loaded.add(f"{target}:{shard}")
+        expected = set()
+        for pname in params:
+            if pname.endswith(("qkv_proj.weight", "qkv_proj.bias")):
+                expected.update(f"{pname}:{s}" for s in "qkv")
+            elif pname.endswith("gate_up_proj.weight"):
+                expected.update(f"{pname}:{s}" for s in (0, 1))
+            elif not (self.config.tie_word_embeddings and pname == "lm_head.weight"):
+                expected.add(f"{pname}:None")
+        missing = sorted(expected - loaded)
+        if missing:
+            shown = ", ".join(m.replace(":None", "") for m in missing[:5])
+            raise WeightLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {shown}")
+
+    def _shard_view(self, data: torch.Tensor, shard: str | int, name: str) -> torch.Tensor:
+        if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
+            attn = self.model.layers[0].self_attn
+            sizes = {"q": (0, attn.q_size), "k": (attn.q_size, attn.kv_size), "v": (attn.q_size + attn.kv_size, attn.kv_size)}
+            start, size = sizes[shard]
+        else:
+            size = self.config.intermediate_size
+            start = shard * size
+        return data.narrow(0, start, size)

@@ -1,0 +1,1 @@
+"""Continuous batching: the scheduler and the paged KV cache it allocates from."""

@@ -1,0 +1,73 @@
+"""What the scheduler sends to the workers each step (compact, msgpack-friendly)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class NewRequestData:
+    """A request the worker has not seen (new, or resumed after preemption)."""
+
+    req_id: str
+    token_ids: list[int]
+    """Every known token: the prompt, plus outputs generated before a preemption."""
+    num_prompt_tokens: int
+    sampling: dict[str, Any]
+    """The worker-side sampling fields (temperature, top_p, top_k, min_p, seed)."""
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """Deltas for requests the worker already holds."""
+
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    """One step: which requests run, how many tokens each, and what changed."""
+
+    step_id: int
+    new_reqs: list[NewRequestData]
+    cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: list[str]
+    """Requests finished, aborted or preempted since the last step: drop their state."""
+
+    def to_wire(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> SchedulerOutput:
+        return cls(
+            step_id=d["step_id"],
+            new_reqs=[NewRequestData(**r) for r in d["new_reqs"]],
+            cached_reqs=CachedRequestData(**d["cached_reqs"]),
+            num_scheduled_tokens=d["num_scheduled_tokens"],
+            total_num_scheduled_tokens=d["total_num_scheduled_tokens"],
+            finished_req_ids=d["finished_req_ids"],
+        )
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Tokens sampled in one step, for the requests that produced one."""
+
+    step_id: int
+    req_ids: list[str]
+    sampled_token_ids: list[int]
+
+    def to_wire(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> ModelRunnerOutput:
+        return cls(**d)

@@ -1,0 +1,226 @@
+"""FCFS continuous-batching scheduler with chunked prefill and preemption by recompute."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from fastdeploy.config import EngineConfig
+from fastdeploy.engine.request import (
+    EngineCoreOutput,
+    FinishReason,
+    Request,
+    RequestStatus,
+    SchedulerStats,
+)
+from fastdeploy.scheduler.kv_cache_manager import KVCacheManager
+from fastdeploy.scheduler.output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+
+WORKER_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed")
+
+
+class Scheduler:
+    """Decides, every step, which requests run and how many tokens each computes.
+
+    One token budget (``max_num_batched_tokens``) is shared: running requests
+    (decodes and unfinished prefill chunks) are served first, in arrival order,
+    then waiting requests are admitted while budget, ``max_num_seqs`` and KV
+    blocks last. When a running request cannot get a block, the newest running
+    request is preempted: its blocks are freed and it is recomputed later.
+    """
+
+    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int):
+        self.config = config
+        self.max_model_len = max_model_len
+        self.max_num_seqs = config.scheduler.max_num_seqs
+        self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
+        self.chunked_prefill = config.scheduler.enable_chunked_prefill
+        self.block_size = config.cache.block_size
+        self.kv = KVCacheManager(num_blocks, self.block_size, config.cache.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._dropped_req_ids: list[str] = []
+        self._step_id = 0
+        self._num_preemptions = 0
+
+    # ---- requests in and out -------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
+        """Finish the given requests with reason ``abort``; unknown ids are ignored."""
+        outputs = []
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            self._finish(request, FinishReason.ABORT)
+            outputs.append(EngineCoreOutput(req_id, [], FinishReason.ABORT.value, None, request.num_cached_tokens))
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def _finish(self, request: Request, reason: FinishReason, stop_reason: int | str | None = None) -> None:
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+            self._dropped_req_ids.append(request.request_id)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.stop_reason = stop_reason
+        self.kv.free(request)
+        del self.requests[request.request_id]
+
+    # ---- scheduling ----------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's work and reserve its KV blocks."""
+        budget = self.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_blocks: dict[str, list[int]] = {}
+        preempted = False
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                index += 1
+                continue
+            while (blocks := self.kv.allocate_slots(request, num_new)) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING:
+                break
+            num_scheduled[request.request_id] = num_new
+            new_blocks[request.request_id] = [b.block_id for b in blocks]
+            budget -= num_new
+            index += 1
+
+        admitted: list[Request] = []
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            computed_blocks, num_computed = self.kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_computed
+            if num_new > budget and not self.chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            if self.kv.allocate_slots(request, num_new, computed_blocks) is None:
+                break
+            self.waiting.popleft()
+            if request.status == RequestStatus.WAITING:
+                request.num_cached_tokens = num_computed
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.time()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_computed
+            self.running.append(request)
+            admitted.append(request)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+
+        output = self._make_output(num_scheduled, new_blocks, admitted)
+        for req_id, n in num_scheduled.items():
+            self.requests[req_id].num_computed_tokens += n
+        return output
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self._num_preemptions += 1
+        self._dropped_req_ids.append(request.request_id)
+        self.waiting.appendleft(request)
+
+    def _make_output(
+        self, num_scheduled: dict[str, int], new_blocks: dict[str, list[int]], admitted: list[Request]
+    ) -> SchedulerOutput:
+        new_reqs = []
+        for request in admitted:
+            sp = request.sampling_params
+            new_reqs.append(
+                NewRequestData(
+                    req_id=request.request_id,
+                    token_ids=list(request.all_token_ids),
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    sampling={f: getattr(sp, f) for f in WORKER_SAMPLING_FIELDS},
+                    block_ids=self.kv.block_ids(request.request_id),
+                    num_computed_tokens=request.num_computed_tokens,
+                )
+            )
+        cached = CachedRequestData()
+        for req_id, block_ids in new_blocks.items():
+            cached.req_ids.append(req_id)
+            cached.new_block_ids.append(block_ids)
+            cached.num_computed_tokens.append(self.requests[req_id].num_computed_tokens)
+        self._step_id += 1
+        dropped, self._dropped_req_ids = self._dropped_req_ids, []
+        return SchedulerOutput(
+            step_id=self._step_id,
+            new_reqs=new_reqs,
+            cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=dropped,
+        )
+
+    # ---- results -------------------------------------------------------------------
+
+    def update_from_output(self, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Append sampled tokens, finish requests that hit a stop condition, report deltas."""
+        outputs = []
+        for req_id, token_id in zip(runner_output.req_ids, runner_output.sampled_token_ids):
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.append_output_token(token_id)
+            reason, stop_reason = self._check_stop(request, token_id)
+            if reason is not None:
+                self._finish(request, reason, stop_reason)
+            outputs.append(
+                EngineCoreOutput(
+                    req_id,
+                    [token_id],
+                    reason.value if reason else None,
+                    stop_reason,
+                    request.num_cached_tokens,
+                    queue_time=request.queue_time if request.num_output_tokens == 1 else None,
+                )
+            )
+        return outputs
+
+    def _check_stop(self, request: Request, token_id: int) -> tuple[FinishReason | None, int | None]:
+        sp = request.sampling_params
+        if request.num_output_tokens >= sp.min_tokens:
+            if not sp.ignore_eos and token_id in request.eos_token_ids:
+                return FinishReason.STOP, None
+            if token_id in sp.stop_token_ids:
+                return FinishReason.STOP, token_id
+        if sp.max_tokens is not None and request.num_output_tokens >= sp.max_tokens:
+            return FinishReason.LENGTH, None
+        if request.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH, None
+        return None, None
+
+    def make_stats(self) -> SchedulerStats:
+        """Snapshot for metrics; resets the per-interval prefix-cache counters."""
+        stats = SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv.usage(),
+            prefix_cache_queries=self.kv.prefix_cache_queries,
+            prefix_cache_hits=self.kv.prefix_cache_hits,
+            num_preemptions=self._num_preemptions,
+        )
+        self.kv.prefix_cache_queries = self.kv.prefix_cache_hits = 0
+        self._num_preemptions = 0
+        return stats

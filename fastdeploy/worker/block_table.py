@@ -1,0 +1,45 @@
+"""Per-slot block tables of the persistent batch."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class BlockTable:
+    """``[max_num_reqs, max_blocks_per_req]`` block ids, kept on the host and mirrored to the device.
+
+    Rows change only by appending the blocks the scheduler newly allocated, so
+    each step costs one host-to-device copy of the used rows.
+    """
+
+    def __init__(self, max_num_reqs: int, max_blocks_per_req: int, device: torch.device):
+        self.table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int32)
+        self.device = device
+        self._pinned = device.type == "cuda"
+
+    def set_row(self, row: int, block_ids: list[int]) -> None:
+        self.num_blocks[row] = 0
+        self.append(row, block_ids)
+
+    def append(self, row: int, block_ids: list[int]) -> None:
+        if not block_ids:
+            return
+        start = self.num_blocks[row]
+        end = start + len(block_ids)
+        if end > self.table.shape[1]:
+            raise ValueError(f"request needs {end} blocks, more than max_model_len allows ({self.table.shape[1]})")
+        self.table[row, start:end] = block_ids
+        self.num_blocks[row] = end
+
+    def clear_row(self, row: int) -> None:
+        self.num_blocks[row] = 0
+
+    def to_device(self, rows: np.ndarray) -> torch.Tensor:
+        """The given rows, trimmed to the longest row in use, as a device tensor."""
+        width = max(int(self.num_blocks[rows].max()) if len(rows) else 1, 1)
+        host = torch.from_numpy(np.ascontiguousarray(self.table[rows, :width]))
+        if self.device.type == "cpu":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True) if self._pinned else host.to(self.device)
