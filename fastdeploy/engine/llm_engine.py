@@ -11,6 +11,7 @@ from fastdeploy.engine.executor import InProcExecutor
 from fastdeploy.engine.input_processor import InputProcessor, eos_ids_of
 from fastdeploy.engine.output_processor import OutputProcessor, RequestState
 from fastdeploy.engine.outputs import RequestOutput
+from fastdeploy.engine.request import SchedulerStats
 from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.model_executor.model_loader import load_tokenizer, resolve_model
 
@@ -27,6 +28,8 @@ class LLMEngine:
         self.eos_token_ids = eos_ids_of(self.source.arch.eos_token_ids, self.tokenizer)
         self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, self.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.stats = SchedulerStats()
+        """Scheduler gauges of the last step and counters (prefix cache, preemptions) since start."""
 
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, prompt_text: str | None = None
@@ -53,6 +56,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One engine step; returns cumulative outputs of the requests that progressed."""
         core_outputs = self.core.step()
+        if core_outputs.stats is not None:
+            self.stats.accumulate(core_outputs.stats)
         outputs, to_abort, _ = self.output_processor.process(core_outputs.outputs, delta=False)
         if to_abort:
             self.core.abort_requests(to_abort)

@@ -77,6 +77,14 @@ class SchedulerStats:
     """Of those, tokens found in the cache."""
     num_preemptions: int = 0
 
+    def accumulate(self, newer: SchedulerStats) -> None:
+        """Take ``newer``'s gauges and add its per-interval counters to ours."""
+        self.num_running, self.num_waiting = newer.num_running, newer.num_waiting
+        self.kv_cache_usage = newer.kv_cache_usage
+        self.prefix_cache_queries += newer.prefix_cache_queries
+        self.prefix_cache_hits += newer.prefix_cache_hits
+        self.num_preemptions += newer.num_preemptions
+
 
 @dataclass
 class EngineCoreOutputs:

@@ -44,6 +44,8 @@ class FlagSpec:
     """bool, json, or value."""
     choices: tuple[Any, ...] | None = None
     section: str = "server"
+    optional: bool = False
+    """Whether None is a valid value (``none``/``null`` on the command line)."""
 
     @property
     def flag(self) -> str:
@@ -59,6 +61,7 @@ SERVER_FLAGS: tuple[FlagSpec, ...] = (
         str,
         "If set, requests to /v1/* must send 'Authorization: Bearer <key>' (else 401).",
         "value",
+        optional=True,
     ),
 )
 """Options of the HTTP server itself (not part of the engine config)."""
@@ -115,16 +118,17 @@ def engine_flag_specs() -> list[FlagSpec]:
             default = None
         section = section_cls.__name__.removesuffix("Config").lower()
         origin = typing.get_origin(tp)
+        common = {"section": section, "optional": optional}
         if tp is bool:
-            specs.append(FlagSpec(field.name, default, None, doc, "bool", section=section))
+            specs.append(FlagSpec(field.name, default, None, doc, "bool", **common))
         elif tp is dict or origin is dict:
-            specs.append(FlagSpec(field.name, default, _json_object, doc, "json", section=section))
+            specs.append(FlagSpec(field.name, default, _json_object, doc, "json", **common))
         elif origin is Literal:
             choices = typing.get_args(tp)
             parse = _value_parser(type(choices[0]), optional)
-            specs.append(FlagSpec(field.name, default, parse, doc, "value", choices=choices, section=section))
+            specs.append(FlagSpec(field.name, default, parse, doc, "value", choices=choices, **common))
         elif tp in (int, float, str):
-            specs.append(FlagSpec(field.name, default, _value_parser(tp, optional), doc, "value", section=section))
+            specs.append(FlagSpec(field.name, default, _value_parser(tp, optional), doc, "value", **common))
         else:
             raise TypeError(f"cannot make a CLI flag for {section_cls.__name__}.{field.name}: {tp!r}")
     return specs
@@ -144,7 +148,7 @@ def all_flag_specs() -> list[FlagSpec]:
 def _help(spec: FlagSpec) -> str:
     text = spec.help.replace("%", "%%")
     if spec.kind == "json":
-        text += " (a JSON object)"
+        text += " Value: a JSON object."
     if spec.default is not None and spec.default != {}:
         shown = json.dumps(spec.default) if spec.kind == "json" else spec.default
         text += f" [default: {shown}]"
@@ -196,17 +200,19 @@ def _convert_file_value(spec: FlagSpec, value: Any, where: str) -> Any:
                 return _json_object(value)
             raise ValueError("expected a mapping")
         if value is None:
-            return None
-        if isinstance(value, bool):
-            raise ValueError("expected a value, not a boolean")
-        result = spec.parse(str(value)) if not isinstance(value, (int, float)) or spec.parse is None else value
-        if isinstance(value, (int, float)):
-            result = spec.parse(str(value))
+            if spec.optional:
+                return None
+            raise ValueError("a value is required")
+        if isinstance(value, (bool, list, dict)):
+            raise ValueError("expected a single value")
+        result = spec.parse(str(value))
         if spec.choices and result not in spec.choices:
             raise ValueError(f"expected one of {', '.join(map(str, spec.choices))}")
         return result
     except (ValueError, argparse.ArgumentTypeError, json.JSONDecodeError) as exc:
-        raise ConfigFileError(f"{where}: bad value {value!r} for '{spec.key.replace('_', '-')}': {exc}") from None
+        raise ConfigFileError(
+            f"{where}: bad value {value!r} for '{spec.key.replace('_', '-')}': {exc}"
+        ) from None
 
 
 def load_config_file(path: str) -> dict[str, Any]:
@@ -252,7 +258,9 @@ def resolve_args(ns: argparse.Namespace) -> argparse.Namespace:
     model_tag = given.pop("model_tag", None)
     if model_tag is not None:
         if given.get("model") not in (None, model_tag):
-            raise ConfigFileError(f"model given twice: positional {model_tag!r} and --model {given['model']!r}")
+            raise ConfigFileError(
+                f"model given twice: positional {model_tag!r} and --model {given['model']!r}"
+            )
         given["model"] = model_tag
     merged.update(given)
     merged.setdefault("config", None)

@@ -107,7 +107,9 @@ def validation_error_to_openai(errors: list[dict[str, Any]]) -> BadRequestError:
     kind = err.get("type", "")
     msg = str(err.get("msg", "invalid value"))
     if kind == "json_invalid":
-        return BadRequestError(f"Invalid JSON body: {msg.removeprefix('Invalid JSON: ')}", code="invalid_json")
+        return BadRequestError(
+            f"Invalid JSON body: {msg.removeprefix('Invalid JSON: ')}", code="invalid_json"
+        )
     if kind == "model_type" and not loc:
         return BadRequestError("The request body must be a JSON object")
     if kind == "extra_forbidden":

@@ -77,7 +77,9 @@ class OpenAIServingChat(OpenAIServing):
 
         try:
             for k in range(n):
-                yield chunk([ChatCompletionStreamChoice(index=k, delta=DeltaMessage(role="assistant", content=""))])
+                yield chunk(
+                    [ChatCompletionStreamChoice(index=k, delta=DeltaMessage(role="assistant", content=""))]
+                )
             async with contextlib.aclosing(self.iterate_outputs([request_id], prompts, tracker)) as outputs:
                 async for _, out in outputs:
                     choices = [
@@ -101,7 +103,9 @@ class OpenAIServingChat(OpenAIServing):
             yield error_event(exc)
         yield SSE_DONE
 
-    async def _collect(self, request_id: str, model: str, prompts: list[EnginePrompt]) -> ChatCompletionResponse:
+    async def _collect(
+        self, request_id: str, model: str, prompts: list[EnginePrompt]
+    ) -> ChatCompletionResponse:
         n = prompts[0].params.n
         texts: list[list[str]] = [[] for _ in range(n)]
         finish: list[str | None] = [None] * n

@@ -63,13 +63,17 @@ class OpenAIServingCompletion(OpenAIServing):
                 default=CompletionRequest.DEFAULT_MAX_TOKENS,
                 prompt_kind="prompt",
             )
-            prompts.append(EnginePrompt(token_ids=token_ids, params=params.clone(max_tokens=max_tokens), text=text))
+            prompts.append(
+                EnginePrompt(token_ids=token_ids, params=params.clone(max_tokens=max_tokens), text=text)
+            )
 
         request_id = random_id("cmpl")
         request_ids = sub_request_ids(request_id, len(prompts))
         if request.stream:
             return SSEResponse(self._stream(request_id, model, request_ids, prompts, request.include_usage))
-        response = await run_until_disconnected(raw_request, self._collect(request_id, model, request_ids, prompts))
+        response = await run_until_disconnected(
+            raw_request, self._collect(request_id, model, request_ids, prompts)
+        )
         return JSONResponse(response.model_dump())
 
     async def _stream(
@@ -100,7 +104,9 @@ class OpenAIServingCompletion(OpenAIServing):
                         chunk = CompletionStreamResponse(id=request_id, model=model, choices=choices)
                         yield f"data: {chunk.model_dump_json(exclude=exclude)}\n\n"
             if include_usage:
-                yield sse(CompletionStreamResponse(id=request_id, model=model, choices=[], usage=tracker.usage()))
+                yield sse(
+                    CompletionStreamResponse(id=request_id, model=model, choices=[], usage=tracker.usage())
+                )
         except Exception as exc:
             yield error_event(exc)
         yield SSE_DONE
@@ -126,7 +132,10 @@ class OpenAIServingCompletion(OpenAIServing):
             raise to_openai_error(exc) from exc
         choices = [
             CompletionResponseChoice(
-                index=k, text="".join(texts[k]), finish_reason=finish[k] or "abort", stop_reason=stop_reason[k]
+                index=k,
+                text="".join(texts[k]),
+                finish_reason=finish[k] or "abort",
+                stop_reason=stop_reason[k],
             )
             for k in range(num_choices)
         ]

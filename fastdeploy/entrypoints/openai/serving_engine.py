@@ -62,6 +62,8 @@ def to_openai_error(exc: BaseException) -> OpenAIError:
         return ServiceUnavailableError(f"The engine is not available: {exc}", code="engine_dead")
     if isinstance(exc, SamplingParamsError):
         return BadRequestError(str(exc), param=exc.param)
+    if type(exc).__name__ == "PromptTooLongError":  # the engine's own length check (a ValueError)
+        return BadRequestError(str(exc), param="prompt", code="context_length_exceeded")
     logger.exception("error while serving a request", exc_info=exc)
     return InternalServerError(f"Internal server error: {type(exc).__name__}: {exc}")
 
@@ -127,16 +129,23 @@ async def abort_quietly(engine: EngineClient, request_ids: Sequence[str]) -> Non
         for request_id in request_ids:
             try:
                 await engine.abort(request_id)
-            except Exception:  # noqa: BLE001 - a dead engine has nothing left to abort
+            except Exception:  # a dead engine has nothing left to abort
                 logger.debug("abort of %s failed", request_id, exc_info=True)
 
 
-async def merge_async_iterators(iterators: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+class ServerShuttingDownError(ServiceUnavailableError):
+    """503: the server is stopping; requests in flight are ended with this error."""
+
+
+async def merge_async_iterators(
+    iterators: Sequence[AsyncIterator[T]], interrupt: asyncio.Event | None = None
+) -> AsyncIterator[tuple[int, T]]:
     """Interleave several async iterators as items arrive, yielding ``(iterator index, item)``.
 
     An exception from any iterator propagates after the others are cancelled.
+    When ``interrupt`` is set, iteration stops with :class:`ServerShuttingDownError`.
     """
-    if len(iterators) == 1:
+    if len(iterators) == 1 and interrupt is None:
         try:
             async for item in iterators[0]:
                 yield 0, item
@@ -147,15 +156,23 @@ async def merge_async_iterators(iterators: Sequence[AsyncIterator[T]]) -> AsyncI
     async def next_of(it: AsyncIterator[T]) -> T:
         return await it.__anext__()
 
-    pending = {asyncio.ensure_future(next_of(it)): i for i, it in enumerate(iterators)}
+    pending: dict[asyncio.Future[Any], int] = {
+        asyncio.ensure_future(next_of(it)): i for i, it in enumerate(iterators)
+    }
+    num_sources = len(pending)
+    if interrupt is not None:
+        pending[asyncio.ensure_future(interrupt.wait())] = -1
     try:
-        while pending:
+        while num_sources:
             done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for task in sorted(done, key=lambda t: pending[t]):
                 i = pending.pop(task)
+                if i == -1:
+                    raise ServerShuttingDownError("The server is shutting down.", code="shutting_down")
                 try:
                     item = task.result()
                 except StopAsyncIteration:
+                    num_sources -= 1
                     continue
                 pending[asyncio.ensure_future(next_of(iterators[i]))] = i
                 yield i, item
@@ -223,12 +240,15 @@ class OpenAIServing:
         engine_client: EngineClient,
         served_model_names: list[str],
         tokenizer_executor: ThreadPoolExecutor | None = None,
+        shutdown_event: asyncio.Event | None = None,
     ):
         if not served_model_names:
             raise ValueError("at least one served model name is needed")
         self.engine = engine_client
         self.served_model_names = list(served_model_names)
         self.executor = tokenizer_executor or ThreadPoolExecutor(1, thread_name_prefix="fd-tokenizer")
+        self.shutdown_event = shutdown_event
+        """Set when the server stops: requests in flight end with a 503."""
         self._vocab_size: int | None = None
 
     @property
@@ -252,9 +272,13 @@ class OpenAIServing:
         return name
 
     def check_healthy(self) -> None:
-        """503 if the engine has died."""
+        """503 if the engine has died or the server is stopping."""
+        if self.shutdown_event is not None and self.shutdown_event.is_set():
+            raise ServerShuttingDownError("The server is shutting down.", code="shutting_down")
         if not self.engine.is_healthy:
-            raise ServiceUnavailableError("The engine is not healthy; it cannot serve requests.", code="engine_dead")
+            raise ServiceUnavailableError(
+                "The engine is not healthy; it cannot serve requests.", code="engine_dead"
+            )
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
         """400 if a token id is outside the vocabulary (it would crash the model)."""
@@ -291,7 +315,9 @@ class OpenAIServing:
         try:
             text = await self._run_tokenizer(render)
         except Exception as exc:  # jinja2 TemplateError, ValueError (no template), ...
-            raise BadRequestError(f"The chat template could not be applied: {exc}", param="messages") from None
+            raise BadRequestError(
+                f"The chat template could not be applied: {exc}", param="messages"
+            ) from None
         if not isinstance(text, str):
             raise InternalServerError("The chat template did not return text")
         return text
@@ -301,15 +327,15 @@ class OpenAIServing:
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Run the engine requests and yield ``(prompt index, delta output)`` as they arrive.
 
-        Whatever ends the iteration early (client gone, error), unfinished
-        engine requests are aborted.
+        Whatever ends the iteration early (client gone, error, server
+        shutdown), unfinished engine requests are aborted.
         """
         try:
             generators = [
                 self.engine.generate(p.token_ids, p.params, rid, prompt=p.text)
                 for rid, p in zip(request_ids, prompts)
             ]
-            async with contextlib.aclosing(merge_async_iterators(generators)) as merged:
+            async with contextlib.aclosing(merge_async_iterators(generators, self.shutdown_event)) as merged:
                 async for i, out in merged:
                     tracker.update(i, out)
                     yield i, out

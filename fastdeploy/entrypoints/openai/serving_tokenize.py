@@ -21,7 +21,9 @@ class OpenAIServingTokenization(OpenAIServing):
         """Token ids of a prompt, or of chat messages rendered by the chat template."""
         self.resolve_model(request.model)
         if isinstance(request, TokenizeChatRequest):
-            text = await self.render_chat(request.messages, add_generation_prompt=request.add_generation_prompt)
+            text = await self.render_chat(
+                request.messages, add_generation_prompt=request.add_generation_prompt
+            )
         else:
             text = request.prompt
         tokens = await self.encode(text, add_special_tokens=request.add_special_tokens)

@@ -1,0 +1,1 @@
+"""The ``fastdeploy`` command line: a dispatcher and one module per subcommand."""

@@ -1,0 +1,46 @@
+"""The ``fastdeploy`` console script: a dispatcher over subcommand modules.
+
+Each subcommand lives in its own module exposing ``register(subparsers)``,
+which adds its parser and sets ``func`` (called with the parsed namespace).
+Adding a subcommand (``bench``, ...) is one entry in :data:`SUBCOMMAND_MODULES`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+import fastdeploy
+
+SUBCOMMAND_MODULES: tuple[str, ...] = ("fastdeploy.entrypoints.cli.serve",)
+"""Modules that each register one subcommand, in the order ``--help`` lists them."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with every registered subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="fastdeploy",
+        description="FastDeploy: an LLM inference serving engine with an OpenAI-compatible API.",
+    )
+    parser.add_argument("--version", action="version", version=f"fastdeploy {fastdeploy.__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in SUBCOMMAND_MODULES:
+        importlib.import_module(name).register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` (default: ``sys.argv[1:]``) and run the chosen subcommand; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func = getattr(args, "func", None)
+    if func is None:
+        parser.print_help()
+        return 2
+    return int(func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

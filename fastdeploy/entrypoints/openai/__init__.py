@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server: protocol models, endpoint handlers and the FastAPI app."""

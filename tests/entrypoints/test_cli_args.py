@@ -1,0 +1,262 @@
+"""The ``fastdeploy`` CLI: flags generated from the config dataclasses, YAML config merging."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from fastdeploy.config import EngineConfig, field_docs
+from fastdeploy.entrypoints.cli import main as cli_main
+from fastdeploy.entrypoints.cli.args import (
+    SERVER_FLAGS,
+    ConfigFileError,
+    all_flag_specs,
+    engine_config_from_args,
+    load_config_file,
+    resolve_args,
+)
+from fastdeploy.entrypoints.cli.serve import make_parser
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def parse(*argv: str):
+    return make_parser().parse_args(list(argv))
+
+
+def config_of(*argv: str) -> EngineConfig:
+    return engine_config_from_args(parse(*argv))
+
+
+def write_yaml(tmp_path, text: str) -> str:
+    path = tmp_path / "serve.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_every_config_field_has_a_flag_with_its_docstring_as_help():
+    help_text = " ".join(make_parser().format_help().split())
+    for section_cls, field in EngineConfig.flat_fields():
+        flag = "--" + field.name.replace("_", "-")
+        assert flag in help_text, flag
+        doc = field_docs(section_cls)[field.name]
+        assert doc and doc in help_text, (flag, doc)
+    for flag in ("--host", "--port", "--api-key", "--config"):
+        assert flag in help_text
+
+
+def test_issue_flags_exist():
+    help_text = make_parser().format_help()
+    for flag in (
+        "--model",
+        "--host",
+        "--port",
+        "--served-model-name",
+        "--max-model-len",
+        "--max-num-seqs",
+        "--max-num-batched-tokens",
+        "--block-size",
+        "--kv-cache-memory",
+        "--gpu-memory-utilization",
+        "--enable-prefix-caching",
+        "--no-enable-prefix-caching",
+        "--dtype",
+        "--load-format",
+        "--api-key",
+        "--tensor-parallel-size",
+        "--config",
+    ):
+        assert flag in help_text, flag
+
+
+def test_no_flags_give_the_dataclass_defaults_and_server_defaults():
+    assert config_of() == EngineConfig()
+    ns = resolve_args(parse())
+    assert (ns.host, ns.port, ns.api_key, ns.config) == ("127.0.0.1", 8000, None, None)
+
+
+def test_values_are_typed():
+    config = config_of(
+        "--model",
+        "/m/x.gguf",
+        "--max-num-seqs",
+        "8",
+        "--kv-cache-memory",
+        "0.5",
+        "--max-model-len",
+        "1024",
+        "--no-enable-prefix-caching",
+        "--no-enable-chunked-prefill",
+        "--hf-config-overrides",
+        '{"num_hidden_layers": 2}',
+        "--dtype",
+        "float32",
+    )
+    assert config.model.model == "/m/x.gguf"
+    assert config.scheduler.max_num_seqs == 8
+    assert config.cache.kv_cache_memory == 0.5
+    assert config.model.max_model_len == 1024
+    assert config.cache.enable_prefix_caching is False
+    assert config.scheduler.enable_chunked_prefill is False
+    assert config.model.hf_config_overrides == {"num_hidden_layers": 2}
+    assert config.model.dtype == "float32"
+    assert config_of("--enable-prefix-caching").cache.enable_prefix_caching is True
+
+
+def test_optional_int_accepts_none():
+    assert config_of("--max-model-len", "none").model.max_model_len is None
+    assert config_of("--num-gpu-blocks-override", "64").cache.num_gpu_blocks_override == 64
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--max-num-seqs", "many"],
+        ["--max-num-seqs", "1.5"],
+        ["--kv-cache-memory", "lots"],
+        ["--hf-config-overrides", "[1, 2]"],
+        ["--hf-config-overrides", "{bad"],
+        ["--block-size", "none"],
+        ["--enable-prefix-caching=yes"],
+        ["--unknown-flag", "1"],
+    ],
+)
+def test_bad_flag_values_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        parse(*argv)
+    assert info.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_server_flags():
+    ns = resolve_args(parse("--host", "0.0.0.0", "--port", "0", "--api-key", "k"))
+    assert (ns.host, ns.port, ns.api_key) == ("0.0.0.0", 0, "k")
+
+
+def test_positional_model():
+    assert config_of("/models/smol").model.model == "/models/smol"
+    assert config_of("/models/smol", "--model", "/models/smol").model.model == "/models/smol"
+    with pytest.raises(ConfigFileError, match="model given twice"):
+        config_of("/models/a", "--model", "/models/b")
+
+
+def test_yaml_config_merges_with_cli_overrides(tmp_path):
+    path = write_yaml(
+        tmp_path,
+        "model: /m/model.gguf\n"
+        "max-num-seqs: 8\n"
+        "max_num_batched_tokens: 512\n"
+        "enable-prefix-caching: false\n"
+        "hf_config_overrides: {num_hidden_layers: 2}\n"
+        "kv-cache-memory: 2\n"
+        "max-model-len: null\n"
+        "port: 9001\n"
+        "api-key: secret\n",
+    )
+    ns = resolve_args(parse("--config", path, "--max-num-seqs", "4", "--port", "9002"))
+    config = engine_config_from_args(ns)
+    assert config.model.model == "/m/model.gguf"
+    assert config.scheduler.max_num_seqs == 4  # command line wins
+    assert config.scheduler.max_num_batched_tokens == 512  # from the file
+    assert config.cache.enable_prefix_caching is False
+    assert config.model.hf_config_overrides == {"num_hidden_layers": 2}
+    assert config.cache.kv_cache_memory == 2.0 and isinstance(config.cache.kv_cache_memory, float)
+    assert config.model.max_model_len is None
+    assert config.scheduler.enable_chunked_prefill is True  # default
+    assert (ns.port, ns.api_key) == (9002, "secret")
+
+
+def test_cli_bool_overrides_yaml(tmp_path):
+    path = write_yaml(tmp_path, "enable-prefix-caching: false\n")
+    assert config_of("--config", path, "--enable-prefix-caching").cache.enable_prefix_caching is True
+    assert config_of("--config", path).cache.enable_prefix_caching is False
+
+
+def test_resolve_is_idempotent(tmp_path):
+    path = write_yaml(tmp_path, "max-num-seqs: 8\n")
+    ns = resolve_args(parse("--config", path))
+    assert resolve_args(ns) is ns
+    assert engine_config_from_args(ns).scheduler.max_num_seqs == 8
+
+
+def test_unknown_yaml_key_is_a_clear_error(tmp_path):
+    path = write_yaml(tmp_path, "max-num-seq: 8\n")
+    with pytest.raises(ConfigFileError) as info:
+        load_config_file(path)
+    message = str(info.value)
+    assert "unknown key 'max-num-seq'" in message
+    assert "did you mean 'max-num-seqs'" in message
+    assert path in message
+
+
+@pytest.mark.parametrize(
+    "text, key",
+    [
+        ("max-num-seqs: many\n", "max-num-seqs"),
+        ("max-num-seqs: 1.5\n", "max-num-seqs"),
+        ("enable-prefix-caching: 3\n", "enable-prefix-caching"),
+        ("block-size: null\n", "block-size"),
+        ("hf-config-overrides: [1]\n", "hf-config-overrides"),
+        ("dtype: [a, b]\n", "dtype"),
+    ],
+)
+def test_bad_yaml_values_name_the_key(tmp_path, text, key):
+    with pytest.raises(ConfigFileError, match=f"'{key}'"):
+        load_config_file(write_yaml(tmp_path, text))
+
+
+def test_bad_yaml_files(tmp_path):
+    with pytest.raises(ConfigFileError, match="cannot read"):
+        load_config_file(str(tmp_path / "missing.yaml"))
+    with pytest.raises(ConfigFileError, match="mapping"):
+        load_config_file(write_yaml(tmp_path, "- a\n- b\n"))
+    with pytest.raises(ConfigFileError, match="not valid YAML"):
+        load_config_file(write_yaml(tmp_path, "a: [\n"))
+    assert load_config_file(write_yaml(tmp_path, "")) == {}
+
+
+def test_serve_with_bad_config_exits_2_before_loading(tmp_path, capsys):
+    path = write_yaml(tmp_path, "no-such-option: 1\n")
+    with pytest.raises(SystemExit) as info:
+        cli_main.main(["serve", "--config", path])
+    assert info.value.code == 2
+    assert "unknown key 'no-such-option'" in capsys.readouterr().err
+
+
+def test_dispatcher(capsys):
+    parser = cli_main.build_parser()
+    ns = parser.parse_args(["serve", "--max-num-seqs", "3"])
+    assert ns.command == "serve" and callable(ns.func)
+    assert cli_main.main([]) == 2  # no subcommand: help
+    with pytest.raises(SystemExit) as info:
+        cli_main.main(["--version"])
+    assert info.value.code == 0
+    assert "fastdeploy" in capsys.readouterr().out
+
+
+def test_flag_keys_are_unique_and_cover_the_config():
+    keys = [spec.key for spec in all_flag_specs()]
+    assert len(keys) == len(set(keys))
+    config_keys = [f.name for _, f in EngineConfig.flat_fields()]
+    assert keys == config_keys + [s.key for s in SERVER_FLAGS]
+    for spec in all_flag_specs():
+        if spec.section != "server":
+            section_cls = next(c for c, f in EngineConfig.flat_fields() if f.name == spec.key)
+            field = next(f for f in dataclasses.fields(section_cls) if f.name == spec.key)
+            assert spec.help == field_docs(section_cls)[field.name]
+
+
+def test_cli_docs_list_every_flag():
+    doc = (ROOT / "docs" / "cli.md").read_text(encoding="utf-8")
+    for spec in all_flag_specs():
+        assert f"`{spec.flag}" in doc, (
+            f"{spec.flag} missing from docs/cli.md; run python tools/gen_cli_docs.py"
+        )
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "gen_cli_docs.py"), "--check"], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr

@@ -1,0 +1,400 @@
+"""Request parsing and validation of the OpenAI protocol, without a server or an engine."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from fastdeploy.engine.protocol import EngineDeadError
+from fastdeploy.engine.sampling_params import SamplingParamsError
+from fastdeploy.entrypoints.openai.errors import (
+    AuthenticationError,
+    BadRequestError,
+    NotFoundError,
+    OpenAIError,
+    ServiceUnavailableError,
+    from_pydantic,
+)
+from fastdeploy.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    CompletionRequest,
+    DeltaMessage,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    UsageInfo,
+    parse_request,
+    parse_tokenize_request,
+    random_id,
+    resolve_max_tokens,
+)
+from fastdeploy.entrypoints.openai.serving_engine import sse, sub_request_ids, to_openai_error
+
+USER = [{"role": "user", "content": "Hello"}]
+
+
+def completion(**fields):
+    return parse_request(CompletionRequest, {"model": "m", "prompt": "hi", **fields})
+
+
+def chat(**fields):
+    return parse_request(ChatCompletionRequest, {"model": "m", "messages": USER, **fields})
+
+
+def bad_request(fn, *args, **kwargs) -> BadRequestError:
+    with pytest.raises(BadRequestError) as info:
+        fn(*args, **kwargs)
+    assert info.value.status_code == 400
+    return info.value
+
+
+# --------------------------------------------------------------------------- prompts
+
+
+@pytest.mark.parametrize(
+    "prompt, expected",
+    [
+        ("hi", ["hi"]),
+        (["a", "b"], ["a", "b"]),
+        ([1, 2, 3], [[1, 2, 3]]),
+        ([[1, 2], [3]], [[1, 2], [3]]),
+    ],
+)
+def test_completion_prompt_forms(prompt, expected):
+    assert completion(prompt=prompt).prompt == expected
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [[], "", [[]], [1, "a"], [1, True], [[1], "a"], 5, None, {"text": "x"}, [-1], [1.5]],
+)
+def test_completion_bad_prompts(prompt):
+    err = bad_request(completion, prompt=prompt)
+    assert err.param == "prompt"
+
+
+def test_completion_prompt_is_required():
+    err = bad_request(parse_request, CompletionRequest, {"model": "m"})
+    assert err.param == "prompt"
+    assert "Missing required parameter" in err.message
+
+
+# --------------------------------------------------------------------------- sampling params
+
+
+def test_defaults_follow_openai():
+    params = completion().to_sampling_params()
+    assert params.temperature == 1.0
+    assert params.top_p == 1.0
+    assert params.n == 1
+    assert params.top_k == -1
+    assert params.max_tokens is None  # resolved later against the prompt length
+    assert params.stop == []
+    assert CompletionRequest.DEFAULT_MAX_TOKENS == 16
+
+
+def test_explicit_nulls_mean_defaults():
+    params = chat(temperature=None, top_p=None, n=None, max_tokens=None, stop=None).to_sampling_params()
+    assert (params.temperature, params.top_p, params.n, params.max_tokens, params.stop) == (
+        1.0,
+        1.0,
+        1,
+        None,
+        [],
+    )
+
+
+def test_fields_are_passed_through():
+    params = chat(
+        n=3,
+        temperature=0,
+        top_p=0.5,
+        seed=7,
+        max_tokens=20,
+        stop="END",
+        top_k=5,
+        min_p=0.1,
+        min_tokens=2,
+        stop_token_ids=[7, 8],
+        include_stop_str_in_output=True,
+        ignore_eos=True,
+        skip_special_tokens=False,
+    ).to_sampling_params()
+    assert params.n == 3 and params.temperature == 0.0 and params.top_p == 0.5 and params.seed == 7
+    assert params.max_tokens == 20 and params.stop == ["END"] and params.top_k == 5 and params.min_p == 0.1
+    assert params.min_tokens == 2 and params.stop_token_ids == [7, 8]
+    assert params.include_stop_str_in_output and params.ignore_eos and not params.skip_special_tokens
+
+
+def test_stop_list_and_top_k_zero():
+    params = completion(stop=["a", "b"], top_k=0).to_sampling_params()
+    assert params.stop == ["a", "b"]
+    assert params.top_k == -1
+
+
+def test_max_completion_tokens_wins():
+    assert chat(max_tokens=5, max_completion_tokens=9).to_sampling_params().max_tokens == 9
+    assert chat(max_tokens=5).to_sampling_params().max_tokens == 5
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"n": 0}, "n"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 2}, "min_p"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"stop": ["ok", ""]}, "stop"),
+    ],
+)
+def test_out_of_range_values_are_400_with_param(fields, param):
+    err = bad_request(chat(**fields).to_sampling_params)
+    assert err.param == param
+    assert err.body()["error"]["param"] == param
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"max_tokens": "10"}, "max_tokens"),
+        ({"max_tokens": 10.5}, "max_tokens"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"n": True}, "n"),
+        ({"stream": "yes"}, "stream"),
+        ({"stop": 5}, "stop"),
+        ({"stop": ["a", 1]}, "stop"),
+        ({"seed": 2**70}, "seed"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"stop_token_ids": "1"}, "stop_token_ids"),
+        ({"model": 3}, "model"),
+        ({"stream_options": {"include_usage": True, "other": 1}}, "stream_options.other"),
+    ],
+)
+def test_wrong_types_are_400_with_param(fields, param):
+    err = bad_request(chat, **fields)
+    assert err.param == param
+
+
+def test_unknown_field_is_rejected():
+    err = bad_request(chat, repetition_penalty=1.1)
+    assert err.param == "repetition_penalty"
+    assert err.message == "Unrecognized request argument supplied: repetition_penalty"
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"frequency_penalty": 0.5},
+        {"presence_penalty": -1},
+        {"logit_bias": {"50256": -100}},
+        {"logprobs": True},
+        {"top_logprobs": 3},
+        {"tools": [{"type": "function", "function": {"name": "f"}}]},
+        {"tool_choice": "auto"},
+        {"response_format": {"type": "json_object"}},
+    ],
+)
+def test_unimplemented_chat_fields_are_400(fields):
+    (name,) = fields
+    err = bad_request(chat(**fields).to_sampling_params)
+    assert err.param == name
+    assert "not supported" in err.message
+
+
+@pytest.mark.parametrize(
+    "fields", [{"logprobs": 0}, {"logprobs": 2}, {"echo": True}, {"best_of": 3}, {"suffix": "x"}]
+)
+def test_unimplemented_completion_fields_are_400(fields):
+    (name,) = fields
+    err = bad_request(completion(**fields).to_sampling_params)
+    assert err.param == name
+
+
+def test_off_values_of_unimplemented_fields_are_accepted():
+    chat(
+        logprobs=False,
+        top_logprobs=0,
+        frequency_penalty=0,
+        presence_penalty=0.0,
+        logit_bias={},
+        tools=None,
+        response_format={"type": "text"},
+        user="someone",
+        stream=True,
+        stream_options={"include_usage": True},
+    ).to_sampling_params()
+    completion(logprobs=None, echo=False, best_of=1, suffix=None).to_sampling_params()
+    completion(n=2, best_of=2).to_sampling_params()
+
+
+def test_include_usage_only_when_streaming():
+    assert chat(stream=True, stream_options={"include_usage": True}).include_usage
+    assert not chat(stream=True).include_usage
+    assert not chat(stream=False, stream_options={"include_usage": True}).include_usage
+
+
+# --------------------------------------------------------------------------- chat messages
+
+
+def test_content_parts_are_joined():
+    req = chat(
+        messages=[{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    )
+    assert req.template_messages() == [{"role": "user", "content": "a\nb"}]
+
+
+def test_developer_role_is_shown_as_system_and_assistant_may_lack_content():
+    req = chat(
+        messages=[
+            {"role": "developer", "content": "rules"},
+            {"role": "user", "content": "q", "name": "bob"},
+            {"role": "assistant", "content": None},
+        ]
+    )
+    assert req.template_messages() == [
+        {"role": "system", "content": "rules"},
+        {"role": "user", "content": "q", "name": "bob"},
+        {"role": "assistant", "content": ""},
+    ]
+
+
+@pytest.mark.parametrize(
+    "messages, param",
+    [
+        ([], "messages"),
+        ("hello", "messages"),
+        ([{"role": "user"}], "messages"),
+        ([{"role": "tool", "content": "x"}], "messages[0].role"),
+        (
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+            "messages[0].content",
+        ),
+        ([{"role": "user", "content": [{"type": "text"}]}], "messages[0].content"),
+        ([{"role": "user", "content": 5}], "messages[0].content"),
+        ([{"role": "user", "content": "x", "tool_calls": []}], "messages[0].tool_calls"),
+        (["hi"], "messages[0]"),
+    ],
+)
+def test_bad_messages(messages, param):
+    err = bad_request(chat, messages=messages)
+    assert err.param == param
+
+
+def test_image_parts_say_not_supported():
+    err = bad_request(chat, messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
+    assert "'image_url' is not supported" in err.message
+
+
+# --------------------------------------------------------------------------- tokenize requests
+
+
+def test_tokenize_request_forms():
+    assert isinstance(parse_tokenize_request({"prompt": "x"}), TokenizeCompletionRequest)
+    chat_req = parse_tokenize_request({"messages": USER})
+    assert isinstance(chat_req, TokenizeChatRequest)
+    assert chat_req.add_generation_prompt and not chat_req.add_special_tokens
+    assert bad_request(parse_tokenize_request, {"messages": []}).param == "messages"
+    assert bad_request(parse_request, DetokenizeRequest, {"tokens": [1, -2]}).param == "tokens"
+    assert bad_request(parse_request, DetokenizeRequest, {"tokens": "12"}).param == "tokens"
+
+
+# --------------------------------------------------------------------------- prompt length
+
+
+def test_prompt_length_with_requested_max_tokens():
+    assert resolve_max_tokens(100, 50, 8192) == 50
+    assert resolve_max_tokens(8000, 192, 8192) == 192
+    err = bad_request(resolve_max_tokens, 8990, 10, 8192, prompt_kind="messages")
+    assert err.message.startswith(
+        "This model's maximum context length is 8192 tokens. However, you requested 9000 tokens "
+        "(8990 in the messages, 10 in the completion)."
+    )
+    assert err.param == "messages"
+    assert err.code == "context_length_exceeded"
+
+
+def test_prompt_length_without_max_tokens():
+    assert resolve_max_tokens(100, None, 8192) == 8092
+    assert resolve_max_tokens(100, None, 8192, default=16) == 16
+    assert resolve_max_tokens(8185, None, 8192, default=16) == 7
+    assert resolve_max_tokens(8191, None, 8192) == 1
+    for prompt_len in (8192, 9000):
+        err = bad_request(resolve_max_tokens, prompt_len, None, 8192, default=16)
+        assert "maximum context length is 8192 tokens" in err.message
+        assert f"{prompt_len} tokens" in err.message
+        assert err.param == "prompt"
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_error_body_shape():
+    body = BadRequestError("bad", param="x").body()
+    assert body == {"error": {"message": "bad", "type": "invalid_request_error", "param": "x", "code": None}}
+    assert NotFoundError("m").status_code == 404
+    assert AuthenticationError("k").status_code == 401
+    assert ServiceUnavailableError("d").status_code == 503
+    assert set(ServiceUnavailableError("d").body()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_invalid_json_and_non_object_bodies():
+    with pytest.raises(ValidationError) as info:
+        CompletionRequest.model_validate_json("{not json")
+    assert from_pydantic(info.value).code == "invalid_json"
+    err = bad_request(parse_request, CompletionRequest, [1, 2])
+    assert err.message == "The request body must be a JSON object"
+
+
+def test_exception_mapping():
+    assert to_openai_error(EngineDeadError("gone")).status_code == 503
+    err = to_openai_error(SamplingParamsError("top_p", "top_p must be in (0, 1]"))
+    assert (err.status_code, err.param) == (400, "top_p")
+    assert to_openai_error(RuntimeError("boom")).status_code == 500
+    original = BadRequestError("x")
+    assert to_openai_error(original) is original
+    assert isinstance(to_openai_error(KeyError("k")), OpenAIError)
+
+
+# --------------------------------------------------------------------------- responses
+
+
+def test_stream_chunks_serialize_like_openai():
+    role = ChatCompletionStreamChoice(index=0, delta=DeltaMessage(role="assistant", content=""))
+    text = ChatCompletionStreamChoice(index=1, delta=DeltaMessage(content="hi"))
+    end = ChatCompletionStreamChoice(index=0, delta=DeltaMessage(), finish_reason="stop")
+    chunk = ChatCompletionStreamResponse(id="chatcmpl-1", model="m", choices=[role, text, end])
+    data = json.loads(chunk.model_dump_json(exclude={"usage"}))
+    assert data["object"] == "chat.completion.chunk"
+    assert "usage" not in data
+    assert [c["delta"] for c in data["choices"]] == [
+        {"role": "assistant", "content": ""},
+        {"content": "hi"},
+        {},
+    ]
+    assert [c["finish_reason"] for c in data["choices"]] == [None, None, "stop"]
+    event = sse(chunk)
+    assert event.startswith("data: {") and event.endswith("}\n\n")
+
+
+def test_usage_and_ids():
+    usage = UsageInfo.build(prompt_tokens=10, completion_tokens=5, cached_tokens=8)
+    assert usage.model_dump() == {
+        "prompt_tokens": 10,
+        "completion_tokens": 5,
+        "total_tokens": 15,
+        "prompt_tokens_details": {"cached_tokens": 8},
+    }
+    rid = random_id("cmpl")
+    assert rid.startswith("cmpl-") and len(rid) == len("cmpl-") + 32
+    assert sub_request_ids(rid, 1) == [rid]
+    assert sub_request_ids(rid, 2) == [f"{rid}-0", f"{rid}-1"]
