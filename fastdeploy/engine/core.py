@@ -8,6 +8,10 @@ from fastdeploy.config import EngineConfig
 from fastdeploy.engine.request import EngineCoreOutputs, EngineCoreRequest, Request
 from fastdeploy.model_executor.model_loader import ModelSource
 
+
+class WorkerStepError(RuntimeError):
+    """A worker raised while executing a step; that step's requests fail, the engine goes on."""
+
 logger = logging.getLogger(__name__)
 
 
@@ -64,7 +68,16 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs(stats=self.scheduler.make_stats())
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.executor.execute_model(scheduler_output)
+        try:
+            runner_output = self.executor.execute_model(scheduler_output)
+        except WorkerStepError as exc:
+            # the step's requests fail; everyone else carries on
+            logger.error("engine step failed: %s", exc)
+            outputs = self.scheduler.abort_requests(list(scheduler_output.num_scheduled_tokens))
+            message = str(exc).strip().splitlines()[-1] if str(exc).strip() else "engine step failed"
+            for output in outputs:
+                output.error = message
+            return EngineCoreOutputs(outputs=outputs, stats=self.scheduler.make_stats())
         outputs = self.scheduler.update_from_output(runner_output)
         return EngineCoreOutputs(outputs=outputs, stats=self.scheduler.make_stats())
 

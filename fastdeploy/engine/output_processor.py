@@ -34,6 +34,7 @@ class ChoiceState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     finish_reported: bool = False
+    last_token_time: float | None = None
 
 
 @dataclass
@@ -90,8 +91,10 @@ class OutputProcessor:
     ``delta=True`` yields only what is new since the last output.
     """
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, metrics: Any = None):
         self.tokenizer = tokenizer
+        self.metrics = metrics
+        """An ``EngineMetrics`` (or None) told about tokens, latencies and finishes."""
         self.requests: dict[str, RequestState] = {}
         self._child_to_parent: dict[str, tuple[str, int]] = {}
 
@@ -104,6 +107,11 @@ class OutputProcessor:
             self._child_to_parent[child] = (state.request_id, i)
             ids.append(child)
         return ids
+
+    def parent_of(self, child_id: str) -> str | None:
+        """The user request id an engine-core id belongs to."""
+        parent = self._child_to_parent.get(child_id)
+        return parent[0] if parent else None
 
     def child_ids(self, request_id: str) -> list[str]:
         state = self.requests.get(request_id)
@@ -145,12 +153,19 @@ class OutputProcessor:
         return results, to_abort, finished
 
     def _apply(self, state: RequestState, choice: ChoiceState, out: EngineCoreOutput, now: float) -> None:
+        metrics = self.metrics
+        if out.queue_time is not None:
+            state.times.queue_time = out.queue_time
         if out.new_token_ids:
             if state.times.first_token is None:
                 state.times.first_token = now
-            state.times.last_token = now
-        if out.queue_time is not None:
-            state.times.queue_time = out.queue_time
+                if metrics:
+                    metrics.on_first_token(now - state.times.arrival, len(state.prompt_token_ids))
+            elif metrics and choice.last_token_time is not None:
+                metrics.on_inter_token(now - choice.last_token_time)
+            choice.last_token_time = state.times.last_token = now
+            if metrics:
+                metrics.on_generation_tokens(len(out.new_token_ids))
         state.num_cached_tokens = out.num_cached_tokens
         choice.token_ids.extend(out.new_token_ids)
         finishing = out.finish_reason is not None
@@ -161,10 +176,16 @@ class OutputProcessor:
             delta_text = choice.detokenizer.add_tokens(new_ids, final=finishing)
             choice.text += delta_text
             if state.params.stop and self._match_stop(state, choice, len(delta_text)):
+                self._on_choice_finished(state, choice, now)
                 return
         if finishing:
             choice.finish_reason = out.finish_reason
             choice.stop_reason = out.stop_reason
+            self._on_choice_finished(state, choice, now)
+
+    def _on_choice_finished(self, state: RequestState, choice: ChoiceState, now: float) -> None:
+        if self.metrics:
+            self.metrics.on_finished(choice.finish_reason, now - state.times.arrival, state.times.queue_time)
 
     @staticmethod
     def _match_stop(state: RequestState, choice: ChoiceState, delta_len: int) -> bool:

@@ -62,6 +62,8 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     queue_time: float | None = None
     """Seconds from arrival to first scheduling; sent with the first token only."""
+    error: str | None = None
+    """Set when the engine failed this request (it is finished with reason abort)."""
 
 
 @dataclass

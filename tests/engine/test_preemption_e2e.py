@@ -1,29 +1,34 @@
 """Preemption and aborts with the real default model: same tokens, no leaked KV blocks.
 
-Decode steps of the default model in float32 are memory bound (~0.1-0.3 s each on
-a 2-core CPU), so the workload is kept to a few dozen steps.
+The workload is kept to a few dozen decode steps. One intra-op thread: on a busy
+2-core machine (pytest beside other processes) OpenMP's spinning threads make
+a 2-thread run over 20x slower, and one thread is nearly as fast when idle.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from fastdeploy import LLM, SamplingParams
 from fastdeploy.engine.request import RequestStatus
 
 BLOCK_SIZE = 4
-NUM_BLOCKS = 8  # 32 tokens: one sequence of max_model_len fits, three growing ones do not
-MAX_MODEL_LEN = 32
-MAX_TOKENS = 8
+NUM_BLOCKS = 10  # 40 tokens: one sequence of max_model_len fits, four growing ones do not
+MAX_MODEL_LEN = 40
+MAX_TOKENS = 12
 PROMPTS = [
     "The quick brown fox jumps over",
     "Once upon a time, there",
     "List three facts about Mars:",
+    "def fibonacci(n):",
 ]
+LONG_PROMPT = "The quick brown fox jumps over the lazy dog near the river bank"
 
 
 @pytest.fixture(scope="module")
 def llm():
+    threads = torch.get_num_threads()
     engine = LLM(
         dtype="float32",
         block_size=BLOCK_SIZE,
@@ -31,9 +36,11 @@ def llm():
         max_model_len=MAX_MODEL_LEN,
         max_num_seqs=4,
         max_num_batched_tokens=64,
+        num_threads=1,
     )
     yield engine
     engine.shutdown()
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture
@@ -65,11 +72,14 @@ def test_preemption_gives_the_same_tokens_as_one_at_a_time(llm, recorded_request
     full_blocks = [-(-(len(tokenizer.encode(p)) + MAX_TOKENS) // BLOCK_SIZE) for p in PROMPTS]
     assert sum(prompt_blocks) <= NUM_BLOCKS < sum(full_blocks)
 
+    preemptions_before = llm.engine.stats.num_preemptions
     batched = llm.generate(PROMPTS, params)
     batch_requests = list(recorded_requests)
     assert len(batch_requests) == len(PROMPTS)
     assert _blocks_in_use(llm) == 0
-    assert sum(r.num_preemptions for r in batch_requests) >= 1, "the workload must preempt a request"
+    num_preemptions = sum(r.num_preemptions for r in batch_requests)
+    assert num_preemptions >= 1, "the workload must preempt a request"
+    assert llm.engine.stats.num_preemptions - preemptions_before == num_preemptions
 
     recorded_requests.clear()
     singles = [llm.generate(p, params)[0] for p in PROMPTS]
@@ -81,6 +91,25 @@ def test_preemption_gives_the_same_tokens_as_one_at_a_time(llm, recorded_request
         assert b.outputs[0].token_ids == s.outputs[0].token_ids
         assert b.outputs[0].text == s.outputs[0].text
         assert b.outputs[0].finish_reason == "length"
+
+
+def test_same_prefix_in_one_batch_hits_the_cache_and_matches(llm, recorded_requests):
+    """The second copy hits blocks the first computes in the same step, and the batch also preempts."""
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    num_prompt = len(llm.get_tokenizer().encode(LONG_PROMPT))
+    assert num_prompt >= 3 * BLOCK_SIZE + 1
+    assert llm.engine.core.scheduler.kv.pool.reset_prefix_cache()
+    first, second = llm.generate([LONG_PROMPT, LONG_PROMPT], params)
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens == (num_prompt - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert _blocks_in_use(llm) == 0
+    recorded_requests.clear()
+    assert llm.engine.core.scheduler.kv.pool.reset_prefix_cache()
+    (single,) = llm.generate([LONG_PROMPT], params)
+    assert single.num_cached_tokens == 0
+    assert first.outputs[0].token_ids == single.outputs[0].token_ids
+    assert second.outputs[0].token_ids == single.outputs[0].token_ids
+    assert _blocks_in_use(llm) == 0
 
 
 def test_abort_running_and_preempted_requests_frees_every_block(llm):

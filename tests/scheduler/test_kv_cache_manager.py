@@ -16,7 +16,9 @@ VOCAB = 32000
 
 
 def make_request(req_id: str, token_ids: list[int], block_size: int = BS) -> Request:
-    core = EngineCoreRequest(req_id, list(token_ids), SamplingParams(temperature=0, max_tokens=64), eos_token_ids=[2])
+    core = EngineCoreRequest(
+        req_id, list(token_ids), SamplingParams(temperature=0, max_tokens=64), eos_token_ids=[2]
+    )
     return Request(core, block_size)
 
 

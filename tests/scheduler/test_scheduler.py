@@ -76,7 +76,9 @@ class FakeWorker:
             self.computed[new.req_id] = new.num_computed_tokens
             self.new_req_tokens.setdefault(new.req_id, []).append(list(new.token_ids))
         cached = so.cached_reqs
-        for rid, block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
+        for rid, block_ids, num_computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
+        ):
             assert rid in self.blocks
             assert num_computed == self.computed[rid]
             self.blocks[rid].extend(block_ids)
@@ -236,7 +238,11 @@ def test_preemption_newest_first_recompute_and_same_tokens():
     while sched.has_unfinished_requests():
         running_before = [r.request_id for r in sched.running]
         so, outputs = step(sched, worker=worker)
-        victims = [r.request_id for r in reqs if r.request_id in so.finished_req_ids and r.status != RequestStatus.FINISHED]
+        victims = [
+            r.request_id
+            for r in reqs
+            if r.request_id in so.finished_req_ids and r.status != RequestStatus.FINISHED
+        ]
         if victims:
             preempted_events.append((running_before, victims, [r.request_id for r in sched.waiting]))
         for out in outputs:
@@ -266,7 +272,9 @@ def test_preemption_newest_first_recompute_and_same_tokens():
 def test_preempted_request_goes_to_front_of_waiting():
     rng = random.Random(6)
     # 6 blocks of 4 hold one sequence of max_model_len (as the engine core guarantees), not two
-    sched = make_scheduler(num_blocks=6, block_size=4, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=24)
+    sched = make_scheduler(
+        num_blocks=6, block_size=4, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=24
+    )
     make_request(sched, "a", rand_prompt(rng, 8), max_tokens=16)
     make_request(sched, "b", rand_prompt(rng, 8), max_tokens=16)
     make_request(sched, "c", rand_prompt(rng, 4), max_tokens=2)
@@ -289,7 +297,9 @@ def test_preempted_request_goes_to_front_of_waiting():
 def test_preemption_of_the_only_request_it_is_resumed():
     """A lone request that outgrows a tiny budget of blocks is preempted by itself and resumed."""
     rng = random.Random(7)
-    sched = make_scheduler(num_blocks=8, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=32)
+    sched = make_scheduler(
+        num_blocks=8, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=32
+    )
     worker = FakeWorker(sched)
     make_request(sched, "a", rand_prompt(rng, 10), max_tokens=20)
     make_request(sched, "b", rand_prompt(rng, 10), max_tokens=20)
@@ -397,7 +407,9 @@ def test_abort_a_preempted_request_and_mid_prefill():
 def test_random_workload_leaves_zero_blocks_in_use():
     """Arrivals, aborts and preemptions at random, with shared prefixes and prefix caching on."""
     rng = random.Random(12)
-    sched = make_scheduler(num_blocks=24, block_size=4, max_num_seqs=5, max_num_batched_tokens=20, max_model_len=64)
+    sched = make_scheduler(
+        num_blocks=24, block_size=4, max_num_seqs=5, max_num_batched_tokens=20, max_model_len=64
+    )
     worker = FakeWorker(sched)
     prefixes = [rand_prompt(rng, rng.randint(4, 16)) for _ in range(3)]
     n = 0

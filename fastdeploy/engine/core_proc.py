@@ -1,0 +1,103 @@
+"""The engine core process: receives requests over ZMQ, steps the engine, streams outputs back."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import traceback
+
+import zmq
+
+from fastdeploy import envs
+from fastdeploy.config import EngineConfig
+from fastdeploy.engine.ipc import become_child_process, decode, encode
+from fastdeploy.engine.request import EngineCoreOutput, EngineCoreRequest, SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+
+def engine_core_main(config: EngineConfig, input_address: str, output_address: str) -> None:
+    """Entry point of the engine core process.
+
+    Messages in: ``{"type": "add", "request": ...}``, ``{"type": "abort", "ids": [...]}``,
+    ``{"type": "shutdown"}``. Messages out: ``ready`` (once, with the resolved
+    limits), ``failed`` (start-up error), ``outputs`` (per step) and ``dead``
+    (a worker died; this process then exits).
+    """
+    become_child_process()
+    logging.basicConfig(level=envs.FD_LOG_LEVEL, format="%(asctime)s %(levelname)s [engine] %(message)s")
+    from fastdeploy.engine.core import EngineCore
+    from fastdeploy.engine.multiproc_executor import MultiprocExecutor, WorkerDiedError
+    from fastdeploy.model_executor.model_loader import resolve_model
+
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.connect(input_address)
+    outbox = ctx.socket(zmq.PUSH)
+    outbox.connect(output_address)
+    core = None
+    try:
+        try:
+            core = EngineCore(config, resolve_model(config.model), MultiprocExecutor)
+        except Exception as exc:
+            outbox.send(encode({"type": "failed", "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}))
+            return
+        outbox.send(encode({"type": "ready", "max_model_len": core.max_model_len, "num_blocks": core.num_blocks}))
+        _run_loop(core, inbox, outbox, WorkerDiedError)
+    finally:
+        if core is not None:
+            core.shutdown()
+        outbox.close(linger=1000)
+        inbox.close(linger=0)
+
+
+def _run_loop(core, inbox, outbox, worker_died_error: type[Exception]) -> None:
+    idle_poll_ms = int(envs.FD_HEALTH_CHECK_INTERVAL_S * 1000)
+    reported_idle = True
+    while True:
+        timeout = 0 if core.has_unfinished_requests() else idle_poll_ms
+        while inbox.poll(timeout):
+            message = decode(inbox.recv())
+            kind = message["type"]
+            if kind == "add":
+                request = EngineCoreRequest.from_wire(message["request"])
+                try:
+                    core.add_request(request)
+                except ValueError as exc:
+                    _send_outputs(outbox, [_rejected(request.request_id, str(exc))], None)
+            elif kind == "abort":
+                outputs = core.abort_requests(message["ids"])
+                _send_outputs(outbox, outputs.outputs, None)
+            elif kind == "shutdown":
+                return
+            timeout = 0
+        try:
+            if core.has_unfinished_requests():
+                outputs = core.step()
+                _send_outputs(outbox, outputs.outputs, outputs.stats)
+                reported_idle = False
+            else:
+                core.executor.check_health()
+                if not reported_idle:  # one last snapshot so gauges settle at idle values
+                    _send_outputs(outbox, [], core.scheduler.make_stats())
+                    reported_idle = True
+        except worker_died_error as exc:
+            logger.error("%s", exc)
+            outbox.send(encode({"type": "dead", "error": str(exc)}))
+            return
+
+
+def _rejected(request_id: str, message: str) -> EngineCoreOutput:
+    return EngineCoreOutput(request_id, [], "abort", None, 0, error=message)
+
+
+def _send_outputs(outbox, outputs: list[EngineCoreOutput], stats: SchedulerStats | None) -> None:
+    outbox.send(
+        encode(
+            {
+                "type": "outputs",
+                "outputs": [dataclasses.asdict(o) for o in outputs],
+                "stats": dataclasses.asdict(stats) if stats is not None else None,
+            }
+        )
+    )

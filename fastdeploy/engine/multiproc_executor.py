@@ -1,0 +1,112 @@
+"""Runs the worker in its own process and talks to it over ZMQ."""
+
+from __future__ import annotations
+
+import multiprocessing
+import traceback
+from typing import Any
+
+import zmq
+
+from fastdeploy import envs
+from fastdeploy.config import EngineConfig
+from fastdeploy.engine.core import WorkerStepError
+from fastdeploy.engine.ipc import become_child_process, decode, encode, new_ipc_address, stop_process
+from fastdeploy.model_executor.model_loader import ModelSource
+from fastdeploy.scheduler.output import ModelRunnerOutput, SchedulerOutput
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker process exited; the engine cannot continue."""
+
+
+def _worker_main(config: EngineConfig, source: ModelSource, max_model_len: int, address: str) -> None:
+    become_child_process()
+    from fastdeploy.worker.worker import Worker
+
+    socket = zmq.Context().socket(zmq.PAIR)
+    socket.connect(address)
+    try:
+        worker = Worker(config, source, max_model_len)
+        worker.load_model()
+    except Exception:
+        socket.send(encode({"error": traceback.format_exc()}))
+        return
+    socket.send(encode({"ok": "ready"}))
+    while True:
+        method, args = decode(socket.recv())
+        if method == "shutdown":
+            return
+        try:
+            if method == "execute_model":
+                result = worker.execute_model(SchedulerOutput.from_wire(args[0])).to_wire()
+            else:
+                result = getattr(worker, method)(*args)
+            socket.send(encode({"ok": result}))
+        except Exception:
+            socket.send(encode({"error": traceback.format_exc()}))
+
+
+class MultiprocExecutor:
+    """The engine core's handle on its worker process."""
+
+    def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int):
+        if config.parallel.tensor_parallel_size != 1:
+            raise NotImplementedError("tensor_parallel_size > 1 is not implemented yet")
+        address = new_ipc_address("worker")
+        self._socket = zmq.Context.instance().socket(zmq.PAIR)
+        self._socket.bind(address)
+        ctx = multiprocessing.get_context("spawn")
+        self._proc = ctx.Process(
+            target=_worker_main, args=(config, source, max_model_len, address), name="fastdeploy-worker", daemon=True
+        )
+        self._proc.start()
+        try:
+            self._wait_reply(timeout_s=envs.FD_ENGINE_READY_TIMEOUT_S)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _wait_reply(self, timeout_s: float | None = None) -> Any:
+        interval_ms = int(envs.FD_HEALTH_CHECK_INTERVAL_S * 1000)
+        waited = 0.0
+        while not self._socket.poll(interval_ms):
+            self.check_health()
+            waited += interval_ms / 1000
+            if timeout_s is not None and waited > timeout_s:
+                raise TimeoutError(f"the worker did not answer within {timeout_s:.0f} s")
+        reply = decode(self._socket.recv())
+        if "error" in reply:
+            raise WorkerStepError(reply["error"])
+        return reply["ok"]
+
+    def _call(self, method: str, *args: Any) -> Any:
+        self._socket.send(encode([method, list(args)]))
+        return self._wait_reply()
+
+    def determine_num_blocks(self) -> int:
+        return self._call("determine_num_blocks")
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self._call("initialize_cache", num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return ModelRunnerOutput.from_wire(self._call("execute_model", scheduler_output.to_wire()))
+
+    def check_health(self) -> None:
+        if not self._proc.is_alive():
+            raise WorkerDiedError(f"the worker process exited (exit code {self._proc.exitcode})")
+
+    @property
+    def worker_pid(self) -> int | None:
+        return self._proc.pid
+
+    def shutdown(self) -> None:
+        if self._proc.is_alive():
+            try:
+                self._socket.send(encode(["shutdown", []]), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            self._proc.join(2)
+        stop_process(self._proc)
+        self._socket.close(linger=0)

@@ -1,0 +1,91 @@
+"""Prometheus metrics of the server, names prefixed ``fastdeploy:``, times in seconds.
+
+``REGISTRY`` is what ``GET /metrics`` exposes. ``EngineMetrics`` is fed by the
+front end: scheduler snapshots from the engine core, and per-request timings
+from the output processor.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from fastdeploy.engine.request import SchedulerStats
+
+REGISTRY = CollectorRegistry()
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+_LABELS = ["model_name"]
+
+_running = Gauge("fastdeploy:num_requests_running", "Requests in the running batch.", _LABELS, registry=REGISTRY)
+_waiting = Gauge("fastdeploy:num_requests_waiting", "Requests waiting to be scheduled.", _LABELS, registry=REGISTRY)
+_kv_usage = Gauge(
+    "fastdeploy:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1).", _LABELS, registry=REGISTRY
+)
+_prefix_queries = Counter(
+    "fastdeploy:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", _LABELS, registry=REGISTRY
+)
+_prefix_hits = Counter(
+    "fastdeploy:prefix_cache_hits", "Prompt tokens found in the prefix cache.", _LABELS, registry=REGISTRY
+)
+_preemptions = Counter("fastdeploy:num_preemptions", "Requests preempted for lack of KV blocks.", _LABELS, registry=REGISTRY)
+_prompt_tokens = Counter("fastdeploy:prompt_tokens", "Prompt tokens processed.", _LABELS, registry=REGISTRY)
+_generation_tokens = Counter("fastdeploy:generation_tokens", "Tokens generated.", _LABELS, registry=REGISTRY)
+_success = Counter(
+    "fastdeploy:request_success",
+    "Finished requests (choices) by finish reason.",
+    _LABELS + ["finished_reason"],
+    registry=REGISTRY,
+)
+_ttft = Histogram(
+    "fastdeploy:time_to_first_token_seconds", "Arrival to first token.", _LABELS, buckets=_LATENCY_BUCKETS, registry=REGISTRY
+)
+_itl = Histogram(
+    "fastdeploy:inter_token_latency_seconds",
+    "Time between successive token deliveries of a request.",
+    _LABELS,
+    buckets=_LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+_e2e = Histogram(
+    "fastdeploy:e2e_request_latency_seconds", "Arrival to finish.", _LABELS, buckets=_LATENCY_BUCKETS, registry=REGISTRY
+)
+_queue = Histogram(
+    "fastdeploy:request_queue_time_seconds",
+    "Arrival to first scheduling.",
+    _LABELS,
+    buckets=_LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+
+
+class EngineMetrics:
+    """Records one engine's metrics under its ``model_name`` label."""
+
+    def __init__(self, model_name: str):
+        self.labels = {"model_name": model_name}
+        for reason in ("stop", "length", "abort"):
+            _success.labels(model_name=model_name, finished_reason=reason)  # expose zeros from the start
+
+    def on_scheduler_stats(self, stats: SchedulerStats) -> None:
+        _running.labels(**self.labels).set(stats.num_running)
+        _waiting.labels(**self.labels).set(stats.num_waiting)
+        _kv_usage.labels(**self.labels).set(stats.kv_cache_usage)
+        _prefix_queries.labels(**self.labels).inc(stats.prefix_cache_queries)
+        _prefix_hits.labels(**self.labels).inc(stats.prefix_cache_hits)
+        _preemptions.labels(**self.labels).inc(stats.num_preemptions)
+
+    def on_first_token(self, ttft: float, num_prompt_tokens: int) -> None:
+        _ttft.labels(**self.labels).observe(ttft)
+        _prompt_tokens.labels(**self.labels).inc(num_prompt_tokens)
+
+    def on_inter_token(self, gap: float) -> None:
+        _itl.labels(**self.labels).observe(gap)
+
+    def on_generation_tokens(self, n: int) -> None:
+        _generation_tokens.labels(**self.labels).inc(n)
+
+    def on_finished(self, finish_reason: str, e2e: float, queue_time: float | None) -> None:
+        _success.labels(finished_reason=finish_reason, **self.labels).inc()
+        _e2e.labels(**self.labels).observe(e2e)
+        if queue_time is not None:
+            _queue.labels(**self.labels).observe(queue_time)
