@@ -36,6 +36,19 @@ class EngineGenerateError(RuntimeError):
     """The engine failed one request; the server stays up for the others."""
 
 
+def _default_model_name(config: EngineConfig, source: Any) -> str:
+    """The name the API serves the model under when none is given (the ``model_name`` metrics label).
+
+    Must agree with ``api_server.default_served_model_names``: the embedded default
+    model is served as ``DEFAULT_MODEL_NAME``, not under its .gguf file name.
+    """
+    if not config.model.model:
+        from fastdeploy.model_executor.model_loader.default_model import DEFAULT_MODEL_NAME
+
+        return DEFAULT_MODEL_NAME
+    return source.display_name.removesuffix(".gguf")
+
+
 class AsyncLLM(EngineClient):
     """Tokenizes and detokenizes here; schedules and runs the model in child processes.
 
@@ -51,7 +64,7 @@ class AsyncLLM(EngineClient):
         self.tokenizer = load_tokenizer(config.model, self.source)
         self.eos_token_ids = eos_ids_of(self.source.arch.eos_token_ids, self.tokenizer)
         self.vocab_size = self.source.arch.vocab_size
-        self.model_name = config.model.served_model_name or self.source.display_name.removesuffix(".gguf")
+        self.model_name = config.model.served_model_name or _default_model_name(config, self.source)
         self.metrics = EngineMetrics(self.model_name)
         self.output_processor = OutputProcessor(self.tokenizer, self.metrics)
         self._queues: dict[str, asyncio.Queue] = {}

@@ -26,6 +26,9 @@ def engine_core_main(config: EngineConfig, input_address: str, output_address: s
     """
     become_child_process()
     logging.basicConfig(level=envs.FD_LOG_LEVEL, format="%(asctime)s %(levelname)s [engine] %(message)s")
+    import torch
+
+    torch.set_num_threads(1)  # this process only schedules; the worker owns the cores
     from fastdeploy.engine.core import EngineCore
     from fastdeploy.engine.multiproc_executor import MultiprocExecutor, WorkerDiedError
     from fastdeploy.model_executor.model_loader import resolve_model

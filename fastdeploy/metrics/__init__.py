@@ -63,6 +63,11 @@ class EngineMetrics:
 
     def __init__(self, model_name: str):
         self.labels = {"model_name": model_name}
+        # create every labelled series now, so that a fresh server exposes its gauges and
+        # counters at 0 instead of leaving them out until the first request
+        for metric in (_running, _waiting, _kv_usage, _prefix_queries, _prefix_hits, _preemptions,
+                       _prompt_tokens, _generation_tokens, _ttft, _itl, _e2e, _queue):  # fmt: skip
+            metric.labels(**self.labels)
         for reason in ("stop", "length", "abort"):
             _success.labels(model_name=model_name, finished_reason=reason)  # expose zeros from the start
 
