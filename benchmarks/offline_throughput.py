@@ -21,8 +21,12 @@ def random_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[li
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="model path; default: the embedded SmolLM2-135M-Instruct")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--model", default=None, help="model path; default: the embedded SmolLM2-135M-Instruct"
+    )
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)

@@ -82,7 +82,9 @@ class AsyncLLM(EngineClient):
         self._from_core.bind(output_address)
         ctx = multiprocessing.get_context("spawn")
         self._proc = ctx.Process(
-            target=engine_core_main, args=(config, input_address, output_address), name="fastdeploy-engine-core"
+            target=engine_core_main,
+            args=(config, input_address, output_address),
+            name="fastdeploy-engine-core",
         )
         self._proc.start()
         try:
@@ -115,9 +117,13 @@ class AsyncLLM(EngineClient):
                     logger.debug("engine start-up trace:\n%s", message.get("trace"))
                     raise EngineStartupError(f"the engine failed to start: {message['error']}")
             elif not self._proc.is_alive():
-                raise EngineStartupError(f"the engine process exited during start-up (exit code {self._proc.exitcode})")
+                raise EngineStartupError(
+                    f"the engine process exited during start-up (exit code {self._proc.exitcode})"
+                )
             if time.monotonic() > deadline:
-                raise EngineStartupError(f"the engine did not start within {envs.FD_ENGINE_READY_TIMEOUT_S:.0f} s")
+                raise EngineStartupError(
+                    f"the engine did not start within {envs.FD_ENGINE_READY_TIMEOUT_S:.0f} s"
+                )
 
     # ---- background tasks ------------------------------------------------------------
 
@@ -203,7 +209,9 @@ class AsyncLLM(EngineClient):
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
         arrival = time.time()
-        core_requests = self.input_processor.make_core_requests(request_id, prompt_token_ids, sampling_params, arrival)
+        core_requests = self.input_processor.make_core_requests(
+            request_id, prompt_token_ids, sampling_params, arrival
+        )
         state = RequestState(request_id, prompt, prompt_token_ids, sampling_params, self.tokenizer, arrival)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue

@@ -12,6 +12,7 @@ from fastdeploy.model_executor.model_loader import ModelSource
 class WorkerStepError(RuntimeError):
     """A worker raised while executing a step; that step's requests fail, the engine goes on."""
 
+
 logger = logging.getLogger(__name__)
 
 
@@ -49,7 +50,9 @@ class EngineCore:
         self.num_blocks = num_blocks
         self.executor.initialize_cache(num_blocks)
         self.scheduler = Scheduler(config, num_blocks, self.max_model_len)
-        logger.info("KV cache: %d blocks of %d tokens (%d tokens)", num_blocks, block_size, num_blocks * block_size)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens)", num_blocks, block_size, num_blocks * block_size
+        )
 
     def add_request(self, core_request: EngineCoreRequest) -> None:
         num_prompt = len(core_request.prompt_token_ids)

@@ -43,9 +43,19 @@ def engine_core_main(config: EngineConfig, input_address: str, output_address: s
         try:
             core = EngineCore(config, resolve_model(config.model), MultiprocExecutor)
         except Exception as exc:
-            outbox.send(encode({"type": "failed", "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}))
+            outbox.send(
+                encode(
+                    {
+                        "type": "failed",
+                        "error": f"{type(exc).__name__}: {exc}",
+                        "trace": traceback.format_exc(),
+                    }
+                )
+            )
             return
-        outbox.send(encode({"type": "ready", "max_model_len": core.max_model_len, "num_blocks": core.num_blocks}))
+        outbox.send(
+            encode({"type": "ready", "max_model_len": core.max_model_len, "num_blocks": core.num_blocks})
+        )
         _run_loop(core, inbox, outbox, WorkerDiedError)
     finally:
         if core is not None:

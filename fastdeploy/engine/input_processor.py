@@ -37,7 +37,11 @@ class InputProcessor:
             )
 
     def make_core_requests(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float | None = None
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
     ) -> list[EngineCoreRequest]:
         """One engine-core request per choice; seeded choices get distinct seeds."""
         self.validate(prompt_token_ids)

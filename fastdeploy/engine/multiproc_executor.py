@@ -58,7 +58,10 @@ class MultiprocExecutor:
         self._socket.bind(address)
         ctx = multiprocessing.get_context("spawn")
         self._proc = ctx.Process(
-            target=_worker_main, args=(config, source, max_model_len, address), name="fastdeploy-worker", daemon=True
+            target=_worker_main,
+            args=(config, source, max_model_len, address),
+            name="fastdeploy-worker",
+            daemon=True,
         )
         self._proc.start()
         try:

@@ -69,7 +69,9 @@ class RequestState:
         self.choices = [
             ChoiceState(
                 i,
-                IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens) if tokenizer else None,
+                IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
+                if tokenizer
+                else None,
             )
             for i in range(params.n)
         ]
@@ -221,7 +223,9 @@ class OutputProcessor:
                 text, token_ids = choice.text[:visible], list(choice.token_ids)
             choice.sent_text_len, choice.sent_token_len = visible, len(choice.token_ids)
             choice.finish_reported = done
-            outputs.append(CompletionOutput(choice.index, text, token_ids, choice.finish_reason, choice.stop_reason))
+            outputs.append(
+                CompletionOutput(choice.index, text, token_ids, choice.finish_reason, choice.stop_reason)
+            )
         return RequestOutput(
             request_id=state.request_id,
             prompt=state.prompt,

@@ -45,7 +45,9 @@ class LLM:
         if sampling_params is None:
             sampling_params = SamplingParams()
         params_list = (
-            [sampling_params] * len(prompt_list) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+            [sampling_params] * len(prompt_list)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
         )
         if len(params_list) != len(prompt_list):
             raise ValueError(f"got {len(params_list)} sampling params for {len(prompt_list)} prompts")
@@ -72,7 +74,10 @@ class LLM:
         prompts = []
         for conversation in conversations:
             text = tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {})
+                conversation,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **(chat_template_kwargs or {}),
             )
             prompts.append({"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)

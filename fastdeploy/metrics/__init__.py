@@ -13,21 +13,54 @@ from fastdeploy.engine.request import SchedulerStats
 
 REGISTRY = CollectorRegistry()
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+)
 _LABELS = ["model_name"]
 
-_running = Gauge("fastdeploy:num_requests_running", "Requests in the running batch.", _LABELS, registry=REGISTRY)
-_waiting = Gauge("fastdeploy:num_requests_waiting", "Requests waiting to be scheduled.", _LABELS, registry=REGISTRY)
+_running = Gauge(
+    "fastdeploy:num_requests_running", "Requests in the running batch.", _LABELS, registry=REGISTRY
+)
+_waiting = Gauge(
+    "fastdeploy:num_requests_waiting", "Requests waiting to be scheduled.", _LABELS, registry=REGISTRY
+)
 _kv_usage = Gauge(
-    "fastdeploy:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1).", _LABELS, registry=REGISTRY
+    "fastdeploy:kv_cache_usage_perc",
+    "Fraction of KV cache blocks in use (0 to 1).",
+    _LABELS,
+    registry=REGISTRY,
 )
 _prefix_queries = Counter(
-    "fastdeploy:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", _LABELS, registry=REGISTRY
+    "fastdeploy:prefix_cache_queries",
+    "Prompt tokens looked up in the prefix cache.",
+    _LABELS,
+    registry=REGISTRY,
 )
 _prefix_hits = Counter(
     "fastdeploy:prefix_cache_hits", "Prompt tokens found in the prefix cache.", _LABELS, registry=REGISTRY
 )
-_preemptions = Counter("fastdeploy:num_preemptions", "Requests preempted for lack of KV blocks.", _LABELS, registry=REGISTRY)
+_preemptions = Counter(
+    "fastdeploy:num_preemptions", "Requests preempted for lack of KV blocks.", _LABELS, registry=REGISTRY
+)
 _prompt_tokens = Counter("fastdeploy:prompt_tokens", "Prompt tokens processed.", _LABELS, registry=REGISTRY)
 _generation_tokens = Counter("fastdeploy:generation_tokens", "Tokens generated.", _LABELS, registry=REGISTRY)
 _success = Counter(
@@ -37,7 +70,11 @@ _success = Counter(
     registry=REGISTRY,
 )
 _ttft = Histogram(
-    "fastdeploy:time_to_first_token_seconds", "Arrival to first token.", _LABELS, buckets=_LATENCY_BUCKETS, registry=REGISTRY
+    "fastdeploy:time_to_first_token_seconds",
+    "Arrival to first token.",
+    _LABELS,
+    buckets=_LATENCY_BUCKETS,
+    registry=REGISTRY,
 )
 _itl = Histogram(
     "fastdeploy:inter_token_latency_seconds",
@@ -47,7 +84,11 @@ _itl = Histogram(
     registry=REGISTRY,
 )
 _e2e = Histogram(
-    "fastdeploy:e2e_request_latency_seconds", "Arrival to finish.", _LABELS, buckets=_LATENCY_BUCKETS, registry=REGISTRY
+    "fastdeploy:e2e_request_latency_seconds",
+    "Arrival to finish.",
+    _LABELS,
+    buckets=_LATENCY_BUCKETS,
+    registry=REGISTRY,
 )
 _queue = Histogram(
     "fastdeploy:request_queue_time_seconds",

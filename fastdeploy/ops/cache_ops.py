@@ -45,16 +45,22 @@ def _validate(
     if kv_cache_dtype != "auto":
         raise NotImplementedError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported by the torch fallback")
     if key.dim() != 3 or key.shape != value.shape:
-        raise ValueError(f"key and value must both be [tokens, heads, head_dim]; got {tuple(key.shape)} and {tuple(value.shape)}")
+        raise ValueError(
+            f"key and value must both be [tokens, heads, head_dim]; got {tuple(key.shape)} and {tuple(value.shape)}"
+        )
     if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
         raise ValueError(
             "key_cache and value_cache must both be [num_blocks, block_size, heads, head_dim]; "
             f"got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}"
         )
     if key.shape[1:] != key_cache.shape[2:]:
-        raise ValueError(f"key heads/head_dim {tuple(key.shape[1:])} do not match the cache's {tuple(key_cache.shape[2:])}")
+        raise ValueError(
+            f"key heads/head_dim {tuple(key.shape[1:])} do not match the cache's {tuple(key_cache.shape[2:])}"
+        )
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] > key.shape[0]:
-        raise ValueError(f"slot_mapping must be 1-D with at most {key.shape[0]} entries; got {tuple(slot_mapping.shape)}")
+        raise ValueError(
+            f"slot_mapping must be 1-D with at most {key.shape[0]} entries; got {tuple(slot_mapping.shape)}"
+        )
     if slot_mapping.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
     devices = {t.device for t in (key, value, key_cache, value_cache, slot_mapping)}

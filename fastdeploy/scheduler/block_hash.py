@@ -30,7 +30,10 @@ def block_extra_keys(start: int, end: int, mm_items: Sequence[tuple[int, int, st
 
 
 def extend_block_hashes(
-    hashes: list[bytes], token_ids: Sequence[int], block_size: int, mm_items: Sequence[tuple[int, int, str]] = ()
+    hashes: list[bytes],
+    token_ids: Sequence[int],
+    block_size: int,
+    mm_items: Sequence[tuple[int, int, str]] = (),
 ) -> None:
     """Append the hashes of blocks that became full since the last call (in place)."""
     for i in range(len(hashes), len(token_ids) // block_size):

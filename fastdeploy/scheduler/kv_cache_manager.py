@@ -94,7 +94,10 @@ class KVCacheManager:
     def _update_hashes(self, request: Request, num_tokens: int) -> None:
         if len(request.block_hashes) < num_tokens // self.block_size:
             extend_block_hashes(
-                request.block_hashes, request.all_token_ids[:num_tokens], self.block_size, request.mm_extra_keys
+                request.block_hashes,
+                request.all_token_ids[:num_tokens],
+                self.block_size,
+                request.mm_extra_keys,
             )
 
     def block_ids(self, request_id: str) -> list[int]:

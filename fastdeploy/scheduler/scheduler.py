@@ -58,7 +58,9 @@ class Scheduler:
             if request is None:
                 continue
             self._finish(request, FinishReason.ABORT)
-            outputs.append(EngineCoreOutput(req_id, [], FinishReason.ABORT.value, None, request.num_cached_tokens))
+            outputs.append(
+                EngineCoreOutput(req_id, [], FinishReason.ABORT.value, None, request.num_cached_tokens)
+            )
         return outputs
 
     def has_unfinished_requests(self) -> bool:

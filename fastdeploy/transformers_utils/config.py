@@ -52,7 +52,9 @@ class ModelArchConfig:
             )
         heads = cfg["num_attention_heads"]
         rope = dict(cfg.get("rope_parameters") or {})
-        rope_scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        rope_scaling = cfg.get("rope_scaling") or (
+            rope if rope.get("rope_type", "default") != "default" else None
+        )
         eos = cfg.get("eos_token_id")
         return cls(
             architecture=arch,

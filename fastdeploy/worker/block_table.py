@@ -29,7 +29,9 @@ class BlockTable:
         start = self.num_blocks[row]
         end = start + len(block_ids)
         if end > self.table.shape[1]:
-            raise ValueError(f"request needs {end} blocks, more than max_model_len allows ({self.table.shape[1]})")
+            raise ValueError(
+                f"request needs {end} blocks, more than max_model_len allows ({self.table.shape[1]})"
+            )
         self.table[row, start:end] = block_ids
         self.num_blocks[row] = end
 

@@ -42,7 +42,9 @@ class ModelRunner:
 
     def kv_cache_bytes_per_block(self) -> int:
         arch = self.source.arch
-        per_token = 2 * arch.num_hidden_layers * arch.num_key_value_heads * arch.head_dim * self.dtype.itemsize
+        per_token = (
+            2 * arch.num_hidden_layers * arch.num_key_value_heads * arch.head_dim * self.dtype.itemsize
+        )
         return per_token * self.block_size
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
@@ -88,7 +90,9 @@ class ModelRunner:
         for new in so.new_reqs:
             batch.add_request(new)
         cached = so.cached_reqs
-        for req_id, block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
+        for req_id, block_ids, num_computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
+        ):
             slot = batch.req_id_to_index[req_id]
             batch.block_table.append(slot, block_ids)
             batch.num_computed_tokens[slot] = num_computed
@@ -103,7 +107,9 @@ class ModelRunner:
         cu = np.cumsum(counts)
         total = int(cu[-1])
         req_of_token = np.repeat(slots, counts)
-        positions = batch.num_computed_tokens[req_of_token] + (np.arange(total) - np.repeat(cu - counts, counts))
+        positions = batch.num_computed_tokens[req_of_token] + (
+            np.arange(total) - np.repeat(cu - counts, counts)
+        )
         input_ids = batch.token_ids[req_of_token, positions]
         block_numbers = batch.block_table.table[req_of_token, positions // self.block_size]
         slot_mapping = block_numbers.astype(np.int64) * self.block_size + positions % self.block_size

@@ -29,7 +29,9 @@ def _prompts(tokenizer) -> list[list[int]]:
         _PARAGRAPH * 16 + "To conclude,",  # ~1,000 tokens
     ]
     chat = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Write a haiku about autumn."}], tokenize=False, add_generation_prompt=True
+        [{"role": "user", "content": "Write a haiku about autumn."}],
+        tokenize=False,
+        add_generation_prompt=True,
     )
     prompts = [tokenizer.encode(t) for t in texts]
     prompts.append(tokenizer.encode(chat, add_special_tokens=False))

@@ -62,7 +62,9 @@ class TorchAttentionBackend:
         for i in np.flatnonzero(query_lens > 1):
             num_blocks = -(-int(seq_lens[i]) // bs)
             prefills.append(
-                PrefillChunk(int(qsl[i]), int(qsl[i + 1]), int(seq_lens[i]), common.block_table[i, :num_blocks].long())
+                PrefillChunk(
+                    int(qsl[i]), int(qsl[i + 1]), int(seq_lens[i]), common.block_table[i, :num_blocks].long()
+                )
             )
         return TorchAttentionMetadata(
             common=common,
@@ -80,7 +82,9 @@ class TorchAttentionBackend:
             return _decode(q, key_cache, value_cache, meta, layer.scale)
         out = torch.empty_like(q)
         if meta.decode_token_idx is not None:
-            out[meta.decode_token_idx] = _decode(q[meta.decode_token_idx], key_cache, value_cache, meta, layer.scale)
+            out[meta.decode_token_idx] = _decode(
+                q[meta.decode_token_idx], key_cache, value_cache, meta, layer.scale
+            )
         for chunk in meta.prefills:
             out[chunk.start : chunk.end] = _prefill(q, k, v, key_cache, value_cache, chunk, layer.scale)
         return out

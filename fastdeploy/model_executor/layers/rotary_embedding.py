@@ -33,7 +33,9 @@ class RotaryEmbedding(nn.Module):
         scaling = scaling or {}
         rope_type = scaling.get("rope_type", scaling.get("type", "default"))
         if rope_type not in self.SUPPORTED_SCALING:
-            raise ValueError(f"rope scaling type {rope_type!r} is not supported (supported: {self.SUPPORTED_SCALING})")
+            raise ValueError(
+                f"rope scaling type {rope_type!r} is not supported (supported: {self.SUPPORTED_SCALING})"
+            )
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         if rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, scaling)

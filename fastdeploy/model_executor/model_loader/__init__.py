@@ -44,7 +44,9 @@ class ModelSource:
 def resolve_model(config: ModelConfig) -> ModelSource:
     """Locate the model files and parse the architecture (no weights read yet)."""
     if config.load_format not in LOAD_FORMATS:
-        raise ValueError(f"unknown load_format {config.load_format!r}; choose one of {', '.join(LOAD_FORMATS)}")
+        raise ValueError(
+            f"unknown load_format {config.load_format!r}; choose one of {', '.join(LOAD_FORMATS)}"
+        )
     path = config.model or default_model_path()
     path = os.path.expanduser(path)
     if not os.path.exists(path):
@@ -73,7 +75,9 @@ def resolve_dtype(dtype: str, arch: ModelArchConfig, device: torch.device) -> to
     return chosen
 
 
-def load_model(config: ModelConfig, source: ModelSource, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+def load_model(
+    config: ModelConfig, source: ModelSource, device: torch.device, dtype: torch.dtype
+) -> torch.nn.Module:
     """Build the model on ``device`` in ``dtype`` and load (or randomly draw) its weights."""
     model_cls = MODEL_REGISTRY[source.arch.architecture]
     previous = torch.get_default_dtype()
@@ -92,12 +96,19 @@ def load_model(config: ModelConfig, source: ModelSource, device: torch.device, d
         elif load_format == "gguf":
             if not source.is_gguf:
                 raise ValueError(f"load_format gguf needs a .gguf file, got {source.path!r}")
-            model.load_weights(iterate_gguf_weights(source.path, source.arch.raw))
+            model.load_weights(_progress(iterate_gguf_weights(source.path, source.arch.raw), source))
         else:
             if source.is_gguf:
                 raise ValueError("load_format safetensors cannot read a .gguf file")
-            model.load_weights(iterate_safetensors(source.path))
+            model.load_weights(_progress(iterate_safetensors(source.path), source))
     return model.eval()
+
+
+def _progress(weights, source: ModelSource):
+    """Show a progress bar (stderr) while checkpoint tensors are read and copied."""
+    from tqdm import tqdm
+
+    return tqdm(weights, desc=f"Loading {source.display_name}", unit=" tensors", leave=False, mininterval=0.5)
 
 
 def initialize_dummy_weights(model: torch.nn.Module, seed: int) -> None:
@@ -126,6 +137,7 @@ def load_tokenizer(config: ModelConfig, source: ModelSource):
     if source.is_gguf:
         return load_gguf_tokenizer(source.path)
     has_tokenizer = any(
-        os.path.isfile(os.path.join(source.folder, f)) for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+        os.path.isfile(os.path.join(source.folder, f))
+        for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
     )
     return AutoTokenizer.from_pretrained(source.folder) if has_tokenizer else None

@@ -86,7 +86,10 @@ def gguf_config_dict(path: str) -> dict[str, Any]:
     }
     scaling_type = _field(reader, f"{arch}.rope.scaling.type")
     if scaling_type in ("linear",):
-        cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(_field(reader, f"{arch}.rope.scaling.factor"))}
+        cfg["rope_scaling"] = {
+            "rope_type": "linear",
+            "factor": float(_field(reader, f"{arch}.rope.scaling.factor")),
+        }
     elif scaling_type not in (None, "none"):
         raise ValueError(f"GGUF rope scaling {scaling_type!r} is not supported")
     return cfg
@@ -136,7 +139,9 @@ def load_gguf_tokenizer(path: str):
     from transformers import AutoTokenizer
 
     stat = os.stat(path)
-    key = hashlib.sha256(f"{os.path.abspath(path)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{os.path.abspath(path)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[
+        :16
+    ]
     cache = os.path.join(envs.FD_CACHE_DIR, "gguf_tokenizers", key)
     if os.path.isfile(os.path.join(cache, "tokenizer_config.json")):
         try:

@@ -37,8 +37,12 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
-        self.rotary_emb = RotaryEmbedding(self.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, layer_idx)
+        self.rotary_emb = RotaryEmbedding(
+            self.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+        )
+        self.attn = Attention(
+            self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, layer_idx
+        )
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
@@ -180,7 +184,11 @@ class LlamaForCausalLM(nn.Module):
     def _shard_view(self, data: torch.Tensor, shard: str | int, name: str) -> torch.Tensor:
         if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
             attn = self.model.layers[0].self_attn
-            sizes = {"q": (0, attn.q_size), "k": (attn.q_size, attn.kv_size), "v": (attn.q_size + attn.kv_size, attn.kv_size)}
+            sizes = {
+                "q": (0, attn.q_size),
+                "k": (attn.q_size, attn.kv_size),
+                "v": (attn.q_size + attn.kv_size, attn.kv_size),
+            }
             start, size = sizes[shard]
         else:
             size = self.config.intermediate_size
