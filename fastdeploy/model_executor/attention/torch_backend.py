@@ -1,7 +1,7 @@
 """Reference attention backend in plain torch: runs everywhere, reads the paged cache.
 
-Decode requests (one new token) are attended in one batched call over their
-gathered, length-masked context; prefill chunks one request at a time, with a
+Decode requests (one new token) are attended in batched calls over their
+gathered, length-masked context, in groups of similar length; prefill chunks one request at a time, with a
 causal mask offset by the cached context when there is one.
 """
 
@@ -16,6 +16,11 @@ from torch.nn.functional import scaled_dot_product_attention as sdpa
 from fastdeploy.model_executor.attention.metadata import CommonAttentionMetadata
 
 
+DECODE_GROUP_SIZE = 16
+"""Decode requests attended per call: small enough that the gathered context stays in
+the CPU cache between the gather and the matmuls, large enough to amortise launches."""
+
+
 @dataclass
 class PrefillChunk:
     start: int
@@ -25,14 +30,21 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeGroup:
+    """Decode requests of similar length, attended together."""
+
+    token_idx: torch.Tensor
+    """Token index of each request of the group."""
+    block_ids: torch.Tensor
+    """[group, blocks] block table rows trimmed to the group's longest context."""
+    key_mask: torch.Tensor
+    """[group, 1, 1, context] True where a key position is inside the sequence."""
+
+
+@dataclass
 class TorchAttentionMetadata:
     common: CommonAttentionMetadata
-    decode_token_idx: torch.Tensor | None
-    """Token index of each decode request; None when there are no decodes."""
-    decode_block_ids: torch.Tensor | None
-    decode_key_mask: torch.Tensor | None
-    """[num_decodes, 1, 1, context] True where a key position is inside the sequence."""
-    all_decode: bool
+    decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk]
 
     @property
@@ -49,15 +61,22 @@ class TorchAttentionBackend:
         qsl, seq_lens, bs = common.query_start_loc_cpu, common.seq_lens_cpu, common.block_size
         query_lens = np.diff(qsl)
         decode_reqs = np.flatnonzero(query_lens == 1)
+        decode_reqs = decode_reqs[np.argsort(seq_lens[decode_reqs], kind="stable")]  # similar lengths together
         device = common.block_table.device
-        token_idx = block_ids = key_mask = None
-        if len(decode_reqs):
-            num_blocks = -(-int(seq_lens[decode_reqs].max()) // bs)
-            reqs = torch.from_numpy(decode_reqs).to(device)
-            token_idx = torch.from_numpy(qsl[decode_reqs].astype(np.int64)).to(device)
-            block_ids = common.block_table[reqs, :num_blocks].long()
+        groups = []
+        for first in range(0, len(decode_reqs), DECODE_GROUP_SIZE):
+            reqs_np = decode_reqs[first : first + DECODE_GROUP_SIZE]
+            num_blocks = -(-int(seq_lens[reqs_np].max()) // bs)
+            reqs = torch.from_numpy(reqs_np).to(device)
             positions = torch.arange(num_blocks * bs, device=device)
-            key_mask = (positions[None, :] < common.seq_lens[reqs][:, None]).view(len(decode_reqs), 1, 1, -1)
+            key_mask = positions[None, :] < common.seq_lens[reqs][:, None]
+            groups.append(
+                DecodeGroup(
+                    token_idx=torch.from_numpy(qsl[reqs_np].astype(np.int64)).to(device),
+                    block_ids=common.block_table[reqs, :num_blocks].long(),
+                    key_mask=key_mask.view(len(reqs_np), 1, 1, -1),
+                )
+            )
         prefills = []
         for i in np.flatnonzero(query_lens > 1):
             num_blocks = -(-int(seq_lens[i]) // bs)
@@ -66,25 +85,14 @@ class TorchAttentionBackend:
                     int(qsl[i]), int(qsl[i + 1]), int(seq_lens[i]), common.block_table[i, :num_blocks].long()
                 )
             )
-        return TorchAttentionMetadata(
-            common=common,
-            decode_token_idx=token_idx,
-            decode_block_ids=block_ids,
-            decode_key_mask=key_mask,
-            all_decode=len(decode_reqs) == common.num_reqs,
-            prefills=prefills,
-        )
+        return TorchAttentionMetadata(common=common, decode_groups=groups, prefills=prefills)
 
     def forward(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: TorchAttentionMetadata):
         """q: [T, Hq, D]; k/v: [T, Hkv, D] (already in the cache) → [T, Hq, D]."""
         key_cache, value_cache = layer.kv_cache
-        if meta.all_decode:
-            return _decode(q, key_cache, value_cache, meta, layer.scale)
         out = torch.empty_like(q)
-        if meta.decode_token_idx is not None:
-            out[meta.decode_token_idx] = _decode(
-                q[meta.decode_token_idx], key_cache, value_cache, meta, layer.scale
-            )
+        for group in meta.decode_groups:
+            out[group.token_idx] = _decode(q[group.token_idx], key_cache, value_cache, group, layer.scale)
         for chunk in meta.prefills:
             out[chunk.start : chunk.end] = _prefill(q, k, v, key_cache, value_cache, chunk, layer.scale)
         return out
@@ -97,18 +105,18 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     return gathered.transpose(-3, -2)
 
 
-def _decode(q, key_cache, value_cache, meta: TorchAttentionMetadata, scale: float) -> torch.Tensor:
-    keys = _gather(key_cache, meta.decode_block_ids).to(q.dtype)
-    values = _gather(value_cache, meta.decode_block_ids).to(q.dtype)
+def _decode(q, key_cache, value_cache, group: DecodeGroup, scale: float) -> torch.Tensor:
+    keys = _gather(key_cache, group.block_ids).to(q.dtype)
+    values = _gather(value_cache, group.block_ids).to(q.dtype)
     if q.dtype == torch.float32:
-        out = sdpa(q.unsqueeze(2), keys, values, attn_mask=meta.decode_key_mask, scale=scale, enable_gqa=True)
+        out = sdpa(q.unsqueeze(2), keys, values, attn_mask=group.key_mask, scale=scale, enable_gqa=True)
         return out.squeeze(2)
     # torch's CPU SDPA is 4-5x slower than plain grouped matmuls for one bf16/fp16 query row
     num_reqs, num_heads, head_dim = q.shape
     num_kv_heads = keys.shape[1]
     grouped_q = q.view(num_reqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     scores = torch.matmul(grouped_q, keys.transpose(-1, -2)).float() * scale
-    scores = scores.masked_fill(~meta.decode_key_mask, float("-inf"))
+    scores = scores.masked_fill(~group.key_mask, float("-inf"))
     out = torch.matmul(scores.softmax(-1).to(q.dtype), values)
     return out.view(num_reqs, num_heads, head_dim)
 
