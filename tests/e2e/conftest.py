@@ -2,9 +2,9 @@
 
 One server (``server``) is shared by the whole session: it is started with
 ``--api-key`` so that every test also exercises authentication, and every client
-sends the key. Tests that kill or stop a server start their own with
-:class:`RemoteServer`. Stopping a server always checks that every process it
-started (engine core, worker, multiprocessing helpers) is gone.
+sends the key. Tests that kill or stop a server start their own through
+``server_factory``. Stopping a server with SIGTERM or SIGINT checks that every
+process it started (engine core, worker, multiprocessing helpers) is gone.
 
 Servers run with one intra-op thread: on a busy 2-core machine OpenMP's spinning
 threads make a 2-thread worker many times slower, and one is nearly as fast when idle.
@@ -50,7 +50,7 @@ def free_port() -> int:
 class RemoteServer:
     """``fastdeploy serve`` in a subprocess: start, wait for ``/health``, stop and check for orphans."""
 
-    def __init__(self, log_path: Path, *extra_args: str, api_key: str | None = None):
+    def __init__(self, log_path: Path, *extra_args: str, api_key: str | None = None, wait: bool = True):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -64,11 +64,8 @@ class RemoteServer:
         self._log = open(log_path, "wb")  # noqa: SIM115 (closed in stop())
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         self._descendants: dict[int, psutil.Process] = {}
-        try:
-            self._wait_healthy()
-        except BaseException:
-            self.stop(check=False)
-            raise
+        if wait:
+            self.wait_healthy()
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -78,11 +75,21 @@ class RemoteServer:
         except OSError:
             return ""
 
+    def wait_healthy(self) -> None:
+        """Wait for ``/health`` to answer 200; on failure stop the server and raise with its log."""
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop(check=False)
+            raise
+
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode} during start-up:\n{self.log()}")
+                raise RuntimeError(
+                    f"server exited with {self.proc.returncode} during start-up:\n{self.log()}"
+                )
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     self.remember_descendants()
@@ -127,15 +134,36 @@ class RemoteServer:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(10)
-            raise AssertionError(f"server did not exit within {timeout:.0f} s of {sig!r}:\n{self.log()}") from None
+            raise AssertionError(
+                f"server did not exit within {timeout:.0f} s of {sig!r}:\n{self.log()}"
+            ) from None
         finally:
             self._log.close()
         # children may take a moment to notice (resource tracker: EOF on its pipe)
-        _, alive = psutil.wait_procs(list(self._descendants.values()), timeout=10)
-        for p in alive:
-            p.kill()
-        assert not alive, f"orphaned processes after {sig!r}: {alive}\n{self.log()}"
+        procs = list(self._descendants.values())
+        if not self.wait_exited(procs, timeout=10):
+            alive = [p for p in procs if not self.wait_exited([p], 0)]
+            for p in alive:
+                p.kill()
+            raise AssertionError(f"orphaned processes after {sig!r}: {alive}\n{self.log()}")
         return code
+
+    @staticmethod
+    def wait_exited(procs: list[psutil.Process], timeout: float) -> bool:
+        """Whether every process has exited within ``timeout`` (a zombie has: it only waits to be reaped)."""
+
+        def exited(p: psutil.Process) -> bool:
+            try:
+                return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                return True
+
+        deadline = time.monotonic() + timeout
+        while not all(exited(p) for p in procs):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+        return True
 
     def stop(self, check: bool = True) -> None:
         """SIGTERM the server; with ``check``, fail if it or any of its children outlives it."""
@@ -172,7 +200,9 @@ class RemoteServer:
     def openai(self, **kwargs):
         import openai
 
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=self.api_key or "none", max_retries=0, **kwargs)
+        return openai.OpenAI(
+            base_url=self.url + "/v1", api_key=self.api_key or "none", max_retries=0, **kwargs
+        )
 
     def async_openai(self, **kwargs):
         import openai
@@ -270,11 +300,14 @@ def model_name(server) -> str:
 
 @pytest.fixture
 def server_factory(tmp_path):
-    """Start dedicated servers (``server_factory(*args, api_key=None)``); any left running is stopped after the test."""
+    """Start dedicated servers: ``server_factory(*args, api_key=None, wait=True)``.
+
+    Any server the test leaves running is stopped (without the orphan check) afterwards.
+    """
     started: list[RemoteServer] = []
 
-    def start(*args: str, api_key: str | None = None) -> RemoteServer:
-        srv = RemoteServer(tmp_path / f"server{len(started)}.log", *args, api_key=api_key)
+    def start(*args: str, api_key: str | None = None, wait: bool = True) -> RemoteServer:
+        srv = RemoteServer(tmp_path / f"server{len(started)}.log", *args, api_key=api_key, wait=wait)
         started.append(srv)
         return srv
 

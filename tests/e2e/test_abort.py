@@ -93,7 +93,7 @@ def test_non_streaming_client_disconnect_aborts(server, model_name):
             client.post(
                 "/v1/completions",
                 json={"model": model_name, **LONG_REQUEST},
-                timeout=httpx.Timeout(30, read=3),
+                timeout=httpx.Timeout(30, read=4),
             )
     assert watcher.peak == 1, "the request never ran"  # else the check below proves nothing
     after = wait_settled(server)

@@ -74,11 +74,13 @@ def test_32_concurrent_streams_match_sequential(server, model_name):
             await client.close()
 
     alone, together, peak = asyncio.run(run())
-    for prompt, (text, finish, tokens) in zip(prompts, together):
+    for prompt, (_text, finish, tokens) in zip(prompts, together):
         assert finish in ("stop", "length"), (prompt, finish)
         assert 0 < tokens <= MAX_TOKENS, (prompt, tokens)
     mismatches = [(p, a[0], t[0]) for p, a, t in zip(prompts, alone, together) if a != t]
-    assert not mismatches, f"{len(mismatches)} of {NUM_REQUESTS} differ (prompt, alone, concurrent): {mismatches}"
+    assert not mismatches, (
+        f"{len(mismatches)} of {NUM_REQUESTS} differ (prompt, alone, concurrent): {mismatches}"
+    )
     # the requests really ran as one batch (not one after the other)
     assert peak > 1, peak
     assert server.wait_idle()["fastdeploy:num_requests_running"] == 0

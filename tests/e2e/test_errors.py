@@ -17,7 +17,9 @@ MESSAGES = [{"role": "user", "content": "Hi"}]
 def post(server, path: str, body=None, *, content: bytes | None = None, headers=None) -> httpx.Response:
     with server.http() as client:
         if content is not None:
-            return client.post(path, content=content, headers={"Content-Type": "application/json", **(headers or {})})
+            return client.post(
+                path, content=content, headers={"Content-Type": "application/json", **(headers or {})}
+            )
         return client.post(path, json=body, headers=headers)
 
 
@@ -37,6 +39,7 @@ BAD_REQUESTS = [
     ("negative-temperature", COMPLETIONS_PATH, {"prompt": "Hi", "temperature": -0.5}, "temperature"),
     ("top_p-above-1", COMPLETIONS_PATH, {"prompt": "Hi", "top_p": 1.5}, "top_p"),
     ("n-zero", COMPLETIONS_PATH, {"prompt": "Hi", "n": 0}, "n"),
+    ("n-huge", COMPLETIONS_PATH, {"prompt": "Hi", "n": 10**6}, "n"),  # would flood the engine
     ("empty-messages", CHAT_PATH, {"messages": []}, "messages"),
     ("missing-messages", CHAT_PATH, {"max_tokens": 4}, "messages"),
     ("missing-prompt", COMPLETIONS_PATH, {"max_tokens": 4}, "prompt"),
@@ -47,7 +50,9 @@ BAD_REQUESTS = [
 ]
 
 
-@pytest.mark.parametrize(("path", "body", "param"), [b[1:] for b in BAD_REQUESTS], ids=[b[0] for b in BAD_REQUESTS])
+@pytest.mark.parametrize(
+    ("path", "body", "param"), [b[1:] for b in BAD_REQUESTS], ids=[b[0] for b in BAD_REQUESTS]
+)
 def test_bad_request_is_400(server, path, body, param):
     error = server.check_error(post(server, path, body), 400)
     assert error["type"] == "invalid_request_error"
@@ -87,10 +92,14 @@ def test_prompt_plus_max_tokens_over_limit_is_400(server):
 
 @pytest.mark.parametrize("path", [COMPLETIONS_PATH, CHAT_PATH])
 def test_unknown_model_is_404(server, path):
-    body = {"model": "no-such-model", "prompt": "Hi"} if path == COMPLETIONS_PATH else {
-        "model": "no-such-model",
-        "messages": MESSAGES,
-    }
+    body = (
+        {"model": "no-such-model", "prompt": "Hi"}
+        if path == COMPLETIONS_PATH
+        else {
+            "model": "no-such-model",
+            "messages": MESSAGES,
+        }
+    )
     error = server.check_error(post(server, path, body), 404)
     assert error["param"] == "model"
     assert "no-such-model" in error["message"]
@@ -106,10 +115,17 @@ def test_unknown_route_is_404(server):
 
 @pytest.mark.parametrize(
     "headers",
-    [{}, {"Authorization": "Bearer wrong-key"}, {"Authorization": "wrong-key"}, {"Authorization": "Basic abc"}],
+    [
+        {},
+        {"Authorization": "Bearer wrong-key"},
+        {"Authorization": "wrong-key"},
+        {"Authorization": "Basic abc"},
+    ],
     ids=["missing", "wrong", "no-scheme", "basic"],
 )
-@pytest.mark.parametrize("method,path", [("POST", COMPLETIONS_PATH), ("POST", CHAT_PATH), ("GET", "/v1/models")])
+@pytest.mark.parametrize(
+    "method,path", [("POST", COMPLETIONS_PATH), ("POST", CHAT_PATH), ("GET", "/v1/models")]
+)
 def test_bad_api_key_is_401(server, headers, method, path):
     body = {"prompt": "Hi", "messages": MESSAGES} if method == "POST" else None
     with httpx.Client(base_url=server.url, timeout=30) as client:  # no key by default
@@ -145,7 +161,9 @@ def test_openai_client_error_types(server, model_name):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=model_name, messages=[])
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=model_name, prompt="hello " * (server.max_model_len + 10), max_tokens=4)
+        client.completions.create(
+            model=model_name, prompt="hello " * (server.max_model_len + 10), max_tokens=4
+        )
     assert str(server.max_model_len) in info.value.message
 
 

@@ -257,7 +257,9 @@ def test_stop_string_spanning_tokens_never_leaks(server, model_name, stream):
 
     if stream:
         chunks, finish, stop_reason = [], None, None
-        for chunk in client.completions.create(**args, stop=stops, stream=True, extra_body={"ignore_eos": True}):
+        for chunk in client.completions.create(
+            **args, stop=stops, stream=True, extra_body={"ignore_eos": True}
+        ):
             for c in chunk.choices:
                 chunks.append(c.text)
                 finish = c.finish_reason or finish
@@ -276,9 +278,11 @@ def test_stop_string_spanning_tokens_never_leaks(server, model_name, stream):
 
 def test_chat_stop_string_streaming(server, model_name):
     client = server.openai()
-    full = client.chat.completions.create(
-        model=model_name, messages=CHAT, temperature=0, max_tokens=32
-    ).choices[0].message.content
+    full = (
+        client.chat.completions.create(model=model_name, messages=CHAT, temperature=0, max_tokens=32)
+        .choices[0]
+        .message.content
+    )
     if len(full) < 20:
         pytest.skip(f"greedy answer too short to cut: {full!r}")
     start, stop = multi_token_stop_string(server, full)

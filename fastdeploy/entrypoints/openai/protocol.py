@@ -19,6 +19,9 @@ from fastdeploy.engine.sampling_params import SamplingParams, SamplingParamsErro
 from fastdeploy.entrypoints.openai.errors import BadRequestError, from_pydantic
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+MAX_N = 128
+"""Most choices one request may ask for (OpenAI's own limit). Each choice is an engine
+request, so an unbounded ``n`` would let one request flood the engine."""
 
 
 class OpenAIModel(BaseModel):
@@ -152,6 +155,13 @@ class SamplingRequest(OpenAIModel):
     @classmethod
     def _check_stop_token_ids(cls, v: Any) -> Any:
         return v if v is None else _check_token_ids(v)
+
+    @field_validator("n")
+    @classmethod
+    def _check_n(cls, v: int | None) -> int | None:
+        if v is not None and v > MAX_N:
+            raise ValueError(f"must be at most {MAX_N}, got {v}")
+        return v
 
     @field_validator("seed")
     @classmethod
