@@ -10,6 +10,7 @@ import torch
 from fastdeploy.config import EngineConfig
 from fastdeploy.model_executor.attention.forward_context import set_forward_context
 from fastdeploy.model_executor.attention.metadata import CommonAttentionMetadata
+from fastdeploy.model_executor.layers.linear import prepack_linear_weights
 from fastdeploy.model_executor.model_loader import ModelSource, load_model, resolve_dtype
 from fastdeploy.model_executor.sampler import Sampler, SamplingTensors
 from fastdeploy.platforms import get_attention_backend
@@ -39,6 +40,8 @@ class ModelRunner:
 
     def load_model(self) -> None:
         self.model = load_model(self.config.model, self.source, self.device, self.dtype)
+        if self.device.type == "cpu":
+            prepack_linear_weights(self.model)
 
     def kv_cache_bytes_per_block(self) -> int:
         arch = self.source.arch

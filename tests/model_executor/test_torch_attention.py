@@ -37,9 +37,19 @@ def test_mixed_batch_of_decodes_prefills_and_chunks(dtype, tol):
     heads, kv_heads, head_dim, block_size, num_blocks = 8, 2, 64, 16, 160
     scale = 1 / math.sqrt(head_dim)
     # (context already cached, new tokens this step): fresh prefill, chunked prefill with context, decodes
-    shapes = [(0, 23), (40, 17), (57, 1), (5, 1), (100, 1), (0, 1), (31, 9)] + [
-        (i * 7 % 90 + 1, 1) for i in range(20)
-    ]
+    shapes = [
+        (0, 23),
+        (0, 23),
+        (0, 23),
+        (40, 17),
+        (57, 1),
+        (0, 12),
+        (0, 12),
+        (5, 1),
+        (100, 1),
+        (0, 1),
+        (31, 9),
+    ] + [(i * 7 % 90 + 1, 1) for i in range(20)]
     key_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
     value_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
     perm = torch.randperm(num_blocks, generator=gen)

@@ -23,10 +23,14 @@ the CPU cache between the gather and the matmuls, large enough to amortise launc
 
 @dataclass
 class PrefillChunk:
+    """Tokens ``start:end`` of one request, or of ``count`` adjacent fresh prompts of equal length."""
+
     start: int
     end: int
     seq_len: int
-    block_ids: torch.Tensor
+    block_ids: torch.Tensor | None
+    """The request's block table row; None for fresh prompts (no cached context to read)."""
+    count: int = 1
 
 
 @dataclass
@@ -38,7 +42,10 @@ class DecodeGroup:
     block_ids: torch.Tensor
     """[group, blocks] block table rows trimmed to the group's longest context."""
     key_mask: torch.Tensor
-    """[group, 1, 1, context] True where a key position is inside the sequence."""
+    """[group, 1, 1, context, 1] True where a key position is inside the sequence."""
+    blocked: dict[int, torch.Tensor]
+    """kv_heads → [group, kv_heads, 1, context, kv_heads] True for scores ``_decode`` must drop
+    (built by the first layer of the step, reused by the others)."""
 
 
 @dataclass
@@ -76,17 +83,22 @@ class TorchAttentionBackend:
                 DecodeGroup(
                     token_idx=torch.from_numpy(qsl[reqs_np].astype(np.int64)).to(device),
                     block_ids=common.block_table[reqs, :num_blocks].long(),
-                    key_mask=key_mask.view(len(reqs_np), 1, 1, -1),
+                    key_mask=key_mask.view(len(reqs_np), 1, 1, -1, 1),
+                    blocked={},
                 )
             )
-        prefills = []
+        prefills: list[PrefillChunk] = []
         for i in np.flatnonzero(query_lens > 1):
-            num_blocks = -(-int(seq_lens[i]) // bs)
-            prefills.append(
-                PrefillChunk(
-                    int(qsl[i]), int(qsl[i + 1]), int(seq_lens[i]), common.block_table[i, :num_blocks].long()
-                )
-            )
+            start, end, seq_len = int(qsl[i]), int(qsl[i + 1]), int(seq_lens[i])
+            if seq_len == end - start:  # a fresh prompt: batch it with an equal, adjacent one
+                last = prefills[-1] if prefills else None
+                if last and last.block_ids is None and last.end == start and last.seq_len == seq_len:
+                    last.end, last.count = end, last.count + 1
+                else:
+                    prefills.append(PrefillChunk(start, end, seq_len, None))
+                continue
+            num_blocks = -(-seq_len // bs)
+            prefills.append(PrefillChunk(start, end, seq_len, common.block_table[i, :num_blocks].long()))
         return TorchAttentionMetadata(common=common, decode_groups=groups, prefills=prefills)
 
     def forward(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: TorchAttentionMetadata):
@@ -119,27 +131,30 @@ def _decode(q, key_cache, value_cache, group: DecodeGroup, scale: float) -> torc
     values = value_cache[group.block_ids].view(num_reqs, -1, head_dim).to(q.dtype)
     scores = torch.bmm(q, keys.transpose(1, 2)).float() * scale  # [reqs, heads, ctx * kv_heads]
     scores = scores.view(num_reqs, num_kv_heads, group_size, -1, num_kv_heads)
-    own_head = torch.eye(num_kv_heads, dtype=torch.bool, device=q.device).view(
-        num_kv_heads, 1, 1, num_kv_heads
-    )
-    allowed = own_head & group.key_mask.view(num_reqs, 1, 1, -1, 1)
-    probs = scores.masked_fill(~allowed, float("-inf")).view(num_reqs, num_heads, -1).softmax(-1)
+    blocked = group.blocked.get(num_kv_heads)
+    if blocked is None:  # built by the first layer, reused by the others
+        own_head = torch.eye(num_kv_heads, dtype=torch.bool, device=q.device)
+        blocked = ~(own_head.view(num_kv_heads, 1, 1, num_kv_heads) & group.key_mask)
+        group.blocked[num_kv_heads] = blocked
+    probs = scores.masked_fill(blocked, float("-inf")).view(num_reqs, num_heads, -1).softmax(-1)
     return torch.bmm(probs.to(q.dtype), values)
 
 
 def _prefill(q, k, v, key_cache, value_cache, chunk: PrefillChunk, scale: float) -> torch.Tensor:
-    query = q[chunk.start : chunk.end].transpose(0, 1)
-    num_new = chunk.end - chunk.start
-    context = chunk.seq_len - num_new
-    if context == 0:
-        keys = k[chunk.start : chunk.end].transpose(0, 1)
-        values = v[chunk.start : chunk.end].transpose(0, 1)
+    num_heads, head_dim = q.shape[1:]
+    if chunk.block_ids is None:  # fresh prompts: causal attention over this step's own keys
+        shape = (chunk.count, chunk.seq_len, -1, head_dim)
+        query = q[chunk.start : chunk.end].view(shape).transpose(1, 2)
+        keys = k[chunk.start : chunk.end].view(shape).transpose(1, 2)
+        values = v[chunk.start : chunk.end].view(shape).transpose(1, 2)
         out = sdpa(query, keys, values, is_causal=True, scale=scale, enable_gqa=True)
-    else:
-        keys = _gather(key_cache, chunk.block_ids)[:, : chunk.seq_len].to(q.dtype)
-        values = _gather(value_cache, chunk.block_ids)[:, : chunk.seq_len].to(q.dtype)
-        key_pos = torch.arange(chunk.seq_len, device=q.device)
-        query_pos = torch.arange(context, chunk.seq_len, device=q.device)
-        mask = key_pos[None, :] <= query_pos[:, None]
-        out = sdpa(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        return out.transpose(1, 2).reshape(-1, num_heads, head_dim)
+    query = q[chunk.start : chunk.end].transpose(0, 1)
+    context = chunk.seq_len - (chunk.end - chunk.start)
+    keys = _gather(key_cache, chunk.block_ids)[:, : chunk.seq_len].to(q.dtype)
+    values = _gather(value_cache, chunk.block_ids)[:, : chunk.seq_len].to(q.dtype)
+    key_pos = torch.arange(chunk.seq_len, device=q.device)
+    query_pos = torch.arange(context, chunk.seq_len, device=q.device)
+    mask = key_pos[None, :] <= query_pos[:, None]
+    out = sdpa(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.transpose(0, 1)
