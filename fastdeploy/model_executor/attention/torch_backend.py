@@ -15,7 +15,6 @@ from torch.nn.functional import scaled_dot_product_attention as sdpa
 
 from fastdeploy.model_executor.attention.metadata import CommonAttentionMetadata
 
-
 DECODE_GROUP_SIZE = 16
 """Decode requests attended per call: small enough that the gathered context stays in
 the CPU cache between the gather and the matmuls, large enough to amortise launches."""
