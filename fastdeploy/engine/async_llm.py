@@ -235,8 +235,7 @@ class AsyncLLM(EngineClient):
                 self._abort_now(request_id)
 
     def _abort_now(self, request_id: str) -> None:
-        child_ids = self.output_processor.child_ids(request_id)
-        self.output_processor.remove_request(request_id)
+        child_ids = self.output_processor.abort_request(request_id)
         if child_ids and self._dead_reason is None and not self._closed:
             self._send({"type": "abort", "ids": child_ids})
 

@@ -46,9 +46,7 @@ class LLMEngine:
             self.core.add_request(core_request)
 
     def abort_request(self, request_id: str) -> None:
-        child_ids = self.output_processor.child_ids(request_id)
-        self.core.abort_requests(child_ids)
-        self.output_processor.remove_request(request_id)
+        self.core.abort_requests(self.output_processor.abort_request(request_id))
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()

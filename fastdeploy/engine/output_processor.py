@@ -121,6 +121,21 @@ class OutputProcessor:
             return []
         return [child_request_id(request_id, i, state.params.n) for i in range(state.params.n)]
 
+    def abort_request(self, request_id: str, now: float | None = None) -> list[str]:
+        """Finish every unfinished choice with ``abort`` (counted in the metrics), forget the
+        request, and return the engine-core ids to abort."""
+        state = self.requests.get(request_id)
+        if state is None:
+            return []
+        now = time.time() if now is None else now
+        for choice in state.choices:
+            if choice.finish_reason is None:
+                choice.finish_reason = "abort"
+                self._on_choice_finished(state, choice, now)
+        child_ids = self.child_ids(request_id)
+        self.remove_request(request_id)
+        return child_ids
+
     def remove_request(self, request_id: str) -> None:
         state = self.requests.pop(request_id, None)
         if state:

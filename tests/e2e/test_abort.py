@@ -18,6 +18,7 @@ SETTLE_S = 5.0
 RUNNING = "fastdeploy:num_requests_running"
 KV_USAGE = "fastdeploy:kv_cache_usage_perc"
 GENERATED = "fastdeploy:generation_tokens_total"
+ABORTED = "fastdeploy:request_success_total{finished_reason=abort}"
 
 
 def wait_settled(server) -> dict[str, float]:
@@ -81,6 +82,7 @@ def test_streaming_client_disconnect_aborts(server, model_name, endpoint):
     after = wait_settled(server)
     generated = after[GENERATED] - before[GENERATED]
     assert 3 <= generated < 1500, generated
+    assert after[ABORTED] - before[ABORTED] == 1
     # a fresh scrape a moment later: the request is not still generating
     time.sleep(0.5)
     assert server.metrics()[GENERATED] == after[GENERATED]
@@ -99,6 +101,7 @@ def test_non_streaming_client_disconnect_aborts(server, model_name):
     after = wait_settled(server)
     generated = after[GENERATED] - before[GENERATED]
     assert 0 < generated < 1500, generated
+    assert after[ABORTED] - before[ABORTED] == 1
     time.sleep(0.5)
     assert server.metrics()[GENERATED] == after[GENERATED]
 

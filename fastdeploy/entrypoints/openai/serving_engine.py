@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from fastdeploy.engine.input_processor import PromptTooLongError
 from fastdeploy.engine.outputs import RequestOutput
 from fastdeploy.engine.protocol import EngineClient, EngineDeadError
 from fastdeploy.engine.sampling_params import SamplingParams, SamplingParamsError
@@ -62,7 +63,7 @@ def to_openai_error(exc: BaseException) -> OpenAIError:
         return ServiceUnavailableError(f"The engine is not available: {exc}", code="engine_dead")
     if isinstance(exc, SamplingParamsError):
         return BadRequestError(str(exc), param=exc.param)
-    if type(exc).__name__ == "PromptTooLongError":  # the engine's own length check (a ValueError)
+    if isinstance(exc, PromptTooLongError):  # the engine's own length check
         return BadRequestError(str(exc), param="prompt", code="context_length_exceeded")
     logger.exception("error while serving a request", exc_info=exc)
     return InternalServerError(f"Internal server error: {type(exc).__name__}: {exc}")
