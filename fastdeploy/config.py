@@ -78,7 +78,8 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     """Reuse the KV cache of shared prompt prefixes across requests."""
     kv_cache_dtype: str = "auto"
-    """KV cache dtype: auto (the model dtype) or fp8_e4m3 (GPU only)."""
+    """KV cache dtype: auto (the model dtype). fp8_e4m3 is not implemented yet and
+    is refused."""
 
 
 @dataclass

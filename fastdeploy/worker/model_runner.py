@@ -24,6 +24,8 @@ class ModelRunner:
     """Owns the model, the KV cache and the persistent batch of one worker."""
 
     def __init__(self, config: EngineConfig, source: ModelSource, device: torch.device, max_model_len: int):
+        if config.cache.kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype {config.cache.kv_cache_dtype!r} is not implemented yet; use auto")
         self.config = config
         self.source = source
         self.device = device
