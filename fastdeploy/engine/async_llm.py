@@ -94,7 +94,9 @@ class AsyncLLM(EngineClient):
             raise
         self.max_model_len = ready["max_model_len"]
         self.num_blocks = ready["num_blocks"]
-        self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, self.eos_token_ids)
+        self.input_processor = InputProcessor(
+            self.tokenizer, self.max_model_len, self.eos_token_ids, self.source.arch.vocab_size
+        )
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncLLM:

@@ -7,7 +7,7 @@ from typing import Any
 
 from fastdeploy.engine.output_processor import child_request_id
 from fastdeploy.engine.request import EngineCoreRequest
-from fastdeploy.engine.sampling_params import SamplingParams
+from fastdeploy.engine.sampling_params import SamplingParams, SamplingParamsError
 
 
 class PromptTooLongError(ValueError):
@@ -17,10 +17,23 @@ class PromptTooLongError(ValueError):
 class InputProcessor:
     """Turns user prompts into engine-core requests."""
 
-    def __init__(self, tokenizer: Any, max_model_len: int, eos_token_ids: list[int]):
+    def __init__(
+        self, tokenizer: Any, max_model_len: int, eos_token_ids: list[int], vocab_size: int | None = None
+    ):
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
+        self.vocab_size = vocab_size
+
+    def prepare_params(self, params: SamplingParams) -> SamplingParams:
+        """Check token ids against the vocabulary and tokenize ``bad_words`` (a new object when needed)."""
+        if self.vocab_size is not None:
+            params.check_vocab(self.vocab_size)
+        if params.bad_words and params.bad_words_token_ids is None:
+            if self.tokenizer is None:
+                raise SamplingParamsError("bad_words", "bad_words need a tokenizer")
+            params = params.clone(bad_words_token_ids=bad_words_token_ids(self.tokenizer, params.bad_words))
+        return params
 
     def tokenize(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
@@ -45,6 +58,7 @@ class InputProcessor:
     ) -> list[EngineCoreRequest]:
         """One engine-core request per choice; seeded choices get distinct seeds."""
         self.validate(prompt_token_ids)
+        params = self.prepare_params(params)
         arrival_time = time.time() if arrival_time is None else arrival_time
         requests = []
         for i in range(params.n):
@@ -67,3 +81,18 @@ def eos_ids_of(arch_eos: list[int], tokenizer: Any) -> list[int]:
     if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
         ids.add(tokenizer.eos_token_id)
     return sorted(ids)
+
+
+def bad_words_token_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:
+    """Token sequences of each bad word, as vLLM does: the word alone and with a leading space.
+
+    Mid-sentence a word is usually tokenized with its leading space ("Ġword"), at
+    the start without; both forms are banned. Duplicates are dropped.
+    """
+    seqs: list[list[int]] = []
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = list(tokenizer.encode(text, add_special_tokens=False))
+            if ids and ids not in seqs:
+                seqs.append(ids)
+    return seqs

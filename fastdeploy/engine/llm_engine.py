@@ -26,7 +26,9 @@ class LLMEngine:
         self.core = EngineCore(config, self.source, InProcExecutor)
         self.max_model_len = self.core.max_model_len
         self.eos_token_ids = eos_ids_of(self.source.arch.eos_token_ids, self.tokenizer)
-        self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, self.eos_token_ids)
+        self.input_processor = InputProcessor(
+            self.tokenizer, self.max_model_len, self.eos_token_ids, self.source.arch.vocab_size
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = SchedulerStats()
         """Scheduler gauges of the last step and counters (prefix cache, preemptions) since start."""

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastdeploy.engine.detokenizer import IncrementalDetokenizer
-from fastdeploy.engine.outputs import CompletionOutput, RequestOutput
+from fastdeploy.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from fastdeploy.engine.request import EngineCoreOutput
 from fastdeploy.engine.sampling_params import SamplingParams
 
@@ -28,6 +28,7 @@ class ChoiceState:
     index: int
     detokenizer: IncrementalDetokenizer | None
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     text: str = ""
     sent_text_len: int = 0
     sent_token_len: int = 0
@@ -185,6 +186,10 @@ class OutputProcessor:
                 metrics.on_generation_tokens(len(out.new_token_ids))
         state.num_cached_tokens = out.num_cached_tokens
         choice.token_ids.extend(out.new_token_ids)
+        if out.logprobs:
+            choice.logprobs.extend(
+                self._to_logprobs(token, entry) for token, entry in zip(out.new_token_ids, out.logprobs)
+            )
         finishing = out.finish_reason is not None
         if choice.detokenizer is not None:
             new_ids = out.new_token_ids
@@ -199,6 +204,18 @@ class OutputProcessor:
             choice.finish_reason = out.finish_reason
             choice.stop_reason = out.stop_reason
             self._on_choice_finished(state, choice, now)
+
+    def _to_logprobs(self, token: int, entry: list) -> dict[int, Logprob]:
+        """``[top ids, top logprobs, sampled logprob, rank]`` → ``{token: Logprob}``, sampled token first."""
+        top_ids, top_lps, sampled_lp, rank = entry
+        result = {token: Logprob(sampled_lp, rank, self._decode_one(token))}
+        for i, (tid, lp) in enumerate(zip(top_ids, top_lps)):
+            if tid not in result:
+                result[tid] = Logprob(lp, i + 1, self._decode_one(tid))
+        return result
+
+    def _decode_one(self, token: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token])
 
     def _on_choice_finished(self, state: RequestState, choice: ChoiceState, now: float) -> None:
         if self.metrics:
@@ -229,17 +246,22 @@ class OutputProcessor:
             # hold back text that could still turn out to be the start of a stop string
             held_back = 0 if done else max(state.max_stop_len - 1, 0)
             visible = max(choice.sent_text_len, len(choice.text) - held_back)
+            want_logprobs = state.params.logprobs is not None
             if delta:
                 text = choice.text[choice.sent_text_len : visible]
                 token_ids = choice.token_ids[choice.sent_token_len :]
+                logprobs = choice.logprobs[choice.sent_token_len :] if want_logprobs else None
                 if not text and not token_ids and (not done or choice.finish_reported):
                     continue
             else:
                 text, token_ids = choice.text[:visible], list(choice.token_ids)
+                logprobs = list(choice.logprobs) if want_logprobs else None
             choice.sent_text_len, choice.sent_token_len = visible, len(choice.token_ids)
             choice.finish_reported = done
             outputs.append(
-                CompletionOutput(choice.index, text, token_ids, choice.finish_reason, choice.stop_reason)
+                CompletionOutput(
+                    choice.index, text, token_ids, choice.finish_reason, choice.stop_reason, logprobs
+                )
             )
         return RequestOutput(
             request_id=state.request_id,

@@ -6,6 +6,15 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """The log-probability of one token under the raw model logits, and its rank (1 = most likely)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
 class CompletionOutput:
     """One generated sequence (one of the ``n`` choices of a request)."""
 
@@ -16,6 +25,8 @@ class CompletionOutput:
     """``stop``, ``length`` or ``abort``; None while still generating."""
     stop_reason: int | str | None = None
     """The stop string or stop token id that ended the sequence, if any."""
+    logprobs: list[dict[int, Logprob]] | None = None
+    """Per token of ``token_ids`` (when asked): the sampled token first, then the top-N, by id."""
 
     @property
     def finished(self) -> bool:

@@ -64,6 +64,8 @@ class EngineCoreOutput:
     """Seconds from arrival to first scheduling; sent with the first token only."""
     error: str | None = None
     """Set when the engine failed this request (it is finished with reason abort)."""
+    logprobs: list[list] | None = None
+    """Per new token: ``[top ids, top logprobs, sampled logprob, sampled rank]`` (when asked)."""
 
 
 @dataclass

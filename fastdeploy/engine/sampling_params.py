@@ -5,6 +5,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+MAX_LOGPROBS = 20
+"""Most top logprobs a request may ask for, per generated token."""
+
 
 class SamplingParamsError(ValueError):
     """An out-of-range sampling field; ``param`` names the field for the 400 body."""
@@ -35,6 +38,20 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    repetition_penalty: float = 1.0
+    """> 1 discourages tokens already in the prompt or output (logit / p if > 0 else logit * p)."""
+    presence_penalty: float = 0.0
+    """Subtracted once from the logit of every token already generated."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time it was generated."""
+    logit_bias: dict[int, float] | None = None
+    """Token id → bias added to its logit before sampling (OpenAI's ``logit_bias``)."""
+    bad_words: list[str] = field(default_factory=list)
+    """Words whose token sequences must never be generated."""
+    bad_words_token_ids: list[list[int]] | None = None
+    """``bad_words`` tokenized (filled by the front end, which owns the tokenizer)."""
+    logprobs: int | None = None
+    """Return the sampled token's logprob plus this many top logprobs per token (None: off)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -60,6 +77,56 @@ class SamplingParams:
             f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
         )
         self._check(all(s for s in self.stop), "stop", "stop strings must not be empty")
+        self._check(
+            self.repetition_penalty > 0,
+            "repetition_penalty",
+            f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+        )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            self._check(-2 <= value <= 2, name, f"{name} must be in [-2, 2], got {value}")
+        self.logit_bias = self._normalize_logit_bias(self.logit_bias)
+        self.bad_words = list(self.bad_words or [])
+        self._check(
+            all(isinstance(w, str) and w.strip() for w in self.bad_words),
+            "bad_words",
+            "bad_words must be non-empty strings",
+        )
+        self._check(
+            self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+            "logprobs",
+            f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
+        )
+
+    @classmethod
+    def _normalize_logit_bias(cls, bias: dict | None) -> dict[int, float] | None:
+        """Int keys (JSON and msgpack may give strings), biases checked to be in [-100, 100]."""
+        if not bias:
+            return None
+        out: dict[int, float] = {}
+        for key, value in bias.items():
+            try:
+                token = int(key)
+            except (TypeError, ValueError):
+                raise SamplingParamsError("logit_bias", f"logit_bias key {key!r} is not a token id") from None
+            cls._check(token >= 0, "logit_bias", f"logit_bias token id {token} is negative")
+            cls._check(
+                isinstance(value, (int, float)) and -100 <= value <= 100,
+                "logit_bias",
+                f"logit_bias value for token {token} must be in [-100, 100], got {value}",
+            )
+            out[token] = float(value)
+        return out
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids given by the user must exist in the vocabulary (they index the logits)."""
+        for name, ids in (("logit_bias", self.logit_bias or {}), ("stop_token_ids", self.stop_token_ids)):
+            for token in ids:
+                self._check(
+                    token < vocab_size,
+                    name,
+                    f"token id {token} is out of range (vocabulary size {vocab_size})",
+                )
 
     @staticmethod
     def _check(ok: bool, param: str, message: str) -> None:

@@ -1,8 +1,17 @@
-"""Batched token sampling: greedy, temperature, top-k, top-p and min-p, per row.
+"""Batched token sampling for one step: logit processing, sampling and logprobs, per row.
 
-All rows are processed with tensor operations; a greedy-only batch takes the
-argmax fast path. Seeded rows draw their noise from their own generator, so
-their tokens do not depend on what else is in the batch.
+Order (as vLLM): logprobs of the raw logits are taken first; then logit_bias,
+banned tokens (bad words, EOS / stop ids before ``min_tokens``), penalties
+(repetition on prompt+output tokens, presence/frequency on output tokens),
+temperature, top-k / top-p / min-p, and sampling. Every step is a tensor
+operation over ``[rows, vocab]``; a batch without any of these takes the argmax
+fast path. Seeded rows draw their noise from their own generator, so their
+tokens do not depend on what else is in the batch.
+
+Returned logprobs follow vLLM's default: ``log_softmax`` of the *raw* model
+logits, before bias, penalties and temperature. They describe the model, not
+the sampling settings, which is what clients comparing logprobs across
+requests expect.
 """
 
 from __future__ import annotations
@@ -10,6 +19,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+
+@dataclass
+class PenaltyTensors:
+    """Per-row penalty values and token histories of the rows being sampled."""
+
+    repetition: torch.Tensor
+    """[rows] float; 1.0 = off."""
+    presence: torch.Tensor
+    """[rows] float; 0.0 = off."""
+    frequency: torch.Tensor
+    """[rows] float; 0.0 = off."""
+    prompt_mask: torch.Tensor
+    """[rows, vocab] bool: the token occurs in the row's prompt."""
+    output_counts: torch.Tensor
+    """[rows, vocab] float: how often the row has generated the token."""
 
 
 @dataclass
@@ -24,6 +49,30 @@ class SamplingTensors:
     generators: dict[int, torch.Generator]
     """Row index → generator for seeded rows."""
     all_greedy: bool
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    """Sparse (rows, token ids, biases) to add to the logits."""
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None
+    """Sparse (rows, token ids) whose logits become -inf (bad words, EOS before min_tokens)."""
+    penalties: PenaltyTensors | None = None
+    max_num_logprobs: int | None = None
+    """Largest top-logprobs count requested in the batch; None: no row wants logprobs."""
+
+
+@dataclass
+class LogprobsTensors:
+    """Logprobs of the sampled tokens: ``[rows, k]`` top ids/values (sorted descending) and the sampled one."""
+
+    top_ids: torch.Tensor
+    top_logprobs: torch.Tensor
+    sampled_logprobs: torch.Tensor
+    sampled_ranks: torch.Tensor
+    """1-based rank of the sampled token among the vocabulary by logprob (1 = most likely)."""
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor
+    logprobs: LogprobsTensors | None = None
 
 
 def apply_top_k_top_p_min_p(
@@ -56,13 +105,63 @@ def apply_top_k_top_p_min_p(
     return logits.masked_fill(logits < keep_floor.unsqueeze(-1), float("-inf"))
 
 
-class Sampler:
-    """Turns float32 logits ``[rows, vocab]`` into one token id per row."""
+def apply_penalties(logits: torch.Tensor, p: PenaltyTensors) -> torch.Tensor:
+    """vLLM's penalty formulas, in place on ``logits``.
 
-    def __call__(self, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+    repetition (tokens in prompt or output): ``l / r`` if ``l > 0`` else ``l * r``;
+    then ``l -= frequency * count + presence * (count > 0)`` over output tokens.
+    """
+    output_mask = p.output_counts > 0
+    rep = torch.where(p.prompt_mask | output_mask, p.repetition.unsqueeze(1), 1.0)
+    logits = torch.where(logits > 0, logits / rep, logits * rep)
+    logits -= p.frequency.unsqueeze(1) * p.output_counts
+    logits -= p.presence.unsqueeze(1) * output_mask
+    return logits
+
+
+def compute_logprobs(raw_logits: torch.Tensor, sampled: torch.Tensor, k: int) -> LogprobsTensors:
+    """Top-``k`` logprobs (sorted descending), the sampled token's logprob and its rank."""
+    logprobs = raw_logits.log_softmax(dim=-1)
+    top_lp, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (logprobs[:, :0], sampled[:, None][:, :0])
+    sampled_lp = logprobs.gather(-1, sampled.unsqueeze(-1)).squeeze(-1)
+    ranks = (logprobs > sampled_lp.unsqueeze(-1)).sum(-1) + 1
+    return LogprobsTensors(top_ids, top_lp, sampled_lp, ranks)
+
+
+class Sampler:
+    """Turns float32 logits ``[rows, vocab]`` into one token id per row (plus logprobs when asked)."""
+
+    def __call__(self, logits: torch.Tensor, params: SamplingTensors) -> SamplerOutput:
+        raw = logits
+        logits = self.process_logits(logits, params)
         greedy_tokens = logits.argmax(dim=-1)
         if params.all_greedy:
-            return greedy_tokens
+            tokens = greedy_tokens
+        else:
+            tokens = self._sample(logits, greedy_tokens, params)
+        logprobs = None
+        if params.max_num_logprobs is not None:
+            logprobs = compute_logprobs(raw.float(), tokens, params.max_num_logprobs)
+        return SamplerOutput(tokens, logprobs)
+
+    @staticmethod
+    def process_logits(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+        """logit_bias, banned tokens, then penalties; returns the input itself when none apply."""
+        if params.logit_bias is None and params.banned is None and params.penalties is None:
+            return logits
+        logits = logits.clone()
+        if params.logit_bias is not None:
+            rows, cols, values = params.logit_bias
+            logits.index_put_((rows, cols), values.to(logits.dtype), accumulate=True)
+        if params.banned is not None:
+            rows, cols = params.banned
+            logits[rows, cols] = float("-inf")
+        if params.penalties is not None:
+            logits = apply_penalties(logits, params.penalties)
+        return logits
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, greedy_tokens: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
         temperature = params.temperature
         is_greedy = temperature == 0
         scaled = logits / torch.where(is_greedy, torch.ones_like(temperature), temperature).unsqueeze(-1)

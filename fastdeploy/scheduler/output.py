@@ -16,7 +16,7 @@ class NewRequestData:
     """Every known token: the prompt, plus outputs generated before a preemption."""
     num_prompt_tokens: int
     sampling: dict[str, Any]
-    """The worker-side sampling fields (temperature, top_p, top_k, min_p, seed)."""
+    """The worker-side sampling fields (see ``WORKER_SAMPLING_FIELDS``) plus ``min_tokens_stop_ids``."""
     block_ids: list[int]
     num_computed_tokens: int
 
@@ -64,6 +64,9 @@ class ModelRunnerOutput:
     step_id: int
     req_ids: list[str]
     sampled_token_ids: list[int]
+    logprobs: list[list | None] | None = None
+    """Aligned with ``req_ids`` when any row asked for logprobs: ``[top ids, top logprobs,
+    sampled logprob, sampled rank]`` or None per row."""
 
     def to_wire(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -16,7 +16,30 @@ from fastdeploy.engine.request import (
 from fastdeploy.scheduler.kv_cache_manager import KVCacheManager
 from fastdeploy.scheduler.output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 
-WORKER_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed")
+WORKER_SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "bad_words_token_ids",
+    "min_tokens",
+    "logprobs",
+)
+
+
+def worker_sampling(request: Request) -> dict:
+    """The sampling fields the worker needs, plus the token ids ``min_tokens`` suppresses."""
+    sp = request.sampling_params
+    fields = {f: getattr(sp, f) for f in WORKER_SAMPLING_FIELDS}
+    if sp.min_tokens > 0:
+        eos = [] if sp.ignore_eos else sorted(request.eos_token_ids)
+        fields["min_tokens_stop_ids"] = sorted(set(eos) | set(sp.stop_token_ids))
+    return fields
 
 
 class Scheduler:
@@ -148,13 +171,12 @@ class Scheduler:
     ) -> SchedulerOutput:
         new_reqs = []
         for request in admitted:
-            sp = request.sampling_params
             new_reqs.append(
                 NewRequestData(
                     req_id=request.request_id,
                     token_ids=list(request.all_token_ids),
                     num_prompt_tokens=request.num_prompt_tokens,
-                    sampling={f: getattr(sp, f) for f in WORKER_SAMPLING_FIELDS},
+                    sampling=worker_sampling(request),
                     block_ids=self.kv.block_ids(request.request_id),
                     num_computed_tokens=request.num_computed_tokens,
                 )
@@ -180,7 +202,10 @@ class Scheduler:
     def update_from_output(self, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append sampled tokens, finish requests that hit a stop condition, report deltas."""
         outputs = []
-        for req_id, token_id in zip(runner_output.req_ids, runner_output.sampled_token_ids):
+        all_logprobs = runner_output.logprobs or [None] * len(runner_output.req_ids)
+        for req_id, token_id, logprobs in zip(
+            runner_output.req_ids, runner_output.sampled_token_ids, all_logprobs
+        ):
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
@@ -196,6 +221,7 @@ class Scheduler:
                     stop_reason,
                     request.num_cached_tokens,
                     queue_time=request.queue_time if request.num_output_tokens == 1 else None,
+                    logprobs=None if logprobs is None else [logprobs],
                 )
             )
         return outputs

@@ -33,6 +33,20 @@ class InputBatch:
         self.top_k = np.zeros(max_num_reqs, dtype=np.int64)
         self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
         self.generators: dict[int, torch.Generator] = {}
+        self.repetition_penalty = np.ones(max_num_reqs, dtype=np.float32)
+        self.presence_penalty = np.zeros(max_num_reqs, dtype=np.float32)
+        self.frequency_penalty = np.zeros(max_num_reqs, dtype=np.float32)
+        self.min_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)
+        """Top logprobs wanted per token; -1: no logprobs."""
+        self.logit_bias: dict[int, dict[int, float]] = {}
+        self.min_tokens_stop_ids: dict[int, list[int]] = {}
+        """Slot → EOS and stop token ids to suppress until ``min_tokens`` outputs exist."""
+        self.static_bans: dict[int, list[int]] = {}
+        """Slot → single-token bad words (always banned)."""
+        self.bad_word_seqs: dict[int, list[list[int]]] = {}
+        """Slot → multi-token bad words (banned when the preceding output tokens match)."""
+        self._sparse: dict[str, tuple[np.ndarray, ...]] | None = None
         self._free_slots = list(range(max_num_reqs - 1, -1, -1))
 
     @property
@@ -62,6 +76,21 @@ class InputBatch:
         self.min_p[slot] = s["min_p"]
         if s.get("seed") is not None:
             self.generators[slot] = torch.Generator(device=self.device).manual_seed(s["seed"])
+        self.repetition_penalty[slot] = s.get("repetition_penalty", 1.0)
+        self.presence_penalty[slot] = s.get("presence_penalty", 0.0)
+        self.frequency_penalty[slot] = s.get("frequency_penalty", 0.0)
+        self.min_tokens[slot] = s.get("min_tokens", 0)
+        self.num_logprobs[slot] = -1 if s.get("logprobs") is None else s["logprobs"]
+        if s.get("logit_bias"):
+            self.logit_bias[slot] = {int(k): float(v) for k, v in s["logit_bias"].items()}
+        if s.get("min_tokens", 0) > 0 and s.get("min_tokens_stop_ids"):
+            self.min_tokens_stop_ids[slot] = list(s["min_tokens_stop_ids"])
+        words = s.get("bad_words_token_ids") or []
+        if singles := [w[0] for w in words if len(w) == 1]:
+            self.static_bans[slot] = singles
+        if multi := [list(w) for w in words if len(w) > 1]:
+            self.bad_word_seqs[slot] = multi
+        self._sparse = None
         return slot
 
     def remove_request(self, req_id: str) -> None:
@@ -71,10 +100,42 @@ class InputBatch:
         self.req_ids[slot] = None
         self.block_table.clear_row(slot)
         self.generators.pop(slot, None)
+        self.repetition_penalty[slot] = 1.0
+        self.presence_penalty[slot] = self.frequency_penalty[slot] = 0.0
+        self.min_tokens[slot] = 0
+        self.num_logprobs[slot] = -1
+        for per_slot in (self.logit_bias, self.min_tokens_stop_ids, self.static_bans, self.bad_word_seqs):
+            per_slot.pop(slot, None)
+        self._sparse = None
         self._free_slots.append(slot)
+
+    def sparse_entries(self) -> dict[str, tuple[np.ndarray, ...]]:
+        """Per-slot token lists flattened to (slots, token ids[, values]) arrays.
+
+        Rebuilt only when a request joins or leaves; each step then selects its
+        rows from these arrays with vectorised indexing.
+        """
+        if self._sparse is None:
+            self._sparse = {
+                "logit_bias": _flatten({s: list(b.items()) for s, b in self.logit_bias.items()}, pairs=True),
+                "min_tokens": _flatten(self.min_tokens_stop_ids),
+                "static_bans": _flatten(self.static_bans),
+            }
+        return self._sparse
 
     def append_token(self, slot: int, token_id: int) -> None:
         n = self.num_tokens[slot]
         if n < self.max_model_len:
             self.token_ids[slot, n] = token_id
         self.num_tokens[slot] = n + 1
+
+
+def _flatten(per_slot: dict[int, list], pairs: bool = False) -> tuple[np.ndarray, ...]:
+    """``{slot: [token, ...]}`` (or ``[(token, value), ...]``) → flat slot / token (/ value) arrays."""
+    slots = [s for s, items in per_slot.items() for _ in items]
+    if pairs:
+        tokens = [t for items in per_slot.values() for t, _ in items]
+        values = [v for items in per_slot.values() for _, v in items]
+        return (np.array(slots, np.int64), np.array(tokens, np.int64), np.array(values, np.float32))
+    tokens = [t for items in per_slot.values() for t in items]
+    return (np.array(slots, np.int64), np.array(tokens, np.int64))

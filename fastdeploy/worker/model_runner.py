@@ -12,10 +12,11 @@ from fastdeploy.model_executor.attention.forward_context import set_forward_cont
 from fastdeploy.model_executor.attention.metadata import CommonAttentionMetadata
 from fastdeploy.model_executor.layers.linear import prepack_linear_weights
 from fastdeploy.model_executor.model_loader import ModelSource, load_model, resolve_dtype
-from fastdeploy.model_executor.sampler import Sampler, SamplingTensors
+from fastdeploy.model_executor.sampler import LogprobsTensors, Sampler
 from fastdeploy.platforms import get_attention_backend
 from fastdeploy.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from fastdeploy.worker.input_batch import InputBatch
+from fastdeploy.worker.sampling_metadata import build_sampling_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +26,9 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig, source: ModelSource, device: torch.device, max_model_len: int):
         if config.cache.kv_cache_dtype != "auto":
-            raise ValueError(f"kv_cache_dtype {config.cache.kv_cache_dtype!r} is not implemented yet; use auto")
+            raise ValueError(
+                f"kv_cache_dtype {config.cache.kv_cache_dtype!r} is not implemented yet; use auto"
+            )
         self.config = config
         self.source = source
         self.device = device
@@ -81,12 +84,26 @@ class ModelRunner:
         if len(sample_slots) == 0:
             return ModelRunnerOutput(scheduler_output.step_id, [], [])
         logits = self.model.compute_logits(hidden[inputs["logits_indices"]])
-        tokens = self.sampler(logits, self._sampling_tensors(sample_slots)).tolist()
+        params = build_sampling_tensors(self.batch, sample_slots, logits.shape[-1], self._to_device)
+        sampled = self.sampler(logits, params)
+        tokens = sampled.token_ids.tolist()
         req_ids = []
         for slot, token in zip(sample_slots.tolist(), tokens):
             self.batch.append_token(slot, token)
             req_ids.append(self.batch.req_ids[slot])
-        return ModelRunnerOutput(scheduler_output.step_id, req_ids, tokens)
+        logprobs = None
+        if sampled.logprobs is not None:
+            logprobs = self._logprobs_lists(sample_slots, sampled.logprobs)
+        return ModelRunnerOutput(scheduler_output.step_id, req_ids, tokens, logprobs)
+
+    def _logprobs_lists(self, slots: np.ndarray, lp: LogprobsTensors) -> list[list | None]:
+        """Per sampled row: ``[top ids, top logprobs, sampled logprob, sampled rank]`` or None (msgpack-friendly)."""
+        top_ids, top_lps = lp.top_ids.cpu().tolist(), lp.top_logprobs.cpu().tolist()
+        sampled_lps, ranks = lp.sampled_logprobs.cpu().tolist(), lp.sampled_ranks.cpu().tolist()
+        out: list[list | None] = []
+        for row, k in enumerate(self.batch.num_logprobs[slots].tolist()):
+            out.append(None if k < 0 else [top_ids[row][:k], top_lps[row][:k], sampled_lps[row], ranks[row]])
+        return out
 
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.batch
@@ -145,20 +162,3 @@ class ModelRunner:
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         tensor = torch.from_numpy(array)
         return tensor if self.device.type == "cpu" else tensor.to(self.device, non_blocking=True)
-
-    def _sampling_tensors(self, slots: np.ndarray) -> SamplingTensors:
-        batch = self.batch
-        temperature = batch.temperature[slots]
-        top_k = batch.top_k[slots]
-        generators = {}
-        for row, slot in enumerate(slots.tolist()):
-            if slot in batch.generators:
-                generators[row] = batch.generators[slot]
-        return SamplingTensors(
-            temperature=self._to_device(temperature),
-            top_p=self._to_device(batch.top_p[slots]),
-            top_k=self._to_device(top_k),
-            min_p=self._to_device(batch.min_p[slots]),
-            generators=generators,
-            all_greedy=bool(((temperature == 0) | (top_k == 1)).all()),
-        )

@@ -186,19 +186,14 @@ def test_wrong_types_are_400_with_param(fields, param):
 
 
 def test_unknown_field_is_rejected():
-    err = bad_request(chat, repetition_penalty=1.1)
-    assert err.param == "repetition_penalty"
-    assert err.message == "Unrecognized request argument supplied: repetition_penalty"
+    err = bad_request(chat, guided_choice=["a"])
+    assert err.param == "guided_choice"
+    assert err.message == "Unrecognized request argument supplied: guided_choice"
 
 
 @pytest.mark.parametrize(
     "fields",
     [
-        {"frequency_penalty": 0.5},
-        {"presence_penalty": -1},
-        {"logit_bias": {"50256": -100}},
-        {"logprobs": True},
-        {"top_logprobs": 3},
         {"tools": [{"type": "function", "function": {"name": "f"}}]},
         {"tool_choice": "auto"},
         {"response_format": {"type": "json_object"}},
@@ -211,9 +206,7 @@ def test_unimplemented_chat_fields_are_400(fields):
     assert "not supported" in err.message
 
 
-@pytest.mark.parametrize(
-    "fields", [{"logprobs": 0}, {"logprobs": 2}, {"echo": True}, {"best_of": 3}, {"suffix": "x"}]
-)
+@pytest.mark.parametrize("fields", [{"echo": True}, {"best_of": 3}, {"suffix": "x"}])
 def test_unimplemented_completion_fields_are_400(fields):
     (name,) = fields
     err = bad_request(completion(**fields).to_sampling_params)
@@ -235,6 +228,50 @@ def test_off_values_of_unimplemented_fields_are_accepted():
     ).to_sampling_params()
     completion(logprobs=None, echo=False, best_of=1, suffix=None).to_sampling_params()
     completion(n=2, best_of=2).to_sampling_params()
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logit_bias": {"-1": 1}}, "logit_bias"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"bad_words": [""]}, "bad_words"),
+        ({"min_tokens": -1}, "min_tokens"),
+    ],
+)
+def test_out_of_range_sampling_fields_are_400_naming_the_field(fields, param):
+    err = bad_request(chat(**fields).to_sampling_params)
+    assert err.param == param
+
+
+def test_completion_logprobs_range():
+    assert completion(logprobs=5).to_sampling_params().logprobs == 5
+    assert completion(logprobs=0).to_sampling_params().logprobs == 0
+    assert bad_request(completion(logprobs=21).to_sampling_params).param == "logprobs"
+
+
+def test_sampling_fields_reach_sampling_params():
+    params = chat(
+        logprobs=True,
+        top_logprobs=3,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.2,
+        logit_bias={"7": -100, "9": 2.5},
+        bad_words=["foo"],
+    ).to_sampling_params()
+    assert params.logprobs == 3
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0.5, -0.5, 1.2)
+    assert params.logit_bias == {7: -100.0, 9: 2.5}
+    assert params.bad_words == ["foo"]
+    assert chat(logprobs=True).to_sampling_params().logprobs == 0
+    assert chat().to_sampling_params().logprobs is None
 
 
 def test_include_usage_only_when_streaming():

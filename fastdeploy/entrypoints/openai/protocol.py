@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer
 
-from fastdeploy.engine.sampling_params import SamplingParams, SamplingParamsError
+from fastdeploy.engine.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
 from fastdeploy.entrypoints.openai.errors import BadRequestError, from_pydantic
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
@@ -76,11 +76,6 @@ class StreamOptions(OpenAIModel):
 
 # OpenAI fields the engine does not implement yet, with the values that mean "off".
 _UNSUPPORTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
-    "frequency_penalty": (None, 0, 0.0),
-    "presence_penalty": (None, 0, 0.0),
-    "logit_bias": (None, {}),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "echo": (None, False),
     "suffix": (None, ""),
     "tools": (None, []),
@@ -140,11 +135,12 @@ class SamplingRequest(OpenAIModel):
     include_stop_str_in_output: bool | None = None
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
-    # Not implemented yet: accepted only with their "off" value.
-    frequency_penalty: Any = None
-    presence_penalty: Any = None
-    logit_bias: Any = None
-    logprobs: Any = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    """Token id (as a JSON string key) → bias in [-100, 100]."""
+    bad_words: list[str] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -185,6 +181,10 @@ class SamplingRequest(OpenAIModel):
         """The requested output limit and the name of the field it came from."""
         return self.max_tokens, "max_tokens"
 
+    def _num_logprobs(self) -> int | None:
+        """Top logprobs per token the request asks for (None: no logprobs)."""
+        return None
+
     def to_sampling_params(self) -> SamplingParams:
         """The engine's ``SamplingParams`` for this request (a 400 if a value is invalid).
 
@@ -205,6 +205,12 @@ class SamplingRequest(OpenAIModel):
             "min_tokens": 0 if self.min_tokens is None else self.min_tokens,
             "stop": [self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             "stop_token_ids": list(self.stop_token_ids or []),
+            "frequency_penalty": 0.0 if self.frequency_penalty is None else self.frequency_penalty,
+            "presence_penalty": 0.0 if self.presence_penalty is None else self.presence_penalty,
+            "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            "logit_bias": self.logit_bias,
+            "bad_words": list(self.bad_words or []),
+            "logprobs": self._num_logprobs(),
         }
         for flag in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if getattr(self, flag) is not None:
@@ -229,6 +235,8 @@ class CompletionRequest(SamplingRequest):
     """OpenAI's default ``max_tokens`` for the legacy completions endpoint."""
 
     prompt: list[str | list[int]]
+    logprobs: int | None = None
+    """Legacy form: how many top logprobs per token (0 still returns the sampled token's)."""
     echo: Any = None
     best_of: Any = None
     suffix: Any = None
@@ -263,6 +271,9 @@ class CompletionRequest(SamplingRequest):
             if isinstance(p, list) and any(t < 0 for t in p):
                 raise ValueError("token ids must not be negative")
         return prompts
+
+    def _num_logprobs(self) -> int | None:
+        return self.logprobs
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -331,7 +342,8 @@ class ChatCompletionRequest(SamplingRequest):
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
-    top_logprobs: Any = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -351,6 +363,17 @@ class ChatCompletionRequest(SamplingRequest):
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens, "max_completion_tokens"
         return self.max_tokens, "max_tokens"
+
+    def _num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise BadRequestError(
+                f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}", param="top_logprobs"
+            )
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise BadRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
+            return None
+        return self.top_logprobs or 0
 
     def template_messages(self) -> list[dict[str, Any]]:
         """The conversation as a list of dicts for ``tokenizer.apply_chat_template``."""
@@ -471,10 +494,33 @@ def _now() -> int:
     return int(time.time())
 
 
+class CompletionLogProbs(ResponseModel):
+    """The legacy completions ``logprobs`` object."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class ChatCompletionLogProb(ResponseModel):
+    token: str
+    logprob: float = -9999.0
+    bytes: list[int] | None = None
+
+
+class ChatCompletionLogProbsContent(ChatCompletionLogProb):
+    top_logprobs: list[ChatCompletionLogProb] = Field(default_factory=list)
+
+
+class ChatCompletionLogProbs(ResponseModel):
+    content: list[ChatCompletionLogProbsContent] | None = None
+
+
 class CompletionResponseChoice(ResponseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -507,7 +553,7 @@ class ChatMessageOut(ResponseModel):
 class ChatCompletionResponseChoice(ResponseModel):
     index: int
     message: ChatMessageOut
-    logprobs: None = None
+    logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -535,7 +581,7 @@ class DeltaMessage(ResponseModel):
 class ChatCompletionStreamChoice(ResponseModel):
     index: int
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 

@@ -14,6 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from fastdeploy.entrypoints.openai.errors import BadRequestError
+from fastdeploy.entrypoints.openai.logprobs import chat_logprobs
 from fastdeploy.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -45,8 +46,7 @@ class OpenAIServingChat(OpenAIServing):
         """Validate, render, tokenize, run and answer one chat request."""
         model = self.resolve_model(request.model)
         params = request.to_sampling_params()
-        if params.stop_token_ids:
-            self.check_token_ids(params.stop_token_ids, "stop_token_ids")
+        self.check_params(params)
         self.check_healthy()
 
         text = await self.render_chat(request.messages)
@@ -68,6 +68,7 @@ class OpenAIServingChat(OpenAIServing):
         self, request_id: str, model: str, prompts: list[EnginePrompt], include_usage: bool
     ) -> AsyncIterator[str]:
         n = prompts[0].params.n
+        num_top = prompts[0].params.logprobs
         tracker = UsageTracker([request_id], prompts)
         exclude = None if include_usage else {"usage"}
 
@@ -86,11 +87,12 @@ class OpenAIServingChat(OpenAIServing):
                         ChatCompletionStreamChoice(
                             index=c.index,
                             delta=DeltaMessage(content=c.text) if c.text else DeltaMessage(),
+                            logprobs=chat_logprobs(c.token_ids, c.logprobs, num_top) if c.logprobs else None,
                             finish_reason=c.finish_reason,
                             stop_reason=c.stop_reason,
                         )
                         for c in out.outputs
-                        if c.text or c.finish_reason is not None
+                        if c.text or c.finish_reason is not None or c.logprobs
                     ]
                     if choices:
                         yield chunk(choices)
@@ -107,7 +109,10 @@ class OpenAIServingChat(OpenAIServing):
         self, request_id: str, model: str, prompts: list[EnginePrompt]
     ) -> ChatCompletionResponse:
         n = prompts[0].params.n
+        num_top = prompts[0].params.logprobs
         texts: list[list[str]] = [[] for _ in range(n)]
+        token_ids: list[list[int]] = [[] for _ in range(n)]
+        logprobs: list[list] = [[] for _ in range(n)]
         finish: list[str | None] = [None] * n
         stop_reason: list[int | str | None] = [None] * n
         tracker = UsageTracker([request_id], prompts)
@@ -116,6 +121,8 @@ class OpenAIServingChat(OpenAIServing):
                 async for _, out in outputs:
                     for c in out.outputs:
                         texts[c.index].append(c.text)
+                        token_ids[c.index].extend(c.token_ids)
+                        logprobs[c.index].extend(c.logprobs or [])
                         if c.finish_reason is not None:
                             finish[c.index], stop_reason[c.index] = c.finish_reason, c.stop_reason
         except Exception as exc:
@@ -124,6 +131,7 @@ class OpenAIServingChat(OpenAIServing):
             ChatCompletionResponseChoice(
                 index=k,
                 message=ChatMessageOut(content="".join(texts[k])),
+                logprobs=None if num_top is None else chat_logprobs(token_ids[k], logprobs[k], num_top),
                 finish_reason=finish[k] or "abort",
                 stop_reason=stop_reason[k],
             )

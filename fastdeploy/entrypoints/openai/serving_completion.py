@@ -13,6 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from fastdeploy.entrypoints.openai.errors import BadRequestError
+from fastdeploy.entrypoints.openai.logprobs import completion_logprobs
 from fastdeploy.entrypoints.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
@@ -42,8 +43,7 @@ class OpenAIServingCompletion(OpenAIServing):
         """Validate, tokenize, run and answer one completions request."""
         model = self.resolve_model(request.model)
         params = request.to_sampling_params()
-        if params.stop_token_ids:
-            self.check_token_ids(params.stop_token_ids, "stop_token_ids")
+        self.check_params(params)
         self.check_healthy()
 
         prompts: list[EnginePrompt] = []
@@ -85,8 +85,18 @@ class OpenAIServingCompletion(OpenAIServing):
         include_usage: bool,
     ) -> AsyncIterator[str]:
         n = prompts[0].params.n
+        num_top = prompts[0].params.logprobs
+        offsets = [0] * (len(prompts) * n)
         tracker = UsageTracker(request_ids, prompts)
         exclude = None if include_usage else {"usage"}
+
+        def logprobs_of(k: int, c) -> object:
+            if num_top is None or not c.logprobs:
+                return None
+            lp = completion_logprobs(c.token_ids, c.logprobs, num_top, offsets[k])
+            offsets[k] += sum(len(t) for t in lp.tokens)
+            return lp
+
         try:
             async with contextlib.aclosing(self.iterate_outputs(request_ids, prompts, tracker)) as outputs:
                 async for i, out in outputs:
@@ -94,11 +104,12 @@ class OpenAIServingCompletion(OpenAIServing):
                         CompletionResponseChoice(
                             index=i * n + c.index,
                             text=c.text,
+                            logprobs=logprobs_of(i * n + c.index, c),
                             finish_reason=c.finish_reason,
                             stop_reason=c.stop_reason,
                         )
                         for c in out.outputs
-                        if c.text or c.finish_reason is not None
+                        if c.text or c.finish_reason is not None or c.logprobs
                     ]
                     if choices:
                         chunk = CompletionStreamResponse(id=request_id, model=model, choices=choices)
@@ -116,7 +127,10 @@ class OpenAIServingCompletion(OpenAIServing):
     ) -> CompletionResponse:
         n = prompts[0].params.n
         num_choices = len(prompts) * n
+        num_top = prompts[0].params.logprobs
         texts: list[list[str]] = [[] for _ in range(num_choices)]
+        token_ids: list[list[int]] = [[] for _ in range(num_choices)]
+        logprobs: list[list] = [[] for _ in range(num_choices)]
         finish: list[str | None] = [None] * num_choices
         stop_reason: list[int | str | None] = [None] * num_choices
         tracker = UsageTracker(request_ids, prompts)
@@ -126,6 +140,8 @@ class OpenAIServingCompletion(OpenAIServing):
                     for c in out.outputs:
                         k = i * n + c.index
                         texts[k].append(c.text)
+                        token_ids[k].extend(c.token_ids)
+                        logprobs[k].extend(c.logprobs or [])
                         if c.finish_reason is not None:
                             finish[k], stop_reason[k] = c.finish_reason, c.stop_reason
         except Exception as exc:
@@ -134,6 +150,9 @@ class OpenAIServingCompletion(OpenAIServing):
             CompletionResponseChoice(
                 index=k,
                 text="".join(texts[k]),
+                logprobs=None
+                if num_top is None
+                else completion_logprobs(token_ids[k], logprobs[k], num_top, 0),
                 finish_reason=finish[k] or "abort",
                 stop_reason=stop_reason[k],
             )

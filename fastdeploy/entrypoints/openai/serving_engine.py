@@ -288,6 +288,13 @@ class OpenAIServing:
             if t >= vocab:
                 raise BadRequestError(f"token id {t} is out of range (vocabulary size {vocab})", param=param)
 
+    def check_params(self, params: SamplingParams) -> None:
+        """400 if a token id in ``stop_token_ids`` or ``logit_bias`` is outside the vocabulary."""
+        if params.stop_token_ids:
+            self.check_token_ids(params.stop_token_ids, "stop_token_ids")
+        if params.logit_bias:
+            self.check_token_ids(list(params.logit_bias), "logit_bias")
+
     async def _run_tokenizer(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.executor, lambda: fn(*args, **kwargs))

@@ -1,0 +1,78 @@
+"""Engine logprobs → the two OpenAI response formats.
+
+Chat (``logprobs: true`` + ``top_logprobs: N``): ``{"content": [{token, logprob,
+bytes, top_logprobs: [{token, logprob, bytes}]}]}``. Legacy completions
+(``logprobs: N``): ``{tokens, token_logprobs, top_logprobs, text_offset}``.
+Token strings are each token decoded alone; ``-inf`` becomes -9999.0 (JSON has no
+infinity), as vLLM does.
+"""
+
+from __future__ import annotations
+
+import math
+
+from fastdeploy.engine.outputs import Logprob
+from fastdeploy.entrypoints.openai.protocol import (
+    ChatCompletionLogProb,
+    ChatCompletionLogProbs,
+    ChatCompletionLogProbsContent,
+    CompletionLogProbs,
+)
+
+
+def _finite(value: float) -> float:
+    return max(value, -9999.0) if not math.isnan(value) else -9999.0
+
+
+def _token_str(token: int, lp: Logprob) -> str:
+    return lp.decoded_token if lp.decoded_token is not None else f"token_id:{token}"
+
+
+def chat_logprobs(
+    token_ids: list[int], logprobs: list[dict[int, Logprob]], num_top: int
+) -> ChatCompletionLogProbs:
+    """The ``logprobs`` object of a chat choice (or of one streamed delta)."""
+    content = []
+    for token, entry in zip(token_ids, logprobs):
+        sampled = entry[token]
+        text = _token_str(token, sampled)
+        top = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None), key=lambda x: x[1].rank)
+        top = [(t, lp) for t, lp in top if lp.rank <= num_top][:num_top]
+        content.append(
+            ChatCompletionLogProbsContent(
+                token=text,
+                logprob=_finite(sampled.logprob),
+                bytes=list(text.encode("utf-8")),
+                top_logprobs=[
+                    ChatCompletionLogProb(
+                        token=_token_str(t, lp),
+                        logprob=_finite(lp.logprob),
+                        bytes=list(_token_str(t, lp).encode()),
+                    )
+                    for t, lp in top
+                ],
+            )
+        )
+    return ChatCompletionLogProbs(content=content)
+
+
+def completion_logprobs(
+    token_ids: list[int], logprobs: list[dict[int, Logprob]], num_top: int, text_offset: int
+) -> CompletionLogProbs:
+    """The legacy ``logprobs`` object; ``text_offset`` is where the first token's text starts."""
+    out = CompletionLogProbs()
+    offset = text_offset
+    for token, entry in zip(token_ids, logprobs):
+        sampled = entry[token]
+        text = _token_str(token, sampled)
+        out.tokens.append(text)
+        out.token_logprobs.append(_finite(sampled.logprob))
+        out.text_offset.append(offset)
+        offset += len(text)
+        top = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None), key=lambda x: x[1].rank)
+        out.top_logprobs.append(
+            {_token_str(t, lp): _finite(lp.logprob) for t, lp in top if lp.rank <= num_top}
+            if num_top
+            else None
+        )
+    return out

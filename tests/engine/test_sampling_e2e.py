@@ -1,0 +1,93 @@
+"""Sampling controls through the whole offline engine with the default model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastdeploy import LLM, SamplingParams
+from fastdeploy.engine.input_processor import bad_words_token_ids
+from fastdeploy.engine.sampling_params import SamplingParamsError
+
+PROMPT = "The capital of France is"
+OTHER_PROMPTS = ["Once upon a time, there", "def fibonacci(n):", "List three facts about Mars:"]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    threads = torch.get_num_threads()
+    engine = LLM(dtype="float32", max_model_len=128, max_num_seqs=8, num_threads=1)
+    yield engine
+    engine.shutdown()
+    torch.set_num_threads(threads)
+
+
+def test_seeded_request_same_alone_and_in_mixed_batches(llm):
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=42, max_tokens=10, presence_penalty=0.3)
+    alone = llm.generate([PROMPT], seeded)[0].outputs[0].token_ids
+    mixes = [
+        SamplingParams(temperature=0, max_tokens=6),
+        SamplingParams(temperature=1.3, top_k=20, max_tokens=12),
+        SamplingParams(temperature=0.8, min_p=0.1, seed=1, max_tokens=4, repetition_penalty=1.3),
+    ]
+    for size in (1, 3):
+        outs = llm.generate([*OTHER_PROMPTS[:size], PROMPT], [*mixes[:size], seeded])
+        assert outs[-1].outputs[0].token_ids == alone
+
+
+def test_logprobs_returned_per_token(llm):
+    params = SamplingParams(temperature=0, max_tokens=5, logprobs=3, repetition_penalty=1.5)
+    out = llm.generate([PROMPT], params)[0].outputs[0]
+    assert len(out.logprobs) == len(out.token_ids)
+    for token, entry in zip(out.token_ids, out.logprobs):
+        assert token in entry
+        top = [lp for lp in entry.values() if lp.rank <= 3]
+        assert sorted(lp.rank for lp in top) == [1, 2, 3]
+        ordered = sorted(top, key=lambda lp: lp.rank)
+        assert [lp.logprob for lp in ordered] == sorted((lp.logprob for lp in ordered), reverse=True)
+        assert entry[token].logprob <= 0
+
+
+def test_greedy_logprobs_match_reference_model(llm, hf_reference_model):
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=4, logprobs=2))[0]
+    ids = out.prompt_token_ids + out.outputs[0].token_ids
+    with torch.no_grad():
+        logits = hf_reference_model(torch.tensor([ids])).logits[0].float()
+    ref = torch.log_softmax(logits, -1)
+    n = len(out.prompt_token_ids)
+    for i, (token, entry) in enumerate(zip(out.outputs[0].token_ids, out.outputs[0].logprobs)):
+        assert entry[token].rank == 1
+        assert entry[token].logprob == pytest.approx(ref[n - 1 + i, token].item(), abs=2e-3)
+
+
+def test_bad_words_never_appear(llm):
+    tok = llm.get_tokenizer()
+    plain = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0]
+    assert "Paris" in plain.text
+    banned = ["Paris", " the"]
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=16, bad_words=banned))[0].outputs[0]
+    assert "Paris" not in out.text
+    for seq in bad_words_token_ids(tok, banned):
+        n = len(seq)
+        assert all(out.token_ids[i : i + n] != seq for i in range(len(out.token_ids)))
+
+
+def test_min_tokens_suppresses_eos_until_reached(llm):
+    eos = llm.get_tokenizer().eos_token_id
+    bias = {eos: 100.0}
+    early = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=10, logit_bias=bias))[0].outputs[
+        0
+    ]
+    assert early.token_ids == [eos] and early.finish_reason == "stop"
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=10, min_tokens=4, logit_bias=bias))[
+        0
+    ]
+    ids = out.outputs[0].token_ids
+    assert eos not in ids[:4] and ids[4] == eos and len(ids) == 5
+    assert out.outputs[0].finish_reason == "stop"
+
+
+def test_out_of_vocab_logit_bias_is_rejected(llm):
+    with pytest.raises(SamplingParamsError) as info:
+        llm.generate([PROMPT], SamplingParams(logit_bias={10**7: 1.0}))
+    assert info.value.param == "logit_bias"
