@@ -78,18 +78,28 @@ class SamplerOutput:
 def apply_top_k_top_p_min_p(
     logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
 ) -> torch.Tensor:
-    """Set logits outside each row's top-k / nucleus / min-p set to -inf (ties at the edge are kept)."""
-    sorted_logits, _ = logits.sort(dim=-1, descending=True)
+    """Set logits outside each row's top-k / nucleus / min-p set to -inf (ties at the edge are kept).
+
+    Only top-p needs the full-vocabulary sort (the expensive part on a CPU);
+    top-k alone uses ``topk`` of the largest k in the batch, min-p only the row max.
+    """
     vocab = logits.shape[-1]
     keep_floor = torch.full_like(top_p, float("-inf"))
-    has_k = top_k > 0
+    has_k, has_p, has_min_p = top_k > 0, top_p < 1.0, min_p > 0
+    any_p = bool(has_p.any())
+    sorted_logits = logits.sort(dim=-1, descending=True)[0] if any_p else None
     if bool(has_k.any()):
-        kth = sorted_logits.gather(-1, (top_k.clamp(1, vocab) - 1).unsqueeze(-1)).squeeze(-1)
+        kth_index = (top_k.clamp(1, vocab) - 1).unsqueeze(-1)
+        if sorted_logits is None:
+            largest = logits.topk(int(top_k.max().clamp(max=vocab)), dim=-1)[0]
+            kth = largest.gather(-1, kth_index).squeeze(-1)
+        else:
+            kth = sorted_logits.gather(-1, kth_index).squeeze(-1)
         keep_floor = torch.where(has_k, kth, keep_floor)
-        # top-p then applies to the distribution renormalised over the top-k set
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < keep_floor.unsqueeze(-1), float("-inf"))
-    has_p = top_p < 1.0
-    if bool(has_p.any()):
+        if sorted_logits is not None:
+            # top-p then applies to the distribution renormalised over the top-k set
+            sorted_logits = sorted_logits.masked_fill(sorted_logits < keep_floor.unsqueeze(-1), float("-inf"))
+    if any_p:
         probs = sorted_logits.softmax(-1)
         cum_before = probs.cumsum(-1) - probs
         # the smallest prefix whose mass reaches top_p: token i is kept if the mass before it < top_p
@@ -97,10 +107,9 @@ def apply_top_k_top_p_min_p(
         last_inside = inside.sum(-1).clamp(min=1) - 1
         pth = sorted_logits.gather(-1, last_inside.unsqueeze(-1)).squeeze(-1)
         keep_floor = torch.where(has_p, torch.maximum(keep_floor, pth), keep_floor)
-    has_min_p = min_p > 0
     if bool(has_min_p.any()):
         # p >= min_p * p_max  <=>  logit >= max_logit + log(min_p)
-        mth = sorted_logits[:, 0] + torch.log(min_p.clamp(min=1e-30))
+        mth = logits.max(dim=-1)[0] + torch.log(min_p.clamp(min=1e-30))
         keep_floor = torch.where(has_min_p, torch.maximum(keep_floor, mth), keep_floor)
     return logits.masked_fill(logits < keep_floor.unsqueeze(-1), float("-inf"))
 
