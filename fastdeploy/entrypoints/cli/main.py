@@ -14,7 +14,10 @@ from collections.abc import Sequence
 
 import fastdeploy
 
-SUBCOMMAND_MODULES: tuple[str, ...] = ("fastdeploy.entrypoints.cli.serve",)
+SUBCOMMAND_MODULES: tuple[str, ...] = (
+    "fastdeploy.entrypoints.cli.serve",
+    "fastdeploy.entrypoints.cli.bench",
+)
 """Modules that each register one subcommand, in the order ``--help`` lists them."""
 
 
