@@ -28,13 +28,15 @@ def configure_threads(config: EngineConfig, device: torch.device) -> None:
         torch.set_num_threads(config.device.num_threads or os.cpu_count() or 1)
 
 
-def get_attention_backend(config: EngineConfig, device: torch.device):
-    """The attention backend for ``--attention-backend`` on this device."""
+def get_attention_backend(config: EngineConfig, device: torch.device, dtype: torch.dtype, head_dim: int):
+    """The attention backend for ``--attention-backend`` on this device, dtype and head size."""
     from fastdeploy.model_executor.attention.torch_backend import TorchAttentionBackend
+    from fastdeploy.ops.cpu_ops import load_cpu_ops
 
     name = config.device.attention_backend
     if name in ("auto", "torch"):
-        return TorchAttentionBackend()
+        kernel_fits = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and head_dim % 16 == 0
+        return TorchAttentionBackend(load_cpu_ops() if kernel_fits else None)
     raise ValueError(f"attention backend {name!r} is not available on {device.type}; available: torch")
 
 

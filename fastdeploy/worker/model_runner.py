@@ -36,7 +36,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.dtype = resolve_dtype(config.model.dtype, source.arch, device)
         self.batch = InputBatch(config.scheduler.max_num_seqs, max_model_len, self.block_size, device)
-        self.attn_backend = get_attention_backend(config, device)
+        self.attn_backend = get_attention_backend(config, device, self.dtype, source.arch.head_dim)
         self.sampler = Sampler()
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []

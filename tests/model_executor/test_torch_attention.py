@@ -31,8 +31,18 @@ def _dense_reference(q, k, v, scale):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
+def _cpu_kernels():
+    from fastdeploy.ops.cpu_ops import load_cpu_ops
+
+    kernels = load_cpu_ops()
+    if kernels is None:
+        pytest.skip("the C++ CPU kernels cannot be built on this machine")
+    return kernels
+
+
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_mixed_batch_of_decodes_prefills_and_chunks(dtype, tol):
+@pytest.mark.parametrize("decode_path", ["torch", "cpu-kernel"])
+def test_mixed_batch_of_decodes_prefills_and_chunks(dtype, tol, decode_path):
     gen = torch.Generator().manual_seed(0)
     heads, kv_heads, head_dim, block_size, num_blocks = 8, 2, 64, 16, 160
     scale = 1 / math.sqrt(head_dim)
@@ -93,7 +103,7 @@ def test_mixed_batch_of_decodes_prefills_and_chunks(dtype, tol):
         max_seq_len=int(seq_lens.max()),
         block_size=block_size,
     )
-    backend = TorchAttentionBackend()
+    backend = TorchAttentionBackend(_cpu_kernels() if decode_path == "cpu-kernel" else None)
     out = backend.forward(_Layer((key_cache, value_cache), scale), q, k_new, v_new, backend.build(common))
     for r in range(len(shapes)):
         ref = _dense_reference(queries[r], full_k[r], full_v[r], scale)
