@@ -90,33 +90,16 @@ class TorchAttentionBackend:
         qsl, seq_lens, bs = common.query_start_loc_cpu, common.seq_lens_cpu, common.block_size
         query_lens = np.diff(qsl)
         decode_reqs = np.flatnonzero(query_lens == 1)
-        decode_reqs = decode_reqs[
-            np.argsort(seq_lens[decode_reqs], kind="stable")
-        ]  # similar lengths together
-        device = common.block_table.device
         groups: list[DecodeGroup] = []
         decode_batch = None
-        if self.cpu_kernels is not None and len(decode_reqs):
+        if len(decode_reqs) and self.cpu_kernels is not None:
             decode_batch = DecodeBatch(
                 token_idx=torch.from_numpy(qsl[decode_reqs].astype(np.int64)),
                 block_table=common.block_table[torch.from_numpy(decode_reqs)].contiguous(),
                 seq_lens=torch.from_numpy(seq_lens[decode_reqs].astype(np.int32)),
             )
-            decode_reqs = decode_reqs[:0]
-        for first in range(0, len(decode_reqs), DECODE_GROUP_SIZE):
-            reqs_np = decode_reqs[first : first + DECODE_GROUP_SIZE]
-            num_blocks = -(-int(seq_lens[reqs_np].max()) // bs)
-            reqs = torch.from_numpy(reqs_np).to(device)
-            positions = torch.arange(num_blocks * bs, device=device)
-            key_mask = positions[None, :] < common.seq_lens[reqs][:, None]
-            groups.append(
-                DecodeGroup(
-                    token_idx=torch.from_numpy(qsl[reqs_np].astype(np.int64)).to(device),
-                    block_ids=common.block_table[reqs, :num_blocks].long(),
-                    key_mask=key_mask.view(len(reqs_np), 1, 1, -1, 1),
-                    blocked={},
-                )
-            )
+        elif len(decode_reqs):
+            groups = _decode_groups(common, decode_reqs)
         prefills: list[PrefillChunk] = []
         for i in np.flatnonzero(query_lens > 1):
             start, end, seq_len = int(qsl[i]), int(qsl[i + 1]), int(seq_lens[i])
@@ -155,6 +138,29 @@ class TorchAttentionBackend:
         for chunk in meta.prefills:
             out[chunk.start : chunk.end] = _prefill(q, k, v, key_cache, value_cache, chunk, layer.scale)
         return out
+
+
+def _decode_groups(common: CommonAttentionMetadata, decode_reqs: np.ndarray) -> list[DecodeGroup]:
+    """Decode requests sorted by length and cut into groups of ``DECODE_GROUP_SIZE``."""
+    qsl, seq_lens, bs = common.query_start_loc_cpu, common.seq_lens_cpu, common.block_size
+    device = common.block_table.device
+    decode_reqs = decode_reqs[np.argsort(seq_lens[decode_reqs], kind="stable")]  # similar lengths together
+    groups = []
+    for first in range(0, len(decode_reqs), DECODE_GROUP_SIZE):
+        reqs_np = decode_reqs[first : first + DECODE_GROUP_SIZE]
+        num_blocks = -(-int(seq_lens[reqs_np].max()) // bs)
+        reqs = torch.from_numpy(reqs_np).to(device)
+        positions = torch.arange(num_blocks * bs, device=device)
+        key_mask = positions[None, :] < common.seq_lens[reqs][:, None]
+        groups.append(
+            DecodeGroup(
+                token_idx=torch.from_numpy(qsl[reqs_np].astype(np.int64)).to(device),
+                block_ids=common.block_table[reqs, :num_blocks].long(),
+                key_mask=key_mask.view(len(reqs_np), 1, 1, -1, 1),
+                blocked={},
+            )
+        )
+    return groups
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
