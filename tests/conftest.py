@@ -8,6 +8,10 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if not torch.cuda.is_available():
+    # Triton kernels run in its interpreter on CPU-only machines; this must be set before any
+    # test module imports a kernel, or that kernel would be compiled for a GPU there is not
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,115 +1,155 @@
 // Paged decode attention for x86-64 CPUs with AVX-512: one query token per request, read in
 // place from the NHD paged KV cache (no gathered copy), float accumulation, parallel over
-// (request, kv head). Built on first use by fastdeploy/ops/cpu_ops.py; without AVX-512 the
-// build fails and the torch path is used.
-#include <torch/extension.h>
+// (request, kv head); head_dim is a template parameter so accumulators live in registers. Built on first use by fastdeploy/ops/cpu_ops.py; without AVX-512 the build fails and the
+// torch path is used.
+#include "cpu_ops.h"
+
 #include <ATen/Parallel.h>
-#include <immintrin.h>
-#include <algorithm>
 #include <math.h>
-#include <cstring>
-#include <cstdint>
+
+#include <algorithm>
 #include <vector>
 
+#include "cpu_vec.h"
+
 namespace {
+using namespace fd_cpu;
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {
-  __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-inline float load1(const float* p) { return *p; }
-inline float load1(const uint16_t* p) { uint32_t b = uint32_t(*p) << 16; float f; std::memcpy(&f, &b, 4); return f; }
-inline void store1(float* p, float v) { *p = v; }
-inline void store1(uint16_t* p, float v) {
-  uint32_t b; std::memcpy(&b, &v, 4); b += 0x7FFF + ((b >> 16) & 1); *p = uint16_t(b >> 16);
-}
+constexpr int64_t GB = 4;  // query heads of a GQA group accumulated together (registers)
 
-template <typename T>
-void decode_kernel(T* out, const T* q, const T* kc, const T* vc, const int32_t* bt, const int32_t* lens,
-                   int64_t R, int64_t H, int64_t KVH, int64_t D, int64_t BS, int64_t MB, float scale) {
-  const int64_t G = H / KVH, C = D / 16;
-  at::parallel_for(0, R * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), scores;
-    std::vector<__m512> acc(G * C);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / KVH, h = item % KVH, len = lens[r];
-      const int32_t* blocks = bt + r * MB;
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = load1(q + (r * H + h * G + g) * D + d) * scale;
-      scores.resize(G * len);
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t slot = int64_t(blocks[t / BS]) * BS + t % BS;
-        const T* k = kc + (slot * KVH + h) * D;
-        for (int64_t g = 0; g < G; ++g) {
-          __m512 s = _mm512_setzero_ps();
-          for (int64_t c = 0; c < C; ++c) s = _mm512_fmadd_ps(_mm512_loadu_ps(&qf[g * D + c * 16]), load16(k + c * 16), s);
-          scores[g * len + t] = _mm512_reduce_add_ps(s);
-        }
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        float* s = scores.data() + g * len;
-        const float m = *std::max_element(s, s + len);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; ++t) { s[t] = expf(s[t] - m); sum += s[t]; }
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < len; ++t) s[t] *= inv;
-      }
-      for (auto& a : acc) a = _mm512_setzero_ps();
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t slot = int64_t(blocks[t / BS]) * BS + t % BS;
-        const T* v = vc + (slot * KVH + h) * D;
-        for (int64_t c = 0; c < C; ++c) {
-          const __m512 vv = load16(v + c * 16);
-          for (int64_t g = 0; g < G; ++g)
-            acc[g * C + c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * len + t]), vv, acc[g * C + c]);
-        }
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        alignas(64) float tmp[16];
-        for (int64_t c = 0; c < C; ++c) {
-          _mm512_store_ps(tmp, acc[g * C + c]);
-          T* o = out + (r * H + h * G + g) * D + c * 16;
-          for (int i = 0; i < 16; ++i) store1(o + i, tmp[i]);
+// One (request, kv head): scores for every cached key, softmax, weighted sum of values.
+// C = head_dim / 16 is a template parameter so that the accumulators stay in registers.
+template <typename T, int C>
+void decode_item(T* out, const T* q, const T* kc, const T* vc, const int32_t* blocks, int64_t len, int64_t h,
+                 int64_t G, int64_t KVH, int64_t BS, float scale, std::vector<float>& scores) {
+  constexpr int64_t D = 16 * C;
+  const int64_t row_stride = KVH * D;
+  scores.resize(G * len);
+  for (int64_t g0 = 0; g0 < G; g0 += GB) {
+    const int64_t nb = std::min<int64_t>(GB, G - g0);
+    __m512 qv[GB][C];
+    for (int64_t b = 0; b < GB; ++b)
+      for (int c = 0; c < C; ++c)
+        qv[b][c] = b < nb ? _mm512_mul_ps(load16(q + (g0 + b) * D + c * 16), _mm512_set1_ps(scale)) : _mm512_setzero_ps();
+    for (int64_t t0 = 0, blk = 0; t0 < len; t0 += BS, ++blk) {
+      const T* k = kc + (int64_t(blocks[blk]) * BS * KVH + h) * D;
+      const int64_t n = std::min(BS, len - t0);
+      for (int64_t o = 0; o < n; ++o, k += row_stride) {
+        __m512 kv[C];
+        for (int c = 0; c < C; ++c) kv[c] = load16(k + c * 16);
+        for (int64_t b = 0; b < nb; ++b) {
+          __m512 s = _mm512_mul_ps(qv[b][0], kv[0]);
+          for (int c = 1; c < C; ++c) s = _mm512_fmadd_ps(qv[b][c], kv[c], s);
+          scores[(g0 + b) * len + t0 + o] = _mm512_reduce_add_ps(s);
         }
       }
     }
+    for (int64_t b = 0; b < nb; ++b) {
+      float* s = scores.data() + (g0 + b) * len;
+      __m512 mx = _mm512_set1_ps(-3.0e38f);
+      for (int64_t t = 0; t < len; t += 16) mx = _mm512_mask_max_ps(mx, tail_mask(len - t), mx, load16(s + t, tail_mask(len - t)));
+      const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t t = 0; t < len; t += 16) {
+        const __mmask16 tm = tail_mask(len - t);
+        const __m512 e = _mm512_maskz_mov_ps(tm, exp16(_mm512_sub_ps(load16(s + t, tm), m)));
+        store16(s + t, e, tm);
+        sum = _mm512_add_ps(sum, e);
+      }
+      const float inv = 1.f / _mm512_reduce_add_ps(sum);
+      for (int64_t t = 0; t < len; t += 16) store16(s + t, _mm512_mul_ps(load16(s + t, tail_mask(len - t)), _mm512_set1_ps(inv)), tail_mask(len - t));
+    }
+    __m512 acc[GB][C];
+    for (int64_t b = 0; b < GB; ++b)
+      for (int c = 0; c < C; ++c) acc[b][c] = _mm512_setzero_ps();
+    for (int64_t t0 = 0, blk = 0; t0 < len; t0 += BS, ++blk) {
+      const T* v = vc + (int64_t(blocks[blk]) * BS * KVH + h) * D;
+      const int64_t n = std::min(BS, len - t0);
+      for (int64_t o = 0; o < n; ++o, v += row_stride) {
+        __m512 vv[C];
+        for (int c = 0; c < C; ++c) vv[c] = load16(v + c * 16);
+        for (int64_t b = 0; b < nb; ++b) {
+          const __m512 p = _mm512_set1_ps(scores[(g0 + b) * len + t0 + o]);
+          for (int c = 0; c < C; ++c) acc[b][c] = _mm512_fmadd_ps(p, vv[c], acc[b][c]);
+        }
+      }
+    }
+    for (int64_t b = 0; b < nb; ++b)
+      for (int c = 0; c < C; ++c) store16(out + (g0 + b) * D + c * 16, acc[b][c]);
+  }
+}
+
+template <typename T, int C>
+void decode_kernel(T* out, const T* q, const T* kc, const T* vc, const int32_t* bt, const int32_t* lens,
+                   const int64_t* token_idx, int64_t q_stride, int64_t out_stride, int64_t R, int64_t H,
+                   int64_t KVH, int64_t BS, int64_t MB, float scale) {
+  constexpr int64_t D = 16 * C;
+  const int64_t G = H / KVH;
+  at::parallel_for(0, R * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / KVH, h = item % KVH;
+      decode_item<T, C>(out + token_idx[r] * out_stride + h * G * D, q + token_idx[r] * q_stride + h * G * D, kc, vc,
+                        bt + r * MB, lens[r], h, G, KVH, BS, scale, scores);
+    }
   });
 }
+
+template <typename T>
+void decode_dispatch(T* out, const T* q, const T* kc, const T* vc, const int32_t* bt, const int32_t* lens,
+                     const int64_t* token_idx, int64_t q_stride, int64_t out_stride, int64_t R, int64_t H, int64_t KVH,
+                     int64_t D, int64_t BS, int64_t MB, float scale) {
+  switch (D) {
+    case 64:
+      return decode_kernel<T, 4>(out, q, kc, vc, bt, lens, token_idx, q_stride, out_stride, R, H, KVH, BS, MB, scale);
+    case 128:
+      return decode_kernel<T, 8>(out, q, kc, vc, bt, lens, token_idx, q_stride, out_stride, R, H, KVH, BS, MB, scale);
+    case 256:
+      return decode_kernel<T, 16>(out, q, kc, vc, bt, lens, token_idx, q_stride, out_stride, R, H, KVH, BS, MB, scale);
+    default:
+      TORCH_CHECK(false, "paged_decode_attention: head_dim must be 64, 128 or 256, got ", D);
+  }
+}
+
+bool heads_packed(const torch::Tensor& t) { return t.dim() == 3 && t.stride(2) == 1 && t.stride(1) == t.size(2); }
 }  // namespace
 
-// out, q: [reqs, heads, head_dim]; caches: [blocks, block_size, kv_heads, head_dim];
-// block_table: [reqs, max_blocks] int32; seq_lens: [reqs] int32 (context incl. the query token).
-void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kc, torch::Tensor vc,
-                            torch::Tensor bt, torch::Tensor lens, double scale) {
+// out, q: [tokens, heads, head_dim] (rows may be strided); caches: [blocks, block_size, kv_heads,
+// head_dim]; block_table: [reqs, max_blocks] int32; seq_lens: [reqs] int32 (context incl. the query
+// token); token_idx: [reqs] int64, the row of q and out that belongs to each request.
+void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor bt,
+                            torch::Tensor lens, torch::Tensor token_idx, double scale) {
   TORCH_CHECK(q.device().is_cpu(), "paged_decode_attention: CPU tensors only");
-  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [reqs, heads, head_dim]");
+  TORCH_CHECK(heads_packed(q) && heads_packed(out) && out.sizes() == q.sizes(),
+              "q and out must be [tokens, heads, head_dim] with packed heads");
   TORCH_CHECK(kc.dim() == 4 && kc.sizes() == vc.sizes(), "key and value caches must be equal NHD tensors");
   TORCH_CHECK(q.scalar_type() == kc.scalar_type() && q.scalar_type() == out.scalar_type() &&
                   q.scalar_type() == vc.scalar_type(),
               "q, out and the caches must share one dtype");
-  TORCH_CHECK(bt.scalar_type() == torch::kInt32 && lens.scalar_type() == torch::kInt32,
-              "block_table and seq_lens must be int32");
-  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && kc.is_contiguous() && vc.is_contiguous() &&
-                  bt.is_contiguous() && lens.is_contiguous(),
-              "all tensors must be contiguous");
-  const int64_t R = q.size(0), H = q.size(1), D = q.size(2), BS = kc.size(1), KVH = kc.size(2), MB = bt.size(1);
-  TORCH_CHECK(kc.size(3) == D && D % 16 == 0, "head_dim must match the cache and be a multiple of 16");
+  TORCH_CHECK(bt.scalar_type() == torch::kInt32 && lens.scalar_type() == torch::kInt32 &&
+                  token_idx.scalar_type() == torch::kInt64,
+              "block_table and seq_lens must be int32, token_idx int64");
+  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && bt.is_contiguous() && lens.is_contiguous() &&
+                  token_idx.is_contiguous(),
+              "caches, block_table, seq_lens and token_idx must be contiguous");
+  const int64_t R = bt.size(0), H = q.size(1), D = q.size(2), BS = kc.size(1), KVH = kc.size(2), MB = bt.size(1);
+  TORCH_CHECK(kc.size(3) == D && (D == 64 || D == 128 || D == 256), "head_dim must match the cache and be 64, 128 or 256");
   TORCH_CHECK(H % KVH == 0, "query heads must be a multiple of KV heads");
-  TORCH_CHECK(bt.size(0) == R && lens.size(0) == R, "one block table row and one length per request");
+  TORCH_CHECK(lens.size(0) == R && token_idx.size(0) == R, "one block table row, length and token index per request");
+  const int64_t* ti = token_idx.data_ptr<int64_t>();
+  const int32_t* lp = lens.data_ptr<int32_t>();
+  for (int64_t r = 0; r < R; ++r) {
+    TORCH_CHECK(ti[r] >= 0 && ti[r] < q.size(0), "token_idx ", ti[r], " is outside q's ", q.size(0), " rows");
+    TORCH_CHECK(lp[r] > 0 && lp[r] <= MB * BS, "seq_len ", lp[r], " does not fit the block table");
+  }
   if (q.scalar_type() == torch::kFloat32) {
-    decode_kernel<float>(out.data_ptr<float>(), q.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(),
-                         bt.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), R, H, KVH, D, BS, MB, scale);
+    decode_dispatch<float>(out.data_ptr<float>(), q.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(),
+                           bt.data_ptr<int32_t>(), lp, ti, q.stride(0), out.stride(0), R, H, KVH, D, BS, MB, scale);
   } else if (q.scalar_type() == torch::kBFloat16) {
-    auto p = [](torch::Tensor t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); };
-    decode_kernel<uint16_t>(p(out), p(q), p(kc), p(vc), bt.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), R, H, KVH, D,
-                            BS, MB, scale);
+    auto p = [](const torch::Tensor& t) { return reinterpret_cast<bf16*>(t.data_ptr<at::BFloat16>()); };
+    decode_dispatch<bf16>(p(out), p(q), p(kc), p(vc), bt.data_ptr<int32_t>(), lp, ti, q.stride(0), out.stride(0), R,
+                          H, KVH, D, BS, MB, scale);
   } else {
     TORCH_CHECK(false, "paged_decode_attention: float32 or bfloat16 only, got ", q.scalar_type());
   }
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, AVX-512)");
 }

@@ -7,6 +7,7 @@ import logging
 from fastdeploy.config import EngineConfig
 from fastdeploy.engine.request import EngineCoreOutputs, EngineCoreRequest, Request
 from fastdeploy.model_executor.model_loader import ModelSource
+from fastdeploy.scheduler.output import SchedulerOutput
 
 
 class WorkerStepError(RuntimeError):
@@ -23,6 +24,15 @@ def resolve_max_model_len(config: EngineConfig, source: ModelSource) -> int:
     if wanted > limit:
         raise ValueError(f"max_model_len {wanted} exceeds the model's context length {limit}")
     return wanted
+
+
+def resolve_async_scheduling(config: EngineConfig) -> bool:
+    """``--async-scheduling``, or by default on for a GPU and off for a CPU."""
+    if config.scheduler.async_scheduling is not None:
+        return config.scheduler.async_scheduling
+    from fastdeploy.platforms import resolve_device
+
+    return resolve_device(config).type == "cuda"
 
 
 class KVCacheTooSmallError(RuntimeError):
@@ -50,6 +60,10 @@ class EngineCore:
         self.num_blocks = num_blocks
         self.executor.initialize_cache(num_blocks)
         self.scheduler = Scheduler(config, num_blocks, self.max_model_len)
+        self.async_scheduling = resolve_async_scheduling(config)
+        self.scheduler.async_scheduling = self.async_scheduling
+        self._in_flight: SchedulerOutput | None = None
+        """The step the worker holds (async scheduling): its output comes back with the next call."""
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens)", num_blocks, block_size, num_blocks * block_size
         )
@@ -64,24 +78,37 @@ class EngineCore:
         return EngineCoreOutputs(outputs=self.scheduler.abort_requests(request_ids))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     def step(self) -> EngineCoreOutputs:
-        """Schedule one batch, run it, and return the new tokens and a stats snapshot."""
-        if not self.scheduler.has_unfinished_requests():
+        """Schedule one batch, run it, and return the new tokens and a stats snapshot.
+
+        With async scheduling the batch is launched and the previous batch's tokens
+        come back instead, so the scheduler works on step N+1 while step N runs.
+        """
+        if not self.has_unfinished_requests():
             return EngineCoreOutputs(stats=self.scheduler.make_stats())
         scheduler_output = self.scheduler.schedule()
         try:
-            runner_output = self.executor.execute_model(scheduler_output)
+            if self.async_scheduling:
+                runner_output = self.executor.execute_model_overlap(scheduler_output)
+            else:
+                runner_output = self.executor.execute_model(scheduler_output)
         except WorkerStepError as exc:
-            # the step's requests fail; everyone else carries on
+            # the steps' requests fail; everyone else carries on
             logger.error("engine step failed: %s", exc)
-            outputs = self.scheduler.abort_requests(list(scheduler_output.num_scheduled_tokens))
+            failed = list(scheduler_output.num_scheduled_tokens)
+            if self._in_flight is not None:
+                failed += list(self._in_flight.num_scheduled_tokens)
+            self._in_flight = None
+            outputs = self.scheduler.abort_requests(list(dict.fromkeys(failed)))
             message = str(exc).strip().splitlines()[-1] if str(exc).strip() else "engine step failed"
             for output in outputs:
                 output.error = message
             return EngineCoreOutputs(outputs=outputs, stats=self.scheduler.make_stats())
-        outputs = self.scheduler.update_from_output(runner_output)
+        if self.async_scheduling:
+            self._in_flight = scheduler_output if scheduler_output.total_num_scheduled_tokens else None
+        outputs = self.scheduler.update_from_output(runner_output) if runner_output is not None else []
         return EngineCoreOutputs(outputs=outputs, stats=self.scheduler.make_stats())
 
     def shutdown(self) -> None:

@@ -24,6 +24,10 @@ class InProcExecutor:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
 
+    def execute_model_overlap(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Launch this step; return the previous step's output (None if there was none)."""
+        return self.worker.execute_model_overlap(scheduler_output)
+
     def check_health(self) -> None:
         """Raises if a worker is dead (never, in-process)."""
 

@@ -29,6 +29,9 @@ class InputProcessor:
         """Check token ids against the vocabulary and tokenize ``bad_words`` (a new object when needed)."""
         if self.vocab_size is not None:
             params.check_vocab(self.vocab_size)
+        if params.stop and self.tokenizer is None:
+            # stop strings are matched on detokenized text, which needs a tokenizer
+            raise SamplingParamsError("stop", "stop strings need a tokenizer; use stop_token_ids")
         if params.bad_words and params.bad_words_token_ids is None:
             if self.tokenizer is None:
                 raise SamplingParamsError("bad_words", "bad_words need a tokenizer")
@@ -37,7 +40,10 @@ class InputProcessor:
 
     def tokenize(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer; pass prompt token ids instead of text")
+            raise ValueError(
+                "no tokenizer is loaded (the model has none, or skip_tokenizer_init is set); "
+                "pass prompt token ids instead of text"
+            )
         return self.tokenizer.encode(prompt)
 
     def validate(self, prompt_token_ids: list[int]) -> None:

@@ -40,6 +40,9 @@ def _worker_main(config: EngineConfig, source: ModelSource, max_model_len: int, 
         try:
             if method == "execute_model":
                 result = worker.execute_model(SchedulerOutput.from_wire(args[0])).to_wire()
+            elif method == "execute_model_overlap":
+                output = worker.execute_model_overlap(SchedulerOutput.from_wire(args[0]))
+                result = None if output is None else output.to_wire()
             else:
                 result = getattr(worker, method)(*args)
             socket.send(encode({"ok": result}))
@@ -95,6 +98,11 @@ class MultiprocExecutor:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return ModelRunnerOutput.from_wire(self._call("execute_model", scheduler_output.to_wire()))
+
+    def execute_model_overlap(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Launch this step in the worker; the previous step's output comes back (or None)."""
+        wire = self._call("execute_model_overlap", scheduler_output.to_wire())
+        return None if wire is None else ModelRunnerOutput.from_wire(wire)
 
     def check_health(self) -> None:
         if not self._proc.is_alive():

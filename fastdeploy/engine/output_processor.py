@@ -12,6 +12,7 @@ from typing import Any
 
 from fastdeploy.engine.detokenizer import IncrementalDetokenizer
 from fastdeploy.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from fastdeploy.engine.prompt_logprobs import to_prompt_logprobs
 from fastdeploy.engine.request import EngineCoreOutput
 from fastdeploy.engine.sampling_params import SamplingParams
 
@@ -66,6 +67,9 @@ class RequestState:
         self.params = params
         self.times = RequestTimes(arrival=arrival_time)
         self.num_cached_tokens = 0
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+        """Set from the first engine output that carries them (every choice computes the same)."""
+        self.prompt_logprobs_sent = False
         self.max_stop_len = max((len(s) for s in params.stop), default=0)
         self.choices = [
             ChoiceState(
@@ -185,6 +189,10 @@ class OutputProcessor:
             if metrics:
                 metrics.on_generation_tokens(len(out.new_token_ids))
         state.num_cached_tokens = out.num_cached_tokens
+        if out.prompt_logprobs is not None and state.prompt_logprobs is None:
+            state.prompt_logprobs = to_prompt_logprobs(
+                state.prompt_token_ids, out.prompt_logprobs, self.tokenizer
+            )
         choice.token_ids.extend(out.new_token_ids)
         if out.logprobs:
             choice.logprobs.extend(
@@ -263,6 +271,10 @@ class OutputProcessor:
                     choice.index, text, token_ids, choice.finish_reason, choice.stop_reason, logprobs
                 )
             )
+        prompt_logprobs = state.prompt_logprobs
+        if delta and state.prompt_logprobs_sent:
+            prompt_logprobs = None  # streaming: only the first output that has them carries them
+        state.prompt_logprobs_sent = state.prompt_logprobs_sent or prompt_logprobs is not None
         return RequestOutput(
             request_id=state.request_id,
             prompt=state.prompt,
@@ -270,4 +282,5 @@ class OutputProcessor:
             outputs=outputs,
             finished=state.finished,
             num_cached_tokens=state.num_cached_tokens,
+            prompt_logprobs=prompt_logprobs,
         )

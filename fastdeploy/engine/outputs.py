@@ -48,4 +48,7 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     """Prompt tokens whose KV came from the prefix cache."""
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    """With ``prompt_logprobs`` asked: aligned with ``prompt_token_ids``, None for the first token,
+    else the token itself and the top-k by id. In streaming use only the first output carries it."""
     metrics: dict[str, float] = field(default_factory=dict)

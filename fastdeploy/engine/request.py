@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from fastdeploy.engine.prompt_logprobs import PromptLogprobsBuffer
 from fastdeploy.engine.sampling_params import SamplingParams
 
 
@@ -66,6 +67,9 @@ class EngineCoreOutput:
     """Set when the engine failed this request (it is finished with reason abort)."""
     logprobs: list[list] | None = None
     """Per new token: ``[top ids, top logprobs, sampled logprob, sampled rank]`` (when asked)."""
+    prompt_logprobs: list[list] | None = None
+    """Sent once, with the first output: per prompt token after the first, ``[top ids, top
+    logprobs, token logprob, token rank]`` (when ``prompt_logprobs`` was asked)."""
 
 
 @dataclass
@@ -126,6 +130,8 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.num_preemptions = 0
+        self.num_output_placeholders = 0
+        """Tokens being sampled by steps in flight (async scheduling): scheduled, not yet known."""
         self.first_scheduled_time: float | None = None
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None
@@ -134,6 +140,12 @@ class Request:
         """Chained hashes of this request's full blocks (grown as tokens arrive)."""
         self.mm_extra_keys: list[tuple[int, int, str]] = []
         """(start, end, mm_hash) of multimodal items, for block hashing."""
+        self.prompt_logprobs: PromptLogprobsBuffer | None = (
+            None
+            if self.sampling_params.prompt_logprobs is None
+            else PromptLogprobsBuffer(self.num_prompt_tokens)
+        )
+        """Prompt logprobs gathered over the prefill chunks (None: not asked)."""
 
     @property
     def num_tokens(self) -> int:
@@ -156,6 +168,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs are asked and not all computed yet: the prompt must be computed, not cached."""
+        return self.prompt_logprobs is not None and self.prompt_logprobs.needed
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -52,6 +52,9 @@ class SamplingParams:
     """``bad_words`` tokenized (filled by the front end, which owns the tokenizer)."""
     logprobs: int | None = None
     """Return the sampled token's logprob plus this many top logprobs per token (None: off)."""
+    prompt_logprobs: int | None = None
+    """Return, for every prompt token after the first, its logprob given the tokens before it plus
+    this many top alternatives (None: off). Such a request never reads the prefix cache."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -66,9 +69,9 @@ class SamplingParams:
         )
         self._check(0 <= self.min_p <= 1, "min_p", f"min_p must be in [0, 1], got {self.min_p}")
         self._check(
-            self.max_tokens is None or self.max_tokens >= 1,
+            self.max_tokens is None or self.max_tokens >= 0,
             "max_tokens",
-            f"max_tokens must be at least 1, got {self.max_tokens}",
+            f"max_tokens must be >= 0, got {self.max_tokens}",
         )
         self._check(self.min_tokens >= 0, "min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}")
         self._check(
@@ -96,6 +99,11 @@ class SamplingParams:
             self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
             "logprobs",
             f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
+        )
+        self._check(
+            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+            "prompt_logprobs",
+            f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}",
         )
 
     @classmethod

@@ -39,7 +39,8 @@ class LLM:
         """Generate for every prompt; results come back in prompt order.
 
         A prompt is text, a list of token ids, or ``{"prompt_token_ids": [...]}``
-        / ``{"prompt": "..."}``.
+        / ``{"prompt": "..."}``. Without a tokenizer (``skip_tokenizer_init``) prompts
+        must be token ids and the outputs' text is empty.
         """
         prompt_list = self._as_prompt_list(prompts)
         if sampling_params is None:
@@ -71,6 +72,11 @@ class LLM:
         """Apply the model's chat template to one conversation (or a list of them) and generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise ValueError(
+                "chat needs a tokenizer (for the chat template); none is loaded "
+                "(skip_tokenizer_init, or a model folder without one)"
+            )
         prompts = []
         for conversation in conversations:
             text = tokenizer.apply_chat_template(

@@ -97,6 +97,25 @@ _queue = Histogram(
     buckets=_LATENCY_BUCKETS,
     registry=REGISTRY,
 )
+_encoder_cache_hits = Counter(
+    "fastdeploy:encoder_cache_hits",
+    "Multimodal items found in the encoder cache.",
+    _LABELS,
+    registry=REGISTRY,
+)
+_encoder_cache_misses = Counter(
+    "fastdeploy:encoder_cache_misses",
+    "Multimodal items not in the encoder cache (fetched and encoded).",
+    _LABELS,
+    registry=REGISTRY,
+)
+_feature_fetch = Histogram(
+    "fastdeploy:feature_fetch_latency_seconds",
+    "Download plus load time of one multimodal feature URL.",
+    _LABELS,
+    buckets=_LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
 
 
 class EngineMetrics:
@@ -107,7 +126,8 @@ class EngineMetrics:
         # create every labelled series now, so that a fresh server exposes its gauges and
         # counters at 0 instead of leaving them out until the first request
         for metric in (_running, _waiting, _kv_usage, _prefix_queries, _prefix_hits, _preemptions,
-                       _prompt_tokens, _generation_tokens, _ttft, _itl, _e2e, _queue):  # fmt: skip
+                       _prompt_tokens, _generation_tokens, _ttft, _itl, _e2e, _queue,
+                       _encoder_cache_hits, _encoder_cache_misses, _feature_fetch):  # fmt: skip
             metric.labels(**self.labels)
         for reason in ("stop", "length", "abort"):
             _success.labels(model_name=model_name, finished_reason=reason)  # expose zeros from the start
@@ -135,3 +155,12 @@ class EngineMetrics:
         _e2e.labels(**self.labels).observe(e2e)
         if queue_time is not None:
             _queue.labels(**self.labels).observe(queue_time)
+
+    def on_encoder_cache(self, hits: int, misses: int) -> None:
+        """Add an interval's encoder cache lookups (``EncoderCacheManager.take_stats()``)."""
+        _encoder_cache_hits.labels(**self.labels).inc(hits)
+        _encoder_cache_misses.labels(**self.labels).inc(misses)
+
+    def on_feature_fetch(self, seconds: float) -> None:
+        """Record one feature URL's fetch time (pass as ``fetch_features(observe_latency=...)``)."""
+        _feature_fetch.labels(**self.labels).observe(seconds)

@@ -56,6 +56,10 @@ class SamplingTensors:
     penalties: PenaltyTensors | None = None
     max_num_logprobs: int | None = None
     """Largest top-logprobs count requested in the batch; None: no row wants logprobs."""
+    max_top_k: int | None = None
+    """Host-side summary: the largest top-k of the batch (0: none). None: read from the device."""
+    any_top_p: bool | None = None
+    any_min_p: bool | None = None
 
 
 @dataclass
@@ -76,22 +80,32 @@ class SamplerOutput:
 
 
 def apply_top_k_top_p_min_p(
-    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+    logits: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    max_top_k: int | None = None,
+    any_top_p: bool | None = None,
+    any_min_p: bool | None = None,
 ) -> torch.Tensor:
     """Set logits outside each row's top-k / nucleus / min-p set to -inf (ties at the edge are kept).
 
     Only top-p needs the full-vocabulary sort (the expensive part on a CPU);
     top-k alone uses ``topk`` of the largest k in the batch, min-p only the row max.
+    ``max_top_k`` / ``any_top_p`` / ``any_min_p``, when the caller knows them on the host,
+    spare the device round trips (GPU syncs) that reading them from the tensors costs.
     """
     vocab = logits.shape[-1]
     keep_floor = torch.full_like(top_p, float("-inf"))
     has_k, has_p, has_min_p = top_k > 0, top_p < 1.0, min_p > 0
-    any_p = bool(has_p.any())
+    any_p = bool(has_p.any()) if any_top_p is None else any_top_p
+    if max_top_k is None:
+        max_top_k = int(top_k.max()) if bool(has_k.any()) else 0
     sorted_logits = logits.sort(dim=-1, descending=True)[0] if any_p else None
-    if bool(has_k.any()):
+    if max_top_k > 0:
         kth_index = (top_k.clamp(1, vocab) - 1).unsqueeze(-1)
         if sorted_logits is None:
-            largest = logits.topk(int(top_k.max().clamp(max=vocab)), dim=-1)[0]
+            largest = logits.topk(min(max_top_k, vocab), dim=-1)[0]
             kth = largest.gather(-1, kth_index).squeeze(-1)
         else:
             kth = sorted_logits.gather(-1, kth_index).squeeze(-1)
@@ -107,7 +121,7 @@ def apply_top_k_top_p_min_p(
         last_inside = inside.sum(-1).clamp(min=1) - 1
         pth = sorted_logits.gather(-1, last_inside.unsqueeze(-1)).squeeze(-1)
         keep_floor = torch.where(has_p, torch.maximum(keep_floor, pth), keep_floor)
-    if bool(has_min_p.any()):
+    if bool(has_min_p.any()) if any_min_p is None else any_min_p:
         # p >= min_p * p_max  <=>  logit >= max_logit + log(min_p)
         mth = logits.max(dim=-1)[0] + torch.log(min_p.clamp(min=1e-30))
         keep_floor = torch.where(has_min_p, torch.maximum(keep_floor, mth), keep_floor)
@@ -174,7 +188,15 @@ class Sampler:
         temperature = params.temperature
         is_greedy = temperature == 0
         scaled = logits / torch.where(is_greedy, torch.ones_like(temperature), temperature).unsqueeze(-1)
-        scaled = apply_top_k_top_p_min_p(scaled, params.top_k, params.top_p, params.min_p)
+        scaled = apply_top_k_top_p_min_p(
+            scaled,
+            params.top_k,
+            params.top_p,
+            params.min_p,
+            params.max_top_k,
+            params.any_top_p,
+            params.any_min_p,
+        )
         probs = scaled.softmax(dim=-1)
         noise = torch.empty_like(probs).exponential_()
         for row, generator in params.generators.items():

@@ -20,7 +20,13 @@ from fastdeploy import envs
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ["cpu/paged_attention.cpp"]
+SOURCES = [
+    "cpu/bindings.cpp",
+    "cpu/paged_attention.cpp",
+    "cpu/prefill_attention.cpp",
+    "cpu/layer_kernels.cpp",
+]
+HEADERS = ["cpu/cpu_ops.h", "cpu/cpu_vec.h"]
 
 
 def _sources_dir() -> Path:
@@ -43,19 +49,20 @@ def load_cpu_ops() -> Any | None:
     if envs.FD_DISABLE_CUSTOM_OPS:
         return None
     sources = [_sources_dir() / s for s in SOURCES]
-    if not all(s.is_file() for s in sources):
+    headers = [_sources_dir() / h for h in HEADERS]
+    if not all(s.is_file() for s in sources + headers):
         return None
     try:
         from torch.utils.cpp_extension import load
 
-        digest = hashlib.sha256(b"".join(s.read_bytes() for s in sources)).hexdigest()[:10]
+        digest = hashlib.sha256(b"".join(s.read_bytes() for s in sources + headers)).hexdigest()[:10]
         name = f"fastdeploy_cpu_ops_{_cpu_key()}_{digest}"
         build_dir = os.path.join(envs.FD_CACHE_DIR, "torch_extensions", name)
         os.makedirs(build_dir, exist_ok=True)
         return load(
             name=name,
             sources=[str(s) for s in sources],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", f"-I{_sources_dir() / 'cpu'}"],
             extra_ldflags=["-fopenmp", "-lmvec"],
             build_directory=build_dir,
             verbose=False,

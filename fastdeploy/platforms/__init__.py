@@ -29,21 +29,52 @@ def configure_threads(config: EngineConfig, device: torch.device) -> None:
 
 
 def get_attention_backend(config: EngineConfig, device: torch.device, dtype: torch.dtype, head_dim: int):
-    """The attention backend for ``--attention-backend`` on this device, dtype and head size."""
+    """The attention backend for ``--attention-backend`` on this device, dtype and head size.
+
+    ``auto``: triton on CUDA (when triton imports and the head size is a power of two >= 16),
+    torch otherwise. ``triton`` fails with a clear error when triton cannot be imported (or, on
+    a CPU, unless its interpreter is on: ``TRITON_INTERPRET=1``, for tests).
+    """
     from fastdeploy.model_executor.attention.torch_backend import TorchAttentionBackend
     from fastdeploy.ops.cpu_ops import load_cpu_ops
 
     name = config.device.attention_backend
+    if name == "triton" or (name == "auto" and device.type == "cuda"):
+        try:
+            from fastdeploy.model_executor.attention.triton_backend import TritonAttentionBackend
+        except ImportError as exc:
+            if name == "triton":
+                raise RuntimeError(f"--attention-backend triton needs the triton package: {exc}") from exc
+        else:
+            from fastdeploy.ops.triton_attention import triton_interpreting
+
+            power_of_two = head_dim >= 16 and head_dim & (head_dim - 1) == 0
+            if name == "triton" and not power_of_two:
+                raise ValueError(
+                    f"the triton attention backend needs a power-of-two head_dim >= 16, got {head_dim}"
+                )
+            if name == "triton" and device.type != "cuda" and not triton_interpreting():
+                raise ValueError(
+                    "the triton attention backend runs on CUDA (on CPU only under TRITON_INTERPRET=1)"
+                )
+            if power_of_two:
+                return TritonAttentionBackend()
     if name in ("auto", "torch"):
-        kernel_fits = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and head_dim % 16 == 0
+        kernel_fits = (
+            device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and head_dim in (64, 128, 256)
+        )
         return TorchAttentionBackend(load_cpu_ops() if kernel_fits else None)
-    raise ValueError(f"attention backend {name!r} is not available on {device.type}; available: torch")
+    raise ValueError(
+        f"attention backend {name!r} is not available on {device.type}; available: torch, triton"
+    )
 
 
-def kv_cache_budget_bytes(config: EngineConfig, device: torch.device) -> int:
-    """Bytes the KV cache may take (CPU: ``--kv-cache-memory`` GiB)."""
+def kv_cache_budget_bytes(config: EngineConfig, device: torch.device, peak_torch_bytes: int = 0) -> int:
+    """Bytes the KV cache may take. CPU: ``--kv-cache-memory`` GiB. GPU: the
+    ``--gpu-memory-utilization`` share of the card, less what other processes and the CUDA
+    context hold and less this process's peak (weights plus a profile run's activations)."""
     if device.type == "cpu":
         return int(config.cache.kv_cache_memory * (1 << 30))
     free, total = torch.cuda.mem_get_info(device)
-    used_by_others = total - free
-    return int(total * config.cache.gpu_memory_utilization - used_by_others)
+    outside_torch = (total - free) - torch.cuda.memory_reserved(device)
+    return int(total * config.cache.gpu_memory_utilization - outside_torch - peak_torch_bytes)

@@ -38,9 +38,11 @@ class KVCacheManager:
         """Longest cached prefix of the request: (blocks, number of tokens they hold).
 
         At least one token is always left to compute, so the step still produces
-        logits for the next token.
+        logits for the next token. A request that still needs prompt logprobs gets
+        no hits (as in vLLM): every prompt position must go through the model.
+        Its full blocks are still cached for others.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.needs_prompt_logprobs:
             return [], 0
         self._update_hashes(request, request.num_tokens)
         max_blocks = (request.num_tokens - 1) // self.block_size
@@ -77,8 +79,8 @@ class KVCacheManager:
         blocks.extend(computed_blocks)
         new_blocks = self.pool.allocate(num_new_blocks) if num_new_blocks > 0 else []
         blocks.extend(new_blocks)
-        if self.enable_caching:
-            self._cache_full_blocks(request, blocks, total_tokens)
+        if self.enable_caching:  # only blocks whose tokens are all known (async: not placeholders)
+            self._cache_full_blocks(request, blocks, min(total_tokens, request.num_tokens))
         return new_blocks
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:

@@ -67,6 +67,13 @@ class ModelRunnerOutput:
     logprobs: list[list | None] | None = None
     """Aligned with ``req_ids`` when any row asked for logprobs: ``[top ids, top logprobs,
     sampled logprob, sampled rank]`` or None per row."""
+    prompt_logprobs: dict[str, list] | None = None
+    """Requests that asked for prompt logprobs and prefilled this step → ``[first prompt index,
+    entries]``: one entry ``[top ids, top logprobs, token logprob, token rank]`` per prompt token
+    that this step's positions predict (index 1 is the second prompt token)."""
+    stopped: list[bool] | None = None
+    """Per row, whether the device-side stop check (EOS / stop ids once min_tokens are out,
+    max_tokens, max_model_len) ends the request; the scheduler's host check stays authoritative."""
 
     def to_wire(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -36,9 +36,14 @@ def worker_sampling(request: Request) -> dict:
     """The sampling fields the worker needs, plus the token ids ``min_tokens`` suppresses."""
     sp = request.sampling_params
     fields = {f: getattr(sp, f) for f in WORKER_SAMPLING_FIELDS}
+    eos = [] if sp.ignore_eos else sorted(request.eos_token_ids)
+    stop_ids = sorted(set(eos) | set(sp.stop_token_ids))
     if sp.min_tokens > 0:
-        eos = [] if sp.ignore_eos else sorted(request.eos_token_ids)
-        fields["min_tokens_stop_ids"] = sorted(set(eos) | set(sp.stop_token_ids))
+        fields["min_tokens_stop_ids"] = stop_ids
+    fields["stop_ids"] = stop_ids  # the device-side stop check (the scheduler's stays authoritative)
+    fields["max_tokens"] = sp.max_tokens
+    # once sent, prompt logprobs are not recomputed when a preempted request resumes
+    fields["prompt_logprobs"] = sp.prompt_logprobs if request.needs_prompt_logprobs else None
     return fields
 
 
@@ -58,6 +63,9 @@ class Scheduler:
         self.max_num_seqs = config.scheduler.max_num_seqs
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
         self.chunked_prefill = config.scheduler.enable_chunked_prefill
+        self.async_scheduling = False
+        """Set by the engine core: a step is scheduled before the previous one's tokens are back,
+        so each running request carries placeholders for its in-flight tokens."""
         self.block_size = config.cache.block_size
         self.kv = KVCacheManager(num_blocks, self.block_size, config.cache.enable_prefix_caching)
         self.requests: dict[str, Request] = {}
@@ -113,7 +121,12 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self._in_flight_tokens_finish(request):
+                index += 1
+                continue
+            num_new = min(
+                request.num_tokens + request.num_output_placeholders - request.num_computed_tokens, budget
+            )
             if num_new <= 0:
                 index += 1
                 continue
@@ -154,11 +167,30 @@ class Scheduler:
 
         output = self._make_output(num_scheduled, new_blocks, admitted)
         for req_id, n in num_scheduled.items():
-            self.requests[req_id].num_computed_tokens += n
+            request = self.requests[req_id]
+            request.num_computed_tokens += n
+            if (
+                self.async_scheduling
+                and request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders
+            ):
+                request.num_output_placeholders += 1  # this step samples a token the host sees later
         return output
+
+    def _in_flight_tokens_finish(self, request: Request) -> bool:
+        """Whether the tokens already in flight take the request to max_tokens or max_model_len."""
+        if not request.num_output_placeholders:
+            return False
+        max_tokens = request.sampling_params.max_tokens
+        if (
+            max_tokens is not None
+            and request.num_output_tokens + request.num_output_placeholders >= max_tokens
+        ):
+            return True
+        return request.num_tokens + request.num_output_placeholders >= self.max_model_len
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
+        request.num_output_placeholders = 0  # a token in flight for it is dropped; recompute regenerates it
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -200,28 +232,44 @@ class Scheduler:
     # ---- results -------------------------------------------------------------------
 
     def update_from_output(self, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        """Append sampled tokens, finish requests that hit a stop condition, report deltas."""
+        """Append sampled tokens, finish requests that hit a stop condition, report deltas.
+
+        Prompt logprobs of prefill chunks are gathered per request and sent with
+        its first output. A request with ``max_tokens == 0`` ends right after its
+        prefill (reason ``length``): the token sampled there is dropped.
+        """
         outputs = []
+        for req_id, (first_index, entries) in (runner_output.prompt_logprobs or {}).items():
+            request = self.requests.get(req_id)
+            if request is not None and request.prompt_logprobs is not None:
+                request.prompt_logprobs.add(first_index, entries)
         all_logprobs = runner_output.logprobs or [None] * len(runner_output.req_ids)
         for req_id, token_id, logprobs in zip(
             runner_output.req_ids, runner_output.sampled_token_ids, all_logprobs
         ):
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
-                continue  # aborted while the step ran
-            request.append_output_token(token_id)
-            reason, stop_reason = self._check_stop(request, token_id)
+                continue  # aborted or preempted while the step ran
+            request.num_output_placeholders = max(request.num_output_placeholders - 1, 0)
+            prompt_logprobs = request.prompt_logprobs.take() if request.prompt_logprobs else None
+            if request.max_tokens == 0:
+                new_token_ids, reason, stop_reason, logprobs = [], FinishReason.LENGTH, None, None
+            else:
+                request.append_output_token(token_id)
+                new_token_ids = [token_id]
+                reason, stop_reason = self._check_stop(request, token_id)
             if reason is not None:
                 self._finish(request, reason, stop_reason)
             outputs.append(
                 EngineCoreOutput(
                     req_id,
-                    [token_id],
+                    new_token_ids,
                     reason.value if reason else None,
                     stop_reason,
                     request.num_cached_tokens,
-                    queue_time=request.queue_time if request.num_output_tokens == 1 else None,
+                    queue_time=request.queue_time if request.num_output_tokens <= 1 else None,
                     logprobs=None if logprobs is None else [logprobs],
+                    prompt_logprobs=prompt_logprobs,
                 )
             )
         return outputs

@@ -37,8 +37,14 @@ class InputBatch:
         self.presence_penalty = np.zeros(max_num_reqs, dtype=np.float32)
         self.frequency_penalty = np.zeros(max_num_reqs, dtype=np.float32)
         self.min_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.max_tokens = np.full(max_num_reqs, np.iinfo(np.int64).max, dtype=np.int64)
+        """Output tokens allowed per slot (no limit: int64 max)."""
+        self.stop_ids: dict[int, list[int]] = {}
+        """Slot → token ids that stop it once ``min_tokens`` are out (EOS unless ignored, stop_token_ids)."""
         self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)
         """Top logprobs wanted per token; -1: no logprobs."""
+        self.num_prompt_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)
+        """Top logprobs wanted per prompt token; -1: no prompt logprobs."""
         self.logit_bias: dict[int, dict[int, float]] = {}
         self.min_tokens_stop_ids: dict[int, list[int]] = {}
         """Slot → EOS and stop token ids to suppress until ``min_tokens`` outputs exist."""
@@ -80,7 +86,12 @@ class InputBatch:
         self.presence_penalty[slot] = s.get("presence_penalty", 0.0)
         self.frequency_penalty[slot] = s.get("frequency_penalty", 0.0)
         self.min_tokens[slot] = s.get("min_tokens", 0)
+        if s.get("max_tokens") is not None:
+            self.max_tokens[slot] = s["max_tokens"]
+        if s.get("stop_ids"):
+            self.stop_ids[slot] = list(s["stop_ids"])
         self.num_logprobs[slot] = -1 if s.get("logprobs") is None else s["logprobs"]
+        self.num_prompt_logprobs[slot] = -1 if s.get("prompt_logprobs") is None else s["prompt_logprobs"]
         if s.get("logit_bias"):
             self.logit_bias[slot] = {int(k): float(v) for k, v in s["logit_bias"].items()}
         if s.get("min_tokens", 0) > 0 and s.get("min_tokens_stop_ids"):
@@ -103,8 +114,16 @@ class InputBatch:
         self.repetition_penalty[slot] = 1.0
         self.presence_penalty[slot] = self.frequency_penalty[slot] = 0.0
         self.min_tokens[slot] = 0
+        self.max_tokens[slot] = np.iinfo(np.int64).max
         self.num_logprobs[slot] = -1
-        for per_slot in (self.logit_bias, self.min_tokens_stop_ids, self.static_bans, self.bad_word_seqs):
+        self.num_prompt_logprobs[slot] = -1
+        for per_slot in (
+            self.logit_bias,
+            self.min_tokens_stop_ids,
+            self.static_bans,
+            self.bad_word_seqs,
+            self.stop_ids,
+        ):
             per_slot.pop(slot, None)
         self._sparse = None
         self._free_slots.append(slot)
@@ -120,6 +139,7 @@ class InputBatch:
                 "logit_bias": _flatten({s: list(b.items()) for s, b in self.logit_bias.items()}, pairs=True),
                 "min_tokens": _flatten(self.min_tokens_stop_ids),
                 "static_bans": _flatten(self.static_bans),
+                "stop_ids": _flatten(self.stop_ids),
             }
         return self._sparse
 

@@ -3,20 +3,27 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import torch
 
+from fastdeploy import envs
 from fastdeploy.config import EngineConfig
 from fastdeploy.model_executor.attention.forward_context import set_forward_context
 from fastdeploy.model_executor.attention.metadata import CommonAttentionMetadata
 from fastdeploy.model_executor.layers.linear import prepack_linear_weights
 from fastdeploy.model_executor.model_loader import ModelSource, load_model, resolve_dtype
 from fastdeploy.model_executor.sampler import LogprobsTensors, Sampler
+from fastdeploy.ops._ext import has_cuda_ops
+from fastdeploy.ops.stop_ops import alloc_stop_flag, get_stop, set_stop
 from fastdeploy.platforms import get_attention_backend
 from fastdeploy.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from fastdeploy.worker.cuda_graph import DecodeGraphs
 from fastdeploy.worker.input_batch import InputBatch
+from fastdeploy.worker.prompt_logprobs import compute_prompt_logprobs
 from fastdeploy.worker.sampling_metadata import build_sampling_tensors
+from fastdeploy.worker.step_state import StepState, device_stop_flags
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +47,22 @@ class ModelRunner:
         self.sampler = Sampler()
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        pinned = device.type == "cuda"
+        self._host_token_ids = [
+            torch.zeros(config.scheduler.max_num_seqs, dtype=torch.int64, pin_memory=pinned) for _ in range(2)
+        ]
+        """Pinned buffers the sampled ids are copied into, alternating between steps."""
+        self._stop_flag_device, self._stop_flag_host = alloc_stop_flag(device)
+        self.any_running = False
+        """Whether any request of the last saved step is still running, read from the device flag."""
+        self._prev_sampled: torch.Tensor | None = None
+        self._prev_slots = np.zeros(0, dtype=np.int64)
+        """The last sampled ids (on the device) and their slots: inputs of the next step's decodes."""
+        self._pending: StepState | None = None
+        self.graphs: DecodeGraphs | None = None
+        """Captured decode CUDA graphs (GPU, unless --enforce-eager)."""
+        self.trace: list[tuple[str, int, float]] | None = [] if envs.FD_STEP_TRACE else None
+        """(stage, step id, perf_counter seconds) of every stage when ``FD_STEP_TRACE=1``."""
 
     # ---- set-up --------------------------------------------------------------------
 
@@ -69,32 +92,165 @@ class ModelRunner:
             layer.backend = self.attn_backend
             self.kv_caches.append(kv)
 
+        self.graphs = self._capture_graphs()
+
     # ---- one step ------------------------------------------------------------------
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Apply the step's deltas, run the forward pass and sample finished prefills/decodes."""
-        self._update_states(scheduler_output)
-        if scheduler_output.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput(scheduler_output.step_id, [], [])
-        inputs = self._prepare_inputs(scheduler_output)
+        """Run one step to the end: inputs and forward, sampling, then its output."""
+        state = self._preprocess_and_execute_model(scheduler_output)
+        self._postprocess(state)
+        return self._save_model_output(state)
+
+    @torch.inference_mode()
+    def execute_model_overlap(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Launch step N and return step N-1's output while N runs (seed 004).
+
+        Order: preprocess + execute N (its decode inputs take N-1's sampled ids on the
+        device), save N-1 (waits on N-1's event; the device keeps computing N), then
+        postprocess N. N-1's tokens are in the host batch before N is sampled, so
+        penalties and stop checks see the same history as the plain path.
+        """
+        state = self._preprocess_and_execute_model(scheduler_output)
+        previous, self._pending = self._pending, None
+        output = self._save_model_output(previous) if previous is not None else None
+        self._postprocess(state)
+        if scheduler_output.total_num_scheduled_tokens:
+            self._pending = state
+        return output
+
+    def _forward(self, inputs: dict) -> torch.Tensor:
+        """The model's forward pass: a CUDA graph replay for decode-only steps that fit one."""
+        common = inputs["attn_metadata"].common
+        graphs = self.graphs
+        if (
+            graphs is not None
+            and common.max_query_len == 1
+            and common.attn_mask_offsets is None
+            and graphs.padded_size(common.num_reqs) is not None
+        ):
+            return graphs.run(inputs["input_ids"], inputs["positions"], common)
         with set_forward_context(inputs["attn_metadata"]):
-            hidden = self.model(inputs["input_ids"], inputs["positions"])
-        sample_slots = inputs["sample_slots"]
-        if len(sample_slots) == 0:
-            return ModelRunnerOutput(scheduler_output.step_id, [], [])
-        logits = self.model.compute_logits(hidden[inputs["logits_indices"]])
-        params = build_sampling_tensors(self.batch, sample_slots, logits.shape[-1], self._to_device)
-        sampled = self.sampler(logits, params)
-        tokens = sampled.token_ids.tolist()
-        req_ids = []
-        for slot, token in zip(sample_slots.tolist(), tokens):
-            self.batch.append_token(slot, token)
-            req_ids.append(self.batch.req_ids[slot])
+            return self.model(inputs["input_ids"], inputs["positions"])
+
+    def _capture_graphs(self) -> DecodeGraphs | None:
+        """Capture decode CUDA graphs unless eager mode is asked for or the parts are not graph-safe."""
+        device_cfg = self.config.device
+        if self.device.type != "cuda" or device_cfg.enforce_eager:
+            return None
+        if self.attn_backend.name != "triton" or not has_cuda_ops():
+            logger.warning(
+                "CUDA graphs need the triton attention backend and the compiled fastdeploy_ops "
+                "(python setup_ops.py build_ext --inplace); running every step eagerly"
+            )
+            return None
+        max_bs = device_cfg.cuda_graph_max_bs or min(self.config.scheduler.max_num_seqs, 512)
+        graphs = DecodeGraphs(
+            self.model,
+            self.attn_backend,
+            min(max_bs, self.config.scheduler.max_num_seqs),
+            self.batch.block_table.table.shape[1],
+            self.block_size,
+            self.max_model_len,
+            self.device,
+        )
+        try:
+            graphs.capture()
+        except torch.OutOfMemoryError:
+            free, total = torch.cuda.mem_get_info(self.device)
+            logger.warning(
+                "out of GPU memory while capturing CUDA graphs (%.2f of %.1f GiB free): running eagerly; "
+                "lower --gpu-memory-utilization or --cuda-graph-max-bs to keep graphs",
+                free / 2**30,
+                total / 2**30,
+            )
+            del graphs
+            torch.cuda.empty_cache()
+            return None
+        return graphs
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """One forward pass of ``max_num_batched_tokens`` tokens plus sampling of ``max_num_seqs``
+        rows, without a KV cache, so that the peak activation memory can be measured."""
+        sched = self.config.scheduler
+        num_tokens = min(sched.max_num_batched_tokens, self.max_model_len)
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        positions = torch.arange(num_tokens, dtype=torch.int64, device=self.device)
+        hidden = self.model(ids, positions)
+        rows = min(sched.max_num_seqs, num_tokens)
+        logits = self.model.compute_logits(hidden[:rows])
+        logits.softmax(-1).sort(dim=-1)  # top-p sorts the whole vocabulary
+        del hidden, logits
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _preprocess_and_execute_model(self, so: SchedulerOutput) -> StepState:
+        """Apply the scheduler's deltas, build inputs, run the model and the LM head."""
+        self._trace("execute_start", so.step_id)
+        self._update_states(so)
+        state = StepState(so.step_id)
+        if so.total_num_scheduled_tokens == 0:
+            return state
+        inputs = self._prepare_inputs(so)
+        hidden = self._forward(inputs)
+        state.prompt_logprobs = compute_prompt_logprobs(
+            self.model, hidden, self.batch, inputs["scheduled_slots"], inputs["query_start_loc_cpu"]
+        )
+        state.sample_slots = inputs["sample_slots"]
+        state.req_ids = [self.batch.req_ids[slot] for slot in state.sample_slots.tolist()]
+        if len(state.sample_slots):
+            state.logits = self.model.compute_logits(hidden[inputs["logits_indices"]])
+        self._trace("execute_end", so.step_id)
+        return state
+
+    def _postprocess(self, state: StepState) -> None:
+        """Sample on the device, flag stopped requests there, and start copying the ids to the host."""
+        if state.logits is None:
+            return
+        slots = state.sample_slots
+        params = build_sampling_tensors(self.batch, slots, state.logits.shape[-1], self._to_device)
+        sampled = self.sampler(state.logits, params)
+        state.logits = None
+        state.stopped = device_stop_flags(
+            self.batch, slots, sampled.token_ids, self.max_model_len, self._to_device
+        )
+        set_stop(state.stopped, self._stop_flag_device, self._stop_flag_host)
+        self._prev_sampled, self._prev_slots = sampled.token_ids, slots
+        host = self._host_token_ids[state.step_id % 2][: len(slots)]
+        host.copy_(sampled.token_ids, non_blocking=True)
+        state.token_ids_host = host
+        state.stopped_host = torch.empty(len(slots), dtype=torch.bool, pin_memory=self.device.type == "cuda")
+        state.stopped_host.copy_(state.stopped, non_blocking=True)
+        state.logprobs = sampled.logprobs
+        if self.device.type == "cuda":
+            state.event = torch.cuda.Event()
+            state.event.record()
+        self._trace("postprocess_end", state.step_id)
+
+    def _save_model_output(self, state: StepState) -> ModelRunnerOutput:
+        """Wait for the step's copies, record its tokens in the batch and build the output."""
+        self._trace("save_start", state.step_id)
+        if state.event is not None:
+            state.event.synchronize()
+        tokens = state.token_ids_host.tolist() if state.token_ids_host is not None else []
+        for slot, req_id, token in zip(state.sample_slots.tolist(), state.req_ids, tokens):
+            if self.batch.req_id_to_index.get(req_id) == slot:  # not finished or preempted meanwhile
+                self.batch.append_token(slot, token)
         logprobs = None
-        if sampled.logprobs is not None:
-            logprobs = self._logprobs_lists(sample_slots, sampled.logprobs)
-        return ModelRunnerOutput(scheduler_output.step_id, req_ids, tokens, logprobs)
+        if state.logprobs is not None:
+            logprobs = self._logprobs_lists(state.sample_slots, state.logprobs)
+        stopped = state.stopped_host.tolist() if state.stopped_host is not None else None
+        self.any_running = get_stop(self._stop_flag_host) if state.stopped is not None else self.any_running
+        self._trace("save_end", state.step_id)
+        return ModelRunnerOutput(
+            state.step_id, state.req_ids, tokens, logprobs, state.prompt_logprobs, stopped=stopped
+        )
+
+    def _trace(self, stage: str, step_id: int) -> None:
+        if self.trace is not None:
+            self.trace.append((stage, step_id, time.perf_counter()))
 
     def _logprobs_lists(self, slots: np.ndarray, lp: LogprobsTensors) -> list[list | None]:
         """Per sampled row: ``[top ids, top logprobs, sampled logprob, sampled rank]`` or None (msgpack-friendly)."""
@@ -133,6 +289,9 @@ class ModelRunner:
             np.arange(total) - np.repeat(cu - counts, counts)
         )
         input_ids = batch.token_ids[req_of_token, positions]
+        unsaved = np.flatnonzero(
+            positions >= batch.num_tokens[req_of_token]
+        )  # sampled last step, on the device
         block_numbers = batch.block_table.table[req_of_token, positions // self.block_size]
         slot_mapping = block_numbers.astype(np.int64) * self.block_size + positions % self.block_size
         seq_lens = batch.num_computed_tokens[slots] + counts
@@ -152,13 +311,34 @@ class ModelRunner:
             block_size=self.block_size,
         )
         return {
-            "input_ids": self._to_device(input_ids),
+            "input_ids": self._with_unsaved_tokens(self._to_device(input_ids), unsaved, req_of_token),
             "positions": self._to_device(positions),
             "attn_metadata": self.attn_backend.build(common),
             "logits_indices": self._to_device(cu[finishing] - 1),
             "sample_slots": slots[finishing],
+            # the token layout, for prompt logprobs: slots[i] owns rows query_start_loc[i]:[i + 1]
+            "scheduled_slots": slots,
+            "query_start_loc_cpu": query_start_loc,
         }
 
+    def _with_unsaved_tokens(
+        self, input_ids: torch.Tensor, unsaved: np.ndarray, req_of_token: np.ndarray
+    ) -> torch.Tensor:
+        """Fill the tokens sampled by the step still in flight from its ids on the device (no host sync)."""
+        if len(unsaved) == 0:
+            return input_ids
+        row_of_slot = np.full(self.batch.max_num_reqs, -1, dtype=np.int64)
+        row_of_slot[self._prev_slots] = np.arange(len(self._prev_slots))
+        rows = row_of_slot[req_of_token[unsaved]]
+        if self._prev_sampled is None or (rows < 0).any():
+            raise RuntimeError("a scheduled token was neither on the host nor sampled by the previous step")
+        input_ids[self._to_device(unsaved)] = self._prev_sampled[self._to_device(rows)]
+        return input_ids
+
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        tensor = torch.from_numpy(array)
-        return tensor if self.device.type == "cpu" else tensor.to(self.device, non_blocking=True)
+        """A host array as a device tensor. On a GPU through pinned memory: a copy from pageable
+        memory would wait for the stream, i.e. for the step still running."""
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+        if self.device.type == "cpu":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)

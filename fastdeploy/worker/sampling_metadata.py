@@ -84,6 +84,9 @@ def build_sampling_tensors(
         banned=banned,
         penalties=penalties,
         max_num_logprobs=int(num_logprobs.max()) if (num_logprobs >= 0).any() else None,
+        max_top_k=int(top_k.max()) if len(top_k) else 0,
+        any_top_p=bool((batch.top_p[slots] < 1.0).any()),
+        any_min_p=bool((batch.min_p[slots] > 0).any()),
     )
 
 

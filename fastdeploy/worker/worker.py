@@ -33,7 +33,24 @@ class Worker:
         override = self.config.cache.num_gpu_blocks_override
         if override:
             return override
-        budget = kv_cache_budget_bytes(self.config, self.device)
+        peak = 0
+        if self.device.type == "cuda":  # weights + the activations of the largest step
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.runner.profile_run()
+            peak = torch.cuda.max_memory_allocated(self.device)
+            torch.cuda.empty_cache()
+        budget = kv_cache_budget_bytes(self.config, self.device, peak)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            logger.info(
+                "GPU memory: %.1f GiB total, %.1f GiB free, peak of weights + profile run %.2f GiB, "
+                "reserved %.2f GiB: KV cache budget %.2f GiB",
+                total / 2**30,
+                free / 2**30,
+                peak / 2**30,
+                torch.cuda.memory_reserved(self.device) / 2**30,
+                budget / 2**30,
+            )
         return max(budget // self.runner.kv_cache_bytes_per_block(), 0)
 
     def initialize_cache(self, num_blocks: int) -> None:
@@ -41,3 +58,6 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
+
+    def execute_model_overlap(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        return self.runner.execute_model_overlap(scheduler_output)

@@ -77,6 +77,10 @@ def test_streaming_client_disconnect_aborts(server, model_name, endpoint):
                 chunks += line.startswith("data: ")
                 if chunks >= 4:  # a few tokens in (chat's first chunk only carries the role)
                     break
+            # the gauge follows the engine's step stats, which may trail the first tokens a little
+            deadline = time.monotonic() + 5
+            while server.metrics()[RUNNING] != 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
             assert server.metrics()[RUNNING] == 1
         # leaving the block closes the connection mid-stream
     after = wait_settled(server)

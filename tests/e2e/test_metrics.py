@@ -22,6 +22,9 @@ EXPECTED_FAMILIES = {
     "fastdeploy:inter_token_latency_seconds": "histogram",
     "fastdeploy:e2e_request_latency_seconds": "histogram",
     "fastdeploy:request_queue_time_seconds": "histogram",
+    "fastdeploy:encoder_cache_hits": "counter",
+    "fastdeploy:encoder_cache_misses": "counter",
+    "fastdeploy:feature_fetch_latency_seconds": "histogram",
 }
 HISTOGRAMS = [name for name, kind in EXPECTED_FAMILIES.items() if kind == "histogram"]
 # 40+ tokens: two full 16-token KV blocks that a second identical request finds in the prefix cache

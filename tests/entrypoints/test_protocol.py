@@ -206,11 +206,40 @@ def test_unimplemented_chat_fields_are_400(fields):
     assert "not supported" in err.message
 
 
-@pytest.mark.parametrize("fields", [{"echo": True}, {"best_of": 3}, {"suffix": "x"}])
+@pytest.mark.parametrize("fields", [{"best_of": 3}, {"suffix": "x"}])
 def test_unimplemented_completion_fields_are_400(fields):
     (name,) = fields
     err = bad_request(completion(**fields).to_sampling_params)
     assert err.param == name
+
+
+def test_echo_and_prompt_logprobs_map_to_sampling_params():
+    assert completion(prompt_logprobs=3).to_sampling_params().prompt_logprobs == 3
+    assert chat(prompt_logprobs=0).to_sampling_params().prompt_logprobs == 0
+    assert completion(echo=True).to_sampling_params().prompt_logprobs is None
+    # echoed logprobs cover the prompt: the engine computes prompt logprobs for them
+    assert completion(echo=True, logprobs=2).to_sampling_params().prompt_logprobs == 2
+    assert completion(echo=True, logprobs=2, prompt_logprobs=4).to_sampling_params().prompt_logprobs == 4
+    assert completion(echo=True, max_tokens=0).to_sampling_params().max_tokens == 0
+
+
+@pytest.mark.parametrize(
+    "make, fields, param",
+    [
+        (completion, {"prompt_logprobs": -1}, "prompt_logprobs"),
+        (completion, {"prompt_logprobs": 21}, "prompt_logprobs"),
+        (completion, {"echo": True, "logprobs": 2, "prompt_logprobs": -1}, "prompt_logprobs"),
+        (chat, {"prompt_logprobs": 100}, "prompt_logprobs"),
+        (completion, {"max_tokens": 0}, "max_tokens"),  # 0 only with echo
+        (completion, {"echo": True, "max_tokens": -1}, "max_tokens"),
+    ],
+)
+def test_bad_echo_and_prompt_logprobs_values_are_400(make, fields, param):
+    assert bad_request(make(**fields).to_sampling_params).param == param
+
+
+def test_chat_has_no_echo():
+    assert bad_request(chat, echo=True).param == "echo"
 
 
 def test_off_values_of_unimplemented_fields_are_accepted():

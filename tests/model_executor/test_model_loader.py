@@ -209,6 +209,23 @@ def test_dummy_weights_are_seeded(tmp_path):
     assert torch.equal(d.state_dict()[w], sa[w].to(torch.bfloat16))
 
 
+def test_dummy_weights_drawn_in_chunks_fill_every_row(tmp_path, monkeypatch):
+    """Large parameters are drawn in row chunks (bounded float32 temporaries); every row gets values."""
+    import fastdeploy.model_executor.model_loader as loader
+
+    _config_only_folder(tmp_path)
+    monkeypatch.setattr(loader, "_DUMMY_CHUNK", 100)  # a few rows per draw for every matrix
+    a, _ = load_ours(tmp_path, load_format="dummy", seed=3)
+    b, _ = load_ours(tmp_path, load_format="dummy", seed=3)
+    for name, p in a.named_parameters():
+        rows = p.detach().reshape(p.shape[0], -1)
+        center = 1.0 if name.endswith("norm.weight") else 0.0
+        assert (rows - center).abs().max() <= 0.05, name
+        if rows.shape[1] > 1:
+            assert bool((rows.std(dim=1) > 0).all()), name
+        assert torch.equal(p, dict(b.named_parameters())[name]), name
+
+
 # ---- errors -----------------------------------------------------------------------------
 
 

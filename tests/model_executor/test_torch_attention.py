@@ -18,15 +18,18 @@ class _Layer:
         self.kv_cache, self.scale = kv_cache, scale
 
 
-def _dense_reference(q, k, v, scale):
-    """Causal attention of the last q.shape[0] positions over all of k/v, in float64, GQA by repeat."""
+def _dense_reference(q, k, v, scale, limits=None):
+    """Causal attention of the last q.shape[0] positions over all of k/v, in float64, GQA by repeat;
+    ``limits`` (per query row, exclusive) replace the causal bound."""
     group = q.shape[1] // k.shape[1]
     k = k.double().repeat_interleave(group, dim=1)
     v = v.double().repeat_interleave(group, dim=1)
     q = q.double()
     num_q, num_k = q.shape[0], k.shape[0]
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-    allowed = torch.arange(num_k)[None, :] <= torch.arange(num_k - num_q, num_k)[:, None]
+    if limits is None:
+        limits = torch.arange(num_k - num_q, num_k) + 1
+    allowed = torch.arange(num_k)[None, :] < limits[:, None]
     scores = scores.masked_fill(~allowed, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
@@ -42,7 +45,10 @@ def _cpu_kernels():
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("decode_path", ["torch", "cpu-kernel"])
-def test_mixed_batch_of_decodes_prefills_and_chunks(dtype, tol, decode_path):
+@pytest.mark.parametrize("masked", [False, True], ids=["causal", "mask-offsets"])
+def test_mixed_batch_of_decodes_prefills_and_chunks(dtype, tol, decode_path, masked):
+    """Every path against a dense reference; with mask offsets, spans of tokens (one inside a fresh
+    prompt, one that starts in the cached context) attend to each other bidirectionally."""
     gen = torch.Generator().manual_seed(0)
     heads, kv_heads, head_dim, block_size, num_blocks = 8, 2, 64, 16, 160
     scale = 1 / math.sqrt(head_dim)
@@ -90,6 +96,13 @@ def test_mixed_batch_of_decodes_prefills_and_chunks(dtype, tol, decode_path):
     reshape_and_cache_flash(k_new, v_new, key_cache, value_cache, slot_mapping, "auto")
     qsl = np.concatenate([[0], np.cumsum([n for _, n in shapes])])
     seq_lens = np.array([c + n for c, n in shapes])
+    # per-token exclusive key limits: causal, except two "image" spans seen whole by their tokens
+    row_limits = [torch.arange(c, c + n) + 1 for c, n in shapes]
+    if masked:
+        row_limits[0][5:15] = 15  # positions 5..14 of a fresh prompt
+        row_limits[3][:11] = 51  # positions 35..50 of a chunk whose first 40 tokens are cached
+        row_limits[10][2:] = 40  # a span running to the end of the chunk
+    limits = torch.cat(row_limits).to(torch.int32) if masked else None
     common = CommonAttentionMetadata(
         num_reqs=len(shapes),
         num_actual_tokens=int(qsl[-1]),
@@ -102,10 +115,11 @@ def test_mixed_batch_of_decodes_prefills_and_chunks(dtype, tol, decode_path):
         max_query_len=max(n for _, n in shapes),
         max_seq_len=int(seq_lens.max()),
         block_size=block_size,
+        attn_mask_offsets=limits,
     )
     backend = TorchAttentionBackend(_cpu_kernels() if decode_path == "cpu-kernel" else None)
     out = backend.forward(_Layer((key_cache, value_cache), scale), q, k_new, v_new, backend.build(common))
     for r in range(len(shapes)):
-        ref = _dense_reference(queries[r], full_k[r], full_v[r], scale)
+        ref = _dense_reference(queries[r], full_k[r], full_v[r], scale, row_limits[r] if masked else None)
         got = out[qsl[r] : qsl[r + 1]].double()
         assert (got - ref).norm() / ref.norm() < tol, (r, shapes[r])

@@ -10,6 +10,7 @@ infinity), as vLLM does.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 
 from fastdeploy.engine.outputs import Logprob
 from fastdeploy.entrypoints.openai.protocol import (
@@ -17,6 +18,8 @@ from fastdeploy.entrypoints.openai.protocol import (
     ChatCompletionLogProbs,
     ChatCompletionLogProbsContent,
     CompletionLogProbs,
+    PromptLogprob,
+    PromptLogprobs,
 )
 
 
@@ -57,12 +60,29 @@ def chat_logprobs(
 
 
 def completion_logprobs(
-    token_ids: list[int], logprobs: list[dict[int, Logprob]], num_top: int, text_offset: int
+    token_ids: list[int],
+    logprobs: Sequence[dict[int, Logprob] | None],
+    num_top: int,
+    text_offset: int,
+    decode: Callable[[int], str] | None = None,
 ) -> CompletionLogProbs:
-    """The legacy ``logprobs`` object; ``text_offset`` is where the first token's text starts."""
+    """The legacy ``logprobs`` object; ``text_offset`` is where the first token's text starts.
+
+    A None entry (the first prompt token of an echoed prompt, which nothing
+    predicts) gives a null ``token_logprob`` and ``top_logprobs``; its text comes
+    from ``decode``.
+    """
     out = CompletionLogProbs()
     offset = text_offset
     for token, entry in zip(token_ids, logprobs):
+        if entry is None:
+            text = decode(token) if decode is not None else f"token_id:{token}"
+            out.tokens.append(text)
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            out.text_offset.append(offset)
+            offset += len(text)
+            continue
         sampled = entry[token]
         text = _token_str(token, sampled)
         out.tokens.append(text)
@@ -74,5 +94,30 @@ def completion_logprobs(
             {_token_str(t, lp): _finite(lp.logprob) for t, lp in top if lp.rank <= num_top}
             if num_top
             else None
+        )
+    return out
+
+
+def prompt_logprobs_json(
+    prompt_token_ids: list[int], prompt_logprobs: Sequence[dict[int, Logprob] | None], num_top: int
+) -> PromptLogprobs:
+    """vLLM's ``prompt_logprobs``: per prompt token null (the first) or token id → logprob, rank, text.
+
+    Each dict holds the prompt token and the alternatives ranked ``1..num_top``
+    (the engine may have computed more, for an echo with a larger ``logprobs``).
+    """
+    out: PromptLogprobs = []
+    for token, entry in zip(prompt_token_ids, prompt_logprobs):
+        if entry is None:
+            out.append(None)
+            continue
+        out.append(
+            {
+                str(t): PromptLogprob(
+                    logprob=_finite(lp.logprob), rank=lp.rank, decoded_token=lp.decoded_token
+                )
+                for t, lp in entry.items()
+                if t == token or (lp.rank is not None and lp.rank <= num_top)
+            }
         )
     return out

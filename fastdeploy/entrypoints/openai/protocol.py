@@ -76,7 +76,6 @@ class StreamOptions(OpenAIModel):
 
 # OpenAI fields the engine does not implement yet, with the values that mean "off".
 _UNSUPPORTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
-    "echo": (None, False),
     "suffix": (None, ""),
     "tools": (None, []),
     "tool_choice": (None, "none"),
@@ -141,6 +140,8 @@ class SamplingRequest(OpenAIModel):
     logit_bias: dict[str, float] | None = None
     """Token id (as a JSON string key) → bias in [-100, 100]."""
     bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
+    """Logprobs of the prompt tokens plus this many top alternatives each (vLLM's field)."""
 
     @field_validator("stop")
     @classmethod
@@ -185,6 +186,19 @@ class SamplingRequest(OpenAIModel):
         """Top logprobs per token the request asks for (None: no logprobs)."""
         return None
 
+    def _num_prompt_logprobs(self) -> int | None:
+        """Top logprobs per prompt token the engine must compute (None: none)."""
+        k = self.prompt_logprobs
+        if k is not None and not 0 <= k <= MAX_LOGPROBS:
+            raise BadRequestError(
+                f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {k}", param="prompt_logprobs"
+            )
+        return k
+
+    def _allows_zero_max_tokens(self) -> bool:
+        """Whether ``max_tokens: 0`` makes sense (only for completions with ``echo``: scoring a prompt)."""
+        return False
+
     def to_sampling_params(self) -> SamplingParams:
         """The engine's ``SamplingParams`` for this request (a 400 if a value is invalid).
 
@@ -193,6 +207,16 @@ class SamplingRequest(OpenAIModel):
         """
         self.check_supported()
         max_tokens, max_tokens_field = self._requested_max_tokens()
+        least = 0 if self._allows_zero_max_tokens() else 1
+        if max_tokens is not None and max_tokens < least:
+            hint = (
+                " (0 is allowed only with echo)"
+                if max_tokens == 0 and "echo" in type(self).model_fields
+                else ""
+            )
+            raise BadRequestError(
+                f"{max_tokens_field} must be at least {least}, got {max_tokens}{hint}", param=max_tokens_field
+            )
         top_k = self.top_k
         kwargs: dict[str, Any] = {
             "n": 1 if self.n is None else self.n,
@@ -211,6 +235,7 @@ class SamplingRequest(OpenAIModel):
             "logit_bias": self.logit_bias,
             "bad_words": list(self.bad_words or []),
             "logprobs": self._num_logprobs(),
+            "prompt_logprobs": self._num_prompt_logprobs(),
         }
         for flag in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if getattr(self, flag) is not None:
@@ -237,7 +262,8 @@ class CompletionRequest(SamplingRequest):
     prompt: list[str | list[int]]
     logprobs: int | None = None
     """Legacy form: how many top logprobs per token (0 still returns the sampled token's)."""
-    echo: Any = None
+    echo: bool | None = None
+    """Start each choice's text with its prompt (and, with ``logprobs``, its logprobs with the prompt's)."""
     best_of: Any = None
     suffix: Any = None
 
@@ -274,6 +300,15 @@ class CompletionRequest(SamplingRequest):
 
     def _num_logprobs(self) -> int | None:
         return self.logprobs
+
+    def _num_prompt_logprobs(self) -> int | None:
+        k = super()._num_prompt_logprobs()
+        if self.echo and self.logprobs is not None:  # the echoed prompt's logprobs come from them
+            return max(k or 0, self.logprobs)
+        return k
+
+    def _allows_zero_max_tokens(self) -> bool:
+        return bool(self.echo)
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -517,7 +552,36 @@ class ChatCompletionLogProbs(ResponseModel):
     content: list[ChatCompletionLogProbsContent] | None = None
 
 
-class CompletionResponseChoice(ResponseModel):
+class PromptLogprob(ResponseModel):
+    """One entry of vLLM's ``prompt_logprobs``: a token's logprob, rank and text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+"""Aligned with the prompt tokens: null for the first, then token id (as a string) → entry."""
+
+
+class WithPromptLogprobs(ResponseModel):
+    """A response part that may carry ``prompt_logprobs``; the key is left out when it is null."""
+
+    prompt_logprobs: PromptLogprobs | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_null_prompt_logprobs(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if "prompt_logprobs" in data:
+            value = data.pop("prompt_logprobs")  # re-added last, where vLLM has it
+            if value is not None:
+                data["prompt_logprobs"] = value
+        return data
+
+
+class CompletionResponseChoice(WithPromptLogprobs):
+    """One choice; ``prompt_logprobs`` (vLLM's extension) only when asked, in the first chunk when streaming."""
+
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
@@ -558,7 +622,9 @@ class ChatCompletionResponseChoice(ResponseModel):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionResponse(ResponseModel):
+class ChatCompletionResponse(WithPromptLogprobs):
+    """A chat answer; ``prompt_logprobs`` (vLLM's extension, at this level as in vLLM) only when asked."""
+
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=_now)
@@ -586,8 +652,11 @@ class ChatCompletionStreamChoice(ResponseModel):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionStreamResponse(ResponseModel):
-    """One SSE chunk of a streamed chat completion (``choices`` empty in the usage chunk)."""
+class ChatCompletionStreamResponse(WithPromptLogprobs):
+    """One SSE chunk of a streamed chat completion (``choices`` empty in the usage chunk).
+
+    ``prompt_logprobs``, when asked, come once, in the first chunk after the role chunks.
+    """
 
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"

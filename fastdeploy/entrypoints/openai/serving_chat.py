@@ -3,6 +3,9 @@
 Streaming follows OpenAI's chunk sequence: one chunk per choice with
 ``delta.role = "assistant"`` first, then content deltas, the finish reason, an
 optional usage chunk with no choices, and ``data: [DONE]``.
+
+``prompt_logprobs`` (vLLM's extension) sits at the top level of the response,
+as in vLLM; when streaming, in the first chunk after they arrive.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from fastdeploy.entrypoints.openai.errors import BadRequestError
-from fastdeploy.entrypoints.openai.logprobs import chat_logprobs
+from fastdeploy.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs_json
 from fastdeploy.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -59,21 +62,36 @@ class OpenAIServingChat(OpenAIServing):
         prompts = [EnginePrompt(token_ids=token_ids, params=params.clone(max_tokens=max_tokens), text=text)]
 
         request_id = random_id("chatcmpl")
+        num_prompt_lps = request.prompt_logprobs
         if request.stream:
-            return SSEResponse(self._stream(request_id, model, prompts, request.include_usage))
-        response = await run_until_disconnected(raw_request, self._collect(request_id, model, prompts))
+            return SSEResponse(
+                self._stream(request_id, model, prompts, request.include_usage, num_prompt_lps)
+            )
+        response = await run_until_disconnected(
+            raw_request, self._collect(request_id, model, prompts, num_prompt_lps)
+        )
         return JSONResponse(response.model_dump())
 
     async def _stream(
-        self, request_id: str, model: str, prompts: list[EnginePrompt], include_usage: bool
+        self,
+        request_id: str,
+        model: str,
+        prompts: list[EnginePrompt],
+        include_usage: bool,
+        num_prompt_lps: int | None = None,
     ) -> AsyncIterator[str]:
         n = prompts[0].params.n
         num_top = prompts[0].params.logprobs
         tracker = UsageTracker([request_id], prompts)
         exclude = None if include_usage else {"usage"}
+        pending_prompt_lps = None  # sent with the next chunk after they arrive
 
         def chunk(choices: list[ChatCompletionStreamChoice]) -> str:
-            body = ChatCompletionStreamResponse(id=request_id, model=model, choices=choices)
+            nonlocal pending_prompt_lps
+            body = ChatCompletionStreamResponse(
+                id=request_id, model=model, choices=choices, prompt_logprobs=pending_prompt_lps
+            )
+            pending_prompt_lps = None
             return f"data: {body.model_dump_json(exclude=exclude)}\n\n"
 
         try:
@@ -83,6 +101,10 @@ class OpenAIServingChat(OpenAIServing):
                 )
             async with contextlib.aclosing(self.iterate_outputs([request_id], prompts, tracker)) as outputs:
                 async for _, out in outputs:
+                    if out.prompt_logprobs is not None and num_prompt_lps is not None:
+                        pending_prompt_lps = prompt_logprobs_json(
+                            prompts[0].token_ids, out.prompt_logprobs, num_prompt_lps
+                        )
                     choices = [
                         ChatCompletionStreamChoice(
                             index=c.index,
@@ -106,7 +128,7 @@ class OpenAIServingChat(OpenAIServing):
         yield SSE_DONE
 
     async def _collect(
-        self, request_id: str, model: str, prompts: list[EnginePrompt]
+        self, request_id: str, model: str, prompts: list[EnginePrompt], num_prompt_lps: int | None = None
     ) -> ChatCompletionResponse:
         n = prompts[0].params.n
         num_top = prompts[0].params.logprobs
@@ -115,10 +137,15 @@ class OpenAIServingChat(OpenAIServing):
         logprobs: list[list] = [[] for _ in range(n)]
         finish: list[str | None] = [None] * n
         stop_reason: list[int | str | None] = [None] * n
+        prompt_lps = None
         tracker = UsageTracker([request_id], prompts)
         try:
             async with contextlib.aclosing(self.iterate_outputs([request_id], prompts, tracker)) as outputs:
                 async for _, out in outputs:
+                    if out.prompt_logprobs is not None and num_prompt_lps is not None:
+                        prompt_lps = prompt_logprobs_json(
+                            prompts[0].token_ids, out.prompt_logprobs, num_prompt_lps
+                        )
                     for c in out.outputs:
                         texts[c.index].append(c.text)
                         token_ids[c.index].extend(c.token_ids)
@@ -137,4 +164,6 @@ class OpenAIServingChat(OpenAIServing):
             )
             for k in range(n)
         ]
-        return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=tracker.usage())
+        return ChatCompletionResponse(
+            id=request_id, model=model, choices=choices, usage=tracker.usage(), prompt_logprobs=prompt_lps
+        )

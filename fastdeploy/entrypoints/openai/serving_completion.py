@@ -8,17 +8,20 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from fastdeploy.engine.outputs import Logprob
 from fastdeploy.entrypoints.openai.errors import BadRequestError
-from fastdeploy.entrypoints.openai.logprobs import completion_logprobs
+from fastdeploy.entrypoints.openai.logprobs import completion_logprobs, prompt_logprobs_json
 from fastdeploy.entrypoints.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
     CompletionResponseChoice,
     CompletionStreamResponse,
+    PromptLogprobs,
     random_id,
     resolve_max_tokens,
 )
@@ -36,8 +39,24 @@ from fastdeploy.entrypoints.openai.serving_engine import (
 )
 
 
+@dataclass
+class CompletionExtras:
+    """What a completion adds around the generated text: the echoed prompt, the prompt logprobs."""
+
+    echo_texts: list[str] | None = None
+    """Per prompt, the text that starts each of its choices (``echo``); None: no echo."""
+    num_prompt_logprobs: int | None = None
+    """The ``prompt_logprobs`` the client asked for (None: leave the field out)."""
+
+
 class OpenAIServingCompletion(OpenAIServing):
-    """Handler of the completions endpoint."""
+    """Handler of the completions endpoint.
+
+    With ``echo`` each choice's text (and, with ``logprobs``, its logprobs, the
+    first prompt token's being null) starts with the prompt; the engine is asked
+    for prompt logprobs for that. Streaming sends the prompt in a choice's first
+    chunk, as it sends ``prompt_logprobs``.
+    """
 
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
         """Validate, tokenize, run and answer one completions request."""
@@ -67,14 +86,47 @@ class OpenAIServingCompletion(OpenAIServing):
                 EnginePrompt(token_ids=token_ids, params=params.clone(max_tokens=max_tokens), text=text)
             )
 
+        extras = CompletionExtras(num_prompt_logprobs=request.prompt_logprobs)
+        if request.echo:  # token-id prompts echo as their decoded text
+            extras.echo_texts = [
+                p.text if p.text is not None else await self.decode(p.token_ids) for p in prompts
+            ]
         request_id = random_id("cmpl")
         request_ids = sub_request_ids(request_id, len(prompts))
         if request.stream:
-            return SSEResponse(self._stream(request_id, model, request_ids, prompts, request.include_usage))
+            return SSEResponse(
+                self._stream(request_id, model, request_ids, prompts, request.include_usage, extras)
+            )
         response = await run_until_disconnected(
-            raw_request, self._collect(request_id, model, request_ids, prompts)
+            raw_request, self._collect(request_id, model, request_ids, prompts, extras)
         )
         return JSONResponse(response.model_dump())
+
+    def _decode_token(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    @staticmethod
+    def _prompt_logprobs_field(
+        prompt: EnginePrompt, prompt_lps: list[dict[int, Logprob] | None] | None, extras: CompletionExtras
+    ) -> PromptLogprobs | None:
+        if extras.num_prompt_logprobs is None or prompt_lps is None:
+            return None
+        return prompt_logprobs_json(prompt.token_ids, prompt_lps, extras.num_prompt_logprobs)
+
+    @staticmethod
+    def _echo(
+        prompt: EnginePrompt,
+        echo_text: str,
+        prompt_lps: list[dict[int, Logprob] | None] | None,
+        text: str,
+        token_ids: list[int],
+        logprobs: list,
+        want_logprobs: bool,
+    ) -> tuple[str, list[int], list]:
+        """Text, token ids and logprob entries of a choice with its prompt in front."""
+        if want_logprobs:
+            logprobs = list(prompt_lps or [None] * len(prompt.token_ids)) + list(logprobs)
+        return echo_text + text, list(prompt.token_ids) + list(token_ids), logprobs
 
     async def _stream(
         self,
@@ -83,34 +135,56 @@ class OpenAIServingCompletion(OpenAIServing):
         request_ids: list[str],
         prompts: list[EnginePrompt],
         include_usage: bool,
+        extras: CompletionExtras,
     ) -> AsyncIterator[str]:
         n = prompts[0].params.n
         num_top = prompts[0].params.logprobs
         offsets = [0] * (len(prompts) * n)
+        started = [False] * (len(prompts) * n)
+        prompt_lps: list[list | None] = [None] * len(prompts)
         tracker = UsageTracker(request_ids, prompts)
         exclude = None if include_usage else {"usage"}
+        first_has_extras = extras.echo_texts is not None or extras.num_prompt_logprobs is not None
 
-        def logprobs_of(k: int, c) -> object:
-            if num_top is None or not c.logprobs:
+        def logprobs_of(k: int, token_ids: list[int], logprobs: list) -> object:
+            if num_top is None or not logprobs:
                 return None
-            lp = completion_logprobs(c.token_ids, c.logprobs, num_top, offsets[k])
+            lp = completion_logprobs(token_ids, logprobs, num_top, offsets[k], self._decode_token)
             offsets[k] += sum(len(t) for t in lp.tokens)
             return lp
 
         try:
             async with contextlib.aclosing(self.iterate_outputs(request_ids, prompts, tracker)) as outputs:
                 async for i, out in outputs:
-                    choices = [
-                        CompletionResponseChoice(
-                            index=i * n + c.index,
-                            text=c.text,
-                            logprobs=logprobs_of(i * n + c.index, c),
-                            finish_reason=c.finish_reason,
-                            stop_reason=c.stop_reason,
+                    if out.prompt_logprobs is not None:
+                        prompt_lps[i] = out.prompt_logprobs
+                    choices = []
+                    for c in out.outputs:
+                        k = i * n + c.index
+                        first = not started[k]
+                        text, token_ids, logprobs = c.text, c.token_ids, c.logprobs or []
+                        if first and extras.echo_texts is not None:
+                            text, token_ids, logprobs = self._echo(
+                                prompts[i], extras.echo_texts[i], prompt_lps[i], text, token_ids, logprobs,
+                                num_top is not None,
+                            )  # fmt: skip
+                        if not (
+                            text or c.finish_reason is not None or logprobs or (first and first_has_extras)
+                        ):
+                            continue
+                        started[k] = True
+                        choices.append(
+                            CompletionResponseChoice(
+                                index=k,
+                                text=text,
+                                logprobs=logprobs_of(k, token_ids, logprobs),
+                                finish_reason=c.finish_reason,
+                                stop_reason=c.stop_reason,
+                                prompt_logprobs=self._prompt_logprobs_field(prompts[i], prompt_lps[i], extras)
+                                if first
+                                else None,
+                            )
                         )
-                        for c in out.outputs
-                        if c.text or c.finish_reason is not None or c.logprobs
-                    ]
                     if choices:
                         chunk = CompletionStreamResponse(id=request_id, model=model, choices=choices)
                         yield f"data: {chunk.model_dump_json(exclude=exclude)}\n\n"
@@ -123,7 +197,12 @@ class OpenAIServingCompletion(OpenAIServing):
         yield SSE_DONE
 
     async def _collect(
-        self, request_id: str, model: str, request_ids: list[str], prompts: list[EnginePrompt]
+        self,
+        request_id: str,
+        model: str,
+        request_ids: list[str],
+        prompts: list[EnginePrompt],
+        extras: CompletionExtras,
     ) -> CompletionResponse:
         n = prompts[0].params.n
         num_choices = len(prompts) * n
@@ -133,10 +212,13 @@ class OpenAIServingCompletion(OpenAIServing):
         logprobs: list[list] = [[] for _ in range(num_choices)]
         finish: list[str | None] = [None] * num_choices
         stop_reason: list[int | str | None] = [None] * num_choices
+        prompt_lps: list[list | None] = [None] * len(prompts)
         tracker = UsageTracker(request_ids, prompts)
         try:
             async with contextlib.aclosing(self.iterate_outputs(request_ids, prompts, tracker)) as outputs:
                 async for i, out in outputs:
+                    if out.prompt_logprobs is not None:
+                        prompt_lps[i] = out.prompt_logprobs
                     for c in out.outputs:
                         k = i * n + c.index
                         texts[k].append(c.text)
@@ -146,16 +228,24 @@ class OpenAIServingCompletion(OpenAIServing):
                             finish[k], stop_reason[k] = c.finish_reason, c.stop_reason
         except Exception as exc:
             raise to_openai_error(exc) from exc
-        choices = [
-            CompletionResponseChoice(
-                index=k,
-                text="".join(texts[k]),
-                logprobs=None
-                if num_top is None
-                else completion_logprobs(token_ids[k], logprobs[k], num_top, 0),
-                finish_reason=finish[k] or "abort",
-                stop_reason=stop_reason[k],
+        choices = []
+        for k in range(num_choices):
+            i = k // n
+            text, ids, lps = "".join(texts[k]), token_ids[k], logprobs[k]
+            if extras.echo_texts is not None:
+                text, ids, lps = self._echo(
+                    prompts[i], extras.echo_texts[i], prompt_lps[i], text, ids, lps, num_top is not None
+                )
+            choices.append(
+                CompletionResponseChoice(
+                    index=k,
+                    text=text,
+                    logprobs=None
+                    if num_top is None
+                    else completion_logprobs(ids, lps, num_top, 0, self._decode_token),
+                    finish_reason=finish[k] or "abort",
+                    stop_reason=stop_reason[k],
+                    prompt_logprobs=self._prompt_logprobs_field(prompts[i], prompt_lps[i], extras),
+                )
             )
-            for k in range(num_choices)
-        ]
         return CompletionResponse(id=request_id, model=model, choices=choices, usage=tracker.usage())

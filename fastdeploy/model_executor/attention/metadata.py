@@ -32,3 +32,8 @@ class CommonAttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int
+    attn_mask_offsets: torch.Tensor | None = None
+    """[num_tokens] int32 on the device, or None (causal): per query token, the EXCLUSIVE upper
+    bound of the key positions (absolute positions within its sequence) it may attend; causal
+    is ``position + 1``. Lets the tokens of one image attend to each other bidirectionally while
+    text stays causal."""

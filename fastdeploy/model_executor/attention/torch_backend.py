@@ -2,7 +2,9 @@
 
 Decode requests (one new token) are attended in batched calls over their
 gathered, length-masked context, in groups of similar length; prefill chunks one request at a time, with a
-causal mask offset by the cached context when there is one.
+causal mask offset by the cached context when there is one (or the per-token key limits of
+``attn_mask_offsets``). On CPUs with the C++ kernels built, decodes and prefills each take one
+kernel call per layer instead.
 """
 
 from __future__ import annotations
@@ -60,6 +62,22 @@ class DecodeBatch:
 
 
 @dataclass
+class PrefillBatch:
+    """Every prefill chunk of the step, in the form the C++ CPU kernel reads."""
+
+    q_start: torch.Tensor
+    """[prefills] int64: first token row of each chunk."""
+    q_lens: torch.Tensor
+    """[prefills] int32."""
+    seq_lens: torch.Tensor
+    """[prefills] int32: context including the chunk."""
+    block_table: torch.Tensor
+    """[prefills, blocks] int32, contiguous."""
+    limits: torch.Tensor
+    """[tokens] int32 key limits (``attn_mask_offsets``), or empty for causal attention."""
+
+
+@dataclass
 class TorchAttentionMetadata:
     common: CommonAttentionMetadata
     decode_groups: list[DecodeGroup]
@@ -67,6 +85,9 @@ class TorchAttentionMetadata:
     decode_batch: DecodeBatch | None
     """Decodes for the C++ CPU kernel, when it is loaded."""
     prefills: list[PrefillChunk]
+    """Prefill chunks for the torch path (empty when ``prefill_batch`` is used)."""
+    prefill_batch: PrefillBatch | None = None
+    """Prefills for the C++ CPU kernel, when it is loaded."""
 
     @property
     def slot_mapping(self) -> torch.Tensor:
@@ -87,57 +108,108 @@ class TorchAttentionBackend:
         self.cpu_kernels = cpu_kernels
 
     def build(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
-        qsl, seq_lens, bs = common.query_start_loc_cpu, common.seq_lens_cpu, common.block_size
+        qsl = common.query_start_loc_cpu
         query_lens = np.diff(qsl)
         decode_reqs = np.flatnonzero(query_lens == 1)
-        groups: list[DecodeGroup] = []
-        decode_batch = None
-        if len(decode_reqs) and self.cpu_kernels is not None:
-            decode_batch = DecodeBatch(
-                token_idx=torch.from_numpy(qsl[decode_reqs].astype(np.int64)),
-                block_table=common.block_table[torch.from_numpy(decode_reqs)].contiguous(),
-                seq_lens=torch.from_numpy(seq_lens[decode_reqs].astype(np.int32)),
+        prefill_reqs = np.flatnonzero(query_lens > 1)
+        if self.cpu_kernels is not None:
+            return TorchAttentionMetadata(
+                common=common,
+                decode_groups=[],
+                decode_batch=_kernel_decodes(common, decode_reqs) if len(decode_reqs) else None,
+                prefills=[],
+                prefill_batch=_kernel_prefills(common, prefill_reqs) if len(prefill_reqs) else None,
             )
-        elif len(decode_reqs):
-            groups = _decode_groups(common, decode_reqs)
-        prefills: list[PrefillChunk] = []
-        for i in np.flatnonzero(query_lens > 1):
-            start, end, seq_len = int(qsl[i]), int(qsl[i + 1]), int(seq_lens[i])
-            if seq_len == end - start:  # a fresh prompt: batch it with an equal, adjacent one
-                last = prefills[-1] if prefills else None
-                if last and last.block_ids is None and last.end == start and last.seq_len == seq_len:
-                    last.end, last.count = end, last.count + 1
-                else:
-                    prefills.append(PrefillChunk(start, end, seq_len, None))
-                continue
-            num_blocks = -(-seq_len // bs)
-            prefills.append(PrefillChunk(start, end, seq_len, common.block_table[i, :num_blocks].long()))
+        groups = _decode_groups(common, decode_reqs) if len(decode_reqs) else []
         return TorchAttentionMetadata(
-            common=common, decode_groups=groups, decode_batch=decode_batch, prefills=prefills
+            common=common,
+            decode_groups=groups,
+            decode_batch=None,
+            prefills=_prefill_chunks(common, prefill_reqs),
         )
 
     def forward(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: TorchAttentionMetadata):
         """q: [T, Hq, D]; k/v: [T, Hkv, D] (already in the cache) → [T, Hq, D]."""
         key_cache, value_cache = layer.kv_cache
         out = torch.empty_like(q)
-        batch = meta.decode_batch
-        if batch is not None:
-            decode_out = torch.empty((len(batch.token_idx), *q.shape[1:]), dtype=q.dtype)
+        decodes, prefills = meta.decode_batch, meta.prefill_batch
+        if decodes is not None:  # the kernels read q's rows and write out's rows in place
             self.cpu_kernels.paged_decode_attention(
-                decode_out,
-                q[batch.token_idx].contiguous(),
+                out,
+                q,
                 key_cache,
                 value_cache,
-                batch.block_table,
-                batch.seq_lens,
+                decodes.block_table,
+                decodes.seq_lens,
+                decodes.token_idx,
                 layer.scale,
             )
-            out[batch.token_idx] = decode_out
+        if prefills is not None:
+            self.cpu_kernels.paged_prefill_attention(
+                out,
+                q,
+                key_cache,
+                value_cache,
+                prefills.block_table,
+                prefills.seq_lens,
+                prefills.q_start,
+                prefills.q_lens,
+                prefills.limits,
+                layer.scale,
+            )
         for group in meta.decode_groups:
             out[group.token_idx] = _decode(q[group.token_idx], key_cache, value_cache, group, layer.scale)
+        limits = meta.common.attn_mask_offsets
         for chunk in meta.prefills:
-            out[chunk.start : chunk.end] = _prefill(q, k, v, key_cache, value_cache, chunk, layer.scale)
+            out[chunk.start : chunk.end] = _prefill(
+                q, k, v, key_cache, value_cache, chunk, layer.scale, limits
+            )
         return out
+
+
+def _kernel_decodes(common: CommonAttentionMetadata, reqs: np.ndarray) -> DecodeBatch:
+    return DecodeBatch(
+        token_idx=torch.from_numpy(common.query_start_loc_cpu[reqs].astype(np.int64)),
+        block_table=common.block_table[torch.from_numpy(reqs)].contiguous(),
+        seq_lens=torch.from_numpy(common.seq_lens_cpu[reqs].astype(np.int32)),
+    )
+
+
+def _kernel_prefills(common: CommonAttentionMetadata, reqs: np.ndarray) -> PrefillBatch:
+    qsl = common.query_start_loc_cpu
+    limits = common.attn_mask_offsets
+    return PrefillBatch(
+        q_start=torch.from_numpy(qsl[reqs].astype(np.int64)),
+        q_lens=torch.from_numpy((qsl[reqs + 1] - qsl[reqs]).astype(np.int32)),
+        seq_lens=torch.from_numpy(common.seq_lens_cpu[reqs].astype(np.int32)),
+        block_table=common.block_table[torch.from_numpy(reqs)].contiguous(),
+        limits=torch.empty(0, dtype=torch.int32) if limits is None else limits.to(torch.int32).contiguous(),
+    )
+
+
+def _prefill_chunks(common: CommonAttentionMetadata, reqs: np.ndarray) -> list[PrefillChunk]:
+    """One chunk per request; adjacent fresh prompts of equal length are merged (causal only)."""
+    qsl, seq_lens, bs = common.query_start_loc_cpu, common.seq_lens_cpu, common.block_size
+    mergeable = common.attn_mask_offsets is None
+    prefills: list[PrefillChunk] = []
+    for i in reqs:
+        start, end, seq_len = int(qsl[i]), int(qsl[i + 1]), int(seq_lens[i])
+        if seq_len == end - start:  # a fresh prompt: batch it with an equal, adjacent one
+            last = prefills[-1] if prefills else None
+            if (
+                mergeable
+                and last
+                and last.block_ids is None
+                and last.end == start
+                and last.seq_len == seq_len
+            ):
+                last.end, last.count = end, last.count + 1
+            else:
+                prefills.append(PrefillChunk(start, end, seq_len, None))
+            continue
+        num_blocks = -(-seq_len // bs)
+        prefills.append(PrefillChunk(start, end, seq_len, common.block_table[i, :num_blocks].long()))
+    return prefills
 
 
 def _decode_groups(common: CommonAttentionMetadata, decode_reqs: np.ndarray) -> list[DecodeGroup]:
@@ -191,9 +263,11 @@ def _decode(q, key_cache, value_cache, group: DecodeGroup, scale: float) -> torc
     return torch.bmm(probs.to(q.dtype), values)
 
 
-def _prefill(q, k, v, key_cache, value_cache, chunk: PrefillChunk, scale: float) -> torch.Tensor:
+def _prefill(
+    q, k, v, key_cache, value_cache, chunk: PrefillChunk, scale: float, limits: torch.Tensor | None
+) -> torch.Tensor:
     num_heads, head_dim = q.shape[1:]
-    if chunk.block_ids is None:  # fresh prompts: causal attention over this step's own keys
+    if chunk.block_ids is None and limits is None:  # fresh prompts: causal over this step's own keys
         shape = (chunk.count, chunk.seq_len, -1, head_dim)
         query = q[chunk.start : chunk.end].view(shape).transpose(1, 2)
         keys = k[chunk.start : chunk.end].view(shape).transpose(1, 2)
@@ -202,10 +276,16 @@ def _prefill(q, k, v, key_cache, value_cache, chunk: PrefillChunk, scale: float)
         return out.transpose(1, 2).reshape(-1, num_heads, head_dim)
     query = q[chunk.start : chunk.end].transpose(0, 1)
     context = chunk.seq_len - (chunk.end - chunk.start)
-    keys = _gather(key_cache, chunk.block_ids)[:, : chunk.seq_len].to(q.dtype)
-    values = _gather(value_cache, chunk.block_ids)[:, : chunk.seq_len].to(q.dtype)
+    if chunk.block_ids is None:
+        keys, values = k[chunk.start : chunk.end].transpose(0, 1), v[chunk.start : chunk.end].transpose(0, 1)
+    else:
+        keys = _gather(key_cache, chunk.block_ids)[:, : chunk.seq_len].to(q.dtype)
+        values = _gather(value_cache, chunk.block_ids)[:, : chunk.seq_len].to(q.dtype)
     key_pos = torch.arange(chunk.seq_len, device=q.device)
-    query_pos = torch.arange(context, chunk.seq_len, device=q.device)
-    mask = key_pos[None, :] <= query_pos[:, None]
+    if limits is None:
+        query_limit = torch.arange(context, chunk.seq_len, device=q.device) + 1
+    else:
+        query_limit = limits[chunk.start : chunk.end].to(torch.int64).clamp(1, chunk.seq_len)
+    mask = key_pos[None, :] < query_limit[:, None]
     out = sdpa(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.transpose(0, 1)

@@ -5,9 +5,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fastdeploy.ops.layer_ops import fused_add_rms_norm, rms_norm
+
 
 class RMSNorm(nn.Module):
-    """``weight * x / rms(x)``; with ``residual`` given, adds it first and returns both."""
+    """``weight * x / rms(x)``; with ``residual`` given, adds it first and returns both.
+
+    With a residual the fused op may update ``x`` and ``residual`` in place.
+    """
 
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
@@ -15,11 +20,6 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if residual is not None:
-            x = x + residual
-            residual = x
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * xf.to(dtype)
-        return out if residual is None else (out, residual)
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return fused_add_rms_norm(x, residual, self.weight, self.eps)

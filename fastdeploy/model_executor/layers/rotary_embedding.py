@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 
+from fastdeploy.ops.layer_ops import rotary_embedding_
+
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     factor = scaling["factor"]
@@ -30,6 +32,7 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_position: int, base: float, scaling: dict | None = None):
         super().__init__()
+        self.head_dim = head_dim
         scaling = scaling or {}
         rope_type = scaling.get("rope_type", scaling.get("type", "default"))
         if rope_type not in self.SUPPORTED_SCALING:
@@ -46,14 +49,6 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", freqs.cos(), persistent=False)
         self.register_buffer("sin_cache", freqs.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, Hq, D], k: [T, Hkv, D] → rotated copies, in their own dtype."""
-        cos = self.cos_cache[positions].unsqueeze(1)
-        sin = self.sin_cache[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, num_heads: int) -> None:
+        """Rotate the first ``num_heads`` heads of each row of ``x`` ``[T, >= num_heads * head_dim]`` in place."""
+        rotary_embedding_(positions, x, self.cos_cache, self.sin_cache, num_heads, self.head_dim)

@@ -64,13 +64,15 @@ def resolve_model(config: ModelConfig) -> ModelSource:
 
 
 def resolve_dtype(dtype: str, arch: ModelArchConfig, device: torch.device) -> torch.dtype:
-    """The torch dtype for ``--dtype``; ``auto`` follows the checkpoint (float16 → bfloat16 on CPU)."""
+    """The torch dtype for ``--dtype``; ``auto`` follows the checkpoint (float16 → bfloat16 on a CPU, float32 → bfloat16 on a GPU)."""
     if dtype != "auto":
         if dtype not in _DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; choose auto, {', '.join(_DTYPES)}")
         return _DTYPES[dtype]
     chosen = _DTYPES.get(str(arch.torch_dtype).replace("torch.", ""), torch.bfloat16)
     if chosen == torch.float16 and device.type == "cpu":
+        chosen = torch.bfloat16
+    if chosen == torch.float32 and device.type == "cuda":  # float32 checkpoints serve in bfloat16
         chosen = torch.bfloat16
     return chosen
 
@@ -111,23 +113,38 @@ def _progress(weights, source: ModelSource):
     return tqdm(weights, desc=f"Loading {source.display_name}", unit=" tensors", leave=False, mininterval=0.5)
 
 
+_DUMMY_CHUNK = 1 << 26
+"""Most values drawn at once by :func:`initialize_dummy_weights` (256 MiB of float32)."""
+
+
 def initialize_dummy_weights(model: torch.nn.Module, seed: int) -> None:
     """Seeded random weights: norms near 1, matrices and embeddings ~ U(-0.05, 0.05).
 
-    Drawn on the CPU in float32 so the same seed gives the same model on every
-    device and dtype.
+    Drawn in float32 where each parameter lives, by a generator of that device, in row
+    chunks of at most ``_DUMMY_CHUNK`` values, then cast into the parameter: an 8B model on
+    a GPU never passes through host memory. One seed gives the same weights in every dtype
+    on one device type; a CPU and a GPU draw different values.
     """
-    generator = torch.Generator().manual_seed(seed)
+    generators: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):
-            values = 1.0 + 0.1 * (torch.rand(param.shape, generator=generator) - 0.5)
-        else:
-            values = 0.1 * (torch.rand(param.shape, generator=generator) - 0.5)
-        param.data.copy_(values)
+        device = param.device
+        if device not in generators:
+            generators[device] = torch.Generator(device=device).manual_seed(seed)
+        data = param.data.view(param.shape[0], -1) if param.dim() > 0 else param.data.view(1, 1)
+        rows = max(1, _DUMMY_CHUNK // max(1, data.shape[1]))
+        for start in range(0, data.shape[0], rows):
+            chunk = data[start : start + rows]
+            values = torch.rand(chunk.shape, generator=generators[device], device=device, dtype=torch.float32)
+            values.sub_(0.5).mul_(0.1)
+            if name.endswith("norm.weight"):
+                values.add_(1.0)
+            chunk.copy_(values)
 
 
 def load_tokenizer(config: ModelConfig, source: ModelSource):
-    """The model's tokenizer, or None for a dummy model folder that has none."""
+    """The model's tokenizer; None with ``skip_tokenizer_init`` or for a model folder that has none."""
+    if config.skip_tokenizer_init:
+        return None
     from transformers import AutoTokenizer
 
     from fastdeploy.model_executor.model_loader.gguf_loader import load_gguf_tokenizer

@@ -17,6 +17,7 @@ from fastdeploy.model_executor.attention import Attention
 from fastdeploy.model_executor.layers.layernorm import RMSNorm
 from fastdeploy.model_executor.layers.linear import Linear
 from fastdeploy.model_executor.layers.rotary_embedding import RotaryEmbedding
+from fastdeploy.ops.layer_ops import silu_and_mul
 from fastdeploy.transformers_utils.config import ModelArchConfig
 
 
@@ -47,12 +48,16 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(-1, self.num_heads, self.head_dim)
-        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        num_tokens = qkv.shape[0]
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim)).reshape(num_tokens, -1)
+            k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim)).reshape(num_tokens, -1)
+            self.rotary_emb(positions, q, self.num_heads)
+            self.rotary_emb(positions, k, self.num_kv_heads)
+        else:  # q and k heads lead each row of qkv: rotate them in place in one call
+            self.rotary_emb(positions, qkv, self.num_heads + self.num_kv_heads)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         return self.o_proj(self.attn(q, k, v))
 
 
@@ -64,8 +69,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -92,6 +96,9 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        shared_rotary = self.layers[0].self_attn.rotary_emb  # one cos/sin table for every layer
+        for layer in self.layers[1:]:
+            layer.self_attn.rotary_emb = shared_rotary
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(

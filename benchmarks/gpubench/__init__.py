@@ -1,0 +1,1 @@
+"""Sections and helpers of ``benchmarks/gpu_benchmark.py`` (issue #7's GPU benchmark)."""

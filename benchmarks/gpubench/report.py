@@ -1,0 +1,206 @@
+"""Markdown tables of a ``gpu_benchmark.py`` run, ready to paste into docs/benchmarks.md."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _fmt(value: Any, digits: int = 2) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, bool):
+        return "yes" if value else "**no**"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    return str(value)
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+    lines += ["| " + " | ".join(_fmt(c) if not isinstance(c, str) else c for c in row) + " |" for row in rows]
+    return lines + [""]
+
+
+def _row_error(row: dict[str, Any]) -> str | None:
+    if "error" in row:
+        return "error: " + row["error"].strip().splitlines()[-1][:160]
+    if "skipped" in row:
+        return "skipped: " + row["skipped"]
+    return None
+
+
+def _correctness(r: dict[str, Any]) -> list[str]:
+    out = [f"Model: {r['model']}; greedy, `ignore_eos`, float32 on both engines.", ""]
+    if "greedy_error" in r:
+        out += [f"GPU engine: {_row_error({'error': r['greedy_error']})}", ""]
+    else:
+        rows = [
+            [g["prompt"], g["prompt_tokens"], g["tokens"], g["equal"], g["first_mismatch"]]
+            for g in r["greedy_tokens"]
+        ]
+        out += _table(["prompt", "prompt tokens", "generated", "CPU == GPU", "first mismatch"], rows)
+    lg = r.get("logits", {})
+    if lg.get("status") == "ok":
+        out += _table(
+            [
+                "prefill tokens",
+                "max rel. err (bf16 vs fp32)",
+                "mean rel. err",
+                "argmax agreement",
+                "within 2e-2",
+            ],
+            [
+                [
+                    lg["prompt_tokens"],
+                    f"{lg['rel_err_max']:.2e}",
+                    f"{lg['rel_err_mean']:.2e}",
+                    f"{lg['argmax_agreement']:.3f}",
+                    lg["within_tolerance"],
+                ]
+            ],
+        )
+        out += [
+            "Relative error = max |logits_bf16 − logits_fp32| / max |logits_fp32| over the prompt's positions.",
+            "",
+        ]
+    elif lg:
+        out += [f"bf16 logits check: {_row_error(lg)}", ""]
+    return out
+
+
+def _ops(r: dict[str, Any]) -> list[str]:
+    rows = []
+    for row in r["rows"]:
+        note = _row_error(row)
+        if note:
+            rows.append([row["op"], row["kv_cache_dtype"], row["shape"], note, "", "", ""])
+            continue
+        extra = f"splits {row['num_splits']}" if "num_splits" in row else row.get("implementation", "")
+        rows.append([row["op"], row["kv_cache_dtype"], row["shape"], f"{row['seconds_per_call'] * 1e6:,.1f}",
+                     f"{row['bytes_per_s'] / 1e12:.2f}", f"{row['fraction_of_copy']:.0%}", extra])  # fmt: skip
+    out = [f"Copy bandwidth (read + written): **{r['copy_bytes_per_s'] / 1e12:.2f} TB/s**.", ""]
+    out += _table(["op", "KV dtype", "shape", "µs / call", "TB/s", "of copy bw", "notes"], rows)
+    out += ["reshape_and_cache_flash bytes: keys + values read, cache rows (and fp8 scales) written, slot mapping read; "
+            "decode attention bytes: the KV cache rows read (fp8: plus scales).", ""]  # fmt: skip
+    return out
+
+
+def _itl(r: dict[str, Any]) -> list[str]:
+    rows = []
+    for row in r["rows"]:
+        mode = "CUDA graphs" if row["cuda_graphs"] else "enforce_eager"
+        note = _row_error(row)
+        if note:
+            rows.append(
+                [
+                    row["model"],
+                    mode,
+                    f"{row['weight_bytes'] / 1e9:.2f}",
+                    f"{row['floor_ms']:.2f}",
+                    note,
+                    "",
+                    "",
+                    "",
+                    "",
+                ]
+            )
+            continue
+        rows.append([row["model"], mode, f"{row['weight_bytes'] / 1e9:.2f}", f"{row['floor_ms']:.2f}", f"{row['itl_ms_mean']:.2f}",
+                     f"{row['itl_ms_p50']:.2f}", f"{row['ratio_to_floor']:.2f}x", f"{row['target_ratio']}x", row["meets_target"]])  # fmt: skip
+    out = [
+        f"Batch 1, bf16 dummy weights; floor = weight bytes / copy bandwidth ({r['copy_bytes_per_s'] / 1e12:.2f} TB/s, read + written).",
+        "",
+    ]
+    return out + _table(
+        [
+            "model",
+            "mode",
+            "weights (GB)",
+            "floor (ms)",
+            "ITL mean (ms)",
+            "ITL p50 (ms)",
+            "ITL / floor",
+            "target",
+            "met",
+        ],
+        rows,
+    )
+
+
+def _throughput(r: dict[str, Any]) -> list[str]:
+    rows = []
+    for row in r["rows"]:
+        if row["engine"] == "fastdeploy":
+            name = f"fastdeploy (async {'on' if row['async_scheduling'] else 'off'}, graphs {'on' if row['cuda_graphs'] else 'off'})"
+        else:
+            name = f"transformers generate (static batch {row.get('batch_size', '?')})"
+        note = _row_error(row)
+        if note:
+            rows.append([name, row["num_prompts"], note, "", "", ""])
+            continue
+        rows.append([name, row["num_prompts"], f"{row['elapsed_s']:.1f}", f"{row['output_tok_per_s']:,.0f}",
+                     f"{row.get('total_tok_per_s', 0):,.0f}" if "total_tok_per_s" in row else "—",
+                     f"{row['fraction_of_compute_floor']:.1%}" if "fraction_of_compute_floor" in row else "—"])  # fmt: skip
+    rate = r.get("matmul_flop_per_s")
+    out = [
+        f"Llama-3.1-8B shape ({r['parameters'] / 1e9:.2f} B parameters), bf16 dummy weights, random prompts of "
+        f"{r['input_len']} tokens, {r['output_len']} output tokens each (greedy, ignore_eos). "
+        f"Compute floor = prompts × {r['input_len'] + r['output_len']} tokens × 2 × parameters / bf16 matmul rate"
+        + (f" ({rate / 1e12:.0f} TFLOP/s, {r['matmul_n']}³ torch.mm)." if rate else "."),
+        "",
+    ]
+    return out + _table(
+        ["engine", "prompts", "elapsed (s)", "output tok/s", "total tok/s", "compute floor / elapsed"], rows
+    )
+
+
+def _overlap(r: dict[str, Any]) -> list[str]:
+    if r.get("status") == "skipped":
+        return [f"Skipped: {r['note']}", ""]
+    out = [f"{r['step_pairs_overlapped']} of {r['step_pairs_checked']} consecutive step pairs have save(N−1) between "
+           "execute_start(N) and postprocess_end(N). Excerpt (three steps):", "", "```"]  # fmt: skip
+    return out + r["excerpt"] + ["```", ""]
+
+
+RENDERERS = {
+    "correctness": _correctness,
+    "ops": _ops,
+    "itl": _itl,
+    "throughput": _throughput,
+    "overlap": _overlap,
+}
+TITLES = {
+    "correctness": "Correctness: GPU vs CPU greedy tokens, bf16 vs fp32 logits",
+    "ops": "Kernel bandwidth",
+    "itl": "Decode inter-token latency at batch 1",
+    "throughput": "Offline throughput",
+    "overlap": "Overlapped execute_model (FD_STEP_TRACE)",
+}
+
+
+def render_markdown(results: dict[str, Any]) -> str:
+    """All sections of ``results`` as markdown, headed by the machine, versions, date and command."""
+    meta = results["meta"]
+    dev = meta["device_info"]
+    lines = [
+        f"## GPU benchmarks: {dev.get('gpu')} ({meta['date']})",
+        "",
+        f"torch {dev.get('torch')}, CUDA {dev.get('cuda')}, Triton {dev.get('triton')}, "
+        f"fastdeploy_ops CUDA extension {'loaded' if dev.get('fastdeploy_ops_cuda') else 'not loaded (torch fallbacks)'}.",
+        "",
+        "```bash",
+        meta["command"],
+        "```",
+        "",
+    ]
+    for name, section in results["sections"].items():
+        lines += [f"### {TITLES.get(name, name)}", ""]
+        if section["status"] != "ok":
+            lines += [
+                f"{section['status']}: `{section.get('error', section.get('note', '')).strip().splitlines()[-1]}`",
+                "",
+            ]
+            continue
+        lines += RENDERERS[name](section["result"])
+        lines += [f"_(section time: {section['seconds']:.0f} s)_", ""]
+    return "\n".join(lines)

@@ -1,0 +1,206 @@
+"""Read the bytes behind one feature URL: ``file://``, ``http(s)://`` or ``bos://bucket/key``.
+
+Every reader is bounded: at most ``max_bytes`` are read, and one URL takes at
+most about ``timeout_s`` (socket timeouts plus a deadline checked between
+chunks). A reader also stops between chunks once ``cancel`` is set, which is how
+:func:`fastdeploy.multimodal.fetch.fetch_features` stops the downloads of a
+request that has already failed. Every failure is a :class:`FeatureFetchError`
+naming the URL.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import httpx
+
+from fastdeploy import envs
+from fastdeploy.multimodal.inputs import FeatureFetchError
+
+SCHEMES: tuple[str, ...] = ("file", "http", "https", "bos")
+CHUNK_BYTES = 1 << 20
+BOS_MAX_RETRIES = 2
+"""Retries of one BOS GetObject on I/O errors, 5xx and expired requests (the SDK's policy)."""
+
+
+class FetchCancelled(Exception):
+    """Raised inside a reader when its request was cancelled (another item failed)."""
+
+
+class _Budget:
+    """The limits of one read: byte cap, deadline and the request's cancel flag."""
+
+    def __init__(self, url: str, timeout_s: float, max_bytes: int, cancel: threading.Event | None):
+        self.url, self.timeout_s, self.max_bytes, self.cancel = url, timeout_s, max_bytes, cancel
+        self.deadline = time.monotonic() + timeout_s
+
+    def check_size(self, size: int | None) -> None:
+        if size is not None and size > self.max_bytes:
+            raise FeatureFetchError(self.url, f"{size} bytes exceeds the limit of {self.max_bytes} bytes")
+
+    def collect(self, chunks: Iterator[bytes]) -> bytes:
+        """Join ``chunks``, enforcing the byte cap, the deadline and cancellation between chunks."""
+        parts: list[bytes] = []
+        total = 0
+        for chunk in chunks:
+            if self.cancel is not None and self.cancel.is_set():
+                raise FetchCancelled(self.url)
+            if time.monotonic() > self.deadline:
+                raise FeatureFetchError(self.url, f"timed out after {self.timeout_s:g} s")
+            total += len(chunk)
+            self.check_size(total)
+            parts.append(chunk)
+        return b"".join(parts)
+
+
+def scheme_of(url: str) -> str:
+    """The URL's scheme (lower case), or a :class:`FeatureFetchError` if it is not supported."""
+    if not isinstance(url, str) or not url:
+        raise FeatureFetchError(repr(url), "a feature URL must be a non-empty string")
+    scheme = urlsplit(url).scheme.lower()
+    if scheme not in SCHEMES:
+        raise FeatureFetchError(url, f"unsupported URL scheme {scheme!r}; use one of {', '.join(SCHEMES)}")
+    return scheme
+
+
+def local_path(url: str, allowed_local_media_path: str | None) -> str:
+    """The real path of a ``file://`` URL, refused unless it lies under ``allowed_local_media_path``."""
+    if not allowed_local_media_path:
+        raise FeatureFetchError(
+            url, "file:// URLs are refused: the server was started without --allowed-local-media-path"
+        )
+    parts = urlsplit(url)
+    if parts.netloc not in ("", "localhost"):
+        raise FeatureFetchError(url, "file:// URLs must name a local path (file:///path)")
+    path = os.path.realpath(unquote(parts.path))
+    root = os.path.realpath(allowed_local_media_path)
+    if os.path.commonpath([path, root]) != root:
+        raise FeatureFetchError(url, "the path lies outside --allowed-local-media-path")
+    return path
+
+
+def source_key(url: str, allowed_local_media_path: str | None) -> str:
+    """What identifies a URL's content for the URL → ``mm_hash`` index of the encoder cache.
+
+    Remote URLs are taken as immutable; a local file adds its size and
+    modification time, so rewriting the file is noticed.
+    """
+    if scheme_of(url) != "file":
+        return url
+    path = local_path(url, allowed_local_media_path)
+    try:
+        stat = os.stat(path)
+    except OSError as exc:
+        raise FeatureFetchError(url, f"cannot read the file: {exc.strerror}") from None
+    return f"file://{path}#{stat.st_size}:{stat.st_mtime_ns}"
+
+
+def _read_file(url: str, allowed_local_media_path: str | None, budget: _Budget) -> bytes:
+    path = local_path(url, allowed_local_media_path)
+    try:
+        budget.check_size(os.path.getsize(path))
+        with open(path, "rb") as f:
+            return budget.collect(iter(lambda: f.read(CHUNK_BYTES), b""))
+    except OSError as exc:
+        raise FeatureFetchError(url, f"cannot read the file: {exc.strerror}") from None
+
+
+def _read_http(url: str, client: httpx.Client, budget: _Budget) -> bytes:
+    try:
+        with client.stream("GET", url, timeout=budget.timeout_s, follow_redirects=True) as response:
+            if response.status_code != 200:
+                raise FeatureFetchError(url, f"HTTP {response.status_code} {response.reason_phrase}")
+            length = response.headers.get("content-length")
+            budget.check_size(int(length) if length and length.isdigit() else None)
+            return budget.collect(response.iter_bytes(CHUNK_BYTES))
+    except httpx.TimeoutException:
+        raise FeatureFetchError(url, f"timed out after {budget.timeout_s:g} s") from None
+    except httpx.HTTPError as exc:
+        raise FeatureFetchError(url, f"{type(exc).__name__}: {exc}") from None
+
+
+@functools.lru_cache(maxsize=4)
+def _bos_client(endpoint: str, access_key: str, secret_key: str, timeout_ms: int) -> Any:
+    """A ``baidubce`` BosClient (imported lazily: only bos:// URLs need the SDK)."""
+    try:
+        from baidubce.auth.bce_credentials import BceCredentials
+        from baidubce.bce_client_configuration import BceClientConfiguration
+        from baidubce.retry.retry_policy import BackOffRetryPolicy
+        from baidubce.services.bos.bos_client import BosClient
+    except ImportError as exc:  # pragma: no cover - the SDK is a declared dependency
+        raise RuntimeError("bos:// feature URLs need bce-python-sdk: pip install bce-python-sdk") from exc
+    config = BceClientConfiguration(
+        credentials=BceCredentials(access_key, secret_key),
+        endpoint=endpoint,
+        connection_timeout_in_mills=timeout_ms,
+        retry_policy=BackOffRetryPolicy(
+            max_error_retry=BOS_MAX_RETRIES, max_delay_in_millis=2000, base_interval_in_millis=200
+        ),
+    )
+    return BosClient(config)
+
+
+def _bos_error(exc: Exception) -> str:
+    """A one-line reason from a baidubce exception (the SDK's own text carries tracebacks)."""
+    error = getattr(exc, "last_error", None) or exc
+    status = getattr(error, "status_code", None)
+    code = getattr(error, "code", None)
+    code = code.decode() if isinstance(code, bytes) else code
+    message = str(error.args[0] if error.args else error)
+    message = message.decode() if isinstance(message, bytes) else message
+    parts = ["BOS GetObject failed:", f"HTTP {status}" if status else "", code or "", message]
+    return " ".join(part for part in parts if part)
+
+
+def _read_bos(url: str, budget: _Budget) -> bytes:
+    parts = urlsplit(url)
+    bucket, key = parts.netloc, unquote(parts.path.lstrip("/"))
+    if not bucket or not key:
+        raise FeatureFetchError(url, "a BOS URL must be bos://bucket/key")
+    endpoint, access_key, secret_key = envs.FD_BOS_ENDPOINT, envs.FD_BOS_ACCESS_KEY, envs.FD_BOS_SECRET_KEY
+    if not (endpoint and access_key and secret_key):
+        raise FeatureFetchError(
+            url, "bos:// URLs need FD_BOS_ENDPOINT, FD_BOS_ACCESS_KEY and FD_BOS_SECRET_KEY set on the server"
+        )
+    client = _bos_client(endpoint, access_key, secret_key, max(1, int(budget.timeout_s * 1000)))
+    try:
+        response = client.get_object(bucket, key)
+    except Exception as exc:  # BceServerError / BceHttpClientError / socket errors after retries
+        raise FeatureFetchError(url, _bos_error(exc)) from None
+    stream = response.data
+    try:
+        length = getattr(response.metadata, "content_length", None)
+        budget.check_size(int(length) if length is not None else None)
+        return budget.collect(iter(lambda: stream.read(CHUNK_BYTES), b""))
+    except OSError as exc:
+        raise FeatureFetchError(url, f"BOS read failed: {exc}") from None
+    finally:
+        stream.close()
+
+
+def read_url(
+    url: str,
+    *,
+    timeout_s: float,
+    max_bytes: int,
+    allowed_local_media_path: str | None = None,
+    http_client: httpx.Client | None = None,
+    cancel: threading.Event | None = None,
+) -> bytes:
+    """The bytes at ``url`` (file, http(s) or bos), within the time and size limits."""
+    scheme = scheme_of(url)
+    budget = _Budget(url, timeout_s, max_bytes, cancel)
+    if scheme == "file":
+        return _read_file(url, allowed_local_media_path, budget)
+    if scheme == "bos":
+        return _read_bos(url, budget)
+    if http_client is not None:
+        return _read_http(url, http_client, budget)
+    with httpx.Client() as client:
+        return _read_http(url, client, budget)

@@ -1,0 +1,91 @@
+"""Element-wise ops of the decoder layer: RMSNorm, rotary embedding, SiLU-and-multiply.
+
+Each op runs the C++ CPU kernel (:mod:`fastdeploy.ops.cpu_ops`) for float32 / bfloat16
+CPU tensors when it is built, and the torch implementation here otherwise (GPUs and other
+dtypes). Both round at the same points, so they agree to float32 accumulation order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastdeploy.ops.cpu_ops import load_cpu_ops
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _cpu_kernels(x: torch.Tensor):
+    if x.device.type != "cpu" or x.dtype not in _KERNEL_DTYPES or x.stride(-1) != 1:
+        return None
+    return load_cpu_ops()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * x / sqrt(mean(x**2) + eps)`` over the last dimension of a 2-D ``x``, in float32."""
+    kernels = _cpu_kernels(x)
+    if kernels is not None and x.dim() == 2 and weight.dtype == x.dtype:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        kernels.rms_norm(out, x, weight, eps)
+        return out
+    return _rms_norm_torch(x, weight, eps)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``residual = x + residual; x = rms_norm(residual)``; returns ``(x, residual)``.
+
+    The CPU kernel updates both tensors in place and returns them; callers must not
+    rely on the inputs keeping their values.
+    """
+    kernels = _cpu_kernels(x)
+    if (
+        kernels is not None
+        and x.dim() == 2
+        and residual.stride(-1) == 1
+        and x.dtype == residual.dtype == weight.dtype
+    ):
+        kernels.fused_add_rms_norm(x, residual, weight, eps)
+        return x, residual
+    residual = x + residual
+    return _rms_norm_torch(residual, weight, eps), residual
+
+
+def _rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rotary_embedding_(
+    positions: torch.Tensor,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    num_heads: int,
+    head_dim: int,
+) -> None:
+    """Rotate the first ``num_heads`` heads of each row of ``x`` ``[T, >= num_heads * head_dim]``
+    in place (NeoX rotate-half layout); ``cos``/``sin`` are float32 ``[max_position, head_dim / 2]``.
+    """
+    kernels = _cpu_kernels(x)
+    if kernels is not None and x.dim() == 2 and positions.dtype == torch.int64:
+        kernels.rotary_embedding(positions.contiguous(), x, cos, sin, num_heads, head_dim)
+        return
+    heads = x[:, : num_heads * head_dim].view(x.shape[0], num_heads, head_dim)
+    c = cos[positions].unsqueeze(1).to(x.dtype)
+    s = sin[positions].unsqueeze(1).to(x.dtype)
+    x1, x2 = heads.chunk(2, dim=-1)
+    heads.copy_(torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1))
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up = [gate | up]`` along the last dimension."""
+    half = gate_up.shape[-1] // 2
+    kernels = _cpu_kernels(gate_up)
+    if kernels is not None and gate_up.dim() == 2:
+        out = torch.empty((gate_up.shape[0], half), dtype=gate_up.dtype, device=gate_up.device)
+        kernels.silu_and_mul(out, gate_up)
+        return out
+    gate, up = gate_up.split(half, dim=-1)
+    return torch.nn.functional.silu(gate) * up

@@ -1,0 +1,403 @@
+"""Paged attention in Triton: a unified kernel for any batch and a split-KV decode kernel.
+
+Both read the NHD paged cache (``[num_blocks, block_size, kv_heads, head_dim]``) in place
+through the block table, support GQA (every program serves one KV head and all the query
+heads that share it), fp8_e4m3 caches with per-slot scales, and optional per-token mask
+limits. Softmax is online, in fp32 and base 2 (``qk_scale`` carries ``log2(e)``).
+
+* ``unified_attention``: grid ``(num_tokens // BLOCK_Q + num_reqs, kv_heads)``; a program
+  finds its request by binary search over ``query_start_loc`` and attends ``BLOCK_Q`` of
+  its query tokens (``BLOCK_M = BLOCK_Q * group`` rows) over their visible keys.
+* ``decode_attention``: one query token per request; grid ``(num_reqs, kv_heads, splits)``.
+  Each split takes an equal, tile-aligned share of its sequence (computed in the kernel
+  from ``seq_lens``), and a reduction kernel merges the splits by their log-sum-exp.
+
+Nothing here reads a device value on the host, so the launches are graph-capturable.
+Under ``TRITON_INTERPRET=1`` (CPU tests) matrix products run in fp32, because the
+interpreter's ``tl.dot`` mishandles bf16 operands; operands are still rounded to the
+query dtype first, so the numerics match the GPU path.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+MIN_SPLIT_TOKENS = 256
+"""Decode splits are only added while each still covers this many tokens of the static bound."""
+MAX_SPLITS = 16
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def triton_interpreting() -> bool:
+    """Whether Triton kernels run in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@triton.jit
+def _find_request(query_start_ptr, program, num_reqs, BLOCK_Q: tl.constexpr):
+    """The request whose q-block range holds ``program`` (request i's blocks start at qsl[i] // BLOCK_Q + i)."""
+    lo: tl.int32 = 0
+    hi = num_reqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first = tl.load(query_start_ptr + mid) // BLOCK_Q + mid
+        if first <= program:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _dot(a, b, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``a @ b`` accumulated in fp32; operands widened to fp32 first under the interpreter."""
+    if DOT_FP32:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _attend_tile(
+    q, m_i, l_i, acc, start, kv_end, limit, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+    block_row_ptr, kv_head, block_size, qk_scale,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
+    TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, FP8: tl.constexpr, DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One online-softmax step over keys ``start:start+TILE_N`` (those < kv_end; row r sees keys < limit[r])."""
+    offs_n = start + tl.arange(0, TILE_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    in_range = offs_n < kv_end
+    block = tl.load(block_row_ptr + offs_n // block_size, mask=in_range, other=0).to(tl.int64)
+    slot = offs_n % block_size
+    k = tl.load(
+        k_cache_ptr + (block * stride_kb + slot * stride_ks + kv_head * stride_kh)[:, None] + offs_d[None, :],
+        mask=in_range[:, None],
+        other=0.0,
+    )
+    s = _dot(q, tl.trans(k.to(q.dtype)), DOT_FP32, DOT_PRECISION) * qk_scale
+    scale_off = block * stride_sb + slot * stride_ss + kv_head * stride_sh
+    if FP8:
+        s = s * tl.load(k_scale_ptr + scale_off, mask=in_range, other=0.0)[None, :]
+    s = tl.where(offs_n[None, :] < limit[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(
+        v_cache_ptr + (block * stride_vb + slot * stride_vs + kv_head * stride_vh)[:, None] + offs_d[None, :],
+        mask=in_range[:, None],
+        other=0.0,
+    )
+    if FP8:  # P @ (v * v_scale) == (P * v_scale) @ v
+        p = p * tl.load(v_scale_ptr + scale_off, mask=in_range, other=0.0)[None, :]
+    acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v.to(q.dtype), DOT_FP32, DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit(do_not_specialize=["num_reqs"])
+def _unified_kernel(
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, seq_lens_ptr,
+    query_start_ptr, limits_ptr, qk_scale, num_reqs, block_size,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_sb, stride_ss, stride_sh, stride_bt,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, FP8: tl.constexpr, HAS_LIMITS: tl.constexpr, DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    req = _find_request(query_start_ptr, pid, num_reqs, BLOCK_Q)
+    q_start = tl.load(query_start_ptr + req)
+    q_len = tl.load(query_start_ptr + req + 1) - q_start
+    q_block = pid - (q_start // BLOCK_Q + req)
+    if q_block * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_local = q_block * BLOCK_Q + offs_m // GROUP
+    valid = (offs_m // GROUP < BLOCK_Q) & (q_local < q_len)
+    token = (q_start + q_local).to(tl.int64)
+    head = kv_head * GROUP + offs_m % GROUP
+    if HAS_LIMITS:
+        limit = tl.minimum(tl.load(limits_ptr + token, mask=valid, other=0), seq_len)
+    else:
+        limit = seq_len - q_len + q_local + 1
+    limit = tl.where(valid, limit, 0)
+    kv_end = tl.max(limit, 0)
+    q = tl.load(
+        q_ptr + (token * stride_qt + head * stride_qh)[:, None] + offs_d[None, :],
+        mask=valid[:, None],
+        other=0.0,
+    )
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    block_row_ptr = block_table_ptr + req.to(tl.int64) * stride_bt
+    for start in range(0, kv_end, TILE_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, start, kv_end, limit, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+            block_row_ptr, kv_head, block_size, qk_scale,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
+            TILE_N, HEAD_DIM, FP8, DOT_FP32, DOT_PRECISION,
+        )  # fmt: skip
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(
+        out_ptr + (token * stride_ot + head * stride_oh)[:, None] + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=valid[:, None],
+    )
+
+
+@triton.jit
+def _decode_kernel(
+    out_ptr, part_out_ptr, part_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+    block_table_ptr, seq_lens_ptr, query_start_ptr, limits_ptr, qk_scale, block_size,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_sb, stride_ss, stride_sh, stride_bt,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, FP8: tl.constexpr, HAS_LIMITS: tl.constexpr, DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    token = tl.load(query_start_ptr + req).to(tl.int64)
+    limit = tl.load(seq_lens_ptr + req)
+    if HAS_LIMITS:
+        limit = tl.minimum(tl.load(limits_ptr + token), limit)
+    split_len = tl.cdiv(tl.cdiv(limit, NUM_SPLITS), TILE_N) * TILE_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, limit)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, HEAD_DIM)
+    head_ok = offs_h < GROUP
+    head = kv_head * GROUP + offs_h
+    q = tl.load(
+        q_ptr + (token * stride_qt + head * stride_qh)[:, None] + offs_d[None, :],
+        mask=head_ok[:, None],
+        other=0.0,
+    )
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    row_limit = tl.zeros([BLOCK_H], tl.int32) + end
+    block_row_ptr = block_table_ptr + req.to(tl.int64) * stride_bt
+    for tile in range(start, end, TILE_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, tile, end, row_limit, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+            block_row_ptr, kv_head, block_size, qk_scale,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
+            TILE_N, HEAD_DIM, FP8, DOT_FP32, DOT_PRECISION,
+        )  # fmt: skip
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if NUM_SPLITS == 1:
+        out_ptrs = out_ptr + (token * stride_ot + head * stride_oh)[:, None] + offs_d[None, :]
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+    else:
+        part = (req.to(tl.int64) * tl.num_programs(1) * GROUP + head) * NUM_SPLITS + split
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], out, mask=head_ok[:, None])
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + part, lse, mask=head_ok)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    out_ptr, part_out_ptr, part_lse_ptr, query_start_ptr, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):  # fmt: skip
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    token = tl.load(query_start_ptr + req).to(tl.int64)
+    part = (req.to(tl.int64) * tl.num_programs(1) + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
+    lse = tl.load(part_lse_ptr + part)
+    m = tl.max(lse, 0)
+    weight = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
+    offs_d = tl.arange(0, HEAD_DIM)
+    parts = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :])
+    total = tl.sum(weight, 0)
+    out = tl.sum(weight[:, None] * parts, 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
+
+
+def decode_num_splits(num_reqs: int, num_kv_heads: int, max_kv_len: int, num_sms: int) -> int:
+    """KV splits per decode request: enough programs for ~2 waves on ``num_sms`` SMs, no more than
+    ``max_kv_len // MIN_SPLIT_TOKENS`` and ``MAX_SPLITS``; a power of two. ``max_kv_len`` is a static
+    bound (block table width * block size), so the result is stable across steps of one batch size."""
+    want = -(-2 * num_sms // max(1, num_reqs * num_kv_heads))
+    splits = max(1, min(want, max_kv_len // MIN_SPLIT_TOKENS, MAX_SPLITS))
+    return 1 << (splits.bit_length() - 1)
+
+
+def unified_config(dtype: torch.dtype, head_dim: int, group: int, max_query_len: int) -> dict[str, int]:
+    """Tile sizes of the unified kernel: BLOCK_M query rows (BLOCK_Q tokens x group heads) by TILE_N keys.
+
+    Sized so that nothing spills on sm_90 (checked with the ptxas resource report): a 64-row
+    block for prefill-heavy 16-bit steps, 16 rows otherwise; TILE_N * HEAD_DIM <= 4096 (2048 in fp32).
+    """
+    fp32 = dtype == torch.float32
+    block_m = 64 if max_query_len * group >= 64 and not fp32 else 16
+    block_m = max(block_m, triton.next_power_of_2(group))
+    return dict(
+        BLOCK_M=block_m,
+        BLOCK_Q=block_m // group,
+        TILE_N=max(16, (2048 if fp32 else 4096) // head_dim),
+        num_warps=8 if block_m * head_dim >= 64 * 128 or head_dim >= 256 else 4,
+    )
+
+
+def decode_config(dtype: torch.dtype, head_dim: int, group: int) -> dict[str, int]:
+    """Tile sizes of the decode kernel: the group's heads (padded to >= 16 rows for tl.dot) by TILE_N keys."""
+    fp32 = dtype == torch.float32
+    return dict(
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        TILE_N=max(16, 2048 // head_dim) if fp32 else min(64, 8192 // head_dim),
+        num_warps=4,
+    )
+
+
+def _common_args(q, key_cache, value_cache, k_scale, v_scale, block_table, scale) -> tuple[dict, list]:
+    """Validates the inputs; returns the constexprs shared by both kernels and the cache arguments."""
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads = key_cache.shape[2]
+    if key_cache.dtype == torch.uint8:  # fp8 caches may be allocated as bytes
+        key_cache, value_cache = key_cache.view(torch.float8_e4m3fn), value_cache.view(torch.float8_e4m3fn)
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"triton attention needs a power-of-two head_dim >= 16, got {head_dim}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"query heads ({num_heads}) must be a multiple of kv heads ({num_kv_heads})")
+    if q.dtype not in _DTYPES:
+        raise TypeError(f"queries must be fp16/bf16/fp32, got {q.dtype}")
+    fp8 = key_cache.dtype == torch.float8_e4m3fn
+    if not fp8 and key_cache.dtype != q.dtype:
+        raise TypeError(
+            f"cache dtype {key_cache.dtype} must equal the query dtype {q.dtype} or be float8_e4m3fn"
+        )
+    if value_cache.dtype != key_cache.dtype or value_cache.shape != key_cache.shape:
+        raise ValueError("key and value caches must have the same shape and dtype")
+    if q.stride(-1) != 1 or key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
+        raise ValueError("the head_dim axis of q and the caches must be contiguous")
+    if fp8:
+        if k_scale is None or v_scale is None:
+            raise ValueError(
+                "an fp8 cache needs k_scale and v_scale of shape [num_blocks, block_size, kv_heads]"
+            )
+        if (
+            k_scale.shape != key_cache.shape[:3]
+            or v_scale.shape != k_scale.shape
+            or v_scale.stride() != k_scale.stride()
+        ):
+            raise ValueError(f"k_scale/v_scale must both be {tuple(key_cache.shape[:3])} with equal strides")
+        scales, scale_strides = [k_scale.float(), v_scale.float()], list(k_scale.stride())
+    else:
+        scales, scale_strides = [key_cache, value_cache], [0, 0, 0]
+    dot_fp32 = triton_interpreting()
+    constexprs = dict(
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        FP8=fp8,
+        DOT_FP32=dot_fp32,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 or dot_fp32 else "tf32",
+    )
+    strides = [*key_cache.stride()[:3], *value_cache.stride()[:3], *scale_strides, block_table.stride(0)]
+    cache_args = [key_cache, value_cache, *scales]
+    return constexprs, [scale * LOG2E, strides, cache_args]
+
+
+def unified_attention(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    *,
+    scale: float,
+    num_tokens: int,
+    num_reqs: int,
+    max_query_len: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    mask_limits: torch.Tensor | None = None,
+) -> None:
+    """Attention for any batch (prefills, chunks with cached context, decodes) into ``out`` [T, Hq, D].
+
+    Request ``i``'s query tokens ``query_start_loc[i]:[i+1]`` are the last of its ``seq_lens[i]``
+    keys. ``mask_limits`` (int32 per token) is the exclusive bound of the keys a token sees;
+    None means causal. The grid depends only on ``num_tokens``, ``num_reqs`` and the KV heads.
+    """
+    if num_reqs == 0:
+        return
+    constexprs, (qk_scale, strides, caches) = _common_args(
+        q, key_cache, value_cache, k_scale, v_scale, block_table, scale
+    )
+    config = unified_config(q.dtype, constexprs["HEAD_DIM"], constexprs["GROUP"], max_query_len)
+    grid = (num_tokens // config["BLOCK_Q"] + num_reqs, key_cache.shape[2])
+    _unified_kernel[grid](
+        out, q, *caches, block_table, seq_lens, query_start_loc,
+        mask_limits if mask_limits is not None else seq_lens,
+        qk_scale, num_reqs, key_cache.shape[1], *q.stride()[:2], *out.stride()[:2], *strides,
+        HAS_LIMITS=mask_limits is not None, **config, **constexprs,
+    )  # fmt: skip
+
+
+def decode_attention(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    *,
+    scale: float,
+    num_reqs: int,
+    num_splits: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    mask_limits: torch.Tensor | None = None,
+) -> None:
+    """Flash-decoding for a batch where every request has exactly one query token.
+
+    ``num_splits`` (a power of two, e.g. from :func:`decode_num_splits`) KV splits per request
+    and KV head; with more than one, fp32 partial results are merged by a reduction kernel.
+    The grid is ``(num_reqs, kv_heads, num_splits)``: no dependence on the sequence lengths.
+    """
+    if num_splits < 1 or num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits must be a power of two, got {num_splits}")
+    if num_reqs == 0:
+        return
+    constexprs, (qk_scale, strides, caches) = _common_args(
+        q, key_cache, value_cache, k_scale, v_scale, block_table, scale
+    )
+    num_heads, head_dim = q.shape[1:]
+    part_out = part_lse = out
+    if num_splits > 1:
+        part_out = torch.empty(
+            (num_reqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
+        )
+        part_lse = torch.empty((num_reqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    grid = (num_reqs, key_cache.shape[2], num_splits)
+    _decode_kernel[grid](
+        out, part_out, part_lse, q, *caches, block_table, seq_lens, query_start_loc,
+        mask_limits if mask_limits is not None else seq_lens,
+        qk_scale, key_cache.shape[1], *q.stride()[:2], *out.stride()[:2], *strides,
+        NUM_SPLITS=num_splits, HAS_LIMITS=mask_limits is not None,
+        **decode_config(q.dtype, head_dim, constexprs["GROUP"]), **constexprs,
+    )  # fmt: skip
+    if num_splits > 1:
+        _decode_reduce_kernel[(num_reqs, num_heads)](
+            out, part_out, part_lse, query_start_loc, *out.stride()[:2], HEAD_DIM=head_dim, NUM_SPLITS=num_splits
+        )  # fmt: skip

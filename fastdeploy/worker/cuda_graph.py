@@ -1,0 +1,139 @@
+"""CUDA graphs of the model's forward pass for decode-only steps, one per padded batch size.
+
+A decode step of ``n`` requests replays the graph captured for the smallest size
+``>= n``: the step's inputs are copied into static device buffers, padding
+requests get ``seq_len`` 0 (they read nothing) and slot -1 (they write nothing),
+and the first ``n`` rows of the captured output are the step's hidden states.
+Sampling stays outside the graph. Capture needs a graph-safe attention backend
+(Triton) and the compiled ``reshape_and_cache_flash`` (its torch fallback checks
+slots on the host).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from fastdeploy.model_executor.attention.forward_context import set_forward_context
+from fastdeploy.model_executor.attention.metadata import CommonAttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+
+def capture_sizes(max_batch_size: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 8 up to ``max_batch_size`` (which is always included)."""
+    sizes = [s for s in (1, 2, 4, 8) if s <= max_batch_size]
+    sizes += list(range(16, max_batch_size + 1, 8))
+    if max_batch_size not in sizes:
+        sizes.append(max_batch_size)
+    return sorted(set(sizes))
+
+
+class DecodeGraphs:
+    """Captured decode forwards and the static buffers they read."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        attn_backend,
+        max_batch_size: int,
+        max_blocks_per_req: int,
+        block_size: int,
+        max_model_len: int,
+        device: torch.device,
+    ):
+        self.model = model
+        self.attn_backend = attn_backend
+        self.sizes = capture_sizes(max_batch_size)
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        n = self.sizes[-1]
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
+        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.block_table = torch.zeros(n, max_blocks_per_req, dtype=torch.int32, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.sizes[-1]
+
+    def _metadata(self, size: int):
+        common = CommonAttentionMetadata(
+            num_reqs=size,
+            num_actual_tokens=size,
+            query_start_loc=self.query_start_loc[: size + 1],
+            seq_lens=self.seq_lens[:size],
+            block_table=self.block_table[:size],
+            slot_mapping=self.slot_mapping[:size],
+            query_start_loc_cpu=np.arange(size + 1),
+            seq_lens_cpu=np.ones(size, dtype=np.int64),
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+            block_size=self.block_size,
+        )
+        return self.attn_backend.build(common)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every size, largest first, sharing one memory pool.
+
+        Under inference mode: otherwise autograd would keep every captured forward's
+        activations alive for a backward pass that never comes (gigabytes per size).
+        """
+        start = time.perf_counter()
+        pool = None
+        for size in reversed(self.sizes):
+            meta = self._metadata(size)
+            with set_forward_context(meta):
+                self.model(self.input_ids[:size], self.positions[:size])  # warm-up: compile and allocate
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with set_forward_context(meta), torch.cuda.graph(graph, pool=pool):
+                out = self.model(self.input_ids[:size], self.positions[:size])
+            pool = graph.pool() if pool is None else pool
+            self.graphs[size] = (graph, out)
+        torch.cuda.synchronize()
+        logger.info(
+            "captured CUDA graphs for %d decode batch sizes (1..%d) in %.1f s; %.2f GiB reserved by torch",
+            len(self.sizes),
+            self.max_batch_size,
+            time.perf_counter() - start,
+            torch.cuda.memory_reserved() / 2**30,
+        )
+
+    def padded_size(self, num_reqs: int) -> int | None:
+        """The captured size a batch of ``num_reqs`` decodes replays, or None when it is too large."""
+        for size in self.sizes:
+            if size >= num_reqs:
+                return size
+        return None
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        common: CommonAttentionMetadata,
+    ) -> torch.Tensor:
+        """Replay the graph for this decode step and return ``[num_reqs, hidden]`` states."""
+        n = common.num_reqs
+        size = self.padded_size(n)
+        graph, out = self.graphs[size]
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        self.positions[:n].copy_(positions, non_blocking=True)
+        self.slot_mapping[:n].copy_(common.slot_mapping, non_blocking=True)
+        self.seq_lens[:n].copy_(common.seq_lens, non_blocking=True)
+        width = common.block_table.shape[1]
+        self.block_table[:n, :width].copy_(common.block_table, non_blocking=True)
+        if size > n:
+            self.input_ids[n:size].zero_()
+            self.positions[n:size].zero_()
+            self.slot_mapping[n:size].fill_(-1)
+            self.seq_lens[n:size].zero_()
+        graph.replay()
+        return out[:n]

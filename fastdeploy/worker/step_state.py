@@ -1,0 +1,73 @@
+"""What one model-runner step carries between its stages, and the device-side stop check."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from fastdeploy.model_executor.sampler import LogprobsTensors
+from fastdeploy.worker.input_batch import InputBatch
+
+
+@dataclass
+class StepState:
+    """A step between ``_preprocess_and_execute_model``, ``_postprocess`` and ``_save_model_output``.
+
+    Everything here refers to the step's own requests: the persistent batch may have
+    moved on (requests finished, slots reused) by the time the step is saved.
+    """
+
+    step_id: int
+    sample_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    """Batch slots that sample a token this step, in output row order."""
+    req_ids: list[str] = field(default_factory=list)
+    """The request of each sampled row (to detect slots reused before the save)."""
+    logits: torch.Tensor | None = None
+    """[rows, vocab] float32 logits, until sampled."""
+    prompt_logprobs: dict[str, list] | None = None
+    token_ids_host: torch.Tensor | None = None
+    """Pinned host copy of the sampled ids; valid once ``event`` has completed."""
+    logprobs: LogprobsTensors | None = None
+    stopped: torch.Tensor | None = None
+    """[rows] bool on the device: the request ends with this token."""
+    stopped_host: torch.Tensor | None = None
+    """Pinned host copy of ``stopped``; valid once ``event`` has completed."""
+    event: Any = None
+    """CUDA event recorded after the device-to-host copies (None on a CPU: already done)."""
+
+
+def device_stop_flags(
+    batch: InputBatch,
+    slots: np.ndarray,
+    sampled: torch.Tensor,
+    max_model_len: int,
+    to_device: Callable[[np.ndarray], torch.Tensor],
+) -> torch.Tensor:
+    """Per sampled row, whether its token ends the request: a stop id (EOS unless ignored,
+    ``stop_token_ids``) once ``min_tokens`` are out, ``max_tokens`` reached, or ``max_model_len``.
+
+    Token comparisons happen on the device, so the ids never travel to the host for this;
+    the lengths are known on the host (the batch holds every earlier token).
+    """
+    num_tokens_after = batch.num_tokens[slots] + 1
+    num_output_after = num_tokens_after - batch.num_prompt_tokens[slots]
+    by_length = (num_output_after >= batch.max_tokens[slots]) | (num_tokens_after >= max_model_len)
+    stopped = to_device(by_length)
+    stop_slots, stop_tokens = batch.sparse_entries()["stop_ids"]
+    if len(stop_slots) == 0:
+        return stopped
+    row_of_slot = np.full(batch.max_num_reqs, -1, dtype=np.int64)
+    row_of_slot[slots] = np.arange(len(slots))
+    rows = row_of_slot[stop_slots]
+    keep = rows >= 0
+    keep[keep] &= num_output_after[rows[keep]] >= batch.min_tokens[stop_slots[keep]]
+    if not keep.any():
+        return stopped
+    rows_dev = to_device(rows[keep])
+    hits = (sampled[rows_dev] == to_device(stop_tokens[keep])).to(torch.int32)
+    counts = torch.zeros(len(slots), dtype=torch.int32, device=sampled.device).index_add_(0, rows_dev, hits)
+    return stopped | (counts > 0)

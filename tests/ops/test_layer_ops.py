@@ -1,0 +1,140 @@
+"""The C++ CPU layer kernels against float64 references and the torch fallback, on random inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastdeploy.ops import layer_ops
+from fastdeploy.ops.cpu_ops import load_cpu_ops
+
+kernels = load_cpu_ops()
+needs_kernels = pytest.mark.skipif(kernels is None, reason="CPU kernels could not be built here")
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def _rand(*shape, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g, dtype=torch.float64) * 2).to(dtype)
+
+
+def _close(actual, expected, dtype):
+    err = ((actual.double() - expected).abs() / (expected.abs() + 1)).max().item()
+    assert err < TOL[dtype], f"relative error {err}"
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def impl(request, monkeypatch):
+    """Run each op through the C++ kernel and through the torch fallback."""
+    if request.param == "kernel":
+        if kernels is None:
+            pytest.skip("CPU kernels could not be built here")
+    else:
+        monkeypatch.setattr(layer_ops, "_cpu_kernels", lambda x: None)
+    return request.param
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [64, 576, 100])
+def test_rms_norm(impl, dtype, n):
+    x, w = _rand(7, n, dtype=dtype), _rand(n, dtype=dtype, seed=1)
+    xd = x.double()
+    ref = w.double() * xd / (xd.pow(2).mean(-1, keepdim=True) + 1e-5).sqrt()
+    _close(layer_ops.rms_norm(x, w, 1e-5), ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [576, 100])
+def test_fused_add_rms_norm(impl, dtype, n):
+    x, r, w = _rand(5, n, dtype=dtype), _rand(5, n, dtype=dtype, seed=2), _rand(n, dtype=dtype, seed=3)
+    summed = (x.double() + r.double()).to(dtype).double()
+    ref = w.double() * summed / (summed.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt()
+    out, residual = layer_ops.fused_add_rms_norm(x.clone(), r.clone(), w, 1e-6)
+    _close(residual, summed, dtype)
+    _close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_rotary_embedding_rotates_only_the_leading_heads(impl, dtype, head_dim):
+    tokens, heads, extra = 6, 4, 3  # rotate 4 heads of each row, leave 3 untouched
+    width = (heads + extra) * head_dim
+    buf = _rand(tokens, width + 8, dtype=dtype)  # strided rows: a view of a wider buffer
+    x = buf[:, :width]
+    before = x.clone()
+    positions = torch.tensor([0, 3, 7, 100, 5, 31])
+    angles = (
+        torch.rand(128, head_dim // 2, generator=torch.Generator().manual_seed(4), dtype=torch.float64) * 6
+    )
+    cos, sin = angles.cos().float(), angles.sin().float()
+    layer_ops.rotary_embedding_(positions, x, cos, sin, heads, head_dim)
+    h = before[:, : heads * head_dim].double().view(tokens, heads, head_dim)
+    x1, x2 = h.chunk(2, dim=-1)
+    c, s = cos[positions].double().unsqueeze(1), sin[positions].double().unsqueeze(1)
+    ref = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).view(tokens, -1)
+    _close(x[:, : heads * head_dim], ref, dtype)
+    assert torch.equal(x[:, heads * head_dim :], before[:, heads * head_dim :])
+    assert torch.equal(buf[:, width:], _rand(tokens, width + 8, dtype=dtype)[:, width:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1536, 40])
+def test_silu_and_mul(impl, dtype, n):
+    gate_up = _rand(9, 2 * n, dtype=dtype)
+    g, u = gate_up.double().split(n, dim=-1)
+    ref = g / (1 + (-g).exp()) * u
+    _close(layer_ops.silu_and_mul(gate_up), ref, dtype)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_fallback_closely(dtype):
+    """Same rounding points: the kernel and the fallback differ only by float32 summation order."""
+    x, w = _rand(16, 576, dtype=dtype), _rand(576, dtype=dtype, seed=5)
+    diff = (kernels_out := layer_ops.rms_norm(x, w, 1e-5)).float() - layer_ops._rms_norm_torch(
+        x, w, 1e-5
+    ).float()
+    step = 2**-7 if dtype == torch.bfloat16 else 1e-6
+    assert diff.abs().max().item() <= step * kernels_out.float().abs().max().item()
+
+
+@needs_kernels
+def test_write_cache_skips_negative_slots_and_checks_bounds():
+    cache = _rand(4, 16, 3, 64, dtype=torch.bfloat16)
+    before = cache.clone()
+    src = _rand(5, 3, 64, dtype=torch.bfloat16, seed=6)
+    slots = torch.tensor([3, -1, 17, 63, -1])
+    kernels.write_cache(src, cache, slots)
+    flat, flat_before = cache.view(-1, 3, 64), before.view(-1, 3, 64)
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            assert torch.equal(flat[slot], src[t])
+    untouched = [i for i in range(64) if i not in (3, 17, 63)]
+    assert torch.equal(flat[untouched], flat_before[untouched])
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        kernels.write_cache(src, cache, torch.tensor([0, 1, 2, 3, 64]))
+
+
+@needs_kernels
+def test_kernels_reject_bad_shapes():
+    x = _rand(4, 64, dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="weight must be"):
+        kernels.rms_norm(torch.empty_like(x), x, torch.ones(32), 1e-5)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        kernels.silu_and_mul(torch.empty(4, 32, dtype=torch.float16), torch.empty(4, 64, dtype=torch.float16))
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reshape_and_cache_flash_on_cpu_uses_the_kernel_and_matches_the_fallback(dtype, monkeypatch):
+    from fastdeploy.ops import cache_ops
+
+    qkv = _rand(6, 5 * 64, dtype=dtype)  # strided key/value views, as the model passes them
+    key, value = qkv[:, 3 * 64 : 4 * 64].view(6, 1, 64), qkv[:, 4 * 64 :].view(6, 1, 64)
+    slots = torch.tensor([5, -1, 0, 31, 16, -1])
+    caches = [_rand(2, 16, 1, 64, dtype=dtype, seed=s) for s in (7, 8)]
+    expected = [c.clone() for c in caches]
+    cache_ops.reshape_and_cache_flash_torch(key, value, *expected, slots)
+    monkeypatch.setattr(cache_ops, "reshape_and_cache_flash_torch", None)  # must not be needed
+    cache_ops.reshape_and_cache_flash(key, value, *caches, slots)
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])

@@ -1,0 +1,49 @@
+"""Decode CUDA graphs: padding sizes here, and on a GPU the same tokens as eager mode."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from fastdeploy.worker.cuda_graph import capture_sizes
+
+
+def test_capture_sizes_cover_every_batch_up_to_the_maximum():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(5) == [1, 2, 4, 5]
+    sizes = capture_sizes(256)
+    assert sizes[:6] == [1, 2, 4, 8, 16, 24] and sizes[-1] == 256
+    assert all(b - a <= 8 for a, b in zip(sizes, sizes[1:]))  # padding wastes at most 7 rows
+    assert capture_sizes(100)[-1] == 100
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_graphs_give_the_eager_tokens(async_scheduling):
+    """Default model in bfloat16 on the GPU: greedy tokens with graphs equal eager mode's."""
+    from fastdeploy import LLM, SamplingParams
+    from fastdeploy.ops._ext import has_cuda_ops
+
+    if not has_cuda_ops():
+        pytest.skip("CUDA graphs need the compiled fastdeploy_ops")
+    prompts = ["The capital of France is", "def add(a, b):", "Once upon a time", "1, 2, 3, 4,", "Hello"]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    results = {}
+    for eager in (True, False):
+        llm = LLM(
+            dtype="bfloat16",
+            device="cuda",
+            enforce_eager=eager,
+            async_scheduling=async_scheduling,
+            max_num_seqs=8,
+            gpu_memory_utilization=0.3,
+        )
+        assert (llm.engine.core.executor.worker.runner.graphs is None) == eager
+        results[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        llm.shutdown()
+        del llm  # frees the KV cache before the next engine sizes its own
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert results[False] == results[True]
