@@ -1,14 +1,18 @@
 """Element-wise ops of the decoder layer: RMSNorm, rotary embedding, SiLU-and-multiply.
 
 Each op runs the C++ CPU kernel (:mod:`fastdeploy.ops.cpu_ops`) for float32 / bfloat16
-CPU tensors when it is built, and the torch implementation here otherwise (GPUs and other
-dtypes). Both round at the same points, so they agree to float32 accumulation order.
+CPU tensors when it is built, the Triton kernel (:mod:`fastdeploy.ops.triton_layer_ops`)
+for CUDA tensors when Triton imports, and the torch implementation here otherwise. All
+round at the same points, so they agree to float32 accumulation order.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from fastdeploy import envs
 from fastdeploy.ops.cpu_ops import load_cpu_ops
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -20,6 +24,22 @@ def _cpu_kernels(x: torch.Tensor):
     return load_cpu_ops()
 
 
+@functools.cache
+def _load_triton_ops():
+    try:
+        from fastdeploy.ops import triton_layer_ops
+    except ImportError:  # no triton: the torch path
+        return None
+    return triton_layer_ops
+
+
+def _triton_kernels(x: torch.Tensor):
+    """The Triton layer ops for 2-D CUDA tensors with unit stride in the last dimension, else None."""
+    if not x.is_cuda or x.dim() != 2 or x.stride(-1) != 1 or envs.FD_DISABLE_CUSTOM_OPS:
+        return None
+    return _load_triton_ops()
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * x / sqrt(mean(x**2) + eps)`` over the last dimension of a 2-D ``x``, in float32."""
     kernels = _cpu_kernels(x)
@@ -27,6 +47,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
         kernels.rms_norm(out, x, weight, eps)
         return out
+    if (gpu := _triton_kernels(x)) is not None and weight.dtype == x.dtype:
+        return gpu.rms_norm(x, weight, eps)
     return _rms_norm_torch(x, weight, eps)
 
 
@@ -47,6 +69,9 @@ def fused_add_rms_norm(
     ):
         kernels.fused_add_rms_norm(x, residual, weight, eps)
         return x, residual
+    gpu = _triton_kernels(x)
+    if gpu is not None and residual.stride(-1) == 1 and x.dtype == residual.dtype == weight.dtype:
+        return gpu.fused_add_rms_norm(x, residual, weight, eps)
     residual = x + residual
     return _rms_norm_torch(residual, weight, eps), residual
 
@@ -72,6 +97,9 @@ def rotary_embedding_(
     if kernels is not None and x.dim() == 2 and positions.dtype == torch.int64:
         kernels.rotary_embedding(positions.contiguous(), x, cos, sin, num_heads, head_dim)
         return
+    if (gpu := _triton_kernels(x)) is not None and cos.dtype == torch.float32 and cos.is_contiguous():
+        gpu.rotary_embedding_(positions, x, cos, sin, num_heads, head_dim)
+        return
     heads = x[:, : num_heads * head_dim].view(x.shape[0], num_heads, head_dim)
     c = cos[positions].unsqueeze(1).to(x.dtype)
     s = sin[positions].unsqueeze(1).to(x.dtype)
@@ -87,5 +115,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         out = torch.empty((gate_up.shape[0], half), dtype=gate_up.dtype, device=gate_up.device)
         kernels.silu_and_mul(out, gate_up)
         return out
+    if (gpu := _triton_kernels(gate_up)) is not None:
+        return gpu.silu_and_mul(gate_up)
     gate, up = gate_up.split(half, dim=-1)
     return torch.nn.functional.silu(gate) * up
