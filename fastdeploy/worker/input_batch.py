@@ -54,6 +54,12 @@ class InputBatch:
         """Slot → multi-token bad words (banned when the preceding output tokens match)."""
         self._sparse: dict[str, tuple[np.ndarray, ...]] | None = None
         self._free_slots = list(range(max_num_reqs - 1, -1, -1))
+        self.version = 0
+        """Bumped whenever a request joins or leaves: keys caches of per-row device tensors."""
+        self.sampling_cache: tuple[tuple, object] | None = None
+        """(version, slots) → the sampler's composition-only tensors (see sampling_metadata)."""
+        self.stop_ids_cache: tuple[tuple, object] | None = None
+        """(version, slots) → the device-side stop check's rows and token ids."""
 
     @property
     def num_slots(self) -> int:
@@ -102,6 +108,7 @@ class InputBatch:
         if multi := [list(w) for w in words if len(w) > 1]:
             self.bad_word_seqs[slot] = multi
         self._sparse = None
+        self.version += 1
         return slot
 
     def remove_request(self, req_id: str) -> None:
@@ -126,6 +133,7 @@ class InputBatch:
         ):
             per_slot.pop(slot, None)
         self._sparse = None
+        self.version += 1
         self._free_slots.append(slot)
 
     def sparse_entries(self) -> dict[str, tuple[np.ndarray, ...]]:

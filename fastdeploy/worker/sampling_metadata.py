@@ -3,11 +3,16 @@
 Everything is gathered with vectorised numpy indexing over the slots being
 sampled; the only per-request Python work is for requests with multi-token
 ``bad_words`` (their prefix must be compared with the latest output tokens).
+Tensors that depend only on which requests are in the batch (temperatures, top-k/p,
+min-p, logit bias, static bans, seeded generators) are built once per batch
+composition and reused until a request joins or leaves; only history-dependent
+parts (penalties, ``min_tokens``, multi-token bad words) are rebuilt every step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -16,20 +21,38 @@ from fastdeploy.model_executor.sampler import PenaltyTensors, SamplingTensors
 from fastdeploy.worker.input_batch import InputBatch
 
 
-def build_sampling_tensors(
-    batch: InputBatch, slots: np.ndarray, vocab_size: int, to_device: Callable[[np.ndarray], torch.Tensor]
-) -> SamplingTensors:
-    """The sampler inputs for rows ``slots`` (row i samples for slot ``slots[i]``)."""
-    temperature = batch.temperature[slots]
-    top_k = batch.top_k[slots]
-    generators = {
-        row: batch.generators[slot] for row, slot in enumerate(slots.tolist()) if slot in batch.generators
-    }
-    row_of_slot = np.full(batch.max_num_reqs, -1, dtype=np.int64)
-    row_of_slot[slots] = np.arange(len(slots))
-    sparse = batch.sparse_entries()
-    num_output = batch.num_tokens - batch.num_prompt_tokens
+@dataclass
+class _CompositionTensors:
+    """The parts of the sampler inputs fixed while the batch keeps the same requests."""
 
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    top_k: torch.Tensor
+    min_p: torch.Tensor
+    generators: dict[int, torch.Generator]
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    static_bans: tuple[np.ndarray, np.ndarray]
+    all_greedy: bool
+    max_top_k: int
+    any_top_p: bool
+    any_min_p: bool
+    max_num_logprobs: int | None
+    has_penalties: bool
+
+
+def _composition_tensors(
+    batch: InputBatch,
+    slots: np.ndarray,
+    row_of_slot: np.ndarray,
+    to_device: Callable[[np.ndarray], torch.Tensor],
+) -> _CompositionTensors:
+    key = (batch.version, slots.tobytes())
+    if batch.sampling_cache is not None and batch.sampling_cache[0] == key:
+        return batch.sampling_cache[1]
+    temperature, top_k = batch.temperature[slots], batch.top_k[slots]
+    top_p, min_p = batch.top_p[slots], batch.min_p[slots]
+    seeded = [slot for slot in batch.generators if row_of_slot[slot] >= 0]
+    sparse = batch.sparse_entries()
     logit_bias = None
     b_slots, b_tokens, b_values = sparse["logit_bias"]
     if len(b_slots):
@@ -37,6 +60,42 @@ def build_sampling_tensors(
         keep = rows >= 0
         if keep.any():
             logit_bias = (to_device(rows[keep]), to_device(b_tokens[keep]), to_device(b_values[keep]))
+    s_slots, s_tokens = sparse["static_bans"]
+    s_rows = row_of_slot[s_slots] if len(s_slots) else np.zeros(0, dtype=np.int64)
+    num_logprobs = batch.num_logprobs[slots]
+    rep, pres, freq = (
+        batch.repetition_penalty[slots],
+        batch.presence_penalty[slots],
+        batch.frequency_penalty[slots],
+    )
+    tensors = _CompositionTensors(
+        temperature=to_device(temperature),
+        top_p=to_device(top_p),
+        top_k=to_device(top_k),
+        min_p=to_device(min_p),
+        generators={int(row_of_slot[slot]): batch.generators[slot] for slot in seeded},
+        logit_bias=logit_bias,
+        static_bans=(s_rows[s_rows >= 0], s_tokens[s_rows >= 0] if len(s_slots) else s_tokens),
+        all_greedy=bool(((temperature == 0) | (top_k == 1)).all()),
+        max_top_k=int(top_k.max()) if len(top_k) else 0,
+        any_top_p=bool((top_p < 1.0).any()),
+        any_min_p=bool((min_p > 0).any()),
+        max_num_logprobs=int(num_logprobs.max()) if (num_logprobs >= 0).any() else None,
+        has_penalties=bool((rep != 1).any() or (pres != 0).any() or (freq != 0).any()),
+    )
+    batch.sampling_cache = (key, tensors)
+    return tensors
+
+
+def build_sampling_tensors(
+    batch: InputBatch, slots: np.ndarray, vocab_size: int, to_device: Callable[[np.ndarray], torch.Tensor]
+) -> SamplingTensors:
+    """The sampler inputs for rows ``slots`` (row i samples for slot ``slots[i]``)."""
+    row_of_slot = np.full(batch.max_num_reqs, -1, dtype=np.int64)
+    row_of_slot[slots] = np.arange(len(slots))
+    fixed = _composition_tensors(batch, slots, row_of_slot, to_device)
+    sparse = batch.sparse_entries()
+    num_output = batch.num_tokens - batch.num_prompt_tokens
 
     ban_rows, ban_tokens = [], []
     m_slots, m_tokens = sparse["min_tokens"]
@@ -44,11 +103,9 @@ def build_sampling_tensors(
         active = (row_of_slot[m_slots] >= 0) & (num_output[m_slots] < batch.min_tokens[m_slots])
         ban_rows.append(row_of_slot[m_slots[active]])
         ban_tokens.append(m_tokens[active])
-    s_slots, s_tokens = sparse["static_bans"]
-    if len(s_slots):
-        rows = row_of_slot[s_slots]
-        ban_rows.append(rows[rows >= 0])
-        ban_tokens.append(s_tokens[rows >= 0])
+    if len(fixed.static_bans[0]):
+        ban_rows.append(fixed.static_bans[0])
+        ban_tokens.append(fixed.static_bans[1])
     for slot, words in batch.bad_word_seqs.items():
         row = row_of_slot[slot]
         if row < 0:
@@ -64,29 +121,28 @@ def build_sampling_tensors(
         banned = (to_device(np.concatenate(ban_rows)), to_device(np.concatenate(ban_tokens)))
 
     penalties = None
-    rep, pres, freq = (
-        batch.repetition_penalty[slots],
-        batch.presence_penalty[slots],
-        batch.frequency_penalty[slots],
-    )
-    if (rep != 1).any() or (pres != 0).any() or (freq != 0).any():
+    if fixed.has_penalties:
+        rep, pres, freq = (
+            batch.repetition_penalty[slots],
+            batch.presence_penalty[slots],
+            batch.frequency_penalty[slots],
+        )
         penalties = _penalty_tensors(batch, slots, vocab_size, rep, pres, freq, to_device)
 
-    num_logprobs = batch.num_logprobs[slots]
     return SamplingTensors(
-        temperature=to_device(temperature),
-        top_p=to_device(batch.top_p[slots]),
-        top_k=to_device(top_k),
-        min_p=to_device(batch.min_p[slots]),
-        generators=generators,
-        all_greedy=bool(((temperature == 0) | (top_k == 1)).all()),
-        logit_bias=logit_bias,
+        temperature=fixed.temperature,
+        top_p=fixed.top_p,
+        top_k=fixed.top_k,
+        min_p=fixed.min_p,
+        generators=fixed.generators,
+        all_greedy=fixed.all_greedy,
+        logit_bias=fixed.logit_bias,
         banned=banned,
         penalties=penalties,
-        max_num_logprobs=int(num_logprobs.max()) if (num_logprobs >= 0).any() else None,
-        max_top_k=int(top_k.max()) if len(top_k) else 0,
-        any_top_p=bool((batch.top_p[slots] < 1.0).any()),
-        any_min_p=bool((batch.min_p[slots] > 0).any()),
+        max_num_logprobs=fixed.max_num_logprobs,
+        max_top_k=fixed.max_top_k,
+        any_top_p=fixed.any_top_p,
+        any_min_p=fixed.any_min_p,
     )
 
 

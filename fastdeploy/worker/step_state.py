@@ -57,17 +57,24 @@ def device_stop_flags(
     num_output_after = num_tokens_after - batch.num_prompt_tokens[slots]
     by_length = (num_output_after >= batch.max_tokens[slots]) | (num_tokens_after >= max_model_len)
     stopped = to_device(by_length)
-    stop_slots, stop_tokens = batch.sparse_entries()["stop_ids"]
-    if len(stop_slots) == 0:
+    key = (batch.version, slots.tobytes())
+    if batch.stop_ids_cache is None or batch.stop_ids_cache[0] != key:
+        stop_slots, stop_tokens = batch.sparse_entries()["stop_ids"]
+        row_of_slot = np.full(batch.max_num_reqs, -1, dtype=np.int64)
+        row_of_slot[slots] = np.arange(len(slots))
+        rows = row_of_slot[stop_slots] if len(stop_slots) else np.zeros(0, dtype=np.int64)
+        keep = rows >= 0
+        rows, tokens, owners = rows[keep], stop_tokens[keep], stop_slots[keep]
+        cached = (rows, owners, to_device(rows), to_device(tokens)) if len(rows) else None
+        batch.stop_ids_cache = (key, cached)  # built once per batch composition
+    cached = batch.stop_ids_cache[1]
+    if cached is None:
         return stopped
-    row_of_slot = np.full(batch.max_num_reqs, -1, dtype=np.int64)
-    row_of_slot[slots] = np.arange(len(slots))
-    rows = row_of_slot[stop_slots]
-    keep = rows >= 0
-    keep[keep] &= num_output_after[rows[keep]] >= batch.min_tokens[stop_slots[keep]]
-    if not keep.any():
-        return stopped
-    rows_dev = to_device(rows[keep])
-    hits = (sampled[rows_dev] == to_device(stop_tokens[keep])).to(torch.int32)
+    rows, owners, rows_dev, tokens_dev = cached
+    hits = (sampled[rows_dev] == tokens_dev).to(torch.int32)
+    gated = batch.min_tokens[owners] > 0
+    if gated.any():  # stop ids count only once min_tokens are out
+        eligible = num_output_after[rows] >= batch.min_tokens[owners]
+        hits = hits * to_device(eligible.astype(np.int32))
     counts = torch.zeros(len(slots), dtype=torch.int32, device=sampled.device).index_add_(0, rows_dev, hits)
     return stopped | (counts > 0)

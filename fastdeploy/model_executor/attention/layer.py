@@ -28,6 +28,8 @@ class Attention(nn.Module):
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self.backend = None
         self.kv_cache_dtype = "auto"
+        self.kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None
+        """fp8_e4m3 caches: per-slot, per-head float32 scales of the keys and the values."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, num_heads * head_dim], k/v: [T, num_kv_heads * head_dim] → [T, num_heads * head_dim]."""
@@ -40,7 +42,10 @@ class Attention(nn.Module):
             out = _causal_attention(q, k, v, self.scale)
         else:
             key_cache, value_cache = self.kv_cache
-            reshape_and_cache_flash(k, v, key_cache, value_cache, metadata.slot_mapping, self.kv_cache_dtype)
+            k_scale, v_scale = self.kv_scales if self.kv_scales is not None else (None, None)
+            reshape_and_cache_flash(
+                k, v, key_cache, value_cache, metadata.slot_mapping, self.kv_cache_dtype, k_scale, v_scale
+            )
             out = self.backend.forward(self, q, k, v, metadata)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
 
