@@ -69,6 +69,10 @@ class ModelConfig:
     """Folder from which file:// multimodal feature URLs may be read (paths are
     resolved, symlinks included, and must lie under it). Empty: file:// URLs are
     refused."""
+    mm_bidirectional_attention: bool = False
+    """Let the tokens of one image or video attend to each other bidirectionally
+    (text stays causal), for vision-language models trained that way. Off for
+    Qwen2-VL / Qwen2.5-VL, which are causal throughout."""
 
 
 @dataclass
@@ -86,8 +90,9 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     """Reuse the KV cache of shared prompt prefixes across requests."""
     kv_cache_dtype: str = "auto"
-    """KV cache dtype: auto (the model dtype). fp8_e4m3 is not implemented yet and
-    is refused."""
+    """KV cache dtype: auto (the model dtype) or fp8_e4m3 (alias fp8: one byte per
+    value with a dynamic per-token, per-head scale; GPU with the triton attention
+    backend, compute capability 8.9 or newer)."""
     encoder_cache_memory: float = 0.5
     """Encoder cache size in GiB: multimodal features kept by content hash so that
     an image or video seen again is neither fetched nor encoded again (LRU; 0

@@ -15,6 +15,7 @@ import zmq.asyncio
 from fastdeploy import envs
 from fastdeploy.config import EngineConfig
 from fastdeploy.engine.core_proc import engine_core_main
+from fastdeploy.engine.feature_mirror import FeatureMirror
 from fastdeploy.engine.input_processor import InputProcessor, eos_ids_of
 from fastdeploy.engine.ipc import decode, encode, new_ipc_address, stop_process
 from fastdeploy.engine.output_processor import OutputProcessor, RequestState
@@ -24,6 +25,7 @@ from fastdeploy.engine.request import EngineCoreOutput, EngineCoreOutputs
 from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.metrics import EngineMetrics
 from fastdeploy.model_executor.model_loader import load_tokenizer, resolve_model
+from fastdeploy.multimodal.items import MMItem
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +66,9 @@ class AsyncLLM(EngineClient):
         self.tokenizer = load_tokenizer(config.model, self.source)
         self.eos_token_ids = eos_ids_of(self.source.arch.eos_token_ids, self.tokenizer)
         self.vocab_size = self.source.arch.vocab_size
+        self.arch = self.source.arch
+        self._feature_mirror = FeatureMirror(config.cache.encoder_cache_memory)
+        """What the engine core holds of the features sent to it (a repeated item goes without them)."""
         self.model_name = config.model.served_model_name or _default_model_name(config, self.source)
         self.metrics = EngineMetrics(self.model_name)
         self.output_processor = OutputProcessor(self.tokenizer, self.metrics)
@@ -204,6 +209,7 @@ class AsyncLLM(EngineClient):
         sampling_params: SamplingParams,
         request_id: str,
         prompt: str | None = None,
+        mm_items: list[MMItem] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         if self._dead_reason is not None:
             raise EngineDeadError(self._dead_reason)
@@ -212,7 +218,7 @@ class AsyncLLM(EngineClient):
             raise ValueError(f"request id {request_id!r} is already in use")
         arrival = time.time()
         core_requests = self.input_processor.make_core_requests(
-            request_id, prompt_token_ids, sampling_params, arrival
+            request_id, prompt_token_ids, sampling_params, arrival, mm_items=mm_items
         )
         state = RequestState(request_id, prompt, prompt_token_ids, sampling_params, self.tokenizer, arrival)
         queue: asyncio.Queue = asyncio.Queue()
@@ -220,8 +226,10 @@ class AsyncLLM(EngineClient):
         self.output_processor.add_request(state)
         finished = False
         try:
-            for core_request in core_requests:
-                self._send({"type": "add", "request": core_request.to_wire()})
+            for core_request in core_requests:  # no await in between: the mirror sees the send order
+                wire = core_request.to_wire()
+                wire["mm_items"] = self._feature_mirror.strip(wire["mm_items"])
+                self._send({"type": "add", "request": wire})
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from fastdeploy.config import EngineConfig
+from fastdeploy.engine.feature_mirror import FeatureMirror
 from fastdeploy.engine.request import EngineCoreOutputs, EngineCoreRequest, Request
 from fastdeploy.model_executor.model_loader import ModelSource
 from fastdeploy.scheduler.output import SchedulerOutput
@@ -60,6 +61,8 @@ class EngineCore:
         self.num_blocks = num_blocks
         self.executor.initialize_cache(num_blocks)
         self.scheduler = Scheduler(config, num_blocks, self.max_model_len)
+        self.feature_mirror = FeatureMirror(config.cache.encoder_cache_memory)
+        """Features received from the front end, by content hash: a repeated item is sent once."""
         self.async_scheduling = resolve_async_scheduling(config)
         self.scheduler.async_scheduling = self.async_scheduling
         self._in_flight: SchedulerOutput | None = None
@@ -69,10 +72,12 @@ class EngineCore:
         )
 
     def add_request(self, core_request: EngineCoreRequest) -> None:
+        # first, so that the front end's mirror and ours see the same items even if this request is refused
+        mm_items = self.feature_mirror.resolve(core_request.mm_items)
         num_prompt = len(core_request.prompt_token_ids)
         if not 0 < num_prompt < self.max_model_len:
             raise ValueError(f"prompt has {num_prompt} tokens; it must have 1 to {self.max_model_len - 1}")
-        self.scheduler.add_request(Request(core_request, self.config.cache.block_size))
+        self.scheduler.add_request(Request(core_request, self.config.cache.block_size, mm_items))
 
     def abort_requests(self, request_ids: list[str]) -> EngineCoreOutputs:
         return EngineCoreOutputs(outputs=self.scheduler.abort_requests(request_ids))

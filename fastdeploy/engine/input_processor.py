@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from fastdeploy.engine.output_processor import child_request_id
 from fastdeploy.engine.request import EngineCoreRequest
 from fastdeploy.engine.sampling_params import SamplingParams, SamplingParamsError
+from fastdeploy.multimodal.items import MMItem
 
 
 class PromptTooLongError(ValueError):
@@ -61,9 +63,15 @@ class InputProcessor:
         prompt_token_ids: list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        mm_items: Sequence[MMItem] | None = None,
     ) -> list[EngineCoreRequest]:
-        """One engine-core request per choice; seeded choices get distinct seeds."""
+        """One engine-core request per choice; seeded choices get distinct seeds.
+
+        ``mm_items`` (placed by :func:`fastdeploy.multimodal.items.expand_placeholders`)
+        travel with every choice, features included.
+        """
         self.validate(prompt_token_ids)
+        mm_wire = validate_mm_items(mm_items, len(prompt_token_ids)) if mm_items else None
         params = self.prepare_params(params)
         arrival_time = time.time() if arrival_time is None else arrival_time
         requests = []
@@ -76,9 +84,25 @@ class InputProcessor:
                     sampling_params=child_params,
                     eos_token_ids=list(self.eos_token_ids),
                     arrival_time=arrival_time,
+                    mm_items=mm_wire,
                 )
             )
         return requests
+
+
+def validate_mm_items(items: Sequence[MMItem], num_prompt_tokens: int) -> list[dict[str, Any]]:
+    """Wire form of a prompt's multimodal items; ValueError unless they lie in order inside the prompt."""
+    end = 0
+    for item in sorted(items, key=lambda it: it.offset):
+        if item.offset < end or item.length <= 0 or item.end > num_prompt_tokens:
+            raise ValueError(
+                f"multimodal item at tokens {item.offset}..{item.end} overlaps another or lies outside "
+                f"the prompt of {num_prompt_tokens} tokens"
+            )
+        if item.features is None or tuple(item.features.shape[:1]) != (item.length,):
+            raise ValueError(f"multimodal item at token {item.offset} needs features with {item.length} rows")
+        end = item.end
+    return [item.to_wire() for item in items]
 
 
 def eos_ids_of(arch_eos: list[int], tokenizer: Any) -> list[int]:

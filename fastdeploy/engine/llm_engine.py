@@ -14,6 +14,9 @@ from fastdeploy.engine.outputs import RequestOutput
 from fastdeploy.engine.request import SchedulerStats
 from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.model_executor.model_loader import load_tokenizer, resolve_model
+from fastdeploy.multimodal.items import MMItem
+from fastdeploy.multimodal.prompt import MultimodalPromptBuilder
+from fastdeploy.scheduler.encoder_cache_manager import EncoderCacheManager
 
 
 class LLMEngine:
@@ -30,18 +33,32 @@ class LLMEngine:
             self.tokenizer, self.max_model_len, self.eos_token_ids, self.source.arch.vocab_size
         )
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.mm_builder = MultimodalPromptBuilder(
+            self.source.arch,
+            allowed_local_media_path=config.model.allowed_local_media_path,
+            cache=EncoderCacheManager.from_gib(config.cache.encoder_cache_memory),
+        )
+        """Fetches and places the image / video features of prompts (``LLM.generate`` / ``LLM.chat``)."""
         self.stats = SchedulerStats()
         """Scheduler gauges of the last step and counters (prefix cache, preemptions) since start."""
 
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, prompt_text: str | None = None
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        prompt_text: str | None = None,
+        mm_items: list[MMItem] | None = None,
     ) -> None:
+        """Queue a prompt; ``mm_items`` are its placed multimodal items (see ``MultimodalPromptBuilder``)."""
         if isinstance(prompt, str):
             prompt_text, prompt_ids = prompt, self.input_processor.tokenize(prompt)
         else:
             prompt_ids = list(prompt)
         arrival = time.time()
-        core_requests = self.input_processor.make_core_requests(request_id, prompt_ids, params, arrival)
+        core_requests = self.input_processor.make_core_requests(
+            request_id, prompt_ids, params, arrival, mm_items=mm_items
+        )
         state = RequestState(request_id, prompt_text, prompt_ids, params, self.tokenizer, arrival)
         self.output_processor.add_request(state)
         for core_request in core_requests:

@@ -27,6 +27,8 @@ class EngineClient(ABC):
     """A Hugging Face tokenizer: ``encode``, ``decode``, ``apply_chat_template``."""
     max_model_len: int
     eos_token_ids: list[int]
+    arch: Any = None
+    """The model's ``ModelArchConfig`` (hidden size, multimodal token ids), or None if unknown."""
 
     @abstractmethod
     def generate(
@@ -35,8 +37,11 @@ class EngineClient(ABC):
         sampling_params: SamplingParams,
         request_id: str,
         prompt: str | None = None,
+        mm_items: list[Any] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the request's progress.
+
+        ``mm_items`` are the prompt's placed multimodal items (``MMItem``, features included).
 
         Each yielded ``RequestOutput`` carries the *delta* since the previous one
         (new text and token ids per choice); the last one has ``finished=True``

@@ -14,6 +14,7 @@ from typing import Any
 
 from fastdeploy.engine.prompt_logprobs import PromptLogprobsBuffer
 from fastdeploy.engine.sampling_params import SamplingParams
+from fastdeploy.multimodal.items import MMItem
 
 
 class FinishReason(str, enum.Enum):
@@ -40,6 +41,9 @@ class EngineCoreRequest:
     sampling_params: SamplingParams
     eos_token_ids: list[int] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.time)
+    mm_items: list[dict[str, Any]] | None = None
+    """Multimodal items in wire form (:meth:`fastdeploy.multimodal.items.MMItem.to_wire`); over IPC an
+    item the engine core already holds comes without features (see ``engine/feature_mirror.py``)."""
 
     def to_wire(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -84,6 +88,10 @@ class SchedulerStats:
     prefix_cache_hits: int = 0
     """Of those, tokens found in the cache."""
     num_preemptions: int = 0
+    encoder_cache_hits: int = 0
+    """Multimodal items whose features the worker already held (not sent again)."""
+    encoder_cache_misses: int = 0
+    """Multimodal items whose features were sent to the worker."""
 
     def accumulate(self, newer: SchedulerStats) -> None:
         """Take ``newer``'s gauges and add its per-interval counters to ours."""
@@ -92,6 +100,8 @@ class SchedulerStats:
         self.prefix_cache_queries += newer.prefix_cache_queries
         self.prefix_cache_hits += newer.prefix_cache_hits
         self.num_preemptions += newer.num_preemptions
+        self.encoder_cache_hits += newer.encoder_cache_hits
+        self.encoder_cache_misses += newer.encoder_cache_misses
 
 
 @dataclass
@@ -117,7 +127,11 @@ class EngineCoreOutputs:
 class Request:
     """One sequence inside the engine core: its tokens, progress and status."""
 
-    def __init__(self, core_request: EngineCoreRequest, block_size: int):
+    def __init__(
+        self, core_request: EngineCoreRequest, block_size: int, mm_items: list[MMItem] | None = None
+    ):
+        """``mm_items``: the request's multimodal items with features, when already decoded
+        (by the engine core's :class:`~fastdeploy.engine.feature_mirror.FeatureMirror`)."""
         self.request_id = core_request.request_id
         self.sampling_params = core_request.sampling_params
         self.eos_token_ids = set(core_request.eos_token_ids)
@@ -138,7 +152,11 @@ class Request:
         self.block_size = block_size
         self.block_hashes: list[bytes] = []
         """Chained hashes of this request's full blocks (grown as tokens arrive)."""
-        self.mm_extra_keys: list[tuple[int, int, str]] = []
+        if mm_items is None:
+            mm_items = [MMItem.from_wire(wire) for wire in core_request.mm_items or []]
+        self.mm_items = mm_items
+        """Multimodal items of the prompt, with their features (held until the request finishes)."""
+        self.mm_extra_keys: list[tuple[int, int, str]] = [(i.offset, i.end, i.mm_hash) for i in self.mm_items]
         """(start, end, mm_hash) of multimodal items, for block hashing."""
         self.prompt_logprobs: PromptLogprobsBuffer | None = (
             None

@@ -10,6 +10,8 @@ from fastdeploy.config import EngineConfig
 from fastdeploy.engine.llm_engine import LLMEngine
 from fastdeploy.engine.outputs import RequestOutput
 from fastdeploy.engine.sampling_params import SamplingParams
+from fastdeploy.multimodal.items import MMItem
+from fastdeploy.multimodal.prompt import items_from_mm_data
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -41,6 +43,13 @@ class LLM:
         A prompt is text, a list of token ids, or ``{"prompt_token_ids": [...]}``
         / ``{"prompt": "..."}``. Without a tokenizer (``skip_tokenizer_init``) prompts
         must be token ids and the outputs' text is empty.
+
+        Vision-language models (Qwen2-VL) take precomputed features as in vLLM:
+        ``{"prompt_token_ids": [...], "multi_modal_data": {"image": [{"image_embeds":
+        tensor, "image_grid_thw": [t, h, w]}, ...], "video": [...]}}``, each item
+        marked in the prompt by one ``image_token_id`` (``video_token_id``) that is
+        expanded to one token per feature row (see docs/multimodal.md). Raises
+        ``MultimodalInputError`` for an unusable item.
         """
         prompt_list = self._as_prompt_list(prompts)
         if sampling_params is None:
@@ -52,14 +61,26 @@ class LLM:
         )
         if len(params_list) != len(prompt_list):
             raise ValueError(f"got {len(params_list)} sampling params for {len(prompt_list)} prompts")
+        placed = [self._place_mm(prompt) for prompt in prompt_list]  # every item checked before any runs
         request_ids = []
-        for prompt, params in zip(prompt_list, params_list):
+        for (prompt, mm_items), params in zip(placed, params_list):
             request_id = str(next(self._counter))
-            if isinstance(prompt, dict):
-                prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt["prompt"]
-            self.engine.add_request(request_id, prompt, params)
+            self.engine.add_request(request_id, prompt, params, mm_items=mm_items or None)
             request_ids.append(request_id)
         return self._run(request_ids, use_tqdm)
+
+    def _place_mm(self, prompt: PromptType) -> tuple[str | list[int], list[MMItem]]:
+        """The prompt (text or ids) and its placed multimodal items (fetched, placeholders expanded)."""
+        if not isinstance(prompt, dict):
+            return prompt, []
+        text_or_ids = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt["prompt"]
+        items = items_from_mm_data(prompt.get("multi_modal_data") or {})
+        if not items:
+            return text_or_ids, []
+        ids = (
+            self.engine.input_processor.tokenize(text_or_ids) if isinstance(text_or_ids, str) else text_or_ids
+        )
+        return self.engine.mm_builder.place(ids, items)
 
     def chat(
         self,
@@ -69,7 +90,12 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation (or a list of them) and generate."""
+        """Apply the model's chat template to one conversation (or a list of them) and generate.
+
+        Message contents may hold the feature parts of the chat API
+        (``image_feature_url``, ``video_feature_url``, ``image_embeds``) for
+        vision-language models.
+        """
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
@@ -79,13 +105,16 @@ class LLM:
             )
         prompts = []
         for conversation in conversations:
+            conversation, items = self.engine.mm_builder.split_chat(conversation, tokenizer)
             text = tokenizer.apply_chat_template(
                 conversation,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 **(chat_template_kwargs or {}),
             )
-            prompts.append({"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+            mm_data = {m: [item for item in items if item.modality == m] for m in ("image", "video")}
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            prompts.append({"prompt_token_ids": ids, "multi_modal_data": mm_data})
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -139,6 +139,7 @@ class EngineMetrics:
         _prefix_queries.labels(**self.labels).inc(stats.prefix_cache_queries)
         _prefix_hits.labels(**self.labels).inc(stats.prefix_cache_hits)
         _preemptions.labels(**self.labels).inc(stats.num_preemptions)
+        self.on_encoder_cache(stats.encoder_cache_hits, stats.encoder_cache_misses)
 
     def on_first_token(self, ttft: float, num_prompt_tokens: int) -> None:
         _ttft.labels(**self.labels).observe(ttft)

@@ -13,6 +13,7 @@ import hashlib
 import logging
 import os
 import platform
+import time
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,20 @@ def _cpu_key() -> str:
     return hashlib.sha256(f"{platform.machine()}:{model}".encode()).hexdigest()[:10]
 
 
+STALE_LOCK_S = 600
+"""A build lock older than this was left by a build that died (torch would wait on it forever)."""
+
+
+def _remove_stale_lock(build_dir: str) -> None:
+    lock = os.path.join(build_dir, "lock")
+    try:
+        if time.time() - os.path.getmtime(lock) > STALE_LOCK_S:
+            os.remove(lock)
+            logger.warning("removed a stale CPU-kernel build lock left by a killed build: %s", lock)
+    except OSError:  # no lock, or another process removed it first
+        pass
+
+
 @functools.cache
 def load_cpu_ops() -> Any | None:
     """The compiled CPU extension module, or None when it cannot be had."""
@@ -59,6 +74,7 @@ def load_cpu_ops() -> Any | None:
         name = f"fastdeploy_cpu_ops_{_cpu_key()}_{digest}"
         build_dir = os.path.join(envs.FD_CACHE_DIR, "torch_extensions", name)
         os.makedirs(build_dir, exist_ok=True)
+        _remove_stale_lock(build_dir)
         return load(
             name=name,
             sources=[str(s) for s in sources],

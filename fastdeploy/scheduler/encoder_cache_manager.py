@@ -42,7 +42,7 @@ class EncoderCacheManager:
     :meth:`take_stats` returns them per interval, for metrics.
     """
 
-    def __init__(self, budget_bytes: int):
+    def __init__(self, budget_bytes: int, track_evictions: bool = False):
         if budget_bytes < 0:
             raise ValueError(f"encoder cache budget must be >= 0 bytes, got {budget_bytes}")
         self.budget_bytes = int(budget_bytes)
@@ -54,6 +54,8 @@ class EncoderCacheManager:
         self.hits = 0
         self.misses = 0
         self._reported = (0, 0)
+        self._evicted: list[str] | None = [] if track_evictions else None
+        """Hashes evicted since :meth:`take_evicted` (only with ``track_evictions``)."""
 
     @classmethod
     def from_gib(cls, gib: float) -> EncoderCacheManager:
@@ -130,6 +132,8 @@ class EncoderCacheManager:
     def _evict(self, mm_hash: str) -> None:
         entry = self._entries.pop(mm_hash)
         self._bytes_used -= entry.nbytes
+        if self._evicted is not None:
+            self._evicted.append(mm_hash)
         for source in entry.sources:
             if self._sources.get(source) == mm_hash:
                 del self._sources[source]
@@ -157,6 +161,15 @@ class EncoderCacheManager:
                 entry = self._entries.get(mm_hash)
                 if entry is not None:
                     entry.pinned_by.discard(request_id)
+
+    def take_evicted(self) -> list[str]:
+        """Hashes evicted since the previous call (needs ``track_evictions``): whoever mirrors
+        this cache (the worker's feature store) drops them too."""
+        with self._lock:
+            if self._evicted is None:
+                raise RuntimeError("this cache was created without track_evictions")
+            evicted, self._evicted = self._evicted, []
+            return evicted
 
     def take_stats(self) -> tuple[int, int]:
         """``(hits, misses)`` since the previous call (per-interval counters for metrics)."""

@@ -19,6 +19,9 @@ class NewRequestData:
     """The worker-side sampling fields (see ``WORKER_SAMPLING_FIELDS``) plus ``min_tokens_stop_ids``."""
     block_ids: list[int]
     num_computed_tokens: int
+    mm_items: list[dict[str, Any]] | None = None
+    """Multimodal items in wire form; ``features`` only where the worker lacks them, ``cached``
+    whether the worker keeps them after the request (see ``scheduler/encoder_sync.py``)."""
 
 
 @dataclass
@@ -41,6 +44,9 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: list[str]
     """Requests finished, aborted or preempted since the last step: drop their state."""
+    evicted_mm_hashes: list[str] = field(default_factory=list)
+    """Multimodal features evicted from the encoder cache: the worker drops them (before adding
+    this step's new requests)."""
 
     def to_wire(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -54,6 +60,7 @@ class SchedulerOutput:
             num_scheduled_tokens=d["num_scheduled_tokens"],
             total_num_scheduled_tokens=d["total_num_scheduled_tokens"],
             finished_req_ids=d["finished_req_ids"],
+            evicted_mm_hashes=d.get("evicted_mm_hashes", []),
         )
 
 

@@ -13,6 +13,7 @@ from fastdeploy.engine.request import (
     RequestStatus,
     SchedulerStats,
 )
+from fastdeploy.scheduler.encoder_sync import WorkerEncoderCache
 from fastdeploy.scheduler.kv_cache_manager import KVCacheManager
 from fastdeploy.scheduler.output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 
@@ -68,6 +69,8 @@ class Scheduler:
         so each running request carries placeholders for its in-flight tokens."""
         self.block_size = config.cache.block_size
         self.kv = KVCacheManager(num_blocks, self.block_size, config.cache.enable_prefix_caching)
+        self.encoder_cache = WorkerEncoderCache(config.cache.encoder_cache_memory)
+        """Which multimodal features the worker holds (sent once per content hash)."""
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -107,6 +110,7 @@ class Scheduler:
         request.finish_reason = reason
         request.stop_reason = stop_reason
         self.kv.free(request)
+        self.encoder_cache.release(request.request_id)
         del self.requests[request.request_id]
 
     # ---- scheduling ----------------------------------------------------------------
@@ -127,6 +131,7 @@ class Scheduler:
             num_new = min(
                 request.num_tokens + request.num_output_placeholders - request.num_computed_tokens, budget
             )
+            num_new = self._keep_items_whole(request, request.num_computed_tokens, num_new)
             if num_new <= 0:
                 index += 1
                 continue
@@ -150,7 +155,7 @@ class Scheduler:
             num_new = request.num_tokens - num_computed
             if num_new > budget and not self.chunked_prefill:
                 break
-            num_new = min(num_new, budget)
+            num_new = self._keep_items_whole(request, num_computed, min(num_new, budget))
             if self.kv.allocate_slots(request, num_new, computed_blocks) is None:
                 break
             self.waiting.popleft()
@@ -175,6 +180,22 @@ class Scheduler:
             ):
                 request.num_output_placeholders += 1  # this step samples a token the host sees later
         return output
+
+    def _keep_items_whole(self, request: Request, start: int, num_new: int) -> int:
+        """With bidirectional item attention, end a prefill chunk before an item it would cut.
+
+        A chunk computing ``start .. start + num_new`` that would end inside an item
+        ends at the item's first token instead, so that every token of the item
+        sees all the others. An item that starts the chunk and is longer than the
+        budget is still split (its first part then does not see the rest).
+        """
+        if not self.config.model.mm_bidirectional_attention or not request.mm_extra_keys:
+            return num_new
+        end = start + num_new
+        for item_start, item_end, _ in request.mm_extra_keys:
+            if start < item_start < end < item_end:
+                return item_start - start
+        return num_new
 
     def _in_flight_tokens_finish(self, request: Request) -> bool:
         """Whether the tokens already in flight take the request to max_tokens or max_model_len."""
@@ -211,6 +232,7 @@ class Scheduler:
                     sampling=worker_sampling(request),
                     block_ids=self.kv.block_ids(request.request_id),
                     num_computed_tokens=request.num_computed_tokens,
+                    mm_items=self.encoder_cache.items_for_worker(request),
                 )
             )
         cached = CachedRequestData()
@@ -227,6 +249,7 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=dropped,
+            evicted_mm_hashes=self.encoder_cache.take_evicted(),
         )
 
     # ---- results -------------------------------------------------------------------
@@ -297,6 +320,7 @@ class Scheduler:
             prefix_cache_hits=self.kv.prefix_cache_hits,
             num_preemptions=self._num_preemptions,
         )
+        stats.encoder_cache_hits, stats.encoder_cache_misses = self.encoder_cache.take_stats()
         self.kv.prefix_cache_queries = self.kv.prefix_cache_hits = 0
         self._num_preemptions = 0
         return stats

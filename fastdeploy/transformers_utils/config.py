@@ -12,7 +12,67 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+QWEN2_VL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    *QWEN2_VL_ARCHITECTURES,
+)
+
+
+@dataclass
+class MultimodalArchConfig:
+    """What a Qwen2-VL style language model needs to place precomputed vision features.
+
+    Features replace the embeddings of placeholder tokens (``image_token_id`` /
+    ``video_token_id``); rotary positions are 3 rows (t, h, w) per token (M-RoPE),
+    whose frequency bands are split by ``mrope_section``.
+    """
+
+    image_token_id: int
+    video_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+    spatial_merge_size: int
+    """The vision tower merges ``spatial_merge_size x spatial_merge_size`` patches into one feature row."""
+    mrope_section: list[int]
+    """Rotary frequencies driven by the t, h and w position rows (sums to head_dim / 2)."""
+    tokens_per_second: float | None = None
+    """Qwen2.5-VL: temporal position step of a video per second of it (None: step 1, Qwen2-VL)."""
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any], rope: dict[str, Any], arch: str) -> MultimodalArchConfig:
+        """Read the token ids, merge size and M-RoPE sections of a (flattened) Qwen2-VL config."""
+        vision = cfg.get("vision_config") or {}
+        return cls(
+            image_token_id=cfg.get("image_token_id", 151655),
+            video_token_id=cfg.get("video_token_id", 151656),
+            vision_start_token_id=cfg.get("vision_start_token_id", 151652),
+            vision_end_token_id=cfg.get("vision_end_token_id", 151653),
+            spatial_merge_size=vision.get("spatial_merge_size", 2),
+            mrope_section=list(rope.get("mrope_section") or [16, 24, 24]),
+            tokens_per_second=(
+                vision.get("tokens_per_second", 2) if arch == "Qwen2_5_VLForConditionalGeneration" else None
+            ),
+        )
+
+
+def flatten_text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A vision-language config with its language model's keys at the top level.
+
+    Newer ``transformers`` nest them under ``text_config``; older checkpoints
+    keep them at the top. Keys of ``text_config`` win; the rest of the top
+    level (architectures, token ids, ``vision_config``) is kept.
+    """
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        return cfg
+    flat = {**cfg, **{k: v for k, v in text.items() if v is not None or k not in cfg}}
+    flat.pop("text_config")
+    flat["architectures"] = cfg.get("architectures") or text.get("architectures")
+    return flat
 
 
 @dataclass
@@ -37,12 +97,15 @@ class ModelArchConfig:
     torch_dtype: str | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    mm: MultimodalArchConfig | None = None
+    """Set for vision-language models (Qwen2-VL, Qwen2.5-VL): placeholder tokens and M-RoPE."""
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
     """The config.json dict it came from (for reference models in tests)."""
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelArchConfig:
         """Parse a Hugging Face ``config.json`` dict; raises for unknown architectures."""
+        cfg = flatten_text_config(cfg)
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
@@ -56,6 +119,12 @@ class ModelArchConfig:
             rope if rope.get("rope_type", "default") != "default" else None
         )
         eos = cfg.get("eos_token_id")
+        mm = None
+        if arch in QWEN2_VL_ARCHITECTURES:
+            scaling = rope_scaling or {}
+            mm = MultimodalArchConfig.from_dict(cfg, {**rope, **scaling}, arch)
+            if scaling.get("rope_type", scaling.get("type", "default")) in ("mrope", "default"):
+                rope_scaling = None  # M-RoPE is the model's own rotary, not a scaling
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -70,11 +139,12 @@ class ModelArchConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             rope_scaling=rope_scaling,
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=cfg.get("attention_bias", arch == "Qwen2ForCausalLM"),
+            attention_bias=cfg.get("attention_bias", arch == "Qwen2ForCausalLM" or mm is not None),
             qk_norm=arch == "Qwen3ForCausalLM",
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+            mm=mm,
             raw=cfg,
         )
 

@@ -16,11 +16,13 @@ from fastdeploy.model_executor.layers.linear import prepack_linear_weights
 from fastdeploy.model_executor.model_loader import ModelSource, load_model, resolve_dtype
 from fastdeploy.model_executor.sampler import LogprobsTensors, Sampler
 from fastdeploy.ops._ext import has_cuda_ops
+from fastdeploy.ops.cache_ops import check_fp8_supported, normalize_kv_cache_dtype
 from fastdeploy.ops.stop_ops import alloc_stop_flag, get_stop, set_stop
 from fastdeploy.platforms import get_attention_backend
 from fastdeploy.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from fastdeploy.worker.cuda_graph import DecodeGraphs
 from fastdeploy.worker.input_batch import InputBatch
+from fastdeploy.worker.mm_state import MultimodalBatchState
 from fastdeploy.worker.prompt_logprobs import compute_prompt_logprobs
 from fastdeploy.worker.sampling_metadata import build_sampling_tensors
 from fastdeploy.worker.step_state import StepState, device_stop_flags
@@ -32,10 +34,7 @@ class ModelRunner:
     """Owns the model, the KV cache and the persistent batch of one worker."""
 
     def __init__(self, config: EngineConfig, source: ModelSource, device: torch.device, max_model_len: int):
-        if config.cache.kv_cache_dtype != "auto":
-            raise ValueError(
-                f"kv_cache_dtype {config.cache.kv_cache_dtype!r} is not implemented yet; use auto"
-            )
+        self.kv_cache_dtype = normalize_kv_cache_dtype(config.cache.kv_cache_dtype)
         self.config = config
         self.source = source
         self.device = device
@@ -44,7 +43,19 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.model.dtype, source.arch, device)
         self.batch = InputBatch(config.scheduler.max_num_seqs, max_model_len, self.block_size, device)
         self.attn_backend = get_attention_backend(config, device, self.dtype, source.arch.head_dim)
+        if self.kv_cache_dtype == "fp8_e4m3":
+            if self.attn_backend.name != "triton":
+                raise ValueError(
+                    f"kv_cache_dtype fp8_e4m3 needs the triton attention backend (a GPU); "
+                    f"the {self.attn_backend.name} backend reads {self.dtype} caches only"
+                )
+            check_fp8_supported(device)
         self.sampler = Sampler()
+        self.mm: MultimodalBatchState | None = None
+        """Features, M-RoPE positions and mask offsets of multimodal requests (vision-language models)."""
+        if source.arch.mm is not None:
+            bidirectional = config.model.mm_bidirectional_attention
+            self.mm = MultimodalBatchState(source.arch.mm, device, self.dtype, bidirectional)
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         pinned = device.type == "cuda"
@@ -72,24 +83,34 @@ class ModelRunner:
             prepack_linear_weights(self.model)
 
     def kv_cache_bytes_per_block(self) -> int:
+        """Key + value bytes of one block over all layers (fp8: one byte per value plus a float32
+        scale per token and head)."""
         arch = self.source.arch
-        per_token = (
-            2 * arch.num_hidden_layers * arch.num_key_value_heads * arch.head_dim * self.dtype.itemsize
-        )
-        return per_token * self.block_size
+        if self.kv_cache_dtype == "fp8_e4m3":
+            per_head = arch.head_dim + 4
+        else:
+            per_head = arch.head_dim * self.dtype.itemsize
+        return 2 * arch.num_hidden_layers * arch.num_key_value_heads * per_head * self.block_size
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate ``[num_blocks, block_size, kv_heads, head_dim]`` key and value caches per layer."""
         arch = self.source.arch
         shape = (num_blocks, self.block_size, arch.num_key_value_heads, arch.head_dim)
         self.kv_caches = []
+        fp8 = self.kv_cache_dtype == "fp8_e4m3"
+        cache_dtype = torch.float8_e4m3fn if fp8 else self.dtype
         for layer in self.model.attention_layers():
             kv = (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=cache_dtype, device=self.device),
+                torch.zeros(shape, dtype=cache_dtype, device=self.device),
             )
             layer.kv_cache = kv
             layer.backend = self.attn_backend
+            layer.kv_cache_dtype = self.kv_cache_dtype
+            if fp8:  # one float32 scale per token and KV head
+                layer.kv_scales = tuple(
+                    torch.ones(shape[:3], dtype=torch.float32, device=self.device) for _ in range(2)
+                )
             self.kv_caches.append(kv)
 
         self.graphs = self._capture_graphs()
@@ -132,13 +153,13 @@ class ModelRunner:
         ):
             return graphs.run(inputs["input_ids"], inputs["positions"], common)
         with set_forward_context(inputs["attn_metadata"]):
-            return self.model(inputs["input_ids"], inputs["positions"])
+            return self.model(inputs["input_ids"], inputs["positions"], inputs.get("inputs_embeds"))
 
     def _capture_graphs(self) -> DecodeGraphs | None:
         """Capture decode CUDA graphs unless eager mode is asked for or the parts are not graph-safe."""
         device_cfg = self.config.device
-        if self.device.type != "cuda" or device_cfg.enforce_eager:
-            return None
+        if self.device.type != "cuda" or device_cfg.enforce_eager or self.mm is not None:
+            return None  # (M-RoPE models take [3, T] positions, which the captured graphs do not)
         if self.attn_backend.name != "triton" or not has_cuda_ops():
             logger.warning(
                 "CUDA graphs need the triton attention backend and the compiled fastdeploy_ops "
@@ -265,8 +286,14 @@ class ModelRunner:
         batch = self.batch
         for req_id in so.finished_req_ids:
             batch.remove_request(req_id)
+            if self.mm is not None:
+                self.mm.remove_request(req_id)
+        if self.mm is not None:
+            self.mm.evict(so.evicted_mm_hashes)  # before this step's new requests re-add any of them
         for new in so.new_reqs:
             batch.add_request(new)
+            if self.mm is not None:
+                self.mm.add_request(new)
         cached = so.cached_reqs
         for req_id, block_ids, num_computed in zip(
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
@@ -297,6 +324,9 @@ class ModelRunner:
         seq_lens = batch.num_computed_tokens[slots] + counts
         query_start_loc = np.concatenate([[0], cu])
         finishing = seq_lens >= batch.num_tokens[slots]
+        mm_step = (
+            None if self.mm is None else self.mm.prepare([batch.req_ids[s] for s in slots], counts, positions)
+        )
         common = CommonAttentionMetadata(
             num_reqs=len(slots),
             num_actual_tokens=total,
@@ -309,10 +339,17 @@ class ModelRunner:
             max_query_len=int(counts.max()),
             max_seq_len=int(seq_lens.max()),
             block_size=self.block_size,
+            attn_mask_offsets=None
+            if mm_step is None or mm_step.mask_offsets is None
+            else self._to_device(mm_step.mask_offsets),
         )
+        input_ids = self._with_unsaved_tokens(self._to_device(input_ids), unsaved, req_of_token)
         return {
-            "input_ids": self._with_unsaved_tokens(self._to_device(input_ids), unsaved, req_of_token),
-            "positions": self._to_device(positions),
+            "input_ids": input_ids,
+            "positions": self._to_device(positions if mm_step is None else mm_step.positions),
+            "inputs_embeds": None
+            if mm_step is None
+            else self.mm.inputs_embeds(self.model, input_ids, mm_step),
             "attn_metadata": self.attn_backend.build(common),
             "logits_indices": self._to_device(cu[finishing] - 1),
             "sample_slots": slots[finishing],

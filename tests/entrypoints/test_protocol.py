@@ -361,6 +361,20 @@ def test_image_parts_say_not_supported():
     assert "'image_url' is not supported" in err.message
 
 
+def test_feature_parts_keep_the_content_a_list_of_parts():
+    image = {
+        "type": "image_feature_url",
+        "image_feature_url": {"url": "file:///x.npy", "grid_thw": [1, 4, 6]},
+    }
+    content = [{"type": "text", "text": "a"}, image, {"type": "text", "text": "b"}]
+    req = chat(messages=[{"role": "user", "content": content}])
+    assert req.messages[0].content == content
+    assert req.template_messages() == [{"role": "user", "content": content}]
+    # without feature parts, text parts are still joined
+    req = chat(messages=[{"role": "user", "content": [content[0], content[2]]}])
+    assert req.messages[0].content == "a\nb"
+
+
 # --------------------------------------------------------------------------- tokenize requests
 
 

@@ -33,6 +33,18 @@ def test_lru_eviction_within_budget():
     assert cache.bytes_used == 3 * KIB
 
 
+def test_evictions_are_reported_for_mirrors():
+    cache = EncoderCacheManager(2 * KIB, track_evictions=True)
+    for h in "abc":
+        cache.put(h, t(1))
+    cache.pin("req", "b")
+    cache.put("d", t(1))  # b is pinned: c goes
+    assert cache.take_evicted() == ["a", "c"]
+    assert cache.take_evicted() == []
+    with pytest.raises(RuntimeError, match="track_evictions"):
+        EncoderCacheManager(KIB).take_evicted()
+
+
 def test_item_larger_than_budget_is_not_cached():
     cache = EncoderCacheManager(2 * KIB)
     cache.put("a", t(1))

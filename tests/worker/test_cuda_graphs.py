@@ -47,3 +47,39 @@ def test_graphs_give_the_eager_tokens(async_scheduling):
         gc.collect()
         torch.cuda.empty_cache()
     assert results[False] == results[True]
+
+
+def test_fp8_kv_cache_is_refused_without_the_triton_backend():
+    from fastdeploy import LLM
+
+    with pytest.raises(ValueError, match="fp8_e4m3 needs the triton attention backend"):
+        LLM(dtype="float32", kv_cache_dtype="fp8", num_threads=1)
+
+
+@pytest.mark.gpu
+def test_fp8_kv_cache_serves_close_to_bf16():
+    """fp8_e4m3 KV cache (dynamic per-token, per-head scales) through the whole engine on a GPU."""
+    from fastdeploy import LLM, SamplingParams
+    from fastdeploy.ops._ext import has_cuda_ops
+
+    if not has_cuda_ops() or torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs the compiled fastdeploy_ops and compute capability 8.9")
+    prompts = ["The capital of France is", "def add(a, b):", "Once upon a time", "1, 2, 3, 4,", "Hello"]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    tokens = {}
+    for kv_dtype in ("auto", "fp8_e4m3"):
+        llm = LLM(
+            dtype="bfloat16",
+            device="cuda",
+            kv_cache_dtype=kv_dtype,
+            max_num_seqs=8,
+            gpu_memory_utilization=0.3,
+        )
+        tokens[kv_dtype] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        llm.shutdown()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert all(len(t) == 16 for t in tokens["fp8_e4m3"])
+    same = sum(a == b for x, y in zip(tokens["auto"], tokens["fp8_e4m3"]) for a, b in zip(x, y))
+    assert same >= 0.6 * 5 * 16, same

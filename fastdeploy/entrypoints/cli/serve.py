@@ -5,9 +5,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import textwrap
 from typing import Any
 
 from fastdeploy.entrypoints.cli.args import ConfigFileError, add_engine_and_server_args, resolve_args
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Wraps flag help without breaking words at hyphens, so names like Qwen2-VL stay whole."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
 
 DESCRIPTION = """\
 Start the OpenAI-compatible HTTP server. With no model, the embedded
@@ -19,7 +28,9 @@ file given with --config (same keys as the flags); command-line flags win.
 def make_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """The ``serve`` argument parser (a fresh one, or flags added to ``parser``)."""
     if parser is None:
-        parser = argparse.ArgumentParser(prog="fastdeploy serve", description=DESCRIPTION)
+        parser = argparse.ArgumentParser(
+            prog="fastdeploy serve", description=DESCRIPTION, formatter_class=HelpFormatter
+        )
     return add_engine_and_server_args(parser)
 
 
@@ -29,7 +40,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "serve",
         help="Serve a model over an OpenAI-compatible HTTP API.",
         description=DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     make_parser(parser)
     parser.set_defaults(func=lambda args: run(args, parser))

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from fastdeploy.engine.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
 from fastdeploy.entrypoints.openai.errors import BadRequestError, from_pydantic
+from fastdeploy.multimodal.parts import is_feature_part
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 MAX_N = 128
@@ -324,10 +325,15 @@ class TextContentPart(OpenAIModel):
 
 
 class ChatMessage(OpenAIModel):
-    """One message of a chat. ``content`` is a string or a list of text parts."""
+    """One message of a chat. ``content`` is a string or a list of content parts.
+
+    Text parts are joined into a string. Parts carrying precomputed image / video
+    features (``image_feature_url``, ``video_feature_url``, ``image_embeds``; see
+    docs/multimodal.md) keep the content a list of parts, in order.
+    """
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | None = None
+    content: str | list[dict[str, Any]] | None = None
     name: str | None = None
 
     @field_validator("content", mode="before")
@@ -337,23 +343,30 @@ class ChatMessage(OpenAIModel):
             return value
         if not isinstance(value, list):
             raise ValueError("must be a string or a list of content parts")
-        texts = []
+        parts: list[dict[str, Any]] = []
         for i, part in enumerate(value):
             kind = part.get("type") if isinstance(part, dict) else None
+            if is_feature_part(part):
+                parts.append(part)
+                continue
             if kind != "text":
                 raise ValueError(
-                    f"content part {i}: type {kind!r} is not supported (only 'text')"
+                    f"content part {i}: type {kind!r} is not supported (only 'text' and the feature "
+                    "parts 'image_feature_url', 'video_feature_url', 'image_embeds')"
                     if kind
                     else f"content part {i} must be an object with a 'type'"
                 )
             try:
-                texts.append(TextContentPart.model_validate(part).text)
+                parts.append({"type": "text", "text": TextContentPart.model_validate(part).text})
             except ValidationError as exc:
                 raise ValueError(f"content part {i}: {exc.errors()[0]['msg']}") from None
-        return "\n".join(texts)
+        if any(p["type"] != "text" for p in parts):
+            return parts
+        return "\n".join(p["text"] for p in parts)
 
     def to_template_dict(self) -> dict[str, Any]:
-        """The message as chat templates expect it (``developer`` is shown as ``system``)."""
+        """The message as chat templates expect it (``developer`` is shown as ``system``); ``content``
+        stays a list of parts when it carries image / video features."""
         msg: dict[str, Any] = {
             "role": "system" if self.role == "developer" else self.role,
             "content": self.content or "",

@@ -40,10 +40,18 @@ from fastdeploy.entrypoints.openai.serving_engine import (
     sse,
     to_openai_error,
 )
+from fastdeploy.entrypoints.openai.serving_mm import MultimodalChatInputs
 
 
 class OpenAIServingChat(OpenAIServing):
-    """Handler of the chat completions endpoint."""
+    """Handler of the chat completions endpoint (text, and image / video feature parts)."""
+
+    @property
+    def mm_inputs(self) -> MultimodalChatInputs:
+        """Feature-part handling (created on first use)."""
+        if getattr(self, "_mm_inputs", None) is None:
+            self._mm_inputs = MultimodalChatInputs(self.engine)
+        return self._mm_inputs
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         """Validate, render, tokenize, run and answer one chat request."""
@@ -52,14 +60,23 @@ class OpenAIServingChat(OpenAIServing):
         self.check_params(params)
         self.check_healthy()
 
-        text = await self.render_chat(request.messages)
+        conversation, items = await self.mm_inputs.split(request.messages, self._run_tokenizer)
+        text = await self.render_chat(request.messages, conversation=conversation)
         token_ids = await self.encode(text, add_special_tokens=False)
         if not token_ids:
             raise BadRequestError("The chat template produced an empty prompt", param="messages")
+        token_ids, mm_items = await self.mm_inputs.place(token_ids, items)
         max_tokens = resolve_max_tokens(
             len(token_ids), params.max_tokens, self.engine.max_model_len, prompt_kind="messages"
         )
-        prompts = [EnginePrompt(token_ids=token_ids, params=params.clone(max_tokens=max_tokens), text=text)]
+        prompts = [
+            EnginePrompt(
+                token_ids=token_ids,
+                params=params.clone(max_tokens=max_tokens),
+                text=text,
+                mm_items=mm_items or None,
+            )
+        ]
 
         request_id = random_id("chatcmpl")
         num_prompt_lps = request.prompt_logprobs

@@ -203,6 +203,8 @@ class EnginePrompt:
     token_ids: list[int]
     params: SamplingParams
     text: str | None = None
+    mm_items: list[Any] | None = None
+    """Placed multimodal items (``MMItem``) of the prompt, features included."""
 
 
 class UsageTracker:
@@ -307,13 +309,25 @@ class OpenAIServing:
     async def decode(self, token_ids: list[int]) -> str:
         return await self._run_tokenizer(self.tokenizer.decode, token_ids)
 
-    async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
+    async def render_chat(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool = True,
+        conversation: list[dict[str, Any]] | None = None,
+    ) -> str:
         """The chat template applied to ``messages``, as text; 400 if the template rejects them.
 
         The text already holds the template's special tokens (BOS and role
         markers), so it must be encoded with ``add_special_tokens=False``.
+        ``conversation`` replaces the messages' own template dicts (the chat
+        handler's, with image / video parts rendered as placeholder text).
         """
-        conversation = [m.to_template_dict() for m in messages]
+        if conversation is None:
+            conversation = [m.to_template_dict() for m in messages]
+        if any(isinstance(m.get("content"), list) for m in conversation):
+            raise BadRequestError(
+                "image and video content parts are only accepted by /v1/chat/completions", param="messages"
+            )
 
         def render() -> str:
             return self.tokenizer.apply_chat_template(
@@ -340,7 +354,13 @@ class OpenAIServing:
         """
         try:
             generators = [
-                self.engine.generate(p.token_ids, p.params, rid, prompt=p.text)
+                self.engine.generate(
+                    p.token_ids,
+                    p.params,
+                    rid,
+                    prompt=p.text,
+                    **({"mm_items": p.mm_items} if p.mm_items else {}),
+                )
                 for rid, p in zip(request_ids, prompts)
             ]
             async with contextlib.aclosing(merge_async_iterators(generators, self.shutdown_event)) as merged:

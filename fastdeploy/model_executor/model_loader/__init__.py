@@ -17,7 +17,12 @@ from fastdeploy.model_executor.model_loader.default_model import default_model_p
 from fastdeploy.model_executor.model_loader.gguf_loader import gguf_config_dict, iterate_gguf_weights
 from fastdeploy.model_executor.model_loader.safetensors_loader import iterate_safetensors
 from fastdeploy.model_executor.models import MODEL_REGISTRY
-from fastdeploy.transformers_utils.config import ModelArchConfig, read_config_json, read_generation_eos
+from fastdeploy.transformers_utils.config import (
+    ModelArchConfig,
+    flatten_text_config,
+    read_config_json,
+    read_generation_eos,
+)
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -56,7 +61,7 @@ def resolve_model(config: ModelConfig) -> ModelSource:
         cfg = gguf_config_dict(path)
     else:
         cfg = read_config_json(path)
-    cfg = {**cfg, **config.hf_config_overrides}
+    cfg = {**flatten_text_config(cfg), **config.hf_config_overrides}  # overrides reach nested text configs
     arch = ModelArchConfig.from_dict(cfg)
     if not is_gguf:
         arch.eos_token_ids = sorted(set(arch.eos_token_ids) | set(read_generation_eos(path)))

@@ -1,0 +1,71 @@
+"""A Qwen2-VL server with precomputed image features from ``file://`` URLs."""
+
+from __future__ import annotations
+
+import numpy as np
+
+GRID = [1, 4, 6]  # 24 patches, 6 feature rows after 2x2 merging
+HIDDEN = 64
+
+
+def image_part(url: str, grid: list[int] = GRID) -> dict:
+    return {"type": "image_feature_url", "image_feature_url": {"url": url, "grid_thw": grid}}
+
+
+def chat_body(model: str, parts: list[dict]) -> dict:
+    content = [*parts, {"type": "text", "text": "What is in the picture?"}]
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 6,
+        "temperature": 0,
+    }
+
+
+def test_chat_with_image_feature_urls(server_factory, qwen2_vl_dummy, tmp_path):
+    folder, _ = qwen2_vl_dummy
+    media = tmp_path / "media"
+    media.mkdir()
+    rng = np.random.default_rng(0)
+    np.save(media / "cat.npy", rng.standard_normal((6, HIDDEN)).astype(np.float32))
+    np.save(media / "narrow.npy", rng.standard_normal((6, HIDDEN // 2)).astype(np.float32))
+    np.save(media / "short.npy", rng.standard_normal((5, HIDDEN)).astype(np.float32))
+    srv = server_factory("--model", str(folder), "--allowed-local-media-path", str(media))
+    model = srv.model_name()
+    cat = (media / "cat.npy").as_uri()
+
+    client = srv.openai()
+    body = chat_body(model, [image_part(cat)])
+    completion = client.chat.completions.create(**body)
+    text = completion.choices[0].message.content
+    assert isinstance(text, str) and text
+    # the prompt counts one token per feature row: 6 placeholders plus the text around them
+    assert completion.usage.prompt_tokens > 6
+    again = client.chat.completions.create(**body)  # cached URL and prefix: same greedy answer
+    assert again.choices[0].message.content == text
+    metrics = srv.wait_idle()
+    # the second request's image was neither fetched nor sent to the worker again
+    assert metrics["fastdeploy:encoder_cache_misses_total"] == 1
+    assert metrics["fastdeploy:encoder_cache_hits_total"] == 1
+    assert metrics["fastdeploy:feature_fetch_latency_seconds_count"] == 1
+
+    with srv.http() as http:
+        for name, what in (("narrow.npy", "wrong width"), ("short.npy", "wrong row count")):
+            url = (media / name).as_uri()
+            error = srv.check_error(
+                http.post("/v1/chat/completions", json=chat_body(model, [image_part(url)])), 400
+            )
+            assert url in error["message"] and what in error["message"], error
+        missing = (media / "missing.npy").as_uri()
+        error = srv.check_error(
+            http.post("/v1/chat/completions", json=chat_body(model, [image_part(missing)])), 400
+        )
+        assert missing in error["message"] and "cannot read the file" in error["message"], error
+        outside = (tmp_path / "elsewhere.npy").as_uri()
+        error = srv.check_error(
+            http.post("/v1/chat/completions", json=chat_body(model, [image_part(outside)])), 400
+        )
+        assert "outside --allowed-local-media-path" in error["message"], error
+        # the server keeps serving after the refusals
+        ok = http.post("/v1/chat/completions", json=body)
+        assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == text

@@ -1,0 +1,42 @@
+"""The front end's and the engine core's feature mirrors stay identical, so stripped items resolve."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from fastdeploy.engine.feature_mirror import FeatureMirror
+from fastdeploy.multimodal.items import MMItem
+
+KIB = 1024
+
+
+def wire(name: str, rows: int) -> dict:
+    features = torch.full((rows, 256), float(len(name) + rows))  # rows KiB of float32
+    return MMItem("image", 0, rows, (1, 2, 2 * rows), name, features).to_wire()
+
+
+def test_repeated_items_travel_without_features_and_resolve():
+    rng = random.Random(0)
+    front, core = FeatureMirror(8 * KIB / 2**30), FeatureMirror(8 * KIB / 2**30)
+    sizes = {f"img{i}": rng.randint(1, 4) for i in range(8)} | {"huge": 9}  # huge never fits
+    stripped = 0
+    for _ in range(300):
+        names = rng.sample(sorted(sizes), rng.randint(1, 3))
+        sent = front.strip([wire(n, sizes[n]) for n in names])
+        stripped += sum(w["features"] is None for w in sent)
+        items = core.resolve(sent)
+        for name, item in zip(names, items):
+            assert torch.equal(item.features, MMItem.from_wire(wire(name, sizes[name])).features)
+        assert list(front._entries) == list(core._entries)
+    assert stripped > 100
+    assert "huge" not in core._entries
+
+
+def test_an_item_the_core_lacks_is_refused_not_crashed():
+    core = FeatureMirror(1.0)
+    lost = {**wire("x", 1), "features": None}
+    with pytest.raises(ValueError, match="arrived without features"):
+        core.resolve([lost])
