@@ -146,3 +146,105 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
             gate_up, out, gate_up.stride(0), out.stride(0), n, BLOCK=block
         )
     return out
+
+
+@triton.jit
+def _rotary_cache_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    pos_ptr,
+    cos_ptr,
+    sin_ptr,
+    slot_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    row_stride,
+    num_q_heads,
+    num_kv_heads,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_P2: tl.constexpr,
+    DIM_P2: tl.constexpr,
+    QH_P2: tl.constexpr,
+    KH_P2: tl.constexpr,
+):
+    token = tl.program_id(0)
+    pos = tl.load(pos_ptr + token)
+    d = tl.arange(0, HALF_P2)
+    d_mask = d < HALF
+    dtype = q_ptr.dtype.element_ty
+    c = tl.load(cos_ptr + pos * HALF + d, mask=d_mask, other=0.0).to(dtype).to(tl.float32)
+    s = tl.load(sin_ptr + pos * HALF + d, mask=d_mask, other=0.0).to(dtype).to(tl.float32)
+    # queries: rotated in place
+    qh = tl.arange(0, QH_P2)
+    q_mask = (qh[:, None] < num_q_heads) & d_mask[None, :]
+    q_base = q_ptr + token * row_stride + qh[:, None] * HEAD_DIM + d[None, :]
+    x1 = tl.load(q_base, mask=q_mask, other=0.0).to(tl.float32)
+    x2 = tl.load(q_base + HALF, mask=q_mask, other=0.0).to(tl.float32)
+    tl.store(q_base, (x1 * c[None, :] - x2 * s[None, :]).to(dtype), mask=q_mask)
+    tl.store(q_base + HALF, (x2 * c[None, :] + x1 * s[None, :]).to(dtype), mask=q_mask)
+    # keys: rotated in place and, with the values, written to the token's cache slot
+    kh = tl.arange(0, KH_P2)
+    k_mask = (kh[:, None] < num_kv_heads) & d_mask[None, :]
+    k_base = k_ptr + token * row_stride + kh[:, None] * HEAD_DIM + d[None, :]
+    y1 = tl.load(k_base, mask=k_mask, other=0.0).to(tl.float32)
+    y2 = tl.load(k_base + HALF, mask=k_mask, other=0.0).to(tl.float32)
+    r1 = (y1 * c[None, :] - y2 * s[None, :]).to(dtype)
+    r2 = (y2 * c[None, :] + y1 * s[None, :]).to(dtype)
+    tl.store(k_base, r1, mask=k_mask)
+    tl.store(k_base + HALF, r2, mask=k_mask)
+    slot = tl.load(slot_ptr + token)
+    if slot >= 0:
+        row = slot * num_kv_heads * HEAD_DIM + kh[:, None] * HEAD_DIM
+        tl.store(key_cache_ptr + row + d[None, :], r1, mask=k_mask)
+        tl.store(key_cache_ptr + row + HALF + d[None, :], r2, mask=k_mask)
+        full = tl.arange(0, DIM_P2)
+        v_mask = (kh[:, None] < num_kv_heads) & (full[None, :] < HEAD_DIM)
+        v = tl.load(
+            v_ptr + token * row_stride + kh[:, None] * HEAD_DIM + full[None, :], mask=v_mask, other=0.0
+        )
+        tl.store(value_cache_ptr + row + full[None, :], v, mask=v_mask)
+
+
+def rotary_and_cache_(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Rotary on ``q`` ``[T, Hq, D]`` and ``k`` ``[T, Hkv, D]`` in place, then ``k`` and ``v`` into the
+    NHD caches at ``slot_mapping`` (negative: skip): the rotary and cache-write kernels in one.
+
+    ``q``, ``k`` and ``v`` are views of one qkv row buffer (same row stride, unit head stride);
+    the caches have the activations' dtype (no fp8).
+    """
+    tokens, num_q_heads, head_dim = q.shape
+    if tokens == 0:
+        return
+    half = head_dim // 2
+    _rotary_cache_kernel[(tokens,)](
+        q,
+        k,
+        v,
+        positions,
+        cos,
+        sin,
+        slot_mapping,
+        key_cache,
+        value_cache,
+        q.stride(0),
+        num_q_heads,
+        k.shape[1],
+        HEAD_DIM=head_dim,
+        HALF=half,
+        HALF_P2=triton.next_power_of_2(half),
+        DIM_P2=triton.next_power_of_2(head_dim),
+        QH_P2=triton.next_power_of_2(num_q_heads),
+        KH_P2=triton.next_power_of_2(k.shape[1]),
+    )

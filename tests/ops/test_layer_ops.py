@@ -195,3 +195,37 @@ def test_triton_kernels_on_the_gpu_match_the_torch_path(dtype):
         layer_ops._triton_kernels = monkey
     triton_ops.rotary_embedding_(positions, qkv, cos, sin, 40, 128)
     assert ((qkv.double() - expected.double()).abs() / (expected.double().abs() + 1)).max() < tol
+
+
+def test_fused_rotary_and_cache_write_equals_the_two_ops(monkeypatch):
+    """The GPU kernel that rotates q/k and writes k/v to the cache, against rotary + cache write."""
+    triton_ops = layer_ops._load_triton_ops()
+    if triton_ops is None:
+        pytest.skip("triton is not installed")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and the Triton interpreter is off")
+    from fastdeploy.ops.cache_ops import reshape_and_cache_flash_torch
+
+    tokens, hq, hkv, dim = 7, 6, 2, 64
+    qkv = _rand(tokens, (hq + 2 * hkv) * dim, dtype=torch.float32).to(device)
+    positions = torch.tensor([0, 5, 9, 17, 3, 40, 2], device=device)
+    slots = torch.tensor([3, -1, 8, 30, 12, 0, 21], device=device)
+    angles = torch.rand(64, dim // 2, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 6
+    cos, sin = angles.cos().float().to(device), angles.sin().float().to(device)
+    caches = [_rand(2, 16, hkv, dim, dtype=torch.float32, seed=s).to(device) for s in (4, 5)]
+
+    expected_qkv, expected_caches = qkv.clone(), [c.clone() for c in caches]
+    monkeypatch.setattr(layer_ops, "_cpu_kernels", lambda x: None)
+    monkeypatch.setattr(layer_ops, "_triton_kernels", lambda x: None)
+    layer_ops.rotary_embedding_(positions, expected_qkv, cos, sin, hq + hkv, dim)
+    views = expected_qkv.split([hq * dim, hkv * dim, hkv * dim], dim=-1)
+    k_ref = views[1].reshape(tokens, hkv, dim)
+    v_ref = views[2].reshape(tokens, hkv, dim)
+    reshape_and_cache_flash_torch(k_ref, v_ref, *expected_caches, slots)
+
+    q, k, v = (t.view(tokens, -1, dim) for t in qkv.split([hq * dim, hkv * dim, hkv * dim], dim=-1))
+    triton_ops.rotary_and_cache_(positions, q, k, v, cos, sin, *caches, slots)
+    assert torch.allclose(qkv, expected_qkv, atol=1e-5)
+    assert torch.allclose(caches[0], expected_caches[0], atol=1e-5)
+    assert torch.equal(caches[1], expected_caches[1])

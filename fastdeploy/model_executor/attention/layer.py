@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fastdeploy import envs
 from fastdeploy.model_executor.attention.forward_context import get_attn_metadata
 from fastdeploy.ops import reshape_and_cache_flash
 
@@ -31,23 +32,74 @@ class Attention(nn.Module):
         self.kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None
         """fp8_e4m3 caches: per-slot, per-head float32 scales of the keys and the values."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [T, num_heads * head_dim], k/v: [T, num_kv_heads * head_dim] → [T, num_heads * head_dim]."""
+    def fuses_rotary(self, x: torch.Tensor) -> bool:
+        """Whether :meth:`forward` can apply the rotary embedding together with the cache write
+        (one Triton kernel on a GPU, bf16/fp16 caches) for activations like ``x``."""
+        return (
+            x.is_cuda
+            and self.kv_cache is not None
+            and self.kv_cache_dtype == "auto"
+            and not envs.FD_DISABLE_CUSTOM_OPS
+            and _triton_layer_ops() is not None
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rotary: tuple[torch.Tensor, nn.Module] | None = None,
+    ) -> torch.Tensor:
+        """q: [T, num_heads * head_dim], k/v: [T, num_kv_heads * head_dim] → [T, num_heads * head_dim].
+
+        ``rotary`` = (positions, rotary embedding) asks this layer to rotate q and k first
+        (callers pass it only when :meth:`fuses_rotary`); otherwise they arrive rotated.
+        """
         num_tokens = q.shape[0]
+        metadata = get_attn_metadata()
+        fused = (
+            rotary is not None
+            and metadata is not None
+            and self.kv_cache is not None
+            and metadata.slot_mapping.shape[0] == num_tokens
+        )
+        if rotary is not None and not fused:
+            positions, rope = rotary
+            rope(positions, q, self.num_heads)
+            rope(positions, k, self.num_kv_heads)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        metadata = get_attn_metadata()
         if metadata is None or self.kv_cache is None:
             out = _causal_attention(q, k, v, self.scale)
         else:
             key_cache, value_cache = self.kv_cache
-            k_scale, v_scale = self.kv_scales if self.kv_scales is not None else (None, None)
-            reshape_and_cache_flash(
-                k, v, key_cache, value_cache, metadata.slot_mapping, self.kv_cache_dtype, k_scale, v_scale
-            )
+            if fused:
+                positions, rope = rotary
+                _triton_layer_ops().rotary_and_cache_(
+                    positions,
+                    q,
+                    k,
+                    v,
+                    rope.cos_cache,
+                    rope.sin_cache,
+                    key_cache,
+                    value_cache,
+                    metadata.slot_mapping,
+                )
+            else:
+                k_scale, v_scale = self.kv_scales if self.kv_scales is not None else (None, None)
+                reshape_and_cache_flash(
+                    k, v, key_cache, value_cache, metadata.slot_mapping, self.kv_cache_dtype, k_scale, v_scale
+                )
             out = self.backend.forward(self, q, k, v, metadata)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
+
+
+def _triton_layer_ops():
+    from fastdeploy.ops.layer_ops import _load_triton_ops
+
+    return _load_triton_ops()
 
 
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -55,6 +55,10 @@ class LlamaAttention(nn.Module):
             k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim)).reshape(num_tokens, -1)
             self.rotary_emb(positions, q, self.num_heads)
             self.rotary_emb(positions, k, self.num_kv_heads)
+        elif type(self.rotary_emb) is RotaryEmbedding and self.attn.fuses_rotary(qkv):
+            # GPU: the rotary embedding and the KV-cache write in one kernel
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            return self.o_proj(self.attn(q, k, v, rotary=(positions, self.rotary_emb)))
         else:  # q and k heads lead each row of qkv: rotate them in place in one call
             self.rotary_emb(positions, qkv, self.num_heads + self.num_kv_heads)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)

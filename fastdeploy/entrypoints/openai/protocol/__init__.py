@@ -1,0 +1,110 @@
+"""Pydantic models of the OpenAI HTTP protocol, and their translation to engine terms.
+
+Requests are validated strictly (``"max_tokens": "10"`` is a 400, not silently
+coerced) and unknown fields are rejected, so a client never believes the server
+honoured a parameter it ignored. OpenAI fields that the engine does not
+implement yet are declared so that their "off" value is accepted and any other
+value is a 400 that says so.
+
+The models live in modules by concern, all re-exported here:
+
+- :mod:`.common`: model bases, request parsing, ids, error bodies, usage, prompt logprobs;
+- :mod:`.sampling`: the fields shared by completions and chat, ``SamplingParams``, ``max_tokens``;
+- :mod:`.completion`: ``/v1/completions``;
+- :mod:`.chat`: ``/v1/chat/completions``, messages and their content parts;
+- :mod:`.tokenization`: ``/tokenize`` and ``/detokenize``;
+- :mod:`.models`: ``/v1/models``.
+"""
+
+from fastdeploy.entrypoints.openai.protocol.chat import (
+    ChatCompletionLogProb,
+    ChatCompletionLogProbs,
+    ChatCompletionLogProbsContent,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessage,
+    ChatMessageOut,
+    DeltaMessage,
+    TextContentPart,
+)
+from fastdeploy.entrypoints.openai.protocol.common import (
+    ErrorInfo,
+    ErrorResponse,
+    OpenAIModel,
+    PromptLogprob,
+    PromptLogprobs,
+    PromptTokensDetails,
+    ResponseModel,
+    UsageInfo,
+    WithPromptLogprobs,
+    parse_request,
+    random_id,
+)
+from fastdeploy.entrypoints.openai.protocol.completion import (
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionStreamResponse,
+)
+from fastdeploy.entrypoints.openai.protocol.models import ModelCard, ModelList
+from fastdeploy.entrypoints.openai.protocol.sampling import (
+    MAX_N,
+    SamplingRequest,
+    StreamOptions,
+    resolve_max_tokens,
+)
+from fastdeploy.entrypoints.openai.protocol.tokenization import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+    parse_tokenize_request,
+)
+
+__all__ = [
+    "MAX_N",
+    "ChatCompletionLogProb",
+    "ChatCompletionLogProbs",
+    "ChatCompletionLogProbsContent",
+    "ChatCompletionRequest",
+    "ChatCompletionResponse",
+    "ChatCompletionResponseChoice",
+    "ChatCompletionStreamChoice",
+    "ChatCompletionStreamResponse",
+    "ChatMessage",
+    "ChatMessageOut",
+    "CompletionLogProbs",
+    "CompletionRequest",
+    "CompletionResponse",
+    "CompletionResponseChoice",
+    "CompletionStreamResponse",
+    "DeltaMessage",
+    "DetokenizeRequest",
+    "DetokenizeResponse",
+    "ErrorInfo",
+    "ErrorResponse",
+    "ModelCard",
+    "ModelList",
+    "OpenAIModel",
+    "PromptLogprob",
+    "PromptLogprobs",
+    "PromptTokensDetails",
+    "ResponseModel",
+    "SamplingRequest",
+    "StreamOptions",
+    "TextContentPart",
+    "TokenizeChatRequest",
+    "TokenizeCompletionRequest",
+    "TokenizeResponse",
+    "UsageInfo",
+    "WithPromptLogprobs",
+    "parse_request",
+    "parse_tokenize_request",
+    "random_id",
+    "resolve_max_tokens",
+]

@@ -1,0 +1,211 @@
+"""``POST /v1/chat/completions``: chat messages (text and multimodal feature content parts),
+the chat request and its (streamed) responses.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError, field_validator, model_serializer
+
+from fastdeploy.engine.sampling_params import MAX_LOGPROBS
+from fastdeploy.entrypoints.openai.errors import BadRequestError
+from fastdeploy.entrypoints.openai.protocol.common import (
+    OpenAIModel,
+    ResponseModel,
+    UsageInfo,
+    WithPromptLogprobs,
+    _now,
+)
+from fastdeploy.entrypoints.openai.protocol.sampling import SamplingRequest
+from fastdeploy.multimodal.parts import is_feature_part
+
+# --------------------------------------------------------------------------- messages
+
+
+class TextContentPart(OpenAIModel):
+    """A ``{"type": "text", "text": ...}`` content part."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIModel):
+    """One message of a chat. ``content`` is a string or a list of content parts.
+
+    Text parts are joined into a string. Parts carrying precomputed image / video
+    features (``image_feature_url``, ``video_feature_url``, ``image_embeds``; see
+    docs/multimodal.md) keep the content a list of parts, in order.
+    """
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _join_parts(cls, value: Any) -> Any:
+        if value is None or isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise ValueError("must be a string or a list of content parts")
+        parts: list[dict[str, Any]] = []
+        for i, part in enumerate(value):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if is_feature_part(part):
+                parts.append(part)
+                continue
+            if kind != "text":
+                raise ValueError(
+                    f"content part {i}: type {kind!r} is not supported (only 'text' and the feature "
+                    "parts 'image_feature_url', 'video_feature_url', 'image_embeds')"
+                    if kind
+                    else f"content part {i} must be an object with a 'type'"
+                )
+            try:
+                parts.append({"type": "text", "text": TextContentPart.model_validate(part).text})
+            except ValidationError as exc:
+                raise ValueError(f"content part {i}: {exc.errors()[0]['msg']}") from None
+        if any(p["type"] != "text" for p in parts):
+            return parts
+        return "\n".join(p["text"] for p in parts)
+
+    def to_template_dict(self) -> dict[str, Any]:
+        """The message as chat templates expect it (``developer`` is shown as ``system``); ``content``
+        stays a list of parts when it carries image / video features."""
+        msg: dict[str, Any] = {
+            "role": "system" if self.role == "developer" else self.role,
+            "content": self.content or "",
+        }
+        if self.name is not None:
+            msg["name"] = self.name
+        return msg
+
+
+def _check_messages(value: list[ChatMessage]) -> list[ChatMessage]:
+    if not value:
+        raise ValueError("must not be empty")
+    for i, msg in enumerate(value):
+        if msg.content is None and msg.role != "assistant":
+            raise ValueError(f"message {i} ({msg.role}) has no content")
+    return value
+
+
+# --------------------------------------------------------------------------- request
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """``POST /v1/chat/completions``. ``max_completion_tokens`` wins over ``max_tokens``."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+    store: Any = None
+
+    @field_validator("messages")
+    @classmethod
+    def _validate_messages(cls, v: list[ChatMessage]) -> list[ChatMessage]:
+        return _check_messages(v)
+
+    def _requested_max_tokens(self) -> tuple[int | None, str]:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+    def _num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise BadRequestError(
+                f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}", param="top_logprobs"
+            )
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise BadRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
+            return None
+        return self.top_logprobs or 0
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The conversation as a list of dicts for ``tokenizer.apply_chat_template``."""
+        return [m.to_template_dict() for m in self.messages]
+
+
+# --------------------------------------------------------------------------- responses
+
+
+class ChatCompletionLogProb(ResponseModel):
+    token: str
+    logprob: float = -9999.0
+    bytes: list[int] | None = None
+
+
+class ChatCompletionLogProbsContent(ChatCompletionLogProb):
+    top_logprobs: list[ChatCompletionLogProb] = Field(default_factory=list)
+
+
+class ChatCompletionLogProbs(ResponseModel):
+    content: list[ChatCompletionLogProbsContent] | None = None
+
+
+class ChatMessageOut(ResponseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatCompletionResponseChoice(ResponseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(WithPromptLogprobs):
+    """A chat answer; ``prompt_logprobs`` (vLLM's extension, at this level as in vLLM) only when asked."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(ResponseModel):
+    """A streamed piece of the assistant message; unset fields are left out of the JSON."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="plain")
+    def _drop_none(self) -> dict[str, Any]:
+        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+
+
+class ChatCompletionStreamChoice(ResponseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(WithPromptLogprobs):
+    """One SSE chunk of a streamed chat completion (``choices`` empty in the usage chunk).
+
+    ``prompt_logprobs``, when asked, come once, in the first chunk after the role chunks.
+    """
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None

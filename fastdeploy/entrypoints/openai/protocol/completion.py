@@ -1,0 +1,123 @@
+"""``POST /v1/completions``: the legacy completions request and its (streamed) responses."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field, field_validator
+
+from fastdeploy.entrypoints.openai.errors import BadRequestError
+from fastdeploy.entrypoints.openai.protocol.common import ResponseModel, UsageInfo, WithPromptLogprobs, _now
+from fastdeploy.entrypoints.openai.protocol.sampling import SamplingRequest
+
+# --------------------------------------------------------------------------- request
+
+
+class CompletionRequest(SamplingRequest):
+    """``POST /v1/completions``.
+
+    ``prompt`` is normalised to a list of prompts, each a string or a list of
+    token ids (the OpenAI forms: string, list of strings, token ids, list of
+    token-id lists).
+    """
+
+    DEFAULT_MAX_TOKENS: ClassVar[int] = 16
+    """OpenAI's default ``max_tokens`` for the legacy completions endpoint."""
+
+    prompt: list[str | list[int]]
+    logprobs: int | None = None
+    """Legacy form: how many top logprobs per token (0 still returns the sampled token's)."""
+    echo: bool | None = None
+    """Start each choice's text with its prompt (and, with ``logprobs``, its logprobs with the prompt's)."""
+    best_of: Any = None
+    suffix: Any = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _normalize_prompt(cls, value: Any) -> list[str | list[int]]:
+        def is_token(t: Any) -> bool:
+            return isinstance(t, int) and not isinstance(t, bool)
+
+        if isinstance(value, str):
+            prompts: list[Any] = [value]
+        elif isinstance(value, list) and value and all(is_token(t) for t in value):
+            prompts = [value]
+        elif isinstance(value, list) and value and all(isinstance(p, str) for p in value):
+            prompts = value
+        elif (
+            isinstance(value, list)
+            and value
+            and all(isinstance(p, list) and all(is_token(t) for t in p) for p in value)
+        ):
+            prompts = value
+        elif isinstance(value, list) and not value:
+            raise ValueError("must not be empty")
+        else:
+            raise ValueError(
+                "must be a string, a list of strings, a list of token ids or a list of token-id lists"
+            )
+        for p in prompts:
+            if len(p) == 0:
+                raise ValueError("must not be empty")
+            if isinstance(p, list) and any(t < 0 for t in p):
+                raise ValueError("token ids must not be negative")
+        return prompts
+
+    def _num_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def _num_prompt_logprobs(self) -> int | None:
+        k = super()._num_prompt_logprobs()
+        if self.echo and self.logprobs is not None:  # the echoed prompt's logprobs come from them
+            return max(k or 0, self.logprobs)
+        return k
+
+    def _allows_zero_max_tokens(self) -> bool:
+        return bool(self.echo)
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise BadRequestError("'best_of' is not supported by this server yet", param="best_of")
+
+
+# --------------------------------------------------------------------------- responses
+
+
+class CompletionLogProbs(ResponseModel):
+    """The legacy completions ``logprobs`` object."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionResponseChoice(WithPromptLogprobs):
+    """One choice; ``prompt_logprobs`` (vLLM's extension) only when asked, in the first chunk when streaming."""
+
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(ResponseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+
+
+class CompletionStreamResponse(ResponseModel):
+    """One SSE chunk of a streamed completion (``choices`` empty in the usage chunk)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo | None = None

@@ -1,0 +1,23 @@
+"""``GET /v1/models``: the model listing."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from fastdeploy.entrypoints.openai.protocol.common import ResponseModel, _now
+
+
+class ModelCard(ResponseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "fastdeploy"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(ResponseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

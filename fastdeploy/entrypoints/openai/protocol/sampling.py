@@ -1,0 +1,235 @@
+"""Request fields shared by completions and chat completions, their translation to engine terms,
+and the output-length limit.
+
+OpenAI fields that the engine does not implement yet are declared so that their
+"off" value is accepted and any other value is a 400 that says so.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import field_validator
+
+from fastdeploy.engine.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
+from fastdeploy.entrypoints.openai.errors import BadRequestError
+from fastdeploy.entrypoints.openai.protocol.common import OpenAIModel, _check_token_ids
+
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+MAX_N = 128
+"""Most choices one request may ask for (OpenAI's own limit). Each choice is an engine
+request, so an unbounded ``n`` would let one request flood the engine."""
+
+
+class StreamOptions(OpenAIModel):
+    """``stream_options``: only ``include_usage`` is defined."""
+
+    include_usage: bool | None = False
+
+
+# OpenAI fields the engine does not implement yet, with the values that mean "off".
+_UNSUPPORTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "store": (None, False),
+}
+
+
+def _is_off(value: Any, off_values: tuple[Any, ...]) -> bool:
+    """Whether ``value`` is one of the "off" values (``False`` is not ``0``, and vice versa)."""
+    if value is None or isinstance(value, bool):
+        return any(value is off for off in off_values)
+    return any(off is not None and not isinstance(off, bool) and off == value for off in off_values)
+
+
+def _check_stop(value: Any) -> Any:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return value
+    raise ValueError("must be a string or a list of strings")
+
+
+class SamplingRequest(OpenAIModel):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    n: int | None = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = None
+    seed: int | None = None
+    stop: Any = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # Extensions (vLLM-compatible names), sent with the openai client's ``extra_body``.
+    top_k: int | None = None
+    """-1 or 0: off."""
+    min_p: float | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    """Token id (as a JSON string key) → bias in [-100, 100]."""
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
+    """Logprobs of the prompt tokens plus this many top alternatives each (vLLM's field)."""
+
+    @field_validator("stop")
+    @classmethod
+    def _validate_stop(cls, v: Any) -> Any:
+        return _check_stop(v)
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _check_stop_token_ids(cls, v: Any) -> Any:
+        return v if v is None else _check_token_ids(v)
+
+    @field_validator("n")
+    @classmethod
+    def _check_n(cls, v: int | None) -> int | None:
+        if v is not None and v > MAX_N:
+            raise ValueError(f"must be at most {MAX_N}, got {v}")
+        return v
+
+    @field_validator("seed")
+    @classmethod
+    def _check_seed(cls, v: int | None) -> int | None:
+        if v is not None and not _INT64_MIN <= v <= _INT64_MAX:
+            raise ValueError("must fit in a signed 64-bit integer")
+        return v
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a streaming response ends with a usage chunk."""
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def check_supported(self) -> None:
+        """Raise a 400 if a not-yet-implemented OpenAI field has a non-default value."""
+        for name, off_values in _UNSUPPORTED_DEFAULTS.items():
+            if name in type(self).model_fields and not _is_off(getattr(self, name), off_values):
+                raise BadRequestError(f"'{name}' is not supported by this server yet", param=name)
+
+    def _requested_max_tokens(self) -> tuple[int | None, str]:
+        """The requested output limit and the name of the field it came from."""
+        return self.max_tokens, "max_tokens"
+
+    def _num_logprobs(self) -> int | None:
+        """Top logprobs per token the request asks for (None: no logprobs)."""
+        return None
+
+    def _num_prompt_logprobs(self) -> int | None:
+        """Top logprobs per prompt token the engine must compute (None: none)."""
+        k = self.prompt_logprobs
+        if k is not None and not 0 <= k <= MAX_LOGPROBS:
+            raise BadRequestError(
+                f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {k}", param="prompt_logprobs"
+            )
+        return k
+
+    def _allows_zero_max_tokens(self) -> bool:
+        """Whether ``max_tokens: 0`` makes sense (only for completions with ``echo``: scoring a prompt)."""
+        return False
+
+    def to_sampling_params(self) -> SamplingParams:
+        """The engine's ``SamplingParams`` for this request (a 400 if a value is invalid).
+
+        ``max_tokens`` is left as requested (possibly None); the server fixes it
+        with :func:`resolve_max_tokens` once the prompt length is known.
+        """
+        self.check_supported()
+        max_tokens, max_tokens_field = self._requested_max_tokens()
+        least = 0 if self._allows_zero_max_tokens() else 1
+        if max_tokens is not None and max_tokens < least:
+            hint = (
+                " (0 is allowed only with echo)"
+                if max_tokens == 0 and "echo" in type(self).model_fields
+                else ""
+            )
+            raise BadRequestError(
+                f"{max_tokens_field} must be at least {least}, got {max_tokens}{hint}", param=max_tokens_field
+            )
+        top_k = self.top_k
+        kwargs: dict[str, Any] = {
+            "n": 1 if self.n is None else self.n,
+            "temperature": 1.0 if self.temperature is None else self.temperature,
+            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "top_k": -1 if top_k is None or top_k == 0 else top_k,
+            "min_p": 0.0 if self.min_p is None else self.min_p,
+            "seed": self.seed,
+            "max_tokens": max_tokens,
+            "min_tokens": 0 if self.min_tokens is None else self.min_tokens,
+            "stop": [self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            "stop_token_ids": list(self.stop_token_ids or []),
+            "frequency_penalty": 0.0 if self.frequency_penalty is None else self.frequency_penalty,
+            "presence_penalty": 0.0 if self.presence_penalty is None else self.presence_penalty,
+            "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            "logit_bias": self.logit_bias,
+            "bad_words": list(self.bad_words or []),
+            "logprobs": self._num_logprobs(),
+            "prompt_logprobs": self._num_prompt_logprobs(),
+        }
+        for flag in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            if getattr(self, flag) is not None:
+                kwargs[flag] = getattr(self, flag)
+        try:
+            return SamplingParams(**kwargs)
+        except SamplingParamsError as exc:
+            param = max_tokens_field if exc.param == "max_tokens" else exc.param
+            message = str(exc).replace("max_tokens", max_tokens_field, 1) if param != exc.param else str(exc)
+            raise BadRequestError(message, param=param) from None
+
+
+# --------------------------------------------------------------------------- limits
+
+
+def resolve_max_tokens(
+    num_prompt_tokens: int,
+    requested: int | None,
+    max_model_len: int,
+    *,
+    default: int | None = None,
+    prompt_kind: str = "prompt",
+) -> int:
+    """The output limit of a request, or a 400 if it cannot fit the context window.
+
+    ``requested`` is what the client asked for (None: not given). A given value
+    must fit: ``prompt + max_tokens <= max_model_len``. Without one the request
+    gets ``default`` (None: all the room left), capped at the room left, which
+    must be at least one token. ``prompt_kind`` ("prompt" or "messages") names
+    the input in the message.
+    """
+    limit = f"This model's maximum context length is {max_model_len} tokens."
+    if requested is None:
+        room = max_model_len - num_prompt_tokens
+        if room < 1:
+            raise BadRequestError(
+                f"{limit} However, your {prompt_kind} resulted in {num_prompt_tokens} tokens, which "
+                f"leaves no room for the completion (at least 1 token). "
+                f"Please reduce the length of the {prompt_kind}.",
+                param=prompt_kind,
+                code="context_length_exceeded",
+            )
+        return room if default is None else min(default, room)
+    total = num_prompt_tokens + requested
+    if total > max_model_len:
+        raise BadRequestError(
+            f"{limit} However, you requested {total} tokens ({num_prompt_tokens} in the {prompt_kind}, "
+            f"{requested} in the completion). Please reduce the length of the {prompt_kind} or completion.",
+            param=prompt_kind,
+            code="context_length_exceeded",
+        )
+    return requested
