@@ -72,11 +72,11 @@ def test_streaming_client_disconnect_aborts(server, model_name, endpoint):
     with server.http() as client:
         with client.stream("POST", path, json={**body, "stream": True}) as response:
             assert response.status_code == 200
-            chunks = 0
-            for line in response.iter_lines():
-                chunks += line.startswith("data: ")
-                if chunks >= 4:  # a few tokens in (chat's first chunk only carries the role)
-                    break
+            # a few tokens in (chat's first chunk only carries the role); the line iterator is
+            # kept, not left with ``break``: closing it would close the connection right here
+            lines, chunks = response.iter_lines(), 0
+            while chunks < 4:
+                chunks += next(lines).startswith("data: ")
             # the gauge follows the engine's step stats, which may trail the first tokens a little
             deadline = time.monotonic() + 5
             while server.metrics()[RUNNING] != 1 and time.monotonic() < deadline:
