@@ -25,7 +25,8 @@ def _cpu_kernels(x: torch.Tensor):
 
 
 @functools.cache
-def _load_triton_ops():
+def load_triton_ops():
+    """The Triton layer kernels (:mod:`fastdeploy.ops.triton_layer_ops`), or None without triton."""
     try:
         from fastdeploy.ops import triton_layer_ops
     except ImportError:  # no triton: the torch path
@@ -37,7 +38,7 @@ def _triton_kernels(x: torch.Tensor):
     """The Triton layer ops for 2-D CUDA tensors with unit stride in the last dimension, else None."""
     if not x.is_cuda or x.dim() != 2 or x.stride(-1) != 1 or envs.FD_DISABLE_CUSTOM_OPS:
         return None
-    return _load_triton_ops()
+    return load_triton_ops()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -43,6 +43,34 @@ def _fused_add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, x_stride, r_stride, n, eps, 
 
 
 @triton.jit
+def _cos_sin(pos_ptr, cos_ptr, sin_ptr, token, d, HALF: tl.constexpr, dtype: tl.constexpr):
+    """The token's cos/sin rows, rounded to the activation dtype first as the torch fallback does."""
+    pos = tl.load(pos_ptr + token)
+    d_mask = d < HALF
+    c = tl.load(cos_ptr + pos * HALF + d, mask=d_mask, other=0.0).to(dtype).to(tl.float32)
+    s = tl.load(sin_ptr + pos * HALF + d, mask=d_mask, other=0.0).to(dtype).to(tl.float32)
+    return c, s
+
+
+@triton.jit
+def _rotate_heads(
+    row_ptr, num_heads, c, s, d, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HEADS_P2: tl.constexpr
+):
+    """Rotate the first ``num_heads`` heads of one row in place (NeoX halves); returns the halves."""
+    heads = tl.arange(0, HEADS_P2)
+    mask = (heads[:, None] < num_heads) & (d < HALF)[None, :]
+    base = row_ptr + heads[:, None] * HEAD_DIM + d[None, :]
+    dtype = row_ptr.dtype.element_ty
+    x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32)
+    r1 = (x1 * c[None, :] - x2 * s[None, :]).to(dtype)
+    r2 = (x2 * c[None, :] + x1 * s[None, :]).to(dtype)
+    tl.store(base, r1, mask=mask)
+    tl.store(base + HALF, r2, mask=mask)
+    return r1, r2
+
+
+@triton.jit
 def _rotary_kernel(
     x_ptr,
     pos_ptr,
@@ -56,20 +84,9 @@ def _rotary_kernel(
     HEADS_P2: tl.constexpr,
 ):
     token = tl.program_id(0)
-    pos = tl.load(pos_ptr + token)
     d = tl.arange(0, HALF_P2)
-    d_mask = d < HALF
-    dtype = x_ptr.dtype.element_ty
-    # cos/sin rounded to the activation dtype first, as the torch fallback does
-    c = tl.load(cos_ptr + pos * HALF + d, mask=d_mask, other=0.0).to(dtype).to(tl.float32)
-    s = tl.load(sin_ptr + pos * HALF + d, mask=d_mask, other=0.0).to(dtype).to(tl.float32)
-    heads = tl.arange(0, HEADS_P2)
-    mask = (heads[:, None] < num_heads) & d_mask[None, :]
-    base = x_ptr + token * x_stride + heads[:, None] * HEAD_DIM + d[None, :]
-    x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32)
-    tl.store(base, (x1 * c[None, :] - x2 * s[None, :]).to(dtype), mask=mask)
-    tl.store(base + HALF, (x2 * c[None, :] + x1 * s[None, :]).to(dtype), mask=mask)
+    c, s = _cos_sin(pos_ptr, cos_ptr, sin_ptr, token, d, HALF, x_ptr.dtype.element_ty)
+    _rotate_heads(x_ptr + token * x_stride, num_heads, c, s, d, HEAD_DIM, HALF, HEADS_P2)
 
 
 @triton.jit
@@ -170,30 +187,13 @@ def _rotary_cache_kernel(
     KH_P2: tl.constexpr,
 ):
     token = tl.program_id(0)
-    pos = tl.load(pos_ptr + token)
     d = tl.arange(0, HALF_P2)
-    d_mask = d < HALF
-    dtype = q_ptr.dtype.element_ty
-    c = tl.load(cos_ptr + pos * HALF + d, mask=d_mask, other=0.0).to(dtype).to(tl.float32)
-    s = tl.load(sin_ptr + pos * HALF + d, mask=d_mask, other=0.0).to(dtype).to(tl.float32)
-    # queries: rotated in place
-    qh = tl.arange(0, QH_P2)
-    q_mask = (qh[:, None] < num_q_heads) & d_mask[None, :]
-    q_base = q_ptr + token * row_stride + qh[:, None] * HEAD_DIM + d[None, :]
-    x1 = tl.load(q_base, mask=q_mask, other=0.0).to(tl.float32)
-    x2 = tl.load(q_base + HALF, mask=q_mask, other=0.0).to(tl.float32)
-    tl.store(q_base, (x1 * c[None, :] - x2 * s[None, :]).to(dtype), mask=q_mask)
-    tl.store(q_base + HALF, (x2 * c[None, :] + x1 * s[None, :]).to(dtype), mask=q_mask)
+    c, s = _cos_sin(pos_ptr, cos_ptr, sin_ptr, token, d, HALF, q_ptr.dtype.element_ty)
+    _rotate_heads(q_ptr + token * row_stride, num_q_heads, c, s, d, HEAD_DIM, HALF, QH_P2)
     # keys: rotated in place and, with the values, written to the token's cache slot
+    r1, r2 = _rotate_heads(k_ptr + token * row_stride, num_kv_heads, c, s, d, HEAD_DIM, HALF, KH_P2)
     kh = tl.arange(0, KH_P2)
-    k_mask = (kh[:, None] < num_kv_heads) & d_mask[None, :]
-    k_base = k_ptr + token * row_stride + kh[:, None] * HEAD_DIM + d[None, :]
-    y1 = tl.load(k_base, mask=k_mask, other=0.0).to(tl.float32)
-    y2 = tl.load(k_base + HALF, mask=k_mask, other=0.0).to(tl.float32)
-    r1 = (y1 * c[None, :] - y2 * s[None, :]).to(dtype)
-    r2 = (y2 * c[None, :] + y1 * s[None, :]).to(dtype)
-    tl.store(k_base, r1, mask=k_mask)
-    tl.store(k_base + HALF, r2, mask=k_mask)
+    k_mask = (kh[:, None] < num_kv_heads) & (d < HALF)[None, :]
     slot = tl.load(slot_ptr + token)
     if slot >= 0:
         row = slot * num_kv_heads * HEAD_DIM + kh[:, None] * HEAD_DIM

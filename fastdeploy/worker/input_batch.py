@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -56,10 +59,8 @@ class InputBatch:
         self._free_slots = list(range(max_num_reqs - 1, -1, -1))
         self.version = 0
         """Bumped whenever a request joins or leaves: keys caches of per-row device tensors."""
-        self.sampling_cache: tuple[tuple, object] | None = None
-        """(version, slots) → the sampler's composition-only tensors (see sampling_metadata)."""
-        self.stop_ids_cache: tuple[tuple, object] | None = None
-        """(version, slots) → the device-side stop check's rows and token ids."""
+        self._composition_cache: dict[str, tuple[tuple, Any]] = {}
+        """name → ((version, slots), value): see :meth:`per_composition`."""
 
     @property
     def num_slots(self) -> int:
@@ -150,6 +151,22 @@ class InputBatch:
                 "stop_ids": _flatten(self.stop_ids),
             }
         return self._sparse
+
+    def rows_of(self, slots: np.ndarray) -> np.ndarray:
+        """``[max_num_reqs]`` int64: the row of each slot in ``slots`` order, -1 for slots not in it."""
+        rows = np.full(self.max_num_reqs, -1, dtype=np.int64)
+        rows[slots] = np.arange(len(slots))
+        return rows
+
+    def per_composition(self, name: str, slots: np.ndarray, build: Callable[[], Any]) -> Any:
+        """``build()``'s value, reused until a request joins or leaves or the rows change order:
+        per-row device tensors need building only once per batch composition."""
+        key = (self.version, slots.tobytes())
+        cached = self._composition_cache.get(name)
+        if cached is None or cached[0] != key:
+            cached = (key, build())
+            self._composition_cache[name] = cached
+        return cached[1]
 
     def append_token(self, slot: int, token_id: int) -> None:
         n = self.num_tokens[slot]

@@ -59,10 +59,10 @@ class ModelRunner:
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         pinned = device.type == "cuda"
-        self._host_token_ids = [
-            torch.zeros(config.scheduler.max_num_seqs, dtype=torch.int64, pin_memory=pinned) for _ in range(2)
-        ]
-        """Pinned buffers the sampled ids are copied into, alternating between steps."""
+        rows = config.scheduler.max_num_seqs
+        self._host_token_ids = [torch.zeros(rows, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
+        self._host_stopped = [torch.zeros(rows, dtype=torch.bool, pin_memory=pinned) for _ in range(2)]
+        """Pinned buffers the sampled ids and stop flags are copied into, alternating between steps."""
         self._stop_flag_device, self._stop_flag_host = alloc_stop_flag(device)
         self.any_running = False
         """Whether any request of the last saved step is still running, read from the device flag."""
@@ -239,10 +239,10 @@ class ModelRunner:
         )
         set_stop(state.stopped, self._stop_flag_device, self._stop_flag_host)
         self._prev_sampled, self._prev_slots = sampled.token_ids, slots
-        host = self._host_token_ids[state.step_id % 2][: len(slots)]
-        host.copy_(sampled.token_ids, non_blocking=True)
-        state.token_ids_host = host
-        state.stopped_host = torch.empty(len(slots), dtype=torch.bool, pin_memory=self.device.type == "cuda")
+        turn = state.step_id % 2
+        state.token_ids_host = self._host_token_ids[turn][: len(slots)]
+        state.token_ids_host.copy_(sampled.token_ids, non_blocking=True)
+        state.stopped_host = self._host_stopped[turn][: len(slots)]
         state.stopped_host.copy_(state.stopped, non_blocking=True)
         state.logprobs = sampled.logprobs
         if self.device.type == "cuda":
@@ -364,9 +364,7 @@ class ModelRunner:
         """Fill the tokens sampled by the step still in flight from its ids on the device (no host sync)."""
         if len(unsaved) == 0:
             return input_ids
-        row_of_slot = np.full(self.batch.max_num_reqs, -1, dtype=np.int64)
-        row_of_slot[self._prev_slots] = np.arange(len(self._prev_slots))
-        rows = row_of_slot[req_of_token[unsaved]]
+        rows = self.batch.rows_of(self._prev_slots)[req_of_token[unsaved]]
         if self._prev_sampled is None or (rows < 0).any():
             raise RuntimeError("a scheduled token was neither on the host nor sampled by the previous step")
         input_ids[self._to_device(unsaved)] = self._prev_sampled[self._to_device(rows)]

@@ -11,8 +11,8 @@ parts (penalties, ``min_tokens``, multi-token bad words) are rebuilt every step.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -21,37 +21,16 @@ from fastdeploy.model_executor.sampler import PenaltyTensors, SamplingTensors
 from fastdeploy.worker.input_batch import InputBatch
 
 
-@dataclass
-class _CompositionTensors:
-    """The parts of the sampler inputs fixed while the batch keeps the same requests."""
-
-    temperature: torch.Tensor
-    top_p: torch.Tensor
-    top_k: torch.Tensor
-    min_p: torch.Tensor
-    generators: dict[int, torch.Generator]
-    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
-    static_bans: tuple[np.ndarray, np.ndarray]
-    all_greedy: bool
-    max_top_k: int
-    any_top_p: bool
-    any_min_p: bool
-    max_num_logprobs: int | None
-    has_penalties: bool
-
-
-def _composition_tensors(
+def _composition_part(
     batch: InputBatch,
     slots: np.ndarray,
     row_of_slot: np.ndarray,
     to_device: Callable[[np.ndarray], torch.Tensor],
-) -> _CompositionTensors:
-    key = (batch.version, slots.tobytes())
-    if batch.sampling_cache is not None and batch.sampling_cache[0] == key:
-        return batch.sampling_cache[1]
+) -> tuple[SamplingTensors, tuple[np.ndarray, np.ndarray], bool]:
+    """What depends only on the batch's requests: the sampler inputs without bans and
+    penalties, the single-token bans as (rows, tokens), and whether any row has penalties."""
     temperature, top_k = batch.temperature[slots], batch.top_k[slots]
     top_p, min_p = batch.top_p[slots], batch.min_p[slots]
-    seeded = [slot for slot in batch.generators if row_of_slot[slot] >= 0]
     sparse = batch.sparse_entries()
     logit_bias = None
     b_slots, b_tokens, b_values = sparse["logit_bias"]
@@ -61,51 +40,49 @@ def _composition_tensors(
         if keep.any():
             logit_bias = (to_device(rows[keep]), to_device(b_tokens[keep]), to_device(b_values[keep]))
     s_slots, s_tokens = sparse["static_bans"]
-    s_rows = row_of_slot[s_slots] if len(s_slots) else np.zeros(0, dtype=np.int64)
+    s_rows = row_of_slot[s_slots]
     num_logprobs = batch.num_logprobs[slots]
     rep, pres, freq = (
         batch.repetition_penalty[slots],
         batch.presence_penalty[slots],
         batch.frequency_penalty[slots],
     )
-    tensors = _CompositionTensors(
+    base = SamplingTensors(
         temperature=to_device(temperature),
         top_p=to_device(top_p),
         top_k=to_device(top_k),
         min_p=to_device(min_p),
-        generators={int(row_of_slot[slot]): batch.generators[slot] for slot in seeded},
-        logit_bias=logit_bias,
-        static_bans=(s_rows[s_rows >= 0], s_tokens[s_rows >= 0] if len(s_slots) else s_tokens),
+        generators={
+            int(row_of_slot[slot]): gen for slot, gen in batch.generators.items() if row_of_slot[slot] >= 0
+        },
         all_greedy=bool(((temperature == 0) | (top_k == 1)).all()),
+        logit_bias=logit_bias,
+        max_num_logprobs=int(num_logprobs.max()) if (num_logprobs >= 0).any() else None,
         max_top_k=int(top_k.max()) if len(top_k) else 0,
         any_top_p=bool((top_p < 1.0).any()),
         any_min_p=bool((min_p > 0).any()),
-        max_num_logprobs=int(num_logprobs.max()) if (num_logprobs >= 0).any() else None,
-        has_penalties=bool((rep != 1).any() or (pres != 0).any() or (freq != 0).any()),
     )
-    batch.sampling_cache = (key, tensors)
-    return tensors
+    has_penalties = bool((rep != 1).any() or (pres != 0).any() or (freq != 0).any())
+    return base, (s_rows[s_rows >= 0], s_tokens[s_rows >= 0]), has_penalties
 
 
 def build_sampling_tensors(
     batch: InputBatch, slots: np.ndarray, vocab_size: int, to_device: Callable[[np.ndarray], torch.Tensor]
 ) -> SamplingTensors:
     """The sampler inputs for rows ``slots`` (row i samples for slot ``slots[i]``)."""
-    row_of_slot = np.full(batch.max_num_reqs, -1, dtype=np.int64)
-    row_of_slot[slots] = np.arange(len(slots))
-    fixed = _composition_tensors(batch, slots, row_of_slot, to_device)
+    row_of_slot = batch.rows_of(slots)
+    base, static_bans, has_penalties = batch.per_composition(
+        "sampling", slots, lambda: _composition_part(batch, slots, row_of_slot, to_device)
+    )
     sparse = batch.sparse_entries()
     num_output = batch.num_tokens - batch.num_prompt_tokens
 
-    ban_rows, ban_tokens = [], []
+    ban_rows, ban_tokens = [static_bans[0]], [static_bans[1]]
     m_slots, m_tokens = sparse["min_tokens"]
     if len(m_slots):
         active = (row_of_slot[m_slots] >= 0) & (num_output[m_slots] < batch.min_tokens[m_slots])
         ban_rows.append(row_of_slot[m_slots[active]])
         ban_tokens.append(m_tokens[active])
-    if len(fixed.static_bans[0]):
-        ban_rows.append(fixed.static_bans[0])
-        ban_tokens.append(fixed.static_bans[1])
     for slot, words in batch.bad_word_seqs.items():
         row = row_of_slot[slot]
         if row < 0:
@@ -117,33 +94,18 @@ def build_sampling_tensors(
                 ban_rows.append(np.array([row]))
                 ban_tokens.append(np.array([word[-1]]))
     banned = None
-    if ban_rows and sum(len(r) for r in ban_rows):
+    if sum(len(r) for r in ban_rows):
         banned = (to_device(np.concatenate(ban_rows)), to_device(np.concatenate(ban_tokens)))
 
     penalties = None
-    if fixed.has_penalties:
+    if has_penalties:
         rep, pres, freq = (
             batch.repetition_penalty[slots],
             batch.presence_penalty[slots],
             batch.frequency_penalty[slots],
         )
         penalties = _penalty_tensors(batch, slots, vocab_size, rep, pres, freq, to_device)
-
-    return SamplingTensors(
-        temperature=fixed.temperature,
-        top_p=fixed.top_p,
-        top_k=fixed.top_k,
-        min_p=fixed.min_p,
-        generators=fixed.generators,
-        all_greedy=fixed.all_greedy,
-        logit_bias=fixed.logit_bias,
-        banned=banned,
-        penalties=penalties,
-        max_num_logprobs=fixed.max_num_logprobs,
-        max_top_k=fixed.max_top_k,
-        any_top_p=fixed.any_top_p,
-        any_min_p=fixed.any_min_p,
-    )
+    return dataclasses.replace(base, banned=banned, penalties=penalties)
 
 
 def _penalty_tensors(

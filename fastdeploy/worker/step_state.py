@@ -57,17 +57,7 @@ def device_stop_flags(
     num_output_after = num_tokens_after - batch.num_prompt_tokens[slots]
     by_length = (num_output_after >= batch.max_tokens[slots]) | (num_tokens_after >= max_model_len)
     stopped = to_device(by_length)
-    key = (batch.version, slots.tobytes())
-    if batch.stop_ids_cache is None or batch.stop_ids_cache[0] != key:
-        stop_slots, stop_tokens = batch.sparse_entries()["stop_ids"]
-        row_of_slot = np.full(batch.max_num_reqs, -1, dtype=np.int64)
-        row_of_slot[slots] = np.arange(len(slots))
-        rows = row_of_slot[stop_slots] if len(stop_slots) else np.zeros(0, dtype=np.int64)
-        keep = rows >= 0
-        rows, tokens, owners = rows[keep], stop_tokens[keep], stop_slots[keep]
-        cached = (rows, owners, to_device(rows), to_device(tokens)) if len(rows) else None
-        batch.stop_ids_cache = (key, cached)  # built once per batch composition
-    cached = batch.stop_ids_cache[1]
+    cached = batch.per_composition("stop_ids", slots, lambda: _stop_id_rows(batch, slots, to_device))
     if cached is None:
         return stopped
     rows, owners, rows_dev, tokens_dev = cached
@@ -78,3 +68,13 @@ def device_stop_flags(
         hits = hits * to_device(eligible.astype(np.int32))
     counts = torch.zeros(len(slots), dtype=torch.int32, device=sampled.device).index_add_(0, rows_dev, hits)
     return stopped | (counts > 0)
+
+
+def _stop_id_rows(batch: InputBatch, slots: np.ndarray, to_device: Callable[[np.ndarray], torch.Tensor]):
+    """(rows, owning slots, rows on the device, stop ids on the device) of every stop id of the
+    sampled rows, or None when none has any."""
+    stop_slots, stop_tokens = batch.sparse_entries()["stop_ids"]
+    rows = batch.rows_of(slots)[stop_slots]
+    keep = rows >= 0
+    rows, tokens, owners = rows[keep], stop_tokens[keep], stop_slots[keep]
+    return (rows, owners, to_device(rows), to_device(tokens)) if len(rows) else None

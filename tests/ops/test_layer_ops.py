@@ -46,7 +46,7 @@ def impl(request, monkeypatch):
         return request.param
     monkeypatch.setattr(layer_ops, "_cpu_kernels", lambda x: None)
     if request.param == "triton":
-        triton_ops = layer_ops._load_triton_ops()
+        triton_ops = layer_ops.load_triton_ops()
         if triton_ops is None:
             pytest.skip("triton is not installed")
         if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
@@ -165,7 +165,7 @@ def test_reshape_and_cache_flash_on_cpu_uses_the_kernel_and_matches_the_fallback
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_kernels_on_the_gpu_match_the_torch_path(dtype):
     """The real (compiled) Triton kernels against the torch fallback, both on the GPU."""
-    triton_ops = layer_ops._load_triton_ops()
+    triton_ops = layer_ops.load_triton_ops()
     if triton_ops is None:
         pytest.skip("triton is not installed")
     x, r, w = (_rand(33, 4096, dtype=dtype, seed=s).cuda() for s in (1, 2, 3))
@@ -199,7 +199,7 @@ def test_triton_kernels_on_the_gpu_match_the_torch_path(dtype):
 
 def test_fused_rotary_and_cache_write_equals_the_two_ops(monkeypatch):
     """The GPU kernel that rotates q/k and writes k/v to the cache, against rotary + cache write."""
-    triton_ops = layer_ops._load_triton_ops()
+    triton_ops = layer_ops.load_triton_ops()
     if triton_ops is None:
         pytest.skip("triton is not installed")
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -8,6 +8,7 @@ from torch import nn
 from fastdeploy import envs
 from fastdeploy.model_executor.attention.forward_context import get_attn_metadata
 from fastdeploy.ops import reshape_and_cache_flash
+from fastdeploy.ops.layer_ops import load_triton_ops
 
 
 class Attention(nn.Module):
@@ -40,7 +41,7 @@ class Attention(nn.Module):
             and self.kv_cache is not None
             and self.kv_cache_dtype == "auto"
             and not envs.FD_DISABLE_CUSTOM_OPS
-            and _triton_layer_ops() is not None
+            and load_triton_ops() is not None
         )
 
     def forward(
@@ -76,7 +77,7 @@ class Attention(nn.Module):
             key_cache, value_cache = self.kv_cache
             if fused:
                 positions, rope = rotary
-                _triton_layer_ops().rotary_and_cache_(
+                load_triton_ops().rotary_and_cache_(
                     positions,
                     q,
                     k,
@@ -94,12 +95,6 @@ class Attention(nn.Module):
                 )
             out = self.backend.forward(self, q, k, v, metadata)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
-
-
-def _triton_layer_ops():
-    from fastdeploy.ops.layer_ops import _load_triton_ops
-
-    return _load_triton_ops()
 
 
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
