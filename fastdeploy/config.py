@@ -130,7 +130,8 @@ class DeviceConfig:
     device: str = "auto"
     """cpu, cuda, or auto (cuda when available)."""
     attention_backend: str = "auto"
-    """Attention implementation: auto, torch, triton or flashinfer."""
+    """Attention implementation: auto, torch, triton or flashinfer (auto on CUDA: flashinfer
+    when installed and able to serve the model, else triton; on a CPU: torch)."""
     num_threads: int | None = None
     """Torch intra-op threads on a CPU; default: all cores."""
     enforce_eager: bool = False

@@ -7,6 +7,7 @@ row instead of ending the section.
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from collections.abc import Callable
@@ -213,19 +214,20 @@ def itl(s: Settings, copy_bytes_per_s: float) -> dict[str, Any]:
         floor_ms = weight_bytes / copy_bytes_per_s * 1000.0
         prompt = random_prompts(1, s.itl_prompt_len, arch.vocab_size, s.seed)[0]
         max_len = -(-(s.itl_prompt_len + s.itl_tokens + 16) // 16) * 16
-        for eager in (False, True):
+        for backend, eager in itertools.product(s.attention_backends, (False, True)):
             row: dict[str, Any] = {
                 "model": name,
                 "cuda_graphs": not eager,
+                "attention_backend": backend,
                 "weight_bytes": weight_bytes,
                 "floor_ms": floor_ms,
                 "target_ratio": target,
             }
             try:
                 row.update(with_engine(
-                    s, path, lambda llm, p=prompt: measure_itl(llm, p, s.itl_tokens),
+                    s, path, lambda llm, p=prompt: measure_itl(llm, p, s.itl_tokens) | backend_of(llm),
                     enforce_eager=eager, max_num_seqs=8, max_model_len=max_len,
-                    num_gpu_blocks_override=8 * max_len // 16 + 8,
+                    num_gpu_blocks_override=8 * max_len // 16 + 8, attention_backend=backend,
                 ))  # fmt: skip
                 row["ratio_to_floor"] = row["itl_ms_mean"] / floor_ms
                 row["meets_target"] = row["ratio_to_floor"] <= target
@@ -238,8 +240,14 @@ def itl(s: Settings, copy_bytes_per_s: float) -> dict[str, Any]:
 # ---- 4. throughput -----------------------------------------------------------------------------
 
 
+def backend_of(llm: Any) -> dict[str, Any]:
+    """The attention backend the engine's runner actually uses (``auto`` resolved)."""
+    runner = find_runner(llm)
+    return {"attention_backend": runner.attn_backend.name} if runner is not None else {}
+
+
 def engine_throughput(
-    s: Settings, prompts: list[list[int]], async_on: bool, graphs_on: bool
+    s: Settings, prompts: list[list[int]], async_on: bool, graphs_on: bool, backend: str = "auto"
 ) -> dict[str, Any]:
     """Output tokens/s of ``LLM.generate`` over all prompts (greedy, ignore_eos) after a warm-up batch."""
     vocab = arch_of(s, s.model_8b).vocab_size
@@ -254,12 +262,12 @@ def engine_throughput(
         elapsed = time.perf_counter() - start
         out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         return {"elapsed_s": elapsed, "output_tokens": out_tokens, "output_tok_per_s": out_tokens / elapsed,
-                "total_tok_per_s": (out_tokens + sum(map(len, prompts))) / elapsed}  # fmt: skip
+                "total_tok_per_s": (out_tokens + sum(map(len, prompts))) / elapsed} | backend_of(llm)  # fmt: skip
 
     return with_engine(
         s, s.model_8b, run, async_scheduling=async_on, enforce_eager=not graphs_on,
         max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
-        max_model_len=-(-(s.input_len + s.output_len + 1) // 16) * 16,
+        max_model_len=-(-(s.input_len + s.output_len + 1) // 16) * 16, attention_backend=backend,
     )  # fmt: skip
 
 
@@ -308,16 +316,17 @@ def throughput(s: Settings, matmul_flop_per_s: float | None) -> dict[str, Any]:
     params = parameter_count(arch)
     prompts = random_prompts(s.num_prompts, s.input_len, arch.vocab_size, s.seed)
     rows = []
-    for mode in s.throughput_modes:
+    for backend, mode in itertools.product(s.attention_backends, s.throughput_modes):
         async_on, graphs_on = THROUGHPUT_MODES[mode]
         row: dict[str, Any] = {
             "engine": "fastdeploy",
             "async_scheduling": async_on,
             "cuda_graphs": graphs_on,
+            "attention_backend": backend,
             "num_prompts": len(prompts),
         }
         try:
-            row.update(engine_throughput(s, prompts, async_on, graphs_on))
+            row.update(engine_throughput(s, prompts, async_on, graphs_on, backend))
         except Exception:
             row["error"] = error_text()
         rows.append(row)

@@ -88,7 +88,9 @@ def _ops(r: dict[str, Any]) -> list[str]:
 def _itl(r: dict[str, Any]) -> list[str]:
     rows = []
     for row in r["rows"]:
-        mode = "CUDA graphs" if row["cuda_graphs"] else "enforce_eager"
+        mode = (
+            "CUDA graphs" if row["cuda_graphs"] else "enforce_eager"
+        ) + f", {row.get('attention_backend', 'auto')}"
         note = _row_error(row)
         if note:
             rows.append(
@@ -131,7 +133,10 @@ def _throughput(r: dict[str, Any]) -> list[str]:
     rows = []
     for row in r["rows"]:
         if row["engine"] == "fastdeploy":
-            name = f"fastdeploy (async {'on' if row['async_scheduling'] else 'off'}, graphs {'on' if row['cuda_graphs'] else 'off'})"
+            name = (
+                f"fastdeploy (async {'on' if row['async_scheduling'] else 'off'}, "
+                f"graphs {'on' if row['cuda_graphs'] else 'off'}, {row.get('attention_backend', 'auto')})"
+            )
         else:
             name = f"transformers generate (static batch {row.get('batch_size', '?')})"
         note = _row_error(row)

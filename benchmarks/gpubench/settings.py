@@ -53,6 +53,8 @@ class Settings:
     throughput_modes: list[str] = field(default_factory=lambda: ["on/on", "off/off"])
     hf_num_prompts: int = 64
     hf_batch_size: int = 64
+    attention_backends: list[str] = field(default_factory=lambda: ["auto"])
+    """``--attention-backend`` values the ITL and throughput sections each run (auto: the platform's)."""
     itl_tokens: int = 128
     itl_prompt_len: int = 32
     correctness_model: str | None = None
@@ -116,6 +118,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--hf-batch-size", type=int, default=64, help="static batch size of transformers generate"
     )
     parser.add_argument(
+        "--attention-backends", default="auto",
+        help="comma-separated --attention-backend values the itl and throughput sections each run "
+        "(e.g. triton,flashinfer; default auto: the platform's choice)",
+    )  # fmt: skip
+    parser.add_argument(
         "--itl-tokens", type=int, default=128, help="tokens generated per inter-token-latency run"
     )
     parser.add_argument("--seed", type=int, default=0)
@@ -149,6 +156,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         hf_num_prompts=args.hf_num_prompts,
         hf_batch_size=args.hf_batch_size,
         itl_tokens=args.itl_tokens,
+        attention_backends=[b.strip() for b in args.attention_backends.split(",") if b.strip()],
     )
     if args.smoke:
         s.num_prompts, s.input_len, s.output_len = 4, 16, 8

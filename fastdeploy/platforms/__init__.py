@@ -28,17 +28,47 @@ def configure_threads(config: EngineConfig, device: torch.device) -> None:
         torch.set_num_threads(config.device.num_threads or os.cpu_count() or 1)
 
 
-def get_attention_backend(config: EngineConfig, device: torch.device, dtype: torch.dtype, head_dim: int):
+def get_attention_backend(
+    config: EngineConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int,
+    *,
+    num_heads: int = 1,
+    num_kv_heads: int = 1,
+    kv_cache_dtype: str = "auto",
+    needs_mask_offsets: bool = False,
+):
     """The attention backend for ``--attention-backend`` on this device, dtype and head size.
 
-    ``auto``: triton on CUDA (when triton imports and the head size is a power of two >= 16),
-    torch otherwise. ``triton`` fails with a clear error when triton cannot be imported (or, on
-    a CPU, unless its interpreter is on: ``TRITON_INTERPRET=1``, for tests).
+    ``auto`` on CUDA: flashinfer when the package imports and can serve the model (bf16/fp16,
+    head size 64/128/256, no fp8 cache, no bidirectional multimodal masks), else triton (when
+    triton imports and the head size is a power of two >= 16), else torch; on a CPU: torch.
+    An explicitly named backend that cannot run here fails with a clear error (``triton`` on
+    a CPU only under ``TRITON_INTERPRET=1``, for tests).
     """
+    from fastdeploy.model_executor.attention.flashinfer_backend import (
+        flashinfer_importable,
+        flashinfer_unsupported_reason,
+    )
     from fastdeploy.model_executor.attention.torch_backend import TorchAttentionBackend
     from fastdeploy.ops.cpu_ops import load_cpu_ops
 
     name = config.device.attention_backend
+    if name == "flashinfer" or (name == "auto" and device.type == "cuda" and flashinfer_importable()):
+        reason = flashinfer_unsupported_reason(dtype, head_dim, kv_cache_dtype)
+        if reason is None and needs_mask_offsets:
+            reason = "it has no attention-mask offsets (--mm-bidirectional-attention)"
+        if reason is None and device.type != "cuda":
+            reason = "it runs on CUDA devices only"
+        if reason is None and not flashinfer_importable():
+            reason = "the flashinfer package is not installed (pip install flashinfer-python)"
+        if reason is None:
+            from fastdeploy.model_executor.attention.flashinfer_backend import FlashInferAttentionBackend
+
+            return FlashInferAttentionBackend(num_heads, num_kv_heads, head_dim, dtype, device)
+        if name == "flashinfer":
+            raise ValueError(f"--attention-backend flashinfer is not available: {reason}")
     if name == "triton" or (name == "auto" and device.type == "cuda"):
         try:
             from fastdeploy.model_executor.attention.triton_backend import TritonAttentionBackend
@@ -65,7 +95,8 @@ def get_attention_backend(config: EngineConfig, device: torch.device, dtype: tor
         )
         return TorchAttentionBackend(load_cpu_ops() if kernel_fits else None)
     raise ValueError(
-        f"attention backend {name!r} is not available on {device.type}; available: torch, triton"
+        f"attention backend {name!r} is not available on {device.type}; "
+        "available: auto, torch, triton, flashinfer"
     )
 
 

@@ -38,10 +38,14 @@ class BlockTable:
     def clear_row(self, row: int) -> None:
         self.num_blocks[row] = 0
 
-    def to_device(self, rows: np.ndarray) -> torch.Tensor:
-        """The given rows, trimmed to the longest row in use, as a device tensor."""
+    def rows(self, rows: np.ndarray) -> np.ndarray:
+        """The given rows, trimmed to the longest row in use (a host copy)."""
         width = max(int(self.num_blocks[rows].max()) if len(rows) else 1, 1)
-        host = torch.from_numpy(np.ascontiguousarray(self.table[rows, :width]))
+        return np.ascontiguousarray(self.table[rows, :width])
+
+    def to_device(self, host_rows: np.ndarray) -> torch.Tensor:
+        """Rows taken by :meth:`rows`, as a device tensor (through pinned memory on a GPU)."""
+        host = torch.from_numpy(host_rows)
         if self.device.type == "cpu":
             return host
         return host.pin_memory().to(self.device, non_blocking=True) if self._pinned else host.to(self.device)

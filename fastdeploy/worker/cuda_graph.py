@@ -5,8 +5,9 @@ A decode step of ``n`` requests replays the graph captured for the smallest size
 requests get ``seq_len`` 0 (they read nothing) and slot -1 (they write nothing),
 and the first ``n`` rows of the captured output are the step's hidden states.
 Sampling stays outside the graph. Capture needs a graph-safe attention backend
-(Triton) and the compiled ``reshape_and_cache_flash`` (its torch fallback checks
-slots on the host).
+(``supports_cuda_graphs``: Triton, FlashInfer; a backend that plans on the host
+re-plans in ``update_graph_metadata`` before each replay) and the compiled
+``reshape_and_cache_flash`` (its torch fallback checks slots on the host).
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ class DecodeGraphs:
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.block_table = torch.zeros(n, max_blocks_per_req, dtype=torch.int32, device=device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, object]] = {}
+        """size → (graph, its output buffer, the attention metadata it was captured with)."""
 
     @property
     def max_batch_size(self) -> int:
@@ -76,8 +78,9 @@ class DecodeGraphs:
             max_query_len=1,
             max_seq_len=self.max_model_len,
             block_size=self.block_size,
+            block_table_cpu=np.zeros((size, self.block_table.shape[1]), dtype=np.int32),
         )
-        return self.attn_backend.build(common)
+        return self.attn_backend.build_graph_metadata(common)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -97,7 +100,7 @@ class DecodeGraphs:
             with set_forward_context(meta), torch.cuda.graph(graph, pool=pool):
                 out = self.model(self.input_ids[:size], self.positions[:size])
             pool = graph.pool() if pool is None else pool
-            self.graphs[size] = (graph, out)
+            self.graphs[size] = (graph, out, meta)
         torch.cuda.synchronize()
         logger.info(
             "captured CUDA graphs for %d decode batch sizes (1..%d) in %.1f s; %.2f GiB reserved by torch",
@@ -123,7 +126,7 @@ class DecodeGraphs:
         """Replay the graph for this decode step and return ``[num_reqs, hidden]`` states."""
         n = common.num_reqs
         size = self.padded_size(n)
-        graph, out = self.graphs[size]
+        graph, out, meta = self.graphs[size]
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)
         self.slot_mapping[:n].copy_(common.slot_mapping, non_blocking=True)
@@ -135,5 +138,6 @@ class DecodeGraphs:
             self.positions[n:size].zero_()
             self.slot_mapping[n:size].fill_(-1)
             self.seq_lens[n:size].zero_()
+        self.attn_backend.update_graph_metadata(meta, common)
         graph.replay()
         return out[:n]

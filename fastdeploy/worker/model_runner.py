@@ -42,7 +42,17 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.dtype = resolve_dtype(config.model.dtype, source.arch, device)
         self.batch = InputBatch(config.scheduler.max_num_seqs, max_model_len, self.block_size, device)
-        self.attn_backend = get_attention_backend(config, device, self.dtype, source.arch.head_dim)
+        arch = source.arch
+        self.attn_backend = get_attention_backend(
+            config,
+            device,
+            self.dtype,
+            arch.head_dim,
+            num_heads=arch.num_attention_heads,
+            num_kv_heads=arch.num_key_value_heads,
+            kv_cache_dtype=self.kv_cache_dtype,
+            needs_mask_offsets=arch.mm is not None and config.model.mm_bidirectional_attention,
+        )
         if self.kv_cache_dtype == "fp8_e4m3":
             if self.attn_backend.name != "triton":
                 raise ValueError(
@@ -160,9 +170,9 @@ class ModelRunner:
         device_cfg = self.config.device
         if self.device.type != "cuda" or device_cfg.enforce_eager or self.mm is not None:
             return None  # (M-RoPE models take [3, T] positions, which the captured graphs do not)
-        if self.attn_backend.name != "triton" or not has_cuda_ops():
+        if not getattr(self.attn_backend, "supports_cuda_graphs", False) or not has_cuda_ops():
             logger.warning(
-                "CUDA graphs need the triton attention backend and the compiled fastdeploy_ops "
+                "CUDA graphs need the triton or flashinfer attention backend and the compiled fastdeploy_ops "
                 "(python setup_ops.py build_ext --inplace); running every step eagerly"
             )
             return None
@@ -327,12 +337,14 @@ class ModelRunner:
         mm_step = (
             None if self.mm is None else self.mm.prepare([batch.req_ids[s] for s in slots], counts, positions)
         )
+        block_rows = batch.block_table.rows(slots)
         common = CommonAttentionMetadata(
             num_reqs=len(slots),
             num_actual_tokens=total,
             query_start_loc=self._to_device(query_start_loc.astype(np.int32)),
             seq_lens=self._to_device(seq_lens.astype(np.int32)),
-            block_table=batch.block_table.to_device(slots),
+            block_table=batch.block_table.to_device(block_rows),
+            block_table_cpu=block_rows,
             slot_mapping=self._to_device(slot_mapping),
             query_start_loc_cpu=query_start_loc,
             seq_lens_cpu=seq_lens,

@@ -8,7 +8,6 @@ on a GPU machine to get the interpreter cases there too.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import replace
 
@@ -20,10 +19,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
+from paged_attention_cases import TOLERANCE, make_step, reference  # noqa: E402
+
 from fastdeploy.config import EngineConfig  # noqa: E402
 from fastdeploy.model_executor.attention.forward_context import set_forward_context  # noqa: E402
 from fastdeploy.model_executor.attention.layer import Attention  # noqa: E402
-from fastdeploy.model_executor.attention.metadata import CommonAttentionMetadata  # noqa: E402
 from fastdeploy.model_executor.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from fastdeploy.ops.triton_attention import decode_num_splits, triton_interpreting  # noqa: E402
 from fastdeploy.platforms import get_attention_backend  # noqa: E402
@@ -40,112 +40,12 @@ def gpu_compiled(test):
     return pytest.mark.gpu(skip(test))
 
 
-TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
-
-
-class _Layer:
-    """The attributes of an ``Attention`` layer that a backend reads."""
-
-    def __init__(self, kv_cache, scale, kv_scales=None):
-        self.kv_cache, self.scale, self.kv_scales = kv_cache, scale, kv_scales
-        self.kv_cache_dtype = "auto" if kv_scales is None else "fp8_e4m3"
-
-
-def _make_step(shapes, heads, kv_heads, head_dim, dtype, *, fp8=False, spans=(), device="cpu", seed=0):
-    """A random paged cache and one step of requests ``(cached context, new tokens)``.
-
-    ``spans`` are ``(request, first, end)`` position ranges that attend bidirectionally (mask
-    offsets); with none, the step has no offsets (causal). Returns the layer, q, common metadata.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    block_size = 16
-    blocks_per_req = [-(-(ctx + new) // block_size) for ctx, new in shapes]
-    max_blocks = max(blocks_per_req) + 2  # wider than any request: the static decode bound
-    num_blocks = sum(blocks_per_req) + 3
-    cache_dtype = torch.float8_e4m3fn if fp8 else dtype
-    caches = [
-        torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(cache_dtype)
-        for _ in range(2)
-    ]
-    kv_scales = None
-    if fp8:
-        kv_scales = tuple(
-            torch.rand(num_blocks, block_size, kv_heads, generator=gen) * 0.5 + 0.05 for _ in range(2)
-        )
-    perm = torch.randperm(num_blocks, generator=gen).to(torch.int32)
-    block_table = torch.randint(0, num_blocks, (len(shapes), max_blocks), generator=gen, dtype=torch.int32)
-    first = 0
-    for r, n in enumerate(blocks_per_req):
-        block_table[r, :n] = perm[first : first + n]
-        first += n
-    query_lens = np.array([new for _, new in shapes])
-    seq_lens = np.array([ctx + new for ctx, new in shapes])
-    qsl = np.concatenate([[0], np.cumsum(query_lens)])
-    num_tokens = int(qsl[-1])
-    offsets = None
-    if spans:
-        positions = np.concatenate([np.arange(s - n, s) for s, n in zip(seq_lens, query_lens)])
-        limits = positions + 1
-        for req, lo, hi in spans:
-            token_pos = positions[qsl[req] : qsl[req + 1]]
-            inside = (token_pos >= lo) & (token_pos < hi)
-            limits[qsl[req] : qsl[req + 1]][inside] = hi
-        offsets = torch.from_numpy(limits.astype(np.int32)).to(device)
-    q = torch.randn(num_tokens, heads, head_dim, generator=gen).to(dtype)
-    common = CommonAttentionMetadata(
-        num_reqs=len(shapes),
-        num_actual_tokens=num_tokens,
-        query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(device),
-        seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
-        block_table=block_table.to(device),
-        slot_mapping=torch.zeros(num_tokens, dtype=torch.int64, device=device),  # unused by forward()
-        query_start_loc_cpu=qsl,
-        seq_lens_cpu=seq_lens,
-        max_query_len=int(query_lens.max()),
-        max_seq_len=int(seq_lens.max()),
-        block_size=block_size,
-        attn_mask_offsets=offsets,
-    )
-    to_dev = (lambda t: t.to(device)) if device != "cpu" else (lambda t: t)
-    scales = None if kv_scales is None else tuple(map(to_dev, kv_scales))
-    layer = _Layer(tuple(map(to_dev, caches)), 1 / math.sqrt(head_dim), scales)
-    return layer, to_dev(q), common
-
-
-def _reference(layer, q, common):
-    """Dense float64 attention per request over its context gathered through the block table."""
-    caches = [c.view(torch.float8_e4m3fn) if c.dtype == torch.uint8 else c for c in layer.kv_cache]
-    key_cache, value_cache = (c.cpu().double() for c in caches)
-    if layer.kv_scales is not None:
-        key_cache = key_cache * layer.kv_scales[0].cpu().double()[..., None]
-        value_cache = value_cache * layer.kv_scales[1].cpu().double()[..., None]
-    q = q.cpu().double()
-    group = q.shape[1] // key_cache.shape[2]
-    block_table = common.block_table.cpu().long()
-    offsets = None if common.attn_mask_offsets is None else common.attn_mask_offsets.cpu().long()
-    out = torch.empty_like(q)
-    for r in range(common.num_reqs):
-        start, end = int(common.query_start_loc_cpu[r]), int(common.query_start_loc_cpu[r + 1])
-        seq_len = int(common.seq_lens_cpu[r])
-        pos = torch.arange(seq_len)
-        slots = block_table[r, pos // common.block_size]
-        keys = key_cache[slots, pos % common.block_size].repeat_interleave(group, dim=1)  # [S, Hq, D]
-        values = value_cache[slots, pos % common.block_size].repeat_interleave(group, dim=1)
-        query_pos = torch.arange(seq_len - (end - start), seq_len)
-        limit = query_pos + 1 if offsets is None else offsets[start:end].clamp(max=seq_len)
-        visible = pos[None, :] < limit[:, None]  # [Q, S]
-        scores = torch.einsum("qhd,khd->hqk", q[start:end], keys) * layer.scale
-        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
-        out[start:end] = torch.einsum("hqk,khd->qhd", probs, values)
-    return out
-
-
 def _check(layer, q, common, dtype, decode_splits=None):
     backend = TritonAttentionBackend(decode_splits=decode_splits)
     meta = backend.build(common)
     out = backend.forward(layer, q, None, None, meta)
     assert out.shape == q.shape and out.dtype == q.dtype
-    expected = _reference(layer, q, common)
+    expected = reference(layer, q, common)
     torch.testing.assert_close(out.cpu().double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
     return meta
 
@@ -169,13 +69,13 @@ CASES = [  # heads, kv_heads, head_dim, dtype
 
 
 def _decode_case(heads, kv_heads, head_dim, dtype, splits, device="cpu", factor=1):
-    layer, q, common = _make_step(_scaled(DECODES, factor), heads, kv_heads, head_dim, dtype, device=device)
+    layer, q, common = make_step(_scaled(DECODES, factor), heads, kv_heads, head_dim, dtype, device=device)
     meta = _check(layer, q, common, dtype, decode_splits=splits)
     assert meta.decode_only
 
 
 def _mixed_case(heads, kv_heads, head_dim, dtype, device="cpu", factor=1):
-    layer, q, common = _make_step(
+    layer, q, common = make_step(
         _scaled(MIXED, factor), heads, kv_heads, head_dim, dtype, device=device, seed=1
     )
     assert not _check(layer, q, common, dtype).decode_only
@@ -183,7 +83,7 @@ def _mixed_case(heads, kv_heads, head_dim, dtype, device="cpu", factor=1):
 
 def _fp8_case(decode, device="cpu", factor=1):
     shapes = _scaled(DECODES if decode else MIXED, factor)
-    layer, q, common = _make_step(shapes, 6, 2, 64, torch.bfloat16, fp8=True, device=device, seed=2)
+    layer, q, common = make_step(shapes, 6, 2, 64, torch.bfloat16, fp8=True, device=device, seed=2)
     if not decode:  # the other accepted form: a byte cache named "fp8"
         layer.kv_cache = tuple(cache.view(torch.uint8) for cache in layer.kv_cache)
         layer.kv_cache_dtype = "fp8"
@@ -194,7 +94,7 @@ def _mask_case(dtype=torch.float32, device="cpu", factor=1):
     # request 0: an image inside a fresh prompt; request 1: an image that began in the cached context and
     # ends inside this chunk; request 5: an image that ends exactly at the chunk's end
     spans = [(0, 4 * factor, 15 * factor), (1, 35 * factor, 50 * factor), (5, 33 * factor, 40 * factor)]
-    layer, q, common = _make_step(_scaled(MIXED, factor), 6, 2, 64, dtype, spans=spans, device=device, seed=3)
+    layer, q, common = make_step(_scaled(MIXED, factor), 6, 2, 64, dtype, spans=spans, device=device, seed=3)
     _check(layer, q, common, dtype)
 
 
@@ -227,7 +127,7 @@ def test_mask_offsets_open_bidirectional_spans(dtype):
 def test_through_the_attention_layer():
     """The layer writes this step's keys/values into the cache, then the backend attends."""
     heads, kv_heads, head_dim, ctx, new = 4, 2, 64, 21, 6
-    layer, _, common = _make_step([(ctx, new)], heads, kv_heads, head_dim, torch.float32, seed=6)
+    layer, _, common = make_step([(ctx, new)], heads, kv_heads, head_dim, torch.float32, seed=6)
     pos = torch.arange(ctx, ctx + new)
     blocks = common.block_table[0, pos // common.block_size].long()
     common.slot_mapping = blocks * common.block_size + pos % common.block_size
@@ -239,13 +139,13 @@ def test_through_the_attention_layer():
         out = attention(q, k, v)
     key_cache = layer.kv_cache[0].view(-1, kv_heads, head_dim)
     torch.testing.assert_close(key_cache[common.slot_mapping], k.view(new, kv_heads, head_dim))
-    expected = _reference(layer, q.view(new, heads, head_dim), common)
+    expected = reference(layer, q.view(new, heads, head_dim), common)
     torch.testing.assert_close(out.double(), expected.view(new, -1), atol=2e-5, rtol=2e-5)
 
 
 @needs_interpreter
 def test_mask_offsets_in_a_decode_batch():
-    layer, q, common = _make_step(DECODES, 4, 2, 64, torch.float32, seed=4)
+    layer, q, common = make_step(DECODES, 4, 2, 64, torch.float32, seed=4)
     limits = torch.from_numpy(
         np.maximum(common.seq_lens_cpu - np.arange(len(DECODES)) * 3, 1).astype(np.int32)
     )
@@ -255,12 +155,12 @@ def test_mask_offsets_in_a_decode_batch():
 
 @needs_interpreter
 def test_padded_tokens_and_head_dim_checks():
-    layer, q, common = _make_step([(5, 3), (9, 1)], 2, 2, 64, torch.float32, seed=5)
+    layer, q, common = make_step([(5, 3), (9, 1)], 2, 2, 64, torch.float32, seed=5)
     padded = torch.cat([q, torch.randn(3, *q.shape[1:])])  # rows past num_actual_tokens are ignored
     backend = TritonAttentionBackend()
     out = backend.forward(layer, padded, None, None, backend.build(common))
-    torch.testing.assert_close(out[: len(q)].double(), _reference(layer, q, common), atol=2e-5, rtol=2e-5)
-    layer, q, common = _make_step([(5, 3)], 2, 2, 48, torch.float32)
+    torch.testing.assert_close(out[: len(q)].double(), reference(layer, q, common), atol=2e-5, rtol=2e-5)
+    layer, q, common = make_step([(5, 3)], 2, 2, 48, torch.float32)
     with pytest.raises(ValueError, match="power-of-two"):
         backend.forward(layer, q, None, None, backend.build(common))
 
@@ -269,14 +169,14 @@ def test_padded_tokens_and_head_dim_checks():
 @pytest.mark.parametrize("splits", [1, 4])
 def test_cuda_graph_padding_of_a_decode_batch(splits):
     """Padded requests (seq_len 0) get zeros; the real ones are unaffected."""
-    layer, q, common = _make_step([(40, 1), (7, 1), (0, 1), (0, 1)], 6, 2, 64, torch.float32, seed=8)
+    layer, q, common = make_step([(40, 1), (7, 1), (0, 1), (0, 1)], 6, 2, 64, torch.float32, seed=8)
     real = replace(common, num_reqs=2, num_actual_tokens=2)
     common.seq_lens[2:] = 0
     common.seq_lens_cpu[2:] = 0
     out = TritonAttentionBackend(decode_splits=splits).forward(
         layer, q, None, None, TritonAttentionBackend().build(common)
     )
-    torch.testing.assert_close(out[:2].double(), _reference(layer, q, real)[:2], atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(out[:2].double(), reference(layer, q, real)[:2], atol=2e-5, rtol=2e-5)
     assert torch.equal(out[2:], torch.zeros_like(out[2:]))
 
 

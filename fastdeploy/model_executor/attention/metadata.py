@@ -32,6 +32,8 @@ class CommonAttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int
+    block_table_cpu: np.ndarray | None = None
+    """The host copy of ``block_table`` (backends that plan on the host read it)."""
     attn_mask_offsets: torch.Tensor | None = None
     """[num_tokens] int32 on the device, or None (causal): per query token, the EXCLUSIVE upper
     bound of the key positions (absolute positions within its sequence) it may attend; causal

@@ -48,6 +48,7 @@ class TritonAttentionBackend:
     """
 
     name = "triton"
+    supports_cuda_graphs = True
 
     def __init__(self, decode_splits: int | None = None):
         self.decode_splits = decode_splits
@@ -61,6 +62,14 @@ class TritonAttentionBackend:
         return TritonAttentionMetadata(
             common=common, decode_only=common.max_query_len == 1, mask_limits=limits
         )
+
+    def build_graph_metadata(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
+        """Metadata to capture a decode graph with: the kernels read the graph's static
+        buffers, so replays need no update."""
+        return self.build(common)
+
+    def update_graph_metadata(self, meta: TritonAttentionMetadata, common: CommonAttentionMetadata) -> None:
+        """Nothing to do before a replay (see :meth:`build_graph_metadata`)."""
 
     def forward(
         self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: TritonAttentionMetadata
