@@ -12,7 +12,9 @@ Sections (each independent: a failure is recorded in the results and the run goe
 * ``correctness``: greedy tokens of the GPU engine in float32 on the default model
   (SmolLM2-135M GGUF) against the CPU engine; bf16 prefill logits against fp32 (<= 2e-2).
 * ``ops``: ``reshape_and_cache_flash`` (bf16, fp8_e4m3) and Triton decode attention in
-  bytes/s, as a fraction of the measured device copy bandwidth (read + written bytes).
+  bytes/s, as a fraction of the measured device copy bandwidth (read + written bytes); the
+  batch-1 linears of the Llama-3.1-8B / 3.2-1B layers, cuBLAS against the Triton small-M
+  kernel (down_proj also with its SiLU-and-multiply fused), in µs and weight bytes/s.
 * ``itl``: batch-1 decode inter-token latency of the Llama-3.2-1B and Llama-3.1-8B shapes
   (dummy bf16 weights), CUDA graphs on and off, against weight bytes / copy bandwidth.
 * ``throughput``: output tok/s for 256 random 512-token prompts x 256 tokens on the 8B shape

@@ -66,6 +66,11 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         _bool("FD_DISABLE_CUSTOM_OPS", "0"),
         "Use the torch fallbacks even when fastdeploy_ops is built.",
     ),
+    "FD_SMALL_M_GEMV": (
+        _bool("FD_SMALL_M_GEMV", "1"),
+        "Use the Triton small-batch linear kernel (and fuse SiLU-and-multiply into down_proj) "
+        "for decode steps of at most 4 rows inside CUDA graphs (0: cuBLAS everywhere).",
+    ),
     "FD_CUDA_ARCHS": (
         lambda: os.environ.get("FD_CUDA_ARCHS", "9.0a;8.0+PTX"),
         "GPU architectures setup_ops.py compiles fastdeploy_ops for, ';'-separated "

@@ -1,4 +1,5 @@
-"""Kernel bandwidth: ``reshape_and_cache_flash`` and the Triton decode attention.
+"""Kernel bandwidth: ``reshape_and_cache_flash``, the Triton decode attention and the
+small-M linear layers of batch-1 decode (cuBLAS against the Triton small-M kernel).
 
 Each figure is bytes moved per call / time per call, also as a fraction of the
 measured copy bandwidth (which counts read + written bytes the same way). Inputs
@@ -9,13 +10,15 @@ that a small working set is not served from the L2 cache.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
-from .measure import error_text, time_per_call
+from .measure import error_text, free_memory, time_per_call
 
 ROTATE_BYTES = 256 << 20
 """Total bytes touched by one pass over the rotated input sets (H100/H200 L2: 50 MiB)."""
@@ -167,6 +170,109 @@ def bench_decode_attention(
     }
 
 
+GEMV_SHAPES: dict[str, list[tuple[str, int, int]]] = {
+    "Llama-3.1-8B": [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096)],
+    "Llama-3.2-1B": [("qkv", 2048, 3072), ("o", 2048, 2048), ("gate_up", 2048, 16384), ("down", 8192, 2048)],
+}
+"""(layer, in_features K, out_features N) of the decoder layer's linears, bf16, no bias."""
+GEMV_SMOKE_SHAPES = {"tiny": [("qkv", 128, 512), ("o", 256, 128), ("gate_up", 128, 512), ("down", 256, 128)]}
+"""The ``--smoke`` model's shapes (benchmarks/gpubench/settings.py TINY_OVERRIDES)."""
+GRAPH_CALLS = 32
+
+
+def _time_calls(call: Callable[[int], Any], sets: int, device: torch.device) -> float:
+    """Seconds per ``call(i)``: on a GPU, replays of a CUDA graph of at least ``GRAPH_CALLS``
+    calls over the rotated sets (a 3-30 µs kernel launched from Python would time the host,
+    and decode replays graphs too); on a CPU, back-to-back calls."""
+    if device.type != "cuda":
+        return time_per_call(call, device, iters=max(3, sets))
+    calls = sets * math.ceil(GRAPH_CALLS / sets)
+    for i in range(sets):  # warm-up outside capture: compiles and autotunes
+        call(i)
+    torch.cuda.synchronize(device)
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for i in range(calls):
+            call(i)
+    return time_per_call(lambda _: graph.replay(), device, iters=5) / calls
+
+
+def bench_small_m_linear(
+    model: str, layer: str, k: int, n: int, silu_mul: bool, device: torch.device,
+    dtype: torch.dtype = torch.bfloat16, m: int = 1,
+) -> dict[str, Any]:  # fmt: skip
+    """Time ``m`` rows through one linear layer: ``F.linear`` (cuBLAS) against ``small_m_linear``.
+
+    With ``silu_mul`` the input is ``gate_up`` (``[m, 2k]``) and the baseline is
+    ``F.linear(silu_and_mul(gate_up))`` (two kernels) against the fused kernel. Bytes: the
+    weight (the activations are under 0.1% of it). The Triton rows run on CUDA, or on a CPU
+    under ``TRITON_INTERPRET=1``; otherwise they are marked skipped.
+    """
+    from fastdeploy.ops.layer_ops import silu_and_mul
+
+    weight_bytes = n * k * dtype.itemsize
+    sets = _num_sets(weight_bytes, device)
+    weights = [torch.randn(n, k, device=device, dtype=dtype) * k**-0.5 for _ in range(sets)]
+    inputs = [torch.randn(m, 2 * k if silu_mul else k, device=device, dtype=dtype) for _ in range(sets)]
+    row: dict[str, Any] = {
+        "op": "small_m_linear",
+        "model": model,
+        "layer": layer + (" + silu_and_mul" if silu_mul else ""),
+        "shape": f"{m} x {inputs[0].shape[1]} -> {n}",
+        "weight_bytes": weight_bytes,
+        "input_sets": sets,
+        "baseline": "silu_and_mul + F.linear" if silu_mul else "F.linear",
+    }
+
+    def baseline(i: int) -> None:
+        x = inputs[i % sets]
+        F.linear(silu_and_mul(x) if silu_mul else x, weights[i % sets])
+
+    row["baseline_seconds"] = _time_calls(baseline, sets, device)
+    try:
+        from fastdeploy.ops import triton_gemv
+        from fastdeploy.ops.triton_attention import triton_interpreting
+    except ImportError:
+        row["skipped"] = "triton is not installed"
+        return row
+    if device.type != "cuda" and not triton_interpreting():
+        row["skipped"] = "needs CUDA (or TRITON_INTERPRET=1)"
+        return row
+    row["triton_seconds"] = _time_calls(
+        lambda i: triton_gemv.small_m_linear(inputs[i % sets], weights[i % sets], silu_mul=silu_mul),
+        sets,
+        device,
+    )
+    row["config"] = triton_gemv.last_tuned_config() if device.type == "cuda" else "interpreter"
+    out = triton_gemv.small_m_linear(inputs[0], weights[0], silu_mul=silu_mul).double()
+    ref = F.linear(silu_and_mul(inputs[0]) if silu_mul else inputs[0], weights[0]).double()
+    row["rel_err_vs_baseline"] = ((out - ref).norm() / ref.norm()).item()
+    row["speedup"] = row["baseline_seconds"] / row["triton_seconds"]
+    return row
+
+
+def gemv_rows(s: Any, copy_bytes_per_s: float) -> list[dict[str, Any]]:
+    """The small-M linear comparison at M = 1 for every Llama layer shape (tiny ones with ``--smoke``)."""
+    rows: list[dict[str, Any]] = []
+    for model, layers in (GEMV_SMOKE_SHAPES if s.smoke else GEMV_SHAPES).items():
+        for layer, k, n in layers:
+            for silu_mul in (False, True) if layer == "down" else (False,):
+                try:
+                    row = bench_small_m_linear(model, layer, k, n, silu_mul, s.device)
+                except Exception:
+                    row = {"op": "small_m_linear", "model": model, "layer": layer, "shape": f"{k} -> {n}",
+                           "error": error_text()}  # fmt: skip
+                for impl in ("baseline", "triton"):
+                    if f"{impl}_seconds" in row:
+                        rate = row["weight_bytes"] / row[f"{impl}_seconds"]
+                        row[f"{impl}_fraction_of_copy"] = rate / copy_bytes_per_s
+                rows.append(row)
+                free_memory(s.device)
+    return rows
+
+
 def ops_section(s: Any, copy_bytes_per_s: float) -> dict[str, Any]:
     """Every op measurement of the settings ``s``; each row also as a fraction of the copy bandwidth."""
     q_heads, kv_heads, head_dim, block_size = s.op_heads
@@ -217,4 +323,4 @@ def ops_section(s: Any, copy_bytes_per_s: float) -> dict[str, Any]:
     for row in rows:
         if "bytes_per_s" in row:
             row["fraction_of_copy"] = row["bytes_per_s"] / copy_bytes_per_s
-    return {"copy_bytes_per_s": copy_bytes_per_s, "rows": rows}
+    return {"copy_bytes_per_s": copy_bytes_per_s, "rows": rows, "gemv_rows": gemv_rows(s, copy_bytes_per_s)}

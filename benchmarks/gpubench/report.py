@@ -82,6 +82,31 @@ def _ops(r: dict[str, Any]) -> list[str]:
     out += _table(["op", "KV dtype", "shape", "µs / call", "TB/s", "of copy bw", "notes"], rows)
     out += ["reshape_and_cache_flash bytes: keys + values read, cache rows (and fp8 scales) written, slot mapping read; "
             "decode attention bytes: the KV cache rows read (fp8: plus scales).", ""]  # fmt: skip
+    if r.get("gemv_rows"):
+        out += _gemv(r["gemv_rows"])
+    return out
+
+
+def _gemv(gemv_rows: list[dict[str, Any]]) -> list[str]:
+    rows = []
+    for row in gemv_rows:
+        name = [row["model"], row["layer"], row["shape"]]
+        if "error" in row:
+            rows.append(name + [_row_error(row), "", "", "", "", "", ""])
+            continue
+        base = [f"{row['baseline_seconds'] * 1e6:,.1f}", f"{row['baseline_fraction_of_copy']:.0%}"]
+        if "triton_seconds" not in row:
+            rows.append(name + base + [_row_error(row) or "", "", "", "", ""])
+            continue
+        rows.append(name + base + [f"{row['triton_seconds'] * 1e6:,.1f}", f"{row['triton_fraction_of_copy']:.0%}",
+                    f"{row['speedup']:.2f}x", f"{row['rel_err_vs_baseline']:.1e}", row.get("config") or ""])  # fmt: skip
+    out = ["#### Small-M linear at M = 1 (batch-1 decode): cuBLAS vs the Triton small-M kernel", ""]
+    out += _table(["model", "layer", "shape", "baseline µs", "of copy bw", "small_m_linear µs", "of copy bw",
+                   "speedup", "rel. err", "config"], rows)  # fmt: skip
+    out += ["bf16, no bias. Baseline: `F.linear` (cuBLAS); for `down + silu_and_mul`, `silu_and_mul` then `F.linear` "
+            "(two kernels) against `small_m_linear(gate_up, w, silu_mul=True)` (one). Fraction of copy bw = weight "
+            "bytes / time / copy bandwidth. Times are CUDA-graph replays of 32+ calls over weight sets larger than L2.",
+            ""]  # fmt: skip
     return out
 
 

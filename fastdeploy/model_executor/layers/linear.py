@@ -1,9 +1,72 @@
-"""Linear layer with optional oneDNN weight prepacking on CPU."""
+"""Linear layer: oneDNN weight prepacking on CPU, the Triton small-M kernel for GPU decode."""
 
 from __future__ import annotations
 
+import functools
+from types import ModuleType
+
 import torch
 from torch import nn
+
+from fastdeploy import envs
+from fastdeploy.ops.layer_ops import silu_and_mul
+
+_SMALL_M_DTYPES = (torch.bfloat16, torch.float16)
+_SMALL_M_MAX = 4
+"""``triton_gemv.SMALL_M_MAX``, here so that a prefill or a large batch is turned away
+before triton is imported."""
+
+
+@functools.cache
+def load_triton_gemv() -> ModuleType | None:
+    """:mod:`fastdeploy.ops.triton_gemv`, or None where triton does not import."""
+    try:
+        from fastdeploy.ops import triton_gemv
+    except ImportError:
+        return None
+    return triton_gemv
+
+
+def small_m_eligible(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    silu_mul: bool = False,
+    capturing: bool | None = None,
+) -> bool:
+    """Whether ``x @ weight.T`` (of ``silu_and_mul(x)`` with ``silu_mul``) takes the Triton
+    small-M kernel (:mod:`fastdeploy.ops.triton_gemv`).
+
+    Shapes: a 2-D bf16 / fp16 ``x`` of 1 to 4 rows (1 to ``SILU_FUSE_MAX_M`` with
+    ``silu_mul``) and unit column stride, a matching weight, no bias; ``FD_SMALL_M_GEMV``
+    on, ``FD_DISABLE_CUSTOM_OPS`` off, triton importable. The device is the caller's
+    check (``x.is_cuda`` first: CPU tensors never get here).
+
+    When: the kernel pays off inside CUDA graphs only. A launch from Python costs about
+    30 µs of host time against cuBLAS's 10 (H200 host, Triton 3.6), and eager batch-1
+    decode is host-bound (the 1B model's step grew from 4.8 to 6.1 ms). So an eager call
+    takes the kernel only for the first call of a shape, which autotunes it (the warm-up
+    before each graph capture), and cuBLAS after that; a call being captured takes it
+    once the shape is warm (a first call would synchronize, which capture forbids).
+    ``capturing`` None asks torch whether the current stream is capturing.
+    """
+    if x.dim() != 2 or not 0 < x.shape[0] <= _SMALL_M_MAX or bias is not None:
+        return False
+    gemv = load_triton_gemv()
+    if gemv is None:
+        return False
+    if capturing is None:
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    warm = gemv.is_warmed_up(x, weight, silu_mul)
+    if warm != capturing:  # eager after the warm-up (the common case: out first), or a cold capture
+        return False
+    if not envs.FD_SMALL_M_GEMV or envs.FD_DISABLE_CUSTOM_OPS:
+        return False
+    if x.dtype not in _SMALL_M_DTYPES or weight.dtype != x.dtype or weight.dim() != 2:
+        return False
+    if x.stride(-1) != 1 or weight.stride(-1) != 1 or x.shape[1] != (2 if silu_mul else 1) * weight.shape[1]:
+        return False
+    return not silu_mul or x.shape[0] <= gemv.SILU_FUSE_MAX_M
 
 
 def cpu_prepack_supported(dtype: torch.dtype) -> bool:
@@ -20,20 +83,32 @@ class Linear(nn.Linear):
     Plain ``F.linear`` reorders the weight on every call; prepacking saves that
     (10% at batch 64, 2x at batch 1 on the CI CPU) with bit-identical results.
     The packed copy is read-only: call :meth:`prepack` again after changing
-    ``weight``.
+    ``weight``. On a GPU, with ``FD_SMALL_M_GEMV``, decode steps of at most four rows
+    run the Triton small-M kernel inside CUDA graphs (:func:`small_m_eligible`).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, **kwargs):
         super().__init__(in_features, out_features, bias=bias, **kwargs)
         self.packed_weight: torch.Tensor | None = None
+        self.small_m_gemv = envs.FD_SMALL_M_GEMV
+        """``FD_SMALL_M_GEMV`` when the layer was built: off, forward pays one attribute read for it."""
 
     def prepack(self) -> None:
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 64)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.small_m_gemv and x.is_cuda and small_m_eligible(x, self.weight, self.bias):
+            return load_triton_gemv().small_m_linear(x, self.weight)
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return nn.functional.linear(x, self.weight, self.bias)
+
+    def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``self(silu_and_mul(gate_up))`` for ``gate_up = [gate | up]``: one Triton kernel for
+        small-M decode on a GPU (the activation formed as the weights stream), else the two ops."""
+        if self.small_m_gemv and gate_up.is_cuda and small_m_eligible(gate_up, self.weight, self.bias, True):
+            return load_triton_gemv().small_m_linear(gate_up, self.weight, silu_mul=True)
+        return self(silu_and_mul(gate_up))
 
 
 def prepack_linear_weights(model: nn.Module) -> int:

@@ -17,7 +17,6 @@ from fastdeploy.model_executor.attention import Attention
 from fastdeploy.model_executor.layers.layernorm import RMSNorm
 from fastdeploy.model_executor.layers.linear import Linear
 from fastdeploy.model_executor.layers.rotary_embedding import RotaryEmbedding
-from fastdeploy.ops.layer_ops import silu_and_mul
 from fastdeploy.transformers_utils.config import ModelArchConfig
 
 
@@ -73,7 +72,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj.forward_silu_mul(self.gate_up_proj(x))
 
 
 class LlamaDecoderLayer(nn.Module):
