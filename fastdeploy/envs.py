@@ -71,6 +71,11 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "Use the Triton small-batch linear kernel (and fuse SiLU-and-multiply into down_proj) "
         "for decode steps of at most 4 rows inside CUDA graphs (0: cuBLAS everywhere).",
     ),
+    "FD_TRITON_DECODE_MAX_BATCH": (
+        lambda: int(os.environ.get("FD_TRITON_DECODE_MAX_BATCH", "8")),
+        "Under the flashinfer attention backend, decode-only steps of at most this many requests "
+        "run the Triton decode kernel instead (one kernel, lower latency at small batches; 0: never).",
+    ),
     "FD_CUDA_ARCHS": (
         lambda: os.environ.get("FD_CUDA_ARCHS", "9.0a;8.0+PTX"),
         "GPU architectures setup_ops.py compiles fastdeploy_ops for, ';'-separated "

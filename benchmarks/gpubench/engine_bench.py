@@ -178,15 +178,17 @@ def logits_check(s: Settings, model: str | None, ids: list[int]) -> dict[str, An
 # ---- 3. inter-token latency -----------------------------------------------------------------
 
 
-def measure_itl(llm: Any, prompt: list[int], num_tokens: int) -> dict[str, Any]:
-    """Step one request through the engine and time the arrival of each of its tokens."""
-    llm.generate([prompt], greedy(8))  # warm-up: kernels compiled, graphs captured
+def measure_itl(llm: Any, prompts: list[list[int]], num_tokens: int) -> dict[str, Any]:
+    """Step ``len(prompts)`` requests through the engine together and time the arrival of each
+    token of the first one (all of them decode in lockstep)."""
+    llm.generate(prompts, greedy(8))  # warm-up: kernels compiled, graphs captured
     engine = llm.engine
-    engine.add_request("itl", prompt, greedy(num_tokens))
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"itl-{i}", prompt, greedy(num_tokens))
     arrivals: list[float] = []
     while engine.has_unfinished_requests():
         for out in engine.step():
-            if out.request_id == "itl":
+            if out.request_id == "itl-0":
                 now = time.perf_counter()
                 arrivals.extend([now] * (len(out.outputs[0].token_ids) - len(arrivals)))
     if len(arrivals) < 2:
@@ -206,16 +208,27 @@ def measure_itl(llm: Any, prompt: list[int], num_tokens: int) -> dict[str, Any]:
 
 
 def itl(s: Settings, copy_bytes_per_s: float) -> dict[str, Any]:
-    """Batch-1 decode latency of the 1B and 8B shapes, graphs on and off, against the weight-read floor."""
+    """Decode latency of the 1B and 8B shapes per attention backend, graphs on and off, at batch 1
+    against the weight-read floor (and at the other ``--itl-batch-sizes``, for the backends' crossover)."""
     rows = []
+    batches = sorted(set(s.itl_batch_sizes) | {1})
+    max_seqs = max(8, batches[-1])
     for name, path, target in (("Llama-3.2-1B", s.model_1b, 1.5), ("Llama-3.1-8B", s.model_8b, 1.2)):
         arch = arch_of(s, path)
         weight_bytes = parameter_count(arch) * 2  # bf16
         floor_ms = weight_bytes / copy_bytes_per_s * 1000.0
-        prompt = random_prompts(1, s.itl_prompt_len, arch.vocab_size, s.seed)[0]
+        prompts = random_prompts(batches[-1], s.itl_prompt_len, arch.vocab_size, s.seed)
         max_len = -(-(s.itl_prompt_len + s.itl_tokens + 16) // 16) * 16
         for backend, eager in itertools.product(s.attention_backends, (False, True)):
-            row: dict[str, Any] = {
+
+            def run(
+                llm: Any, sizes: list[int] = batches if not eager else [1], ps=prompts
+            ) -> list[dict[str, Any]]:
+                return [
+                    {"batch": b} | measure_itl(llm, ps[:b], s.itl_tokens) | backend_of(llm) for b in sizes
+                ]
+
+            base: dict[str, Any] = {
                 "model": name,
                 "cuda_graphs": not eager,
                 "attention_backend": backend,
@@ -224,16 +237,19 @@ def itl(s: Settings, copy_bytes_per_s: float) -> dict[str, Any]:
                 "target_ratio": target,
             }
             try:
-                row.update(with_engine(
-                    s, path, lambda llm, p=prompt: measure_itl(llm, p, s.itl_tokens) | backend_of(llm),
-                    enforce_eager=eager, max_num_seqs=8, max_model_len=max_len,
-                    num_gpu_blocks_override=8 * max_len // 16 + 8, attention_backend=backend,
-                ))  # fmt: skip
-                row["ratio_to_floor"] = row["itl_ms_mean"] / floor_ms
-                row["meets_target"] = row["ratio_to_floor"] <= target
+                measured = with_engine(
+                    s, path, run, enforce_eager=eager, max_num_seqs=max_seqs, max_model_len=max_len,
+                    num_gpu_blocks_override=max_seqs * max_len // 16 + 8, attention_backend=backend,
+                )  # fmt: skip
             except Exception:
-                row["error"] = error_text()
-            rows.append(row)
+                rows.append(base | {"batch": 1, "error": error_text()})
+                continue
+            for m in measured:
+                row = base | m
+                if m["batch"] == 1:
+                    row["ratio_to_floor"] = row["itl_ms_mean"] / floor_ms
+                    row["meets_target"] = row["ratio_to_floor"] <= target
+                rows.append(row)
     return {"rows": rows, "copy_bytes_per_s": copy_bytes_per_s}
 
 

@@ -56,6 +56,8 @@ class Settings:
     attention_backends: list[str] = field(default_factory=lambda: ["auto"])
     """``--attention-backend`` values the ITL and throughput sections each run (auto: the platform's)."""
     itl_tokens: int = 128
+    itl_batch_sizes: list[int] = field(default_factory=lambda: [1])
+    """Decode batch sizes of the ITL section with graphs on (batch 1 is always measured)."""
     itl_prompt_len: int = 32
     correctness_model: str | None = None
     """None: the embedded default model (SmolLM2-135M GGUF)."""
@@ -123,6 +125,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(e.g. triton,flashinfer; default auto: the platform's choice)",
     )  # fmt: skip
     parser.add_argument(
+        "--itl-batch-sizes", default="1",
+        help="comma-separated decode batch sizes the itl section also times with graphs (e.g. 1,4,16,64)",
+    )  # fmt: skip
+    parser.add_argument(
         "--itl-tokens", type=int, default=128, help="tokens generated per inter-token-latency run"
     )
     parser.add_argument("--seed", type=int, default=0)
@@ -156,6 +162,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         hf_num_prompts=args.hf_num_prompts,
         hf_batch_size=args.hf_batch_size,
         itl_tokens=args.itl_tokens,
+        itl_batch_sizes=[int(b) for b in args.itl_batch_sizes.split(",") if b.strip()],
         attention_backends=[b.strip() for b in args.attention_backends.split(",") if b.strip()],
     )
     if args.smoke:

@@ -22,7 +22,7 @@ def test_capture_sizes_cover_every_batch_up_to_the_maximum():
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["triton", "flashinfer"])
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_graphs_give_the_eager_tokens(async_scheduling, backend):
+def test_graphs_give_the_eager_tokens(async_scheduling, backend, monkeypatch):
     """Default model in bfloat16 on the GPU: greedy tokens with graphs equal eager mode's."""
     from fastdeploy import LLM, SamplingParams
     from fastdeploy.model_executor.attention.flashinfer_backend import flashinfer_importable
@@ -32,6 +32,7 @@ def test_graphs_give_the_eager_tokens(async_scheduling, backend):
         pytest.skip("CUDA graphs need the compiled fastdeploy_ops")
     if backend == "flashinfer" and not flashinfer_importable():
         pytest.skip("flashinfer is not installed")
+    monkeypatch.setenv("FD_TRITON_DECODE_MAX_BATCH", "0")  # FlashInfer's own decode graphs
     prompts = ["The capital of France is", "def add(a, b):", "Once upon a time", "1, 2, 3, 4,", "Hello"]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     results = {}
