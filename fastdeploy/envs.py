@@ -72,7 +72,7 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "for decode steps of at most 4 rows inside CUDA graphs (0: cuBLAS everywhere).",
     ),
     "FD_TRITON_DECODE_MAX_BATCH": (
-        lambda: int(os.environ.get("FD_TRITON_DECODE_MAX_BATCH", "8")),
+        lambda: int(os.environ.get("FD_TRITON_DECODE_MAX_BATCH", "64")),
         "Under the flashinfer attention backend, decode-only steps of at most this many requests "
         "run the Triton decode kernel instead (one kernel, lower latency at small batches; 0: never).",
     ),

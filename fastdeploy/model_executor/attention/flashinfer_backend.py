@@ -13,10 +13,11 @@ layer, so steps that replay a CUDA graph never plan the eager wrappers.
 * Decode CUDA graphs: one decode wrapper per captured batch size over fixed buffers; before
   each replay the step is planned again into them (padding requests read one token of
   block 0, and their rows are discarded).
-* Decode-only steps of at most ``FD_TRITON_DECODE_MAX_BATCH`` requests (default 8) take our
-  Triton decode kernel instead: one kernel and no host plan, where FlashInfer's graph-mode
-  decode splits every sequence and merges the parts (H200, Llama-3.1-8B shape, batch 1:
-  4.31 against 4.61 ms per token; docs/benchmarks.md).
+* Decode-only steps of at most ``FD_TRITON_DECODE_MAX_BATCH`` requests (default 64) take our
+  Triton decode kernel instead: one kernel and no host plan. Measured on an H200 (Llama-3.1-8B
+  shape, ~160-token contexts, ms per step with graphs), Triton against FlashInfer's decode:
+  4.31 / 4.61 at batch 1, 4.86 / 5.18 at 16, 5.45 / 5.93 at 64; FlashInfer's prefill and its
+  decode of 256 long sequences are what make it faster end to end (docs/benchmarks.md).
 
 Limits: bf16/fp16 activations and caches, head sizes 64/128/256, no fp8 caches with our
 per-slot scales, no attention-mask offsets (bidirectional multimodal attention); the
