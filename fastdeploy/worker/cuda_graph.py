@@ -20,6 +20,7 @@ import torch
 
 from fastdeploy.model_executor.attention.forward_context import set_forward_context
 from fastdeploy.model_executor.attention.metadata import CommonAttentionMetadata
+from fastdeploy.model_executor.layers.linear import small_m_graph_warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -93,8 +94,8 @@ class DecodeGraphs:
         pool = None
         for size in reversed(self.sizes):
             meta = self._metadata(size)
-            with set_forward_context(meta):
-                self.model(self.input_ids[:size], self.positions[:size])  # warm-up: compile and allocate
+            with set_forward_context(meta), small_m_graph_warm_up():  # compile, autotune and allocate
+                self.model(self.input_ids[:size], self.positions[:size])
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with set_forward_context(meta), torch.cuda.graph(graph, pool=pool):

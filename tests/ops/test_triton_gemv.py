@@ -208,7 +208,8 @@ def test_small_m_eligible_decisions(gemv_on, monkeypatch):
     w = torch.randn(32, 64, dtype=torch.bfloat16)
 
     def ok(x, weight=w, bias=None, silu_mul=False):
-        return linear.small_m_eligible(x, weight, bias, silu_mul, capturing=False)
+        with linear.small_m_graph_warm_up():
+            return linear.small_m_eligible(x, weight, bias, silu_mul, capturing=False)
 
     x = torch.randn(4, 64, dtype=torch.bfloat16)
     assert ok(x[:1]) and ok(x) and ok(x.half(), w.half())
@@ -235,13 +236,15 @@ def test_small_m_eligible_decisions(gemv_on, monkeypatch):
 
 
 def test_small_m_kernel_only_warms_up_eagerly_and_runs_in_graphs(gemv_on, monkeypatch):
-    """Eager: the first call of a shape (the autotuning warm-up), cuBLAS after; capture: warm shapes."""
+    """Eager: only in the graph warm-up (which autotunes), cuBLAS otherwise; capture: warm shapes."""
     from fastdeploy.model_executor.layers import linear
 
     x, w = torch.randn(1, 64, dtype=torch.bfloat16), torch.randn(32, 64, dtype=torch.bfloat16)
     warm = set()
     monkeypatch.setattr(triton_gemv, "is_warmed_up", lambda x, weight, silu_mul=False: silu_mul in warm)
-    assert linear.small_m_eligible(x, w, None, capturing=False)
+    assert not linear.small_m_eligible(x, w, None, capturing=False)  # plain eager decode: cuBLAS
+    with linear.small_m_graph_warm_up():
+        assert linear.small_m_eligible(x, w, None, capturing=False)
     assert not linear.small_m_eligible(x, w, None, capturing=True)  # capture must not autotune
     warm.add(False)
     assert not linear.small_m_eligible(x, w, None, capturing=False)
@@ -274,7 +277,7 @@ def test_cpu_linear_never_takes_the_triton_path(gemv_on, monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_linear_dispatch(gemv_on, monkeypatch):
-    from fastdeploy.model_executor.layers.linear import Linear
+    from fastdeploy.model_executor.layers.linear import Linear, small_m_graph_warm_up
 
     calls = []
     original = triton_gemv.small_m_linear
@@ -289,12 +292,22 @@ def test_gpu_linear_dispatch(gemv_on, monkeypatch):
     for m in (1, 2, 3, 4):
         x = gate_up[:m, :1024]
         ref = F.linear(x, layer.weight).double()
-        for _ in range(2):  # the first call warms the kernel up, the second is cuBLAS's
+        assert ((layer(x).double() - ref).norm() / ref.norm()).item() < 5e-3  # eager: cuBLAS
+        with small_m_graph_warm_up():  # the warm-up before a capture: the kernel, autotuned
             assert ((layer(x).double() - ref).norm() / ref.norm()).item() < 5e-3
-        ref = F.linear(layer_ops.silu_and_mul(gate_up[:m]), layer.weight).double()
-        assert ((layer.forward_silu_mul(gate_up[:m]).double() - ref).norm() / ref.norm()).item() < 5e-3
-    # silu_mul at M > SILU_FUSE_MAX_M: silu_and_mul, then the (already warm: cuBLAS) linear
-    assert calls == [(1, False), (1, True), (2, False), (2, True), (3, False), (4, False)]
+            ref = F.linear(layer_ops.silu_and_mul(gate_up[:m]), layer.weight).double()
+            assert ((layer.forward_silu_mul(gate_up[:m]).double() - ref).norm() / ref.norm()).item() < 5e-3
+    # silu_mul at M > SILU_FUSE_MAX_M: silu_and_mul, then the linear (the kernel: warm-up)
+    assert calls == [
+        (1, False),
+        (1, True),
+        (2, False),
+        (2, True),
+        (3, False),
+        (3, False),
+        (4, False),
+        (4, False),
+    ]
     calls.clear()
     layer(_rand(5, 1024, dtype=torch.bfloat16, seed=4, device="cuda"))  # five rows: cuBLAS
     layer.float()(_rand(1, 1024, dtype=torch.float32, seed=4, device="cuda"))  # float32: cuBLAS

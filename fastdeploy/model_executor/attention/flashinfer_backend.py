@@ -120,7 +120,8 @@ class FlashInferMetadata:
 
 
 class FlashInferAttentionBackend:
-    """FlashInfer paged attention (FA2 kernels, JIT-compiled by FlashInfer on first use).
+    """FlashInfer paged attention (FA2 kernels, JIT-compiled by FlashInfer on first use), with
+    decode batches of at most ``small_decode_max`` requests left to the Triton decode kernel.
 
     ``num_heads``/``num_kv_heads``/``head_dim`` and ``dtype`` are the model's; ``scale``
     the softmax scale planned into the kernels (a layer with another scale passes the

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from types import ModuleType
 
 import torch
@@ -15,6 +17,22 @@ _SMALL_M_DTYPES = (torch.bfloat16, torch.float16)
 _SMALL_M_MAX = 4
 """``triton_gemv.SMALL_M_MAX``, here so that a prefill or a large batch is turned away
 before triton is imported."""
+
+
+_graph_warm_up = False
+"""True inside :func:`small_m_graph_warm_up`."""
+
+
+@contextlib.contextmanager
+def small_m_graph_warm_up() -> Iterator[None]:
+    """Eager calls inside take the small-M kernel (autotuning each new shape): the warm-up
+    forward before a CUDA graph capture, so that the capture finds every shape tuned."""
+    global _graph_warm_up
+    previous, _graph_warm_up = _graph_warm_up, True
+    try:
+        yield
+    finally:
+        _graph_warm_up = previous
 
 
 @functools.cache
@@ -44,10 +62,10 @@ def small_m_eligible(
 
     When: the kernel pays off inside CUDA graphs only. A launch from Python costs about
     30 µs of host time against cuBLAS's 10 (H200 host, Triton 3.6), and eager batch-1
-    decode is host-bound (the 1B model's step grew from 4.8 to 6.1 ms). So an eager call
-    takes the kernel only for the first call of a shape, which autotunes it (the warm-up
-    before each graph capture), and cuBLAS after that; a call being captured takes it
-    once the shape is warm (a first call would synchronize, which capture forbids).
+    decode is host-bound (the 1B model's step grew from 4.8 to 6.1 ms). So eager calls
+    keep cuBLAS except inside :func:`small_m_graph_warm_up` (the warm-up forward before
+    each graph capture, which autotunes the shapes), and a call being captured takes the
+    kernel once its shape is warm (autotuning synchronizes, which capture forbids).
     ``capturing`` None asks torch whether the current stream is capturing.
     """
     if x.dim() != 2 or not 0 < x.shape[0] <= _SMALL_M_MAX or bias is not None:
@@ -57,9 +75,8 @@ def small_m_eligible(
         return False
     if capturing is None:
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-    warm = gemv.is_warmed_up(x, weight, silu_mul)
-    if warm != capturing:  # eager after the warm-up (the common case: out first), or a cold capture
-        return False
+    if not (gemv.is_warmed_up(x, weight, silu_mul) if capturing else _graph_warm_up):
+        return False  # a cold capture, or an eager call outside the graph warm-up
     if not envs.FD_SMALL_M_GEMV or envs.FD_DISABLE_CUSTOM_OPS:
         return False
     if x.dtype not in _SMALL_M_DTYPES or weight.dtype != x.dtype or weight.dim() != 2:
