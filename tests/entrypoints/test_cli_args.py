@@ -260,3 +260,15 @@ def test_cli_docs_list_every_flag():
         [sys.executable, str(ROOT / "tools" / "gen_cli_docs.py"), "--check"], capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_serve_whose_engine_cannot_start_names_the_cause(capsys):
+    """A backend this machine cannot run: exit 1 with the cause on one line, no traceback
+    (the real engine process starts and fails; no server is left behind)."""
+    code = cli_main.main(
+        ["serve", "--attention-backend", "flashinfer", "--device", "cpu", "--num-threads", "1"]
+    )
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "fastdeploy serve: the engine failed to start: ValueError: --attention-backend flashinfer" in err
+    assert "Traceback" not in err

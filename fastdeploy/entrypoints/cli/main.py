@@ -42,7 +42,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if func is None:
         parser.print_help()
         return 2
-    return int(func(args) or 0)
+    from fastdeploy.engine.async_llm import EngineStartupError
+
+    try:
+        return int(func(args) or 0)
+    except EngineStartupError as exc:  # a bad option or model: its cause, not the worker's traceback
+        lines = [line for line in str(exc).splitlines() if line.strip()] or [repr(exc)]
+        summary = lines[0] if len(lines) == 1 else f"the engine failed to start: {lines[-1].strip()}"
+        print(f"fastdeploy {args.command}: {summary}", file=sys.stderr)
+        print("(FD_LOG_LEVEL=DEBUG logs the engine's traceback)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
