@@ -7,12 +7,11 @@ not built. The references are float64 computations per token and head.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
 import torch
+from op_impls import IMPL_PARAMS, Impl, select_impl
 
 from fastdeploy.ops import (
     _ext,
@@ -27,18 +26,6 @@ from fastdeploy.ops.cache_ops import FP8_E4M3_MAX, FP8_SCALE_FLOOR, quantize_fp8
 NUM_BLOCKS, BLOCK_SIZE, HEADS, TOKENS = 12, 16, 4, 37
 
 
-@dataclass(frozen=True)
-class Impl:
-    """One implementation under test: where its tensors live and how to call it."""
-
-    name: str
-    device: str
-    fn: Callable[..., None]
-
-    def fp8_capable(self) -> bool:
-        return self.device == "cpu" or torch.cuda.get_device_capability() >= (8, 9)
-
-
 def _kernel(
     key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype="auto", k_scale=None, v_scale=None
 ):
@@ -49,21 +36,9 @@ def _kernel(
     )
 
 
-@pytest.fixture(
-    params=[
-        pytest.param("torch-cpu"),
-        pytest.param("torch-cuda", marks=pytest.mark.gpu),
-        pytest.param("kernel-cuda", marks=pytest.mark.gpu),
-    ]
-)
+@pytest.fixture(params=IMPL_PARAMS)
 def impl(request) -> Impl:
-    if request.param == "torch-cpu":
-        return Impl("torch-cpu", "cpu", reshape_and_cache_flash_torch)
-    if request.param == "torch-cuda":
-        return Impl("torch-cuda", "cuda", reshape_and_cache_flash_torch)
-    if not has_cuda_ops():
-        pytest.skip("fastdeploy_ops is not built (python setup_ops.py build_ext --inplace)")
-    return Impl("kernel-cuda", "cuda", _kernel)
+    return select_impl(request.param, reshape_and_cache_flash_torch, _kernel)
 
 
 @pytest.fixture

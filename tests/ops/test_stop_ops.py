@@ -2,43 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import pytest
 import torch
+from op_impls import IMPL_PARAMS, Impl, select_impl
 
-from fastdeploy.ops import _ext, alloc_stop_flag, get_stop, has_cuda_ops, set_stop, set_stop_torch, stop_ops
+from fastdeploy.ops import _ext, alloc_stop_flag, get_stop, set_stop, set_stop_torch, stop_ops
 from fastdeploy.ops._ext import cuda_op
 
 
-@dataclass(frozen=True)
-class Impl:
-    """One set_stop implementation and the device of its stop flags."""
-
-    name: str
-    device: str
-    fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
-
-
-@pytest.fixture(
-    params=[
-        pytest.param("torch-cpu"),
-        pytest.param("torch-cuda", marks=pytest.mark.gpu),
-        pytest.param("kernel-cuda", marks=pytest.mark.gpu),
-    ]
-)
+@pytest.fixture(params=IMPL_PARAMS)
 def impl(request) -> Impl:
-    if request.param == "torch-cpu":
-        return Impl("torch-cpu", "cpu", set_stop_torch)
-    if request.param == "torch-cuda":
-        return Impl("torch-cuda", "cuda", set_stop_torch)
-    if not has_cuda_ops():
-        pytest.skip("fastdeploy_ops is not built (python setup_ops.py build_ext --inplace)")
-    # the public wrapper: it validates in Python (an exception thrown inside the extension
-    # crashed the process on the H200 image), then calls the kernel for CUDA tensors
-    assert cuda_op("set_stop") is not None
-    return Impl("kernel-cuda", "cuda", set_stop)
+    # the kernel through the public wrapper: it validates in Python (an exception thrown inside
+    # the extension crashed the process on the H200 image), then calls the kernel for CUDA tensors
+    chosen = select_impl(request.param, set_stop_torch, set_stop)
+    assert chosen.name != "kernel-cuda" or cuda_op("set_stop") is not None
+    return chosen
 
 
 def _random_flags(gen: torch.Generator, n: int, case: str) -> torch.Tensor:
