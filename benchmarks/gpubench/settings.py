@@ -137,9 +137,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _comma_list(text: str) -> list[str]:
+    """The non-empty, stripped items of a comma-separated option value."""
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
 def settings_from_args(args: argparse.Namespace) -> Settings:
     """Full-size settings, or tiny ones with ``--smoke`` (whatever sizes were given)."""
-    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    sections = _comma_list(args.sections)
     unknown = sorted(set(sections) - set(ALL_SECTIONS))
     if unknown:
         raise SystemExit(f"unknown sections {unknown}; choose from {', '.join(ALL_SECTIONS)}")
@@ -162,8 +167,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         hf_num_prompts=args.hf_num_prompts,
         hf_batch_size=args.hf_batch_size,
         itl_tokens=args.itl_tokens,
-        itl_batch_sizes=[int(b) for b in args.itl_batch_sizes.split(",") if b.strip()],
-        attention_backends=[b.strip() for b in args.attention_backends.split(",") if b.strip()],
+        itl_batch_sizes=[int(b) for b in _comma_list(args.itl_batch_sizes)],
+        attention_backends=_comma_list(args.attention_backends),
     )
     if args.smoke:
         s.num_prompts, s.input_len, s.output_len = 4, 16, 8

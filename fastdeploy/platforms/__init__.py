@@ -55,13 +55,14 @@ def get_attention_backend(
     from fastdeploy.ops.cpu_ops import load_cpu_ops
 
     name = config.device.attention_backend
-    if name == "flashinfer" or (name == "auto" and device.type == "cuda" and flashinfer_importable()):
+    flashinfer_installed = device.type == "cuda" and flashinfer_importable()
+    if name == "flashinfer" or (name == "auto" and flashinfer_installed):
         reason = flashinfer_unsupported_reason(dtype, head_dim, kv_cache_dtype)
         if reason is None and needs_mask_offsets:
             reason = "it has no attention-mask offsets (--mm-bidirectional-attention)"
         if reason is None and device.type != "cuda":
             reason = "it runs on CUDA devices only"
-        if reason is None and not flashinfer_importable():
+        if reason is None and not flashinfer_installed:
             reason = "the flashinfer package is not installed (pip install flashinfer-python)"
         if reason is None:
             from fastdeploy.model_executor.attention.flashinfer_backend import FlashInferAttentionBackend

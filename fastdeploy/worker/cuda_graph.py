@@ -79,7 +79,6 @@ class DecodeGraphs:
             max_query_len=1,
             max_seq_len=self.max_model_len,
             block_size=self.block_size,
-            block_table_cpu=np.zeros((size, self.block_table.shape[1]), dtype=np.int32),
         )
         return self.attn_backend.build_graph_metadata(common)
 
