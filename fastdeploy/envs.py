@@ -71,6 +71,11 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "Use the Triton small-batch linear kernel (and fuse SiLU-and-multiply into down_proj) "
         "for decode steps of at most 4 rows inside CUDA graphs (0: cuBLAS everywhere).",
     ),
+    "FD_TRITON_PDL": (
+        _bool("FD_TRITON_PDL", "1"),
+        "Launch the decode step's Triton kernels with programmatic dependent launch on sm_90+ "
+        "(each starts while its predecessor finishes; 0: plain stream order).",
+    ),
     "FD_TRITON_DECODE_MAX_BATCH": (
         lambda: int(os.environ.get("FD_TRITON_DECODE_MAX_BATCH", "64")),
         "Under the flashinfer attention backend, decode-only steps of at most this many requests "

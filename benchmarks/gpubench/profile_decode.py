@@ -1,29 +1,80 @@
-"""Kernel-time breakdown of batch-1 decode steps (torch profiler, CUDA time): where the
-inter-token latency goes beyond the weight-read floor.
+"""Where a decode step's time goes: the GPU's kernels against the host's engine loop.
 
-    python -m benchmarks.gpubench.profile_decode [config dir]
+    python -m benchmarks.gpubench.profile_decode [config dir] [--batch N] [--cprofile]
+
+Prints the inter-token latency, the GPU's kernel time per step (torch profiler, CUDA
+activity) and the share of the step the GPU is idle — when the kernels take less than
+the step, the host loop (scheduling, input preparation, sampling launches, output
+processing) is the bound — then the kernel table and, with ``--cprofile``, the host
+functions that take the most time.
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
+import cProfile
+import io
+import pstats
+import time
 
+import torch
 from torch.profiler import ProfilerActivity, profile
 
 from fastdeploy import LLM, SamplingParams
 
 
+def decode_steps(llm: LLM, batch: int, tokens: int, first_id: int) -> float:
+    """Run ``batch`` requests of ``tokens`` greedy tokens through the engine loop; seconds per step."""
+    engine = llm.engine
+    for i in range(batch):
+        prompt = list(range(first_id + i * 32, first_id + i * 32 + 32))
+        engine.add_request(
+            f"p{first_id}-{i}", prompt, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+        )
+    steps = 0
+    begin = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    return (time.perf_counter() - begin) / max(steps, 1)
+
+
 def main() -> None:
-    config = sys.argv[1] if len(sys.argv) > 1 else "benchmarks/configs/llama-3.1-8b"
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("config", nargs="?", default="benchmarks/configs/llama-3.2-1b")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--cprofile", action="store_true")
+    parser.add_argument("--rows", type=int, default=20, help="kernel table rows (0: no table)")
+    parser.add_argument("--attention-backend", default="auto")
+    args = parser.parse_args()
     llm = LLM(
-        model=config, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", device="cuda",
-        max_num_seqs=1, max_model_len=512, num_gpu_blocks_override=64,
+        model=args.config, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", device="cuda",
+        max_num_seqs=max(8, args.batch), max_model_len=256, num_gpu_blocks_override=16 * max(8, args.batch) + 8,
+        attention_backend=args.attention_backend,
     )  # fmt: skip
-    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    llm.generate([list(range(100, 132))], params)
+    decode_steps(llm, args.batch, 16, 100)  # warm-up
+    step_s = decode_steps(llm, args.batch, args.tokens, 1000)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        llm.generate([list(range(200, 232))], params)
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
+        decode_steps(llm, args.batch, args.tokens, 2000)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernel_s = sum(e.device_time for e in kernels) / 1e6 / args.tokens
+    print(f"batch {args.batch}: {step_s * 1e3:.3f} ms per step; kernels {kernel_s * 1e3:.3f} ms per step "
+          f"({len(kernels) / args.tokens:.0f} per step); GPU idle {max(0.0, 1 - kernel_s / step_s):.0%}")  # fmt: skip
+    if args.rows:
+        print(
+            prof.key_averages().table(
+                sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=60
+            )
+        )
+    if args.cprofile:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        decode_steps(llm, args.batch, args.tokens, 3000)
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+        print(text.getvalue())
     llm.shutdown()
 
 

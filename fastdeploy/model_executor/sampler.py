@@ -154,10 +154,15 @@ def compute_logprobs(raw_logits: torch.Tensor, sampled: torch.Tensor, k: int) ->
 class Sampler:
     """Turns float32 logits ``[rows, vocab]`` into one token id per row (plus logprobs when asked)."""
 
-    def __call__(self, logits: torch.Tensor, params: SamplingTensors) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, params: SamplingTensors, greedy_tokens: torch.Tensor | None = None
+    ) -> SamplerOutput:
+        """``greedy_tokens``: the argmax of ``logits`` when already known (the decode CUDA graphs
+        compute it); used only if no logit processing (bias, bans, penalties) applies."""
         raw = logits
         logits = self.process_logits(logits, params)
-        greedy_tokens = logits.argmax(dim=-1)
+        if greedy_tokens is None or logits is not raw:
+            greedy_tokens = logits.argmax(dim=-1)
         if params.all_greedy:
             tokens = greedy_tokens
         else:

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fastdeploy.ops.triton_pdl import pdl_kwargs, pdl_prologue
+
 LOG2E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 256
 """Decode splits are only added while each still covers this many tokens of the static bound."""
@@ -113,8 +115,9 @@ def _unified_kernel(
     stride_sb, stride_ss, stride_sh, stride_bt,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, FP8: tl.constexpr, HAS_LIMITS: tl.constexpr, DOT_FP32: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     req = _find_request(query_start_ptr, pid, num_reqs, BLOCK_Q)
@@ -168,8 +171,9 @@ def _decode_kernel(
     stride_sb, stride_ss, stride_sh, stride_bt,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr, FP8: tl.constexpr, HAS_LIMITS: tl.constexpr, DOT_FP32: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_prologue(USE_PDL)
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -215,8 +219,9 @@ def _decode_kernel(
 @triton.jit
 def _decode_reduce_kernel(
     out_ptr, part_out_ptr, part_lse_ptr, query_start_ptr, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_prologue(USE_PDL)
     req = tl.program_id(0)
     head = tl.program_id(1)
     token = tl.load(query_start_ptr + req).to(tl.int64)
@@ -349,7 +354,7 @@ def unified_attention(
         out, q, *caches, block_table, seq_lens, query_start_loc,
         mask_limits if mask_limits is not None else seq_lens,
         qk_scale, num_reqs, key_cache.shape[1], *q.stride()[:2], *out.stride()[:2], *strides,
-        HAS_LIMITS=mask_limits is not None, **config, **constexprs,
+        HAS_LIMITS=mask_limits is not None, **config, **constexprs, **pdl_kwargs(q),
     )  # fmt: skip
 
 
@@ -395,9 +400,10 @@ def decode_attention(
         mask_limits if mask_limits is not None else seq_lens,
         qk_scale, key_cache.shape[1], *q.stride()[:2], *out.stride()[:2], *strides,
         NUM_SPLITS=num_splits, HAS_LIMITS=mask_limits is not None,
-        **decode_config(q.dtype, head_dim, constexprs["GROUP"]), **constexprs,
+        **decode_config(q.dtype, head_dim, constexprs["GROUP"]), **constexprs, **pdl_kwargs(q),
     )  # fmt: skip
     if num_splits > 1:
         _decode_reduce_kernel[(num_reqs, num_heads)](
-            out, part_out, part_lse, query_start_loc, *out.stride()[:2], HEAD_DIM=head_dim, NUM_SPLITS=num_splits
+            out, part_out, part_lse, query_start_loc, *out.stride()[:2], HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+            **pdl_kwargs(q),
         )  # fmt: skip

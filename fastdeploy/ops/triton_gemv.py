@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 
 from fastdeploy.ops.triton_attention import triton_interpreting
+from fastdeploy.ops.triton_pdl import pdl_kwargs, pdl_prologue
 
 SMALL_M_MAX = 4
 """Most rows :func:`small_m_linear` takes (decode batches of up to four requests)."""
@@ -111,7 +112,9 @@ def _small_m_linear_kernel(
     STAGES: tl.constexpr,
     DOT_FP32: tl.constexpr,
     EVEN_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -272,9 +275,10 @@ def _launch(
     # float32 dots in IEEE precision (not TF32); the interpreter's bf16 / fp16 dot is wrong
     interpreting = triton_interpreting()
     dot_fp32 = x.dtype == torch.float32 or interpreting
+    pdl = pdl_kwargs(x)
     if config is None and not interpreting:
         _tuned_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
-            *args, M=x.shape[0], SILU_MUL=silu_mul, DOT_FP32=dot_fp32
+            *args, M=x.shape[0], SILU_MUL=silu_mul, DOT_FP32=dot_fp32, **pdl
         )
         return
     meta = dict(_INTERPRETER_CONFIG if config is None else config)
@@ -287,6 +291,7 @@ def _launch(
         num_warps=warps,
         num_stages=meta["STAGES"],
         **meta,
+        **pdl,
     )
 
 

@@ -13,9 +13,14 @@ import torch
 import triton
 import triton.language as tl
 
+from fastdeploy.ops.triton_pdl import pdl_kwargs, pdl_prologue
+
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, x_stride, out_stride, n, eps, BLOCK: tl.constexpr):
+def _rms_norm_kernel(
+    x_ptr, w_ptr, out_ptr, x_stride, out_stride, n, eps, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
+):
+    pdl_prologue(USE_PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
@@ -27,7 +32,10 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, x_stride, out_stride, n, eps, BLOCK:
 
 
 @triton.jit
-def _fused_add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, x_stride, r_stride, n, eps, BLOCK: tl.constexpr):
+def _fused_add_rms_norm_kernel(
+    x_ptr, r_ptr, w_ptr, x_stride, r_stride, n, eps, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
+):
+    pdl_prologue(USE_PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
@@ -82,7 +90,9 @@ def _rotary_kernel(
     HALF: tl.constexpr,
     HALF_P2: tl.constexpr,
     HEADS_P2: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     token = tl.program_id(0)
     d = tl.arange(0, HALF_P2)
     c, s = _cos_sin(pos_ptr, cos_ptr, sin_ptr, token, d, HALF, x_ptr.dtype.element_ty)
@@ -90,7 +100,10 @@ def _rotary_kernel(
 
 
 @triton.jit
-def _silu_and_mul_kernel(gu_ptr, out_ptr, gu_stride, out_stride, n, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(
+    gu_ptr, out_ptr, gu_stride, out_stride, n, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
+):
+    pdl_prologue(USE_PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
@@ -110,7 +123,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.shape[0]:
         n = x.shape[1]
         _rms_norm_kernel[(x.shape[0],)](
-            x, weight, out, x.stride(0), out.stride(0), n, eps, BLOCK=_row_block(n)
+            x, weight, out, x.stride(0), out.stride(0), n, eps, BLOCK=_row_block(n), **pdl_kwargs(x)
         )
     return out
 
@@ -122,7 +135,7 @@ def fused_add_rms_norm(
     if x.shape[0]:
         n = x.shape[1]
         _fused_add_rms_norm_kernel[(x.shape[0],)](
-            x, residual, weight, x.stride(0), residual.stride(0), n, eps, BLOCK=_row_block(n)
+            x, residual, weight, x.stride(0), residual.stride(0), n, eps, BLOCK=_row_block(n), **pdl_kwargs(x)
         )
     return x, residual
 
@@ -150,6 +163,7 @@ def rotary_embedding_(
         HALF=half,
         HALF_P2=triton.next_power_of_2(half),
         HEADS_P2=triton.next_power_of_2(num_heads),
+        **pdl_kwargs(x),
     )
 
 
@@ -160,7 +174,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if rows:
         block = min(1024, triton.next_power_of_2(n))
         _silu_and_mul_kernel[(rows, triton.cdiv(n, block))](
-            gate_up, out, gate_up.stride(0), out.stride(0), n, BLOCK=block
+            gate_up, out, gate_up.stride(0), out.stride(0), n, BLOCK=block, **pdl_kwargs(gate_up)
         )
     return out
 
@@ -185,7 +199,9 @@ def _rotary_cache_kernel(
     DIM_P2: tl.constexpr,
     QH_P2: tl.constexpr,
     KH_P2: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     token = tl.program_id(0)
     d = tl.arange(0, HALF_P2)
     c, s = _cos_sin(pos_ptr, cos_ptr, sin_ptr, token, d, HALF, q_ptr.dtype.element_ty)
@@ -247,4 +263,5 @@ def rotary_and_cache_(
         DIM_P2=triton.next_power_of_2(head_dim),
         QH_P2=triton.next_power_of_2(num_q_heads),
         KH_P2=triton.next_power_of_2(k.shape[1]),
+        **pdl_kwargs(q),
     )

@@ -3,21 +3,18 @@
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 
 class BlockTable:
-    """``[max_num_reqs, max_blocks_per_req]`` block ids, kept on the host and mirrored to the device.
+    """``[max_num_reqs, max_blocks_per_req]`` block ids on the host.
 
-    Rows change only by appending the blocks the scheduler newly allocated, so
-    each step costs one host-to-device copy of the used rows.
+    Rows change only by appending the blocks the scheduler newly allocated; each step
+    sends the used rows to the device with its other inputs (:func:`fastdeploy.worker.upload.upload`).
     """
 
-    def __init__(self, max_num_reqs: int, max_blocks_per_req: int, device: torch.device):
+    def __init__(self, max_num_reqs: int, max_blocks_per_req: int):
         self.table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int32)
-        self.device = device
-        self._pinned = device.type == "cuda"
 
     def set_row(self, row: int, block_ids: list[int]) -> None:
         self.num_blocks[row] = 0
@@ -42,10 +39,3 @@ class BlockTable:
         """The given rows, trimmed to the longest row in use (a host copy)."""
         width = max(int(self.num_blocks[rows].max()) if len(rows) else 1, 1)
         return np.ascontiguousarray(self.table[rows, :width])
-
-    def to_device(self, host_rows: np.ndarray) -> torch.Tensor:
-        """Rows taken by :meth:`rows`, as a device tensor (through pinned memory on a GPU)."""
-        host = torch.from_numpy(host_rows)
-        if self.device.type == "cpu":
-            return host
-        return host.pin_memory().to(self.device, non_blocking=True) if self._pinned else host.to(self.device)

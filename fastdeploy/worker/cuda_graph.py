@@ -4,7 +4,12 @@ A decode step of ``n`` requests replays the graph captured for the smallest size
 ``>= n``: the step's inputs are copied into static device buffers, padding
 requests get ``seq_len`` 0 (they read nothing) and slot -1 (they write nothing),
 and the first ``n`` rows of the captured output are the step's hidden states.
-Sampling stays outside the graph. Capture needs a graph-safe attention backend
+Graphs of at most :data:`LOGITS_IN_GRAPH_MAX_BS` rows also run the LM head into a
+static float32 logits buffer and take its row-wise argmax (the greedy tokens): at
+such sizes the step is short enough for the host's launches of these (a cuBLAS call,
+a conversion, the argmax kernels) to matter, and the buffers are small. The sampler
+stays outside the graph and uses the greedy tokens only when no logit processing
+applies. Capture needs a graph-safe attention backend
 (``supports_cuda_graphs``: Triton, FlashInfer; a backend that plans on the host
 re-plans in ``update_graph_metadata`` before each replay) and the compiled
 ``reshape_and_cache_flash`` (its torch fallback checks slots on the host).
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -21,8 +27,23 @@ import torch
 from fastdeploy.model_executor.attention.forward_context import set_forward_context
 from fastdeploy.model_executor.attention.metadata import CommonAttentionMetadata
 from fastdeploy.model_executor.layers.linear import small_m_graph_warm_up
+from fastdeploy.ops.layer_ops import argmax_rows
 
 logger = logging.getLogger(__name__)
+
+LOGITS_IN_GRAPH_MAX_BS = 16
+"""Largest captured size whose graph also computes the logits (a [16, vocab] float32 buffer)."""
+
+
+class GraphOutput(NamedTuple):
+    """What one replay leaves for the step: hidden states, and for small sizes logits and argmax."""
+
+    hidden: torch.Tensor
+    """[num_reqs, hidden]"""
+    logits: torch.Tensor | None
+    """[num_reqs, vocab] float32 (None above LOGITS_IN_GRAPH_MAX_BS)."""
+    greedy_tokens: torch.Tensor | None
+    """[num_reqs] int64 argmax of ``logits``."""
 
 
 def capture_sizes(max_batch_size: int) -> list[int]:
@@ -60,7 +81,11 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.block_table = torch.zeros(n, max_blocks_per_req, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, object]] = {}
-        """size → (graph, its output buffer, the attention metadata it was captured with)."""
+        """size → (graph, its hidden-state output, the attention metadata it was captured with)."""
+        self.logits: torch.Tensor | None = None
+        """[min(max size, LOGITS_IN_GRAPH_MAX_BS), vocab] float32, written by the small sizes' graphs."""
+        self.greedy_tokens = torch.zeros(min(n, LOGITS_IN_GRAPH_MAX_BS), dtype=torch.int64, device=device)
+        """The argmax of ``logits``, written by the same graphs."""
 
     @property
     def max_batch_size(self) -> int:
@@ -93,12 +118,25 @@ class DecodeGraphs:
         pool = None
         for size in reversed(self.sizes):
             meta = self._metadata(size)
+            with_logits = size <= LOGITS_IN_GRAPH_MAX_BS
             with set_forward_context(meta), small_m_graph_warm_up():  # compile, autotune and allocate
-                self.model(self.input_ids[:size], self.positions[:size])
+                hidden = self.model(self.input_ids[:size], self.positions[:size])
+                if with_logits:
+                    logits = self.model.compute_logits(hidden)
+                    if self.logits is None:
+                        rows = len(self.greedy_tokens)
+                        self.logits = torch.empty(
+                            rows, logits.shape[-1], dtype=logits.dtype, device=logits.device
+                        )
+                    argmax_rows(logits, out=self.greedy_tokens[:size])
+                    del logits
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with set_forward_context(meta), torch.cuda.graph(graph, pool=pool):
                 out = self.model(self.input_ids[:size], self.positions[:size])
+                if with_logits:
+                    logits = self.model.compute_logits(out, out=self.logits[:size])
+                    argmax_rows(logits, out=self.greedy_tokens[:size])
             pool = graph.pool() if pool is None else pool
             self.graphs[size] = (graph, out, meta)
         torch.cuda.synchronize()
@@ -122,8 +160,8 @@ class DecodeGraphs:
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         common: CommonAttentionMetadata,
-    ) -> torch.Tensor:
-        """Replay the graph for this decode step and return ``[num_reqs, hidden]`` states."""
+    ) -> GraphOutput:
+        """Replay the graph for this decode step."""
         n = common.num_reqs
         size = self.padded_size(n)
         graph, out, meta = self.graphs[size]
@@ -140,4 +178,6 @@ class DecodeGraphs:
             self.seq_lens[n:size].zero_()
         self.attn_backend.update_graph_metadata(meta, common)
         graph.replay()
-        return out[:n]
+        if size > LOGITS_IN_GRAPH_MAX_BS:
+            return GraphOutput(out[:n], None, None)
+        return GraphOutput(out[:n], self.logits[:n], self.greedy_tokens[:n])

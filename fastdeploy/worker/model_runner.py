@@ -20,12 +20,13 @@ from fastdeploy.ops.cache_ops import check_fp8_supported, normalize_kv_cache_dty
 from fastdeploy.ops.stop_ops import alloc_stop_flag, get_stop, set_stop
 from fastdeploy.platforms import get_attention_backend
 from fastdeploy.scheduler.output import ModelRunnerOutput, SchedulerOutput
-from fastdeploy.worker.cuda_graph import DecodeGraphs
+from fastdeploy.worker.cuda_graph import DecodeGraphs, GraphOutput
 from fastdeploy.worker.input_batch import InputBatch
 from fastdeploy.worker.mm_state import MultimodalBatchState
 from fastdeploy.worker.prompt_logprobs import compute_prompt_logprobs
 from fastdeploy.worker.sampling_metadata import build_sampling_tensors
-from fastdeploy.worker.step_state import StepState, device_stop_flags
+from fastdeploy.worker.step_state import StepState, device_stop_flags, length_stop_flags
+from fastdeploy.worker.upload import upload
 
 logger = logging.getLogger(__name__)
 
@@ -151,8 +152,11 @@ class ModelRunner:
             self._pending = state
         return output
 
-    def _forward(self, inputs: dict) -> torch.Tensor:
-        """The model's forward pass: a CUDA graph replay for decode-only steps that fit one."""
+    def _forward(self, inputs: dict) -> GraphOutput:
+        """The model's forward pass: a CUDA graph replay for decode-only steps that fit one.
+
+        Only a graph of a small batch also returns the logits and greedy tokens of every row.
+        """
         common = inputs["attn_metadata"].common
         graphs = self.graphs
         if (
@@ -163,7 +167,8 @@ class ModelRunner:
         ):
             return graphs.run(inputs["input_ids"], inputs["positions"], common)
         with set_forward_context(inputs["attn_metadata"]):
-            return self.model(inputs["input_ids"], inputs["positions"], inputs.get("inputs_embeds"))
+            hidden = self.model(inputs["input_ids"], inputs["positions"], inputs.get("inputs_embeds"))
+            return GraphOutput(hidden, None, None)
 
     def _capture_graphs(self) -> DecodeGraphs | None:
         """Capture decode CUDA graphs unless eager mode is asked for or the parts are not graph-safe."""
@@ -225,13 +230,18 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return state
         inputs = self._prepare_inputs(so)
-        hidden = self._forward(inputs)
+        hidden, all_logits, greedy_tokens = self._forward(inputs)
         state.prompt_logprobs = compute_prompt_logprobs(
             self.model, hidden, self.batch, inputs["scheduled_slots"], inputs["query_start_loc_cpu"]
         )
         state.sample_slots = inputs["sample_slots"]
+        state.num_tokens_after = inputs["num_tokens_after"]
+        state.stopped_by_length = inputs["stopped_by_length"]
         state.req_ids = [self.batch.req_ids[slot] for slot in state.sample_slots.tolist()]
-        if len(state.sample_slots):
+        if all_logits is not None and len(state.sample_slots) == len(inputs["scheduled_slots"]):
+            # every row samples (a decode step): the graph's logits and argmax as they are
+            state.logits, state.greedy_tokens = all_logits, greedy_tokens
+        elif len(state.sample_slots):
             state.logits = self.model.compute_logits(hidden[inputs["logits_indices"]])
         self._trace("execute_end", so.step_id)
         return state
@@ -242,10 +252,15 @@ class ModelRunner:
             return
         slots = state.sample_slots
         params = build_sampling_tensors(self.batch, slots, state.logits.shape[-1], self._to_device)
-        sampled = self.sampler(state.logits, params)
-        state.logits = None
+        sampled = self.sampler(state.logits, params, state.greedy_tokens)
+        state.logits = state.greedy_tokens = None
         state.stopped = device_stop_flags(
-            self.batch, slots, sampled.token_ids, self.max_model_len, self._to_device
+            self.batch,
+            slots,
+            sampled.token_ids,
+            state.stopped_by_length,
+            state.num_tokens_after,
+            self._to_device,
         )
         set_stop(state.stopped, self._stop_flag_device, self._stop_flag_host)
         self._prev_sampled, self._prev_slots = sampled.token_ids, slots
@@ -326,9 +341,9 @@ class ModelRunner:
             np.arange(total) - np.repeat(cu - counts, counts)
         )
         input_ids = batch.token_ids[req_of_token, positions]
-        unsaved = np.flatnonzero(
-            positions >= batch.num_tokens[req_of_token]
-        )  # sampled last step, on the device
+        # tokens sampled by the step still in flight: on the device only, taken from its sampled ids
+        unsaved = np.flatnonzero(positions >= batch.num_tokens[req_of_token])
+        unsaved_rows = self._unsaved_rows(unsaved, req_of_token)
         block_numbers = batch.block_table.table[req_of_token, positions // self.block_size]
         slot_mapping = block_numbers.astype(np.int64) * self.block_size + positions % self.block_size
         seq_lens = batch.num_computed_tokens[slots] + counts
@@ -338,49 +353,66 @@ class ModelRunner:
             None if self.mm is None else self.mm.prepare([batch.req_ids[s] for s in slots], counts, positions)
         )
         block_rows = batch.block_table.rows(slots)
+        sample_slots = slots[finishing]
+        num_tokens_after = seq_lens[finishing] + 1  # each sampling row's tokens once it has its new one
+        host = [
+            query_start_loc.astype(np.int32),
+            seq_lens.astype(np.int32),
+            block_rows,
+            slot_mapping,
+            input_ids,
+            positions if mm_step is None else mm_step.positions,
+            cu[finishing] - 1,
+            unsaved,
+            unsaved_rows,
+            length_stop_flags(batch, sample_slots, num_tokens_after, self.max_model_len),
+        ]
+        has_offsets = mm_step is not None and mm_step.mask_offsets is not None
+        if has_offsets:
+            host.append(mm_step.mask_offsets)
+        dev = upload(host, self.device)
         common = CommonAttentionMetadata(
             num_reqs=len(slots),
             num_actual_tokens=total,
-            query_start_loc=self._to_device(query_start_loc.astype(np.int32)),
-            seq_lens=self._to_device(seq_lens.astype(np.int32)),
-            block_table=batch.block_table.to_device(block_rows),
+            query_start_loc=dev[0],
+            seq_lens=dev[1],
+            block_table=dev[2],
             block_table_cpu=block_rows,
-            slot_mapping=self._to_device(slot_mapping),
+            slot_mapping=dev[3],
             query_start_loc_cpu=query_start_loc,
             seq_lens_cpu=seq_lens,
             max_query_len=int(counts.max()),
             max_seq_len=int(seq_lens.max()),
             block_size=self.block_size,
-            attn_mask_offsets=None
-            if mm_step is None or mm_step.mask_offsets is None
-            else self._to_device(mm_step.mask_offsets),
+            attn_mask_offsets=dev[10] if has_offsets else None,
         )
-        input_ids = self._with_unsaved_tokens(self._to_device(input_ids), unsaved, req_of_token)
+        input_ids = dev[4]
+        if len(unsaved):
+            input_ids[dev[7]] = self._prev_sampled[dev[8]]
         return {
             "input_ids": input_ids,
-            "positions": self._to_device(positions if mm_step is None else mm_step.positions),
+            "positions": dev[5],
             "inputs_embeds": None
             if mm_step is None
             else self.mm.inputs_embeds(self.model, input_ids, mm_step),
             "attn_metadata": self.attn_backend.build(common),
-            "logits_indices": self._to_device(cu[finishing] - 1),
-            "sample_slots": slots[finishing],
+            "logits_indices": dev[6],
+            "sample_slots": sample_slots,
+            "num_tokens_after": num_tokens_after,
+            "stopped_by_length": dev[9],
             # the token layout, for prompt logprobs: slots[i] owns rows query_start_loc[i]:[i + 1]
             "scheduled_slots": slots,
             "query_start_loc_cpu": query_start_loc,
         }
 
-    def _with_unsaved_tokens(
-        self, input_ids: torch.Tensor, unsaved: np.ndarray, req_of_token: np.ndarray
-    ) -> torch.Tensor:
-        """Fill the tokens sampled by the step still in flight from its ids on the device (no host sync)."""
+    def _unsaved_rows(self, unsaved: np.ndarray, req_of_token: np.ndarray) -> np.ndarray:
+        """For each token not yet on the host, its row in the previous step's sampled ids."""
         if len(unsaved) == 0:
-            return input_ids
+            return unsaved
         rows = self.batch.rows_of(self._prev_slots)[req_of_token[unsaved]]
         if self._prev_sampled is None or (rows < 0).any():
             raise RuntimeError("a scheduled token was neither on the host nor sampled by the previous step")
-        input_ids[self._to_device(unsaved)] = self._prev_sampled[self._to_device(rows)]
-        return input_ids
+        return rows
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         """A host array as a device tensor. On a GPU through pinned memory: a copy from pageable

@@ -26,8 +26,14 @@ class StepState:
     """Batch slots that sample a token this step, in output row order."""
     req_ids: list[str] = field(default_factory=list)
     """The request of each sampled row (to detect slots reused before the save)."""
+    num_tokens_after: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    """Per sampled row, the request's token count once it has this step's token."""
+    stopped_by_length: torch.Tensor | None = None
+    """[rows] bool on the device: the request ends by length with this token (uploaded with the inputs)."""
     logits: torch.Tensor | None = None
     """[rows, vocab] float32 logits, until sampled."""
+    greedy_tokens: torch.Tensor | None = None
+    """[rows] argmax of ``logits`` when the decode graph computed it, until sampled."""
     prompt_logprobs: dict[str, list] | None = None
     token_ids_host: torch.Tensor | None = None
     """Pinned host copy of the sampled ids; valid once ``event`` has completed."""
@@ -40,34 +46,44 @@ class StepState:
     """CUDA event recorded after the device-to-host copies (None on a CPU: already done)."""
 
 
+def length_stop_flags(
+    batch: InputBatch, slots: np.ndarray, num_tokens_after: np.ndarray, max_model_len: int
+) -> np.ndarray:
+    """Per sampled row (slot ``slots[i]``, ``num_tokens_after[i]`` tokens once it has its new one),
+    whether the request ends by length: ``max_tokens`` outputs or ``max_model_len`` tokens.
+
+    Known on the host before sampling, so it travels with the step's inputs.
+    """
+    num_output_after = num_tokens_after - batch.num_prompt_tokens[slots]
+    return (num_output_after >= batch.max_tokens[slots]) | (num_tokens_after >= max_model_len)
+
+
 def device_stop_flags(
     batch: InputBatch,
     slots: np.ndarray,
     sampled: torch.Tensor,
-    max_model_len: int,
+    by_length: torch.Tensor,
+    num_tokens_after: np.ndarray,
     to_device: Callable[[np.ndarray], torch.Tensor],
 ) -> torch.Tensor:
-    """Per sampled row, whether its token ends the request: a stop id (EOS unless ignored,
-    ``stop_token_ids``) once ``min_tokens`` are out, ``max_tokens`` reached, or ``max_model_len``.
+    """Per sampled row, whether its token ends the request: ``by_length`` (the device copy of
+    :func:`length_stop_flags`), or a stop id (EOS unless ignored, ``stop_token_ids``) once
+    ``min_tokens`` are out.
 
-    Token comparisons happen on the device, so the ids never travel to the host for this;
-    the lengths are known on the host (the batch holds every earlier token).
+    Token comparisons happen on the device, so the ids never travel to the host for this.
     """
-    num_tokens_after = batch.num_tokens[slots] + 1
-    num_output_after = num_tokens_after - batch.num_prompt_tokens[slots]
-    by_length = (num_output_after >= batch.max_tokens[slots]) | (num_tokens_after >= max_model_len)
-    stopped = to_device(by_length)
     cached = batch.per_composition("stop_ids", slots, lambda: _stop_id_rows(batch, slots, to_device))
     if cached is None:
-        return stopped
+        return by_length
     rows, owners, rows_dev, tokens_dev = cached
     hits = (sampled[rows_dev] == tokens_dev).to(torch.int32)
     gated = batch.min_tokens[owners] > 0
     if gated.any():  # stop ids count only once min_tokens are out
+        num_output_after = num_tokens_after - batch.num_prompt_tokens[slots]
         eligible = num_output_after[rows] >= batch.min_tokens[owners]
         hits = hits * to_device(eligible.astype(np.int32))
     counts = torch.zeros(len(slots), dtype=torch.int32, device=sampled.device).index_add_(0, rows_dev, hits)
-    return stopped | (counts > 0)
+    return by_length | (counts > 0)
 
 
 def _stop_id_rows(batch: InputBatch, slots: np.ndarray, to_device: Callable[[np.ndarray], torch.Tensor]):

@@ -236,6 +236,24 @@ def test_all_greedy_fast_path_is_argmax():
     assert torch.equal(out.token_ids, logits.argmax(-1)) and out.logprobs is None
 
 
+def test_precomputed_greedy_tokens_are_used_only_without_logit_processing():
+    """The decode graphs hand the sampler their argmax; bias / bans / penalties must override it."""
+    logits = torch.zeros(2, VOCAB)
+    logits[:, 5] = 1.0
+    given = torch.tensor([5, 5])
+    plain = build_sampling_tensors(
+        make_batch([([1], [], {"temperature": 0.0})] * 2), np.array([0, 1]), VOCAB, torch.from_numpy
+    )
+    assert Sampler()(logits, plain, given).token_ids.tolist() == [5, 5]
+    biased = build_sampling_tensors(
+        make_batch([([1], [], {"temperature": 0.0, "logit_bias": {9: 50.0}})] * 2),
+        np.array([0, 1]),
+        VOCAB,
+        torch.from_numpy,
+    )
+    assert Sampler()(logits, biased, given).token_ids.tolist() == [9, 9]
+
+
 def test_penalty_tensors_shape():
     p = PenaltyTensors(
         torch.ones(1), torch.zeros(1), torch.zeros(1), torch.zeros(1, 4, dtype=torch.bool), torch.zeros(1, 4)

@@ -143,9 +143,10 @@ class LlamaForCausalLM(nn.Module):
         """Flattened tokens [T] at absolute positions [T] → final hidden states [T, hidden]."""
         return self.model(input_ids, positions, inputs_embeds)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Hidden states [N, hidden] → float32 logits [N, vocab]."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states [N, hidden] → float32 logits [N, vocab], written into ``out`` when given."""
+        logits = self.lm_head(hidden)
+        return logits.float() if out is None else out.copy_(logits)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
