@@ -17,6 +17,17 @@ from fastdeploy.ops.triton_pdl import pdl_kwargs, pdl_prologue
 
 
 @triton.jit
+def _store_normalized(out_row_ptr, x, w_ptr, cols, mask, n, eps):
+    """``weight * x / rms(x)`` of one float32 row into ``out_row_ptr``, rounded to the output dtype
+    after the normalization and again after the weight (the torch fallback's points)."""
+    inv = tl.rsqrt(tl.sum(x * x, axis=0) / n + eps)
+    dtype = out_row_ptr.dtype.element_ty
+    normed = (x * inv).to(dtype).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_row_ptr + cols, (normed * w).to(dtype), mask=mask)
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr, w_ptr, out_ptr, x_stride, out_stride, n, eps, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
 ):
@@ -25,10 +36,7 @@ def _rms_norm_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < n
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    inv = tl.rsqrt(tl.sum(x * x, axis=0) / n + eps)
-    normed = (x * inv).to(out_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * out_stride + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+    _store_normalized(out_ptr + row * out_stride, x, w_ptr, cols, mask, n, eps)
 
 
 @triton.jit
@@ -43,11 +51,7 @@ def _fused_add_rms_norm_kernel(
     r = tl.load(r_ptr + row * r_stride + cols, mask=mask, other=0.0).to(tl.float32)
     summed = (x + r).to(r_ptr.dtype.element_ty)
     tl.store(r_ptr + row * r_stride + cols, summed, mask=mask)
-    s = summed.to(tl.float32)
-    inv = tl.rsqrt(tl.sum(s * s, axis=0) / n + eps)
-    normed = (s * inv).to(x_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(x_ptr + row * x_stride + cols, (normed * w).to(x_ptr.dtype.element_ty), mask=mask)
+    _store_normalized(x_ptr + row * x_stride, summed.to(tl.float32), w_ptr, cols, mask, n, eps)
 
 
 @triton.jit

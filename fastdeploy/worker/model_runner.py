@@ -415,9 +415,6 @@ class ModelRunner:
         return rows
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        """A host array as a device tensor. On a GPU through pinned memory: a copy from pageable
-        memory would wait for the stream, i.e. for the step still running."""
-        tensor = torch.from_numpy(np.ascontiguousarray(array))
-        if self.device.type == "cpu":
-            return tensor
-        return tensor.pin_memory().to(self.device, non_blocking=True)
+        """A host array as a device tensor (through pinned memory, see :func:`upload`): a copy
+        from pageable memory would wait for the stream, i.e. for the step still running."""
+        return upload([array], self.device)[0]
