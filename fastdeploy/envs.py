@@ -71,6 +71,12 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "Use the Triton small-batch linear kernel (and fuse SiLU-and-multiply into down_proj) "
         "for decode steps of at most 4 rows inside CUDA graphs (0: cuBLAS everywhere).",
     ),
+    "FD_SMALL_M_NORM_FUSION": (
+        _bool("FD_SMALL_M_NORM_FUSION", "1"),
+        "With FD_SMALL_M_GEMV, run the residual add + RMSNorm inside the next linear, and the "
+        "rotary embedding and KV-cache write inside qkv_proj, for decode steps of 1-2 rows "
+        "(0: separate kernels).",
+    ),
     "FD_TRITON_PDL": (
         _bool("FD_TRITON_PDL", "1"),
         "Launch the decode step's Triton kernels with programmatic dependent launch on sm_90+ "

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastdeploy.ops.triton_pdl import pdl_kwargs, pdl_prologue
+from fastdeploy.ops.triton_pdl import pdl_kwargs, pdl_prologue, pdl_trigger
 
 LOG2E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 256
@@ -205,6 +205,7 @@ def _decode_kernel(
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
             TILE_N, HEAD_DIM, FP8, DOT_FP32, DOT_PRECISION,
         )  # fmt: skip
+    pdl_trigger(USE_PDL)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if NUM_SPLITS == 1:
         out_ptrs = out_ptr + (token * stride_ot + head * stride_oh)[:, None] + offs_d[None, :]

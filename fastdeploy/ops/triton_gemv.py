@@ -52,7 +52,7 @@ import triton
 import triton.language as tl
 
 from fastdeploy.ops.triton_attention import triton_interpreting
-from fastdeploy.ops.triton_pdl import pdl_kwargs, pdl_prologue
+from fastdeploy.ops.triton_pdl import pdl_kwargs, pdl_prologue, pdl_trigger
 
 SMALL_M_MAX = 4
 """Most rows :func:`small_m_linear` takes (decode batches of up to four requests)."""
@@ -140,6 +140,7 @@ def _small_m_linear_kernel(
                 acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
             else:
                 acc = tl.dot(w, tl.trans(x), acc)
+        pdl_trigger(USE_PDL)
         out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
     else:
@@ -162,6 +163,7 @@ def _small_m_linear_kernel(
                 acc2 += w * _act_row(x_ptr + 2 * stride_xm, cols, k_mask, K, SILU_MUL, EVEN_K)[None, :]
             if M > 3:
                 acc3 += w * _act_row(x_ptr + 3 * stride_xm, cols, k_mask, K, SILU_MUL, EVEN_K)[None, :]
+        pdl_trigger(USE_PDL)
         _store_row(out_ptr, tl.sum(acc0, axis=1), offs_n, n_mask)
         if M > 1:
             _store_row(out_ptr + stride_om, tl.sum(acc1, axis=1), offs_n, n_mask)
@@ -215,7 +217,7 @@ def _prune(configs: list[triton.Config], named_args: dict[str, Any], **kwargs: A
     return kept or configs[:1]
 
 
-def _bench(fn: Any, quantiles: Any = None) -> Any:
+def autotune_bench(fn: Any, quantiles: Any = None) -> Any:
     """The autotuner's timer: Triton's (L2 flushed before each run), on a shorter budget."""
     return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
 
@@ -225,7 +227,7 @@ _tuned_kernel = triton.autotune(
     configs=_CONFIGS,
     key=["N", "K", "M", "SILU_MUL"],
     prune_configs_by={"early_config_prune": _prune},
-    do_bench=_bench,
+    do_bench=autotune_bench,
 )(_kernel)
 
 _warmed: set[tuple[Any, ...]] = set()

@@ -55,6 +55,30 @@ def test_graphs_give_the_eager_tokens(async_scheduling, backend, monkeypatch):
     assert results[False] == results[True]
 
 
+@pytest.mark.gpu
+def test_one_and_two_request_graphs_give_the_eager_tokens():
+    """Batches of one and two: the decode graphs run the norm-fused small-M kernels (with the
+    rotary and cache-write epilogue on qkv_proj); their greedy tokens equal eager mode's."""
+    from fastdeploy import LLM, SamplingParams
+    from fastdeploy.ops._ext import has_cuda_ops
+
+    if not has_cuda_ops():
+        pytest.skip("CUDA graphs need the compiled fastdeploy_ops")
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    batches = [["The capital of France is"], ["def add(a, b):", "Once upon a time"]]
+    results = {}
+    for eager in (True, False):
+        llm = LLM(
+            dtype="bfloat16", device="cuda", enforce_eager=eager, max_num_seqs=4, gpu_memory_utilization=0.3
+        )
+        results[eager] = [[o.outputs[0].token_ids for o in llm.generate(b, params)] for b in batches]
+        llm.shutdown()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert results[False] == results[True]
+
+
 def test_fp8_kv_cache_is_refused_without_the_triton_backend():
     from fastdeploy import LLM
 

@@ -44,17 +44,31 @@ class Attention(nn.Module):
             and load_triton_ops() is not None
         )
 
+    def cache_target(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(key cache, value cache, slot mapping) when this step's ``num_tokens`` keys and values
+        may be written by the kernel that produces them (a bf16/fp16 cache and a step with
+        metadata for every token), so that :meth:`forward` is called with ``cache_written``."""
+        metadata = get_attn_metadata()
+        if metadata is None or self.kv_cache is None or self.kv_cache_dtype != "auto":
+            return None
+        if metadata.slot_mapping.shape[0] != num_tokens:
+            return None
+        return (*self.kv_cache, metadata.slot_mapping)
+
     def forward(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
         rotary: tuple[torch.Tensor, nn.Module] | None = None,
+        cache_written: bool = False,
     ) -> torch.Tensor:
         """q: [T, num_heads * head_dim], k/v: [T, num_kv_heads * head_dim] → [T, num_heads * head_dim].
 
         ``rotary`` = (positions, rotary embedding) asks this layer to rotate q and k first
         (callers pass it only when :meth:`fuses_rotary`); otherwise they arrive rotated.
+        ``cache_written``: q and k arrive rotated and k and v are already in the cache at
+        :meth:`cache_target`'s slots (callers pass it only when that was not None).
         """
         num_tokens = q.shape[0]
         metadata = get_attn_metadata()
@@ -71,7 +85,9 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if metadata is None or self.kv_cache is None:
+        if cache_written:
+            out = self.backend.forward(self, q, k, v, metadata)
+        elif metadata is None or self.kv_cache is None:
             out = _causal_attention(q, k, v, self.scale)
         else:
             key_cache, value_cache = self.kv_cache

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import ModuleType
 
 import torch
@@ -45,6 +45,38 @@ def load_triton_gemv() -> ModuleType | None:
     return triton_gemv
 
 
+@functools.cache
+def load_triton_norm_gemv() -> ModuleType | None:
+    """:mod:`fastdeploy.ops.triton_norm_gemv`, or None where triton does not import."""
+    try:
+        from fastdeploy.ops import triton_norm_gemv
+    except ImportError:
+        return None
+    return triton_norm_gemv
+
+
+def _small_m_gate(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    max_rows: int,
+    is_warm: Callable[[], bool],
+    capturing: bool | None,
+) -> bool:
+    """The checks every small-M kernel shares (see :func:`small_m_eligible`)."""
+    if x.dim() != 2 or not 0 < x.shape[0] <= max_rows or bias is not None:
+        return False
+    if capturing is None:
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    if not (is_warm() if capturing else _graph_warm_up):
+        return False  # a cold capture, or an eager call outside the graph warm-up
+    if not envs.FD_SMALL_M_GEMV or envs.FD_DISABLE_CUSTOM_OPS:
+        return False
+    if x.dtype not in _SMALL_M_DTYPES or weight.dtype != x.dtype or weight.dim() != 2:
+        return False
+    return x.stride(-1) == 1 and weight.stride(-1) == 1
+
+
 def small_m_eligible(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -68,22 +100,50 @@ def small_m_eligible(
     kernel once its shape is warm (autotuning synchronizes, which capture forbids).
     ``capturing`` None asks torch whether the current stream is capturing.
     """
-    if x.dim() != 2 or not 0 < x.shape[0] <= _SMALL_M_MAX or bias is not None:
-        return False
+    if x.dim() != 2 or not 0 < x.shape[0] <= _SMALL_M_MAX:
+        return False  # a prefill or a large batch: turned away before triton is imported
     gemv = load_triton_gemv()
     if gemv is None:
         return False
-    if capturing is None:
-        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-    if not (gemv.is_warmed_up(x, weight, silu_mul) if capturing else _graph_warm_up):
-        return False  # a cold capture, or an eager call outside the graph warm-up
-    if not envs.FD_SMALL_M_GEMV or envs.FD_DISABLE_CUSTOM_OPS:
+    max_rows = gemv.SILU_FUSE_MAX_M if silu_mul else _SMALL_M_MAX
+    if not _small_m_gate(
+        x, weight, bias, max_rows, lambda: gemv.is_warmed_up(x, weight, silu_mul), capturing
+    ):
         return False
-    if x.dtype not in _SMALL_M_DTYPES or weight.dtype != x.dtype or weight.dim() != 2:
+    return x.shape[1] == (2 if silu_mul else 1) * weight.shape[1]
+
+
+def norm_fusable(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    rotary: object | None = None,
+    capturing: bool | None = None,
+) -> bool:
+    """Whether ``rms_norm(x + residual) @ weight.T`` (with ``rotary``, also the rotary embedding
+    and cache write) takes one Triton kernel (:mod:`fastdeploy.ops.triton_norm_gemv`).
+
+    The rules of :func:`small_m_eligible` (graphs only, warmed shapes), for 1 to
+    ``NORM_FUSE_MAX_M`` rows and a residual laid out like ``x``; ``FD_SMALL_M_NORM_FUSION``
+    turns it off.
+    """
+    if x.dim() != 2 or not 0 < x.shape[0] <= _SMALL_M_MAX:
         return False
-    if x.stride(-1) != 1 or weight.stride(-1) != 1 or x.shape[1] != (2 if silu_mul else 1) * weight.shape[1]:
+    fused = load_triton_norm_gemv()
+    if fused is None:
         return False
-    return not silu_mul or x.shape[0] <= gemv.SILU_FUSE_MAX_M
+    if not envs.FD_SMALL_M_NORM_FUSION:
+        return False
+    if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1):
+        return False
+
+    def is_warm() -> bool:
+        return fused.is_warmed_up(x, weight, residual is not None, rotary)
+
+    if not _small_m_gate(x, weight, bias, fused.NORM_FUSE_MAX_M, is_warm, capturing):
+        return False
+    return x.shape[1] == weight.shape[1]
 
 
 def cpu_prepack_supported(dtype: torch.dtype) -> bool:
@@ -126,6 +186,31 @@ class Linear(nn.Linear):
         if self.small_m_gemv and gate_up.is_cuda and small_m_eligible(gate_up, self.weight, self.bias, True):
             return load_triton_gemv().small_m_linear(gate_up, self.weight, silu_mul=True)
         return self(silu_and_mul(gate_up))
+
+    def fuses_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, rotary: object | None = None
+    ) -> bool:
+        """Whether :meth:`forward_normed` runs as one kernel here (with ``rotary``: the qkv
+        projection's rotary embedding and cache write too); see :func:`norm_fusable`."""
+        return self.small_m_gemv and x.is_cuda and norm_fusable(x, self.weight, self.bias, residual, rotary)
+
+    def forward_normed(
+        self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module, rotary: object | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``self(norm(x + residual))`` and the new residual (``x`` when ``residual`` is None).
+
+        Small-M decode on a GPU runs the norm inside the linear (one kernel where there
+        were two); elsewhere the norm runs first. ``rotary`` (a
+        :class:`~fastdeploy.ops.triton_norm_gemv.RotaryCache`) also rotates q and k and writes
+        the cache; pass it only when :meth:`fuses_norm` said yes for it.
+        """
+        if rotary is not None or self.fuses_norm(x, residual):
+            fused = load_triton_norm_gemv()
+            return fused.norm_small_m_linear(x, residual, norm.weight, norm.eps, self.weight, rotary)
+        if residual is None:
+            return self(norm(x)), x
+        hidden, residual = norm(x, residual)
+        return self(hidden), residual
 
 
 def prepack_linear_weights(model: nn.Module) -> int:

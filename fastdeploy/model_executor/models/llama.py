@@ -15,7 +15,7 @@ from torch import nn
 
 from fastdeploy.model_executor.attention import Attention
 from fastdeploy.model_executor.layers.layernorm import RMSNorm
-from fastdeploy.model_executor.layers.linear import Linear
+from fastdeploy.model_executor.layers.linear import Linear, load_triton_norm_gemv
 from fastdeploy.model_executor.layers.rotary_embedding import RotaryEmbedding
 from fastdeploy.transformers_utils.config import ModelArchConfig
 
@@ -45,8 +45,16 @@ class LlamaAttention(nn.Module):
             self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, layer_idx
         )
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden)
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``norm(hidden + residual)`` → attention output, and the new residual."""
+        rotary = self._fused_rotary_cache(positions, hidden, residual)
+        if rotary is not None:  # GPU small-M decode: norm, qkv, rotary and cache write in one kernel
+            qkv, residual = self.qkv_proj.forward_normed(hidden, residual, norm, rotary)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            return self.o_proj(self.attn(q, k, v, cache_written=True)), residual
+        qkv, residual = self.qkv_proj.forward_normed(hidden, residual, norm)
         num_tokens = qkv.shape[0]
         if self.qk_norm:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -57,11 +65,29 @@ class LlamaAttention(nn.Module):
         elif type(self.rotary_emb) is RotaryEmbedding and self.attn.fuses_rotary(qkv):
             # GPU: the rotary embedding and the KV-cache write in one kernel
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            return self.o_proj(self.attn(q, k, v, rotary=(positions, self.rotary_emb)))
+            return self.o_proj(self.attn(q, k, v, rotary=(positions, self.rotary_emb))), residual
         else:  # q and k heads lead each row of qkv: rotate them in place in one call
             self.rotary_emb(positions, qkv, self.num_heads + self.num_kv_heads)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        return self.o_proj(self.attn(q, k, v))
+        return self.o_proj(self.attn(q, k, v)), residual
+
+    def _fused_rotary_cache(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> object | None:
+        """The qkv kernel's rotary + cache-write epilogue (a ``RotaryCache``), where it can run."""
+        if not hidden.is_cuda or self.qk_norm or type(self.rotary_emb) is not RotaryEmbedding:
+            return None
+        fused = load_triton_norm_gemv()
+        target = self.attn.cache_target(hidden.shape[0]) if fused is not None else None
+        if target is None:
+            return None
+        key_cache, value_cache, slot_mapping = target
+        rope = self.rotary_emb
+        rotary = fused.RotaryCache(
+            positions, rope.cos_cache, rope.sin_cache, slot_mapping, key_cache, value_cache,
+            self.num_heads, self.num_kv_heads, self.head_dim,
+        )  # fmt: skip
+        return rotary if self.qkv_proj.fuses_norm(hidden, residual, rotary) else None
 
 
 class LlamaMLP(nn.Module):
@@ -71,8 +97,12 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward_silu_mul(self.gate_up_proj(x))
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``norm(x + residual)`` → MLP output, and the new residual."""
+        gate_up, residual = self.gate_up_proj.forward_normed(x, residual, norm)
+        return self.down_proj.forward_silu_mul(gate_up), residual
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -84,14 +114,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None):
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        hidden, residual = self.self_attn(positions, hidden, residual, self.input_layernorm)
+        return self.mlp(hidden, residual, self.post_attention_layernorm)
 
 
 class LlamaModel(nn.Module):
