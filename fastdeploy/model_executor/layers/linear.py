@@ -133,17 +133,23 @@ def norm_fusable(
     fused = load_triton_norm_gemv()
     if fused is None:
         return False
-    if not envs.FD_SMALL_M_NORM_FUSION:
-        return False
-    if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1):
-        return False
 
     def is_warm() -> bool:
         return fused.is_warmed_up(x, weight, residual is not None, rotary)
 
     if not _small_m_gate(x, weight, bias, fused.NORM_FUSE_MAX_M, is_warm, capturing):
+        return False  # (eager steps outside the graph warm-up stop here, cheaply)
+    if not envs.FD_SMALL_M_NORM_FUSION:
+        return False
+    if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1):
         return False
     return x.shape[1] == weight.shape[1]
+
+
+def small_m_context(x: torch.Tensor) -> bool:
+    """Whether a small-M kernel may run for ``x`` now: inside :func:`small_m_graph_warm_up` or a
+    CUDA graph capture. A cheap first test for callers that build arguments before asking."""
+    return _graph_warm_up or (x.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 def cpu_prepack_supported(dtype: torch.dtype) -> bool:

@@ -15,7 +15,7 @@ from torch import nn
 
 from fastdeploy.model_executor.attention import Attention
 from fastdeploy.model_executor.layers.layernorm import RMSNorm
-from fastdeploy.model_executor.layers.linear import Linear, load_triton_norm_gemv
+from fastdeploy.model_executor.layers.linear import Linear, load_triton_norm_gemv, small_m_context
 from fastdeploy.model_executor.layers.rotary_embedding import RotaryEmbedding
 from fastdeploy.transformers_utils.config import ModelArchConfig
 
@@ -75,7 +75,7 @@ class LlamaAttention(nn.Module):
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> object | None:
         """The qkv kernel's rotary + cache-write epilogue (a ``RotaryCache``), where it can run."""
-        if not hidden.is_cuda or self.qk_norm or type(self.rotary_emb) is not RotaryEmbedding:
+        if self.qk_norm or type(self.rotary_emb) is not RotaryEmbedding or not small_m_context(hidden):
             return None
         fused = load_triton_norm_gemv()
         target = self.attn.cache_target(hidden.shape[0]) if fused is not None else None
