@@ -349,6 +349,10 @@ def norm_small_m_linear(
             _warmed.add(_warm_key(x, weight, residual is not None, rotary))
     else:
         meta = dict(_INTERPRETER_CONFIG if config is None else config)
+        if config is None and rotary is not None:
+            meta["BLOCK_N"] = min(meta["BLOCK_N"], d)
+        if rotary is not None and (d // 2) % (meta["BLOCK_N"] // 2):
+            raise ValueError(f"BLOCK_N {meta['BLOCK_N']} splits the head halves of head_dim {d}")
         warps = meta.pop("num_warps", 4)
         grid = (triton.cdiv(n, meta["BLOCK_N"]),)
         _kernel[grid](*args, **const, **meta, num_warps=warps, num_stages=meta["STAGES"])

@@ -206,6 +206,20 @@ def test_validation_errors():
     )
     with pytest.raises(ValueError, match="key_cache"):
         call(x, None, nw, EPS, torch.randn(24, 16), rotary=wrong_cache)
+    caches = torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8)
+    fine = triton_norm_gemv.RotaryCache(
+        torch.zeros(1, dtype=torch.long), cos, sin, torch.zeros(1), *caches, 2, 1, 8
+    )
+    with pytest.raises(ValueError, match="splits the head halves"):
+        call(
+            x,
+            None,
+            nw,
+            EPS,
+            torch.randn(32, 16),
+            rotary=fine,
+            config={"BLOCK_N": 16, "BLOCK_K": 16, "STAGES": 1},
+        )
 
 
 def test_rotary_configurations_keep_pairs_inside_a_head_half():
