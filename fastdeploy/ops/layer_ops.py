@@ -9,6 +9,8 @@ round at the same points, so they agree to float32 accumulation order.
 from __future__ import annotations
 
 import functools
+import importlib
+from types import ModuleType
 
 import torch
 
@@ -25,13 +27,18 @@ def _cpu_kernels(x: torch.Tensor):
 
 
 @functools.cache
-def load_triton_ops():
-    """The Triton layer kernels (:mod:`fastdeploy.ops.triton_layer_ops`), or None without triton."""
+def triton_module(name: str) -> ModuleType | None:
+    """The Triton kernel module ``fastdeploy.ops.<name>``, or None where triton does not import
+    (callers then take their torch path)."""
     try:
-        from fastdeploy.ops import triton_layer_ops
-    except ImportError:  # no triton: the torch path
+        return importlib.import_module(f"fastdeploy.ops.{name}")
+    except ImportError:
         return None
-    return triton_layer_ops
+
+
+def load_triton_ops() -> ModuleType | None:
+    """The Triton layer kernels (:mod:`fastdeploy.ops.triton_layer_ops`), or None without triton."""
+    return triton_module("triton_layer_ops")
 
 
 def _triton_kernels(x: torch.Tensor):
@@ -122,15 +129,6 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
-@functools.cache
-def _load_triton_argmax():
-    try:
-        from fastdeploy.ops import triton_argmax
-    except ImportError:  # no triton: torch.argmax
-        return None
-    return triton_argmax
-
-
 def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``x.argmax(dim=-1)`` of 2-D logits (int64, first index on ties), into ``out`` when given.
 
@@ -139,6 +137,6 @@ def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
     Their launches cost more host time than torch's, so the decode CUDA graphs use it
     (:mod:`fastdeploy.worker.cuda_graph`), eager sampling keeps ``torch.argmax``.
     """
-    if _triton_kernels(x) is not None and (argmax := _load_triton_argmax()) is not None:
+    if _triton_kernels(x) is not None and (argmax := triton_module("triton_argmax")) is not None:
         return argmax.argmax_rows(x, out)
     return torch.argmax(x, dim=-1, out=out) if out is not None else x.argmax(dim=-1)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Iterator
 from types import ModuleType
 
@@ -11,7 +10,7 @@ import torch
 from torch import nn
 
 from fastdeploy import envs
-from fastdeploy.ops.layer_ops import silu_and_mul
+from fastdeploy.ops.layer_ops import silu_and_mul, triton_module
 
 _SMALL_M_DTYPES = (torch.bfloat16, torch.float16)
 _SMALL_M_MAX = 4
@@ -35,24 +34,14 @@ def small_m_graph_warm_up() -> Iterator[None]:
         _graph_warm_up = previous
 
 
-@functools.cache
 def load_triton_gemv() -> ModuleType | None:
     """:mod:`fastdeploy.ops.triton_gemv`, or None where triton does not import."""
-    try:
-        from fastdeploy.ops import triton_gemv
-    except ImportError:
-        return None
-    return triton_gemv
+    return triton_module("triton_gemv")
 
 
-@functools.cache
 def load_triton_norm_gemv() -> ModuleType | None:
     """:mod:`fastdeploy.ops.triton_norm_gemv`, or None where triton does not import."""
-    try:
-        from fastdeploy.ops import triton_norm_gemv
-    except ImportError:
-        return None
-    return triton_norm_gemv
+    return triton_module("triton_norm_gemv")
 
 
 def _small_m_gate(
