@@ -64,8 +64,9 @@ work grows with M: on an H200 the fused 8B down_proj takes 29.3 / 30.8 / 51 / 62
 M = 1 / 2 / 3 / 4, against about 3 µs of ``silu_and_mul`` plus 29-31 µs unfused.
 """
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_ACC_ELEMENTS = 16384
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+"""The activation and weight dtypes the small-M kernels take."""
+ACC_ELEMENTS = 16384
 """Largest ``M * BLOCK_N * BLOCK_K`` of the broadcast form: its float32 accumulators take
 ``M * BLOCK_N * BLOCK_K / (32 * num_warps)`` registers a thread (128 at 4 warps)."""
 
@@ -184,7 +185,7 @@ def _config(block_n: int, block_k: int, dot: bool, num_warps: int, stages: int) 
 # The winners of a sweep over BLOCK_N 8-64, BLOCK_K 128-1024, 4/8 warps and 2-4 stages of
 # both forms on the Llama-3.1-8B and 3.2-1B shapes at M = 1-4 (H200); each is the best or
 # within 2% of the best for at least one of them.
-_CONFIGS = [
+BROADCAST_CONFIGS = [
     _config(8, 256, False, 4, 3),
     _config(8, 256, False, 4, 4),
     _config(8, 512, False, 4, 3),
@@ -192,6 +193,8 @@ _CONFIGS = [
     _config(16, 256, False, 4, 4),
     _config(16, 512, False, 4, 4),
     _config(32, 256, False, 4, 3),
+]
+_CONFIGS = BROADCAST_CONFIGS + [
     _config(64, 128, True, 4, 4),
     _config(64, 256, True, 4, 4),
     _config(32, 512, True, 4, 3),
@@ -212,7 +215,7 @@ def _prune(configs: list[triton.Config], named_args: dict[str, Any], **kwargs: A
         if kw["DOT"]:
             if m > 1 and not silu:
                 kept.append(c)
-        elif m * kw["BLOCK_N"] * kw["BLOCK_K"] <= _ACC_ELEMENTS:
+        elif m * kw["BLOCK_N"] * kw["BLOCK_K"] <= ACC_ELEMENTS:
             kept.append(c)
     return kept or configs[:1]
 
@@ -249,8 +252,8 @@ def is_warmed_up(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) 
 def _check(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool) -> None:
     if x.dim() != 2 or weight.dim() != 2:
         raise ValueError(f"x and weight must be 2-D, got {tuple(x.shape)} and {tuple(weight.shape)}")
-    if x.dtype != weight.dtype or x.dtype not in _DTYPES:
-        raise ValueError(f"x and weight must share a dtype of {_DTYPES}, got {x.dtype} and {weight.dtype}")
+    if x.dtype != weight.dtype or x.dtype not in DTYPES:
+        raise ValueError(f"x and weight must share a dtype of {DTYPES}, got {x.dtype} and {weight.dtype}")
     if x.device != weight.device:
         raise ValueError(f"x is on {x.device} but weight on {weight.device}")
     m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
@@ -275,26 +278,30 @@ def _launch(
     n, k = weight.shape
     args = (x, weight, out, n, k, x.stride(0), weight.stride(0), out.stride(0))
     # float32 dots in IEEE precision (not TF32); the interpreter's bf16 / fp16 dot is wrong
-    interpreting = triton_interpreting()
-    dot_fp32 = x.dtype == torch.float32 or interpreting
-    pdl = pdl_kwargs(x)
-    if config is None and not interpreting:
-        _tuned_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
-            *args, M=x.shape[0], SILU_MUL=silu_mul, DOT_FP32=dot_fp32, **pdl
-        )
+    dot_fp32 = x.dtype == torch.float32 or triton_interpreting()
+    const = dict(M=x.shape[0], SILU_MUL=silu_mul, DOT_FP32=dot_fp32, **pdl_kwargs(x))
+    launch(_tuned_kernel, _kernel, n, args, const, config, _INTERPRETER_CONFIG)
+
+
+def launch(
+    tuned: Any,
+    kernel: Any,
+    n: int,
+    args: tuple,
+    const: dict[str, Any],
+    config: dict[str, Any] | None,
+    interpreter_config: dict[str, Any],
+) -> None:
+    """Run a kernel over ``cdiv(n, BLOCK_N)`` programs: autotuned (``tuned``) on a GPU when
+    ``config`` is None, else ``kernel`` with ``config`` (``interpreter_config`` under
+    ``TRITON_INTERPRET=1``, where nothing is tuned); ``STAGES`` doubles as ``num_stages``."""
+    if config is None and not triton_interpreting():
+        tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **const)
         return
-    meta = dict(_INTERPRETER_CONFIG if config is None else config)
+    meta = dict(interpreter_config if config is None else config)
     warps = meta.pop("num_warps", 4)
-    _kernel[(triton.cdiv(n, meta["BLOCK_N"]),)](
-        *args,
-        M=x.shape[0],
-        SILU_MUL=silu_mul,
-        DOT_FP32=dot_fp32,
-        num_warps=warps,
-        num_stages=meta["STAGES"],
-        **meta,
-        **pdl,
-    )
+    grid = (triton.cdiv(n, meta["BLOCK_N"]),)
+    kernel[grid](*args, **const, **meta, num_warps=warps, num_stages=meta["STAGES"])
 
 
 def small_m_linear(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:

@@ -55,7 +55,7 @@ def _fused_add_rms_norm_kernel(
 
 
 @triton.jit
-def _cos_sin(pos_ptr, cos_ptr, sin_ptr, token, d, HALF: tl.constexpr, dtype: tl.constexpr):
+def load_cos_sin(pos_ptr, cos_ptr, sin_ptr, token, d, HALF: tl.constexpr, dtype: tl.constexpr):
     """The token's cos/sin rows, rounded to the activation dtype first as the torch fallback does."""
     pos = tl.load(pos_ptr + token)
     d_mask = d < HALF
@@ -99,7 +99,7 @@ def _rotary_kernel(
     pdl_prologue(USE_PDL)
     token = tl.program_id(0)
     d = tl.arange(0, HALF_P2)
-    c, s = _cos_sin(pos_ptr, cos_ptr, sin_ptr, token, d, HALF, x_ptr.dtype.element_ty)
+    c, s = load_cos_sin(pos_ptr, cos_ptr, sin_ptr, token, d, HALF, x_ptr.dtype.element_ty)
     _rotate_heads(x_ptr + token * x_stride, num_heads, c, s, d, HEAD_DIM, HALF, HEADS_P2)
 
 
@@ -208,7 +208,7 @@ def _rotary_cache_kernel(
     pdl_prologue(USE_PDL)
     token = tl.program_id(0)
     d = tl.arange(0, HALF_P2)
-    c, s = _cos_sin(pos_ptr, cos_ptr, sin_ptr, token, d, HALF, q_ptr.dtype.element_ty)
+    c, s = load_cos_sin(pos_ptr, cos_ptr, sin_ptr, token, d, HALF, q_ptr.dtype.element_ty)
     _rotate_heads(q_ptr + token * row_stride, num_q_heads, c, s, d, HEAD_DIM, HALF, QH_P2)
     # keys: rotated in place and, with the values, written to the token's cache slot
     r1, r2 = _rotate_heads(k_ptr + token * row_stride, num_kv_heads, c, s, d, HEAD_DIM, HALF, KH_P2)

@@ -37,14 +37,13 @@ import triton
 import triton.language as tl
 
 from fastdeploy.ops.triton_attention import triton_interpreting
-from fastdeploy.ops.triton_gemv import autotune_bench
+from fastdeploy.ops.triton_gemv import ACC_ELEMENTS, BROADCAST_CONFIGS, DTYPES, autotune_bench, launch
+from fastdeploy.ops.triton_layer_ops import load_cos_sin
 from fastdeploy.ops.triton_pdl import pdl_kwargs, pdl_prologue, pdl_trigger
 
 NORM_FUSE_MAX_M = 2
 """Most rows: every program recomputes the normalized input over the whole K for each row,
 work that grows with M (as the SiLU prologue of :mod:`fastdeploy.ops.triton_gemv`)."""
-
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @dataclass(frozen=True)
@@ -110,10 +109,7 @@ def _rotary_store(
     dtype = out_row.dtype.element_ty
     y = y.to(dtype).to(tl.float32)  # the linear's output rounding
     a, b = tl.split(tl.reshape(y, [BLOCK_H, 2]))
-    pos = tl.load(pos_ptr + row)
-    d = col_a % HEAD_DIM
-    c = tl.load(cos_ptr + pos * HALF + d, mask=is_rot & (d < HALF), other=1.0).to(dtype).to(tl.float32)
-    s = tl.load(sin_ptr + pos * HALF + d, mask=is_rot & (d < HALF), other=0.0).to(dtype).to(tl.float32)
+    c, s = load_cos_sin(pos_ptr, cos_ptr, sin_ptr, row, col_a % HEAD_DIM, HALF, dtype)  # v programs: unused
     ra = tl.where(is_rot, a * c - b * s, a).to(dtype)
     rb = tl.where(is_rot, b * c + a * s, b).to(dtype)
     tl.store(out_row + col_a, ra)
@@ -210,21 +206,14 @@ def _norm_linear_kernel(
             tl.store(out_ptr + stride_om + offs_n, y1.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
-def _config(block_n: int, block_k: int, num_warps: int, stages: int) -> triton.Config:
-    return triton.Config(
-        {"BLOCK_N": block_n, "BLOCK_K": block_k, "STAGES": stages}, num_warps=num_warps, num_stages=stages
-    )
-
-
-# The broadcast configurations of triton_gemv that fit its register budget at M <= 2.
+# triton_gemv's broadcast-form configurations (the dot form takes no prologue), without DOT.
 _CONFIGS = [
-    _config(8, 256, 4, 3),
-    _config(8, 256, 4, 4),
-    _config(8, 512, 4, 3),
-    _config(8, 1024, 4, 3),
-    _config(16, 256, 4, 4),
-    _config(16, 512, 4, 4),
-    _config(32, 256, 4, 3),
+    triton.Config(
+        {k: c.kwargs[k] for k in ("BLOCK_N", "BLOCK_K", "STAGES")},
+        num_warps=c.num_warps,
+        num_stages=c.num_stages,
+    )
+    for c in BROADCAST_CONFIGS
 ]
 _INTERPRETER_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 64, "STAGES": 1}
 
@@ -237,7 +226,7 @@ def _prune(configs: list[triton.Config], named_args: dict[str, Any], **kwargs: A
     kept = [
         c
         for c in configs
-        if m * c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"] <= 16384
+        if m * c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"] <= ACC_ELEMENTS
         and (not rotary or (head_dim // 2) % (c.kwargs["BLOCK_N"] // 2) == 0)
     ]
     return kept or configs[:1]
@@ -274,8 +263,8 @@ def _check(
 ) -> None:
     if x.dim() != 2 or weight.dim() != 2:
         raise ValueError(f"x and weight must be 2-D, got {tuple(x.shape)} and {tuple(weight.shape)}")
-    if x.dtype != weight.dtype or x.dtype not in _DTYPES:
-        raise ValueError(f"x and weight must share a dtype of {_DTYPES}, got {x.dtype} and {weight.dtype}")
+    if x.dtype != weight.dtype or x.dtype not in DTYPES:
+        raise ValueError(f"x and weight must share a dtype of {DTYPES}, got {x.dtype} and {weight.dtype}")
     m, k = x.shape
     if not 1 <= m <= NORM_FUSE_MAX_M:
         raise ValueError(f"x must have 1 to {NORM_FUSE_MAX_M} rows, got {m}")
@@ -343,17 +332,13 @@ def norm_small_m_linear(
     args += (n, k, eps, x.stride(0), res.stride(0), weight.stride(0), out.stride(0), num_rot_cols)
     const = dict(M=m, HAS_RES=residual is not None, ROTARY=rotary is not None, KV_DIM=kv_dim, HEAD_DIM=d)
     const.update(pdl_kwargs(x))
-    if config is None and not triton_interpreting():
-        _tuned_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **const)
-        if x.is_cuda and not torch.cuda.is_current_stream_capturing():
-            _warmed.add(_warm_key(x, weight, residual is not None, rotary))
-    else:
-        meta = dict(_INTERPRETER_CONFIG if config is None else config)
-        if config is None and rotary is not None:
-            meta["BLOCK_N"] = min(meta["BLOCK_N"], d)
-        if rotary is not None and (d // 2) % (meta["BLOCK_N"] // 2):
-            raise ValueError(f"BLOCK_N {meta['BLOCK_N']} splits the head halves of head_dim {d}")
-        warps = meta.pop("num_warps", 4)
-        grid = (triton.cdiv(n, meta["BLOCK_N"]),)
-        _kernel[grid](*args, **const, **meta, num_warps=warps, num_stages=meta["STAGES"])
+    tuned = config is None and not triton_interpreting()
+    if rotary is not None and not tuned:
+        if config is None:  # the interpreter's configuration, narrowed to the head size
+            config = {**_INTERPRETER_CONFIG, "BLOCK_N": min(_INTERPRETER_CONFIG["BLOCK_N"], d)}
+        if (d // 2) % (config["BLOCK_N"] // 2):
+            raise ValueError(f"BLOCK_N {config['BLOCK_N']} splits the head halves of head_dim {d}")
+    launch(_tuned_kernel, _kernel, n, args, const, config, _INTERPRETER_CONFIG)
+    if tuned and x.is_cuda and not torch.cuda.is_current_stream_capturing():
+        _warmed.add(_warm_key(x, weight, residual is not None, rotary))
     return out, res_out

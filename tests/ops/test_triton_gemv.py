@@ -153,7 +153,7 @@ def test_autotuner_configurations_are_pruned_sensibly():
     assert any(c.kwargs["DOT"] for c in four_rows)
     for c in four_rows:
         if not c.kwargs["DOT"]:
-            assert 4 * c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"] <= triton_gemv._ACC_ELEMENTS
+            assert 4 * c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"] <= triton_gemv.ACC_ELEMENTS
     assert not any(c.kwargs["DOT"] for c in triton_gemv._prune(configs, {}, M=4, SILU_MUL=True))
     for c in configs:
         assert 8 <= c.kwargs["BLOCK_N"] <= 64 and 128 <= c.kwargs["BLOCK_K"] <= 1024
