@@ -16,10 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from fastdeploy.model_executor.attention.metadata import CommonAttentionMetadata
+from fastdeploy.ops.cache_ops import FP8_KV_CACHE_DTYPES
 from fastdeploy.ops.triton_attention import decode_attention, decode_num_splits, unified_attention
-
-FP8_CACHE_DTYPES = ("fp8_e4m3", "fp8")
-"""``kv_cache_dtype`` names of a float8 e4m3 cache (float8_e4m3fn or uint8) with per-slot scales."""
 
 
 @dataclass
@@ -77,7 +75,7 @@ class TritonAttentionBackend:
         """q: [T, Hq, D]; k/v: [T, Hkv, D] (already in the cache, so unused here) → [T, Hq, D]."""
         key_cache, value_cache = layer.kv_cache
         k_scale = v_scale = None
-        if layer.kv_cache_dtype in FP8_CACHE_DTYPES:
+        if layer.kv_cache_dtype in FP8_KV_CACHE_DTYPES:
             k_scale, v_scale = layer.kv_scales
         elif layer.kv_cache_dtype != "auto":
             raise NotImplementedError(
