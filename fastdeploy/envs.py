@@ -83,9 +83,10 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "(each starts while its predecessor finishes; 0: plain stream order).",
     ),
     "FD_TRITON_DECODE_MAX_BATCH": (
-        lambda: int(os.environ.get("FD_TRITON_DECODE_MAX_BATCH", "64")),
+        lambda: int(os.environ.get("FD_TRITON_DECODE_MAX_BATCH", "1024")),
         "Under the flashinfer attention backend, decode-only steps of at most this many requests "
-        "run the Triton decode kernel instead (one kernel, lower latency at small batches; 0: never).",
+        "run the Triton decode kernel instead (one kernel, no host plan, and faster at every batch "
+        "measured on an H200; default: every decode step; 0: never).",
     ),
     "FD_CUDA_ARCHS": (
         lambda: os.environ.get("FD_CUDA_ARCHS", "9.0a;8.0+PTX"),

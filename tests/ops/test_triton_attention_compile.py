@@ -33,6 +33,8 @@ CASES = [
     ("unified", "fp16", "fp8e4nv", 256, 8, 1, 0),
     ("unified", "fp32", "fp32", 64, 1, 512, 0),
     ("decode", "bf16", "bf16", 128, 8, 1, 8),
+    ("decode", "bf16", "bf16", 128, 4, 1, 1),
+    ("decode", "fp16", "fp16", 256, 4, 1, 2),
     ("decode", "bf16", "fp8e4nv", 64, 1, 1, 1),
     ("reduce", "bf16", "bf16", 128, 1, 1, 16),
 ]
@@ -60,12 +62,18 @@ def _compile_all() -> dict[str, dict]:
                 ta.unified_config(torch_dtypes[q_type], head_dim, group, max_query_len),
             )
         elif kind == "decode":
-            kernel, constexprs = ta._decode_kernel, ta.decode_config(torch_dtypes[q_type], head_dim, group)
+            programs = 1 << 20 if splits == 1 else 0  # a large batch (small tiles), else a small one
+            kernel, constexprs = (
+                ta._decode_kernel,
+                ta.decode_config(torch_dtypes[q_type], head_dim, group, programs),
+            )
             constexprs["NUM_SPLITS"] = splits
         else:
             kernel, constexprs, shared = ta._decode_reduce_kernel, {"num_warps": 4}, {}
             constexprs.update(HEAD_DIM=head_dim, NUM_SPLITS=splits)
-        num_warps = constexprs.pop("num_warps")
+        options = {"num_warps": constexprs.pop("num_warps")}
+        if "num_stages" in constexprs:
+            options["num_stages"] = constexprs.pop("num_stages")
         constexprs = {**shared, **constexprs}
         types = {"out_ptr": f"*{q_type}", "q_ptr": f"*{q_type}", "k_cache_ptr": f"*{cache_type}"}
         types.update(v_cache_ptr=types["k_cache_ptr"], qk_scale="fp32", **PTR_TYPES)
@@ -81,7 +89,7 @@ def _compile_all() -> dict[str, dict]:
             if signature[name].startswith("*") or (name.startswith("stride_") and name not in NOT_ALIGNED)
         }
         source = ASTSource(kernel, signature, constexprs, aligned)
-        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
         with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
             cubin.write(compiled.asm["cubin"])
             cubin.flush()

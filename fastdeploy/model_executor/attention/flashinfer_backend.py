@@ -13,11 +13,13 @@ layer, so steps that replay a CUDA graph never plan the eager wrappers.
 * Decode CUDA graphs: one decode wrapper per captured batch size over fixed buffers; before
   each replay the step is planned again into them (padding requests read one token of
   block 0, and their rows are discarded).
-* Decode-only steps of at most ``FD_TRITON_DECODE_MAX_BATCH`` requests (default 64) take our
-  Triton decode kernel instead: one kernel and no host plan. Measured on an H200 (Llama-3.1-8B
-  shape, ~160-token contexts, ms per step with graphs), Triton against FlashInfer's decode:
-  4.31 / 4.61 at batch 1, 4.86 / 5.18 at 16, 5.45 / 5.93 at 64; FlashInfer's prefill and its
-  decode of 256 long sequences are what make it faster end to end (docs/benchmarks.md).
+* Decode-only steps of at most ``FD_TRITON_DECODE_MAX_BATCH`` requests (default 1024, so every
+  decode step) take our Triton decode kernel instead: one kernel and no host plan. On an H200
+  it beats FlashInfer's decode at every batch measured (Llama-3.1-8B heads, µs per layer:
+  batch 256 x 640-token contexts 164 against 177), so FlashInfer serves the prefill and mixed
+  steps, where its kernels are the faster ones (docs/benchmarks.md).
+* ``plan()`` reads its page lists from pinned host buffers (:class:`PlanStaging`), so planning
+  step N+1 never waits for step N to finish on the GPU.
 
 Limits: bf16/fp16 activations and caches, head sizes 64/128/256, no fp8 caches with our
 per-slot scales, no attention-mask offsets (bidirectional multimodal attention); the
@@ -119,6 +121,53 @@ class FlashInferMetadata:
         return self.common.slot_mapping
 
 
+class PlanStaging:
+    """Pinned host copies of a step's page lists, and the page ids already on the device.
+
+    FlashInfer's ``plan()`` copies host page lists to the device. From pageable memory
+    such a copy may wait for the stream; the page ids of a CUDA-graph wrapper are even
+    copied with ``non_blocking=False``, which waits for the step still running, so the host
+    could not prepare step N+1 while step N runs. Staged here, every copy is asynchronous:
+    the page ids go up from pinned memory ahead of the plan, and FlashInfer copies them
+    device to device. The buffers are reused each step (the caller waits for the previous
+    plan's copies first) and grow as needed.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._host: dict[str, torch.Tensor] = {}
+        self._indices_device = torch.empty(0, dtype=torch.int32, device=device)
+
+    def _pinned(self, name: str, values: np.ndarray) -> torch.Tensor:
+        buf = self._host.get(name)
+        if buf is None or buf.numel() < len(values):
+            buf = torch.empty(
+                max(len(values), 2 * (0 if buf is None else buf.numel()), 64), dtype=torch.int32
+            )
+            buf = buf.pin_memory() if self.device.type == "cuda" else buf
+            self._host[name] = buf
+        view = buf[: len(values)]
+        view.numpy()[:] = values
+        return view
+
+    def stage(
+        self, layout: PagedLayout, qo_indptr: np.ndarray | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(kv_indptr, kv_indices on the device, last_page_len, qo_indptr) for ``plan()``."""
+        indptr = self._pinned("kv_indptr", layout.kv_indptr)
+        last = self._pinned("last_page_len", layout.last_page_len)
+        qo = None if qo_indptr is None else self._pinned("qo_indptr", qo_indptr)
+        host_indices = self._pinned("kv_indices", layout.kv_indices)
+        n = len(layout.kv_indices)
+        if self._indices_device.numel() < n:
+            self._indices_device = torch.empty(
+                max(n, 2 * self._indices_device.numel()), dtype=torch.int32, device=self.device
+            )
+        indices = self._indices_device[:n]
+        indices.copy_(host_indices, non_blocking=True)
+        return indptr, indices, last, qo
+
+
 class FlashInferAttentionBackend:
     """FlashInfer paged attention (FA2 kernels, JIT-compiled by FlashInfer on first use), with
     decode batches of at most ``small_decode_max`` requests left to the Triton decode kernel.
@@ -156,6 +205,7 @@ class FlashInferAttentionBackend:
         )
         self._graph_buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._last_plan: torch.cuda.Event | None = None
+        self._staging = PlanStaging(device)
         self.small_decode = _small_decode_backend()
         """The Triton backend that serves decode-only steps of at most ``small_decode_max``
         requests (None: FlashInfer serves every step)."""
@@ -197,20 +247,20 @@ class FlashInferAttentionBackend:
         return out
 
     def _plan(self, meta: FlashInferMetadata) -> None:
-        # plan() copies from a pinned host buffer that the next plan() overwrites: make sure
-        # the device has taken the previous copy first (it has, unless the host runs ahead).
+        # plan() copies from pinned host buffers (ours and FlashInfer's own) that the next plan()
+        # overwrites: make sure the device has taken the previous copies first (it has, unless
+        # the host runs ahead).
         if self._last_plan is not None:
             self._last_plan.synchronize()
         layout, bs = meta.layout, meta.common.block_size
         kw = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale)
         heads = (self.num_heads, self.num_kv_heads, self.head_dim, bs)
-        indptr, indices = torch.from_numpy(layout.kv_indptr), torch.from_numpy(layout.kv_indices)
-        last = torch.from_numpy(layout.last_page_len)
+        qo_indptr = None if meta.decode else meta.common.query_start_loc_cpu
+        indptr, indices, last, qo = self._staging.stage(layout, qo_indptr)
         if meta.decode:
             meta.wrapper.plan(indptr, indices, last, *heads, **kw)
         else:
-            qo_indptr = torch.from_numpy(meta.common.query_start_loc_cpu.astype(np.int32))
-            meta.wrapper.plan(qo_indptr, indptr, indices, last, *heads, causal=True, **kw)
+            meta.wrapper.plan(qo, indptr, indices, last, *heads, causal=True, **kw)
         meta.planned = True
         if not torch.cuda.is_current_stream_capturing():
             self._last_plan = torch.cuda.Event()
