@@ -70,12 +70,15 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 
-    def step(self) -> list[RequestOutput]:
-        """One engine step; returns cumulative outputs of the requests that progressed."""
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """One engine step; returns cumulative outputs of the requests that progressed
+        (``final_only``: of the requests that finished)."""
         core_outputs = self.core.step()
         if core_outputs.stats is not None:
             self.stats.accumulate(core_outputs.stats)
-        outputs, to_abort, _ = self.output_processor.process(core_outputs.outputs, delta=False)
+        outputs, to_abort, _ = self.output_processor.process(
+            core_outputs.outputs, delta=False, final_only=final_only
+        )
         if to_abort:
             self.core.abort_requests(to_abort)
         return outputs

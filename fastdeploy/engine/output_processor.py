@@ -83,6 +83,8 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
+        if len(self.choices) == 1:  # the common case, checked for every request every step
+            return self.choices[0].finish_reason is not None
         return all(c.finish_reason is not None for c in self.choices)
 
     @property
@@ -95,7 +97,9 @@ class OutputProcessor:
 
     ``process`` returns the outputs to hand to users and the engine-core ids to
     abort (choices that hit a stop string, which only the front end can see).
-    ``delta=True`` yields only what is new since the last output.
+    ``delta=True`` yields only what is new since the last output; ``final_only=True``
+    yields outputs of finished requests only (offline generation, which would otherwise
+    copy every request's growing token list and text at every step).
     """
 
     def __init__(self, tokenizer: Any, metrics: Any = None):
@@ -148,7 +152,11 @@ class OutputProcessor:
                 self._child_to_parent.pop(child_request_id(request_id, i, state.params.n), None)
 
     def process(
-        self, core_outputs: list[EngineCoreOutput], delta: bool, now: float | None = None
+        self,
+        core_outputs: list[EngineCoreOutput],
+        delta: bool,
+        now: float | None = None,
+        final_only: bool = False,
     ) -> tuple[list[RequestOutput], list[str], list[RequestState]]:
         """Apply one step's outputs → (outputs for users, engine ids to abort, finished states)."""
         now = time.time() if now is None else now
@@ -168,8 +176,10 @@ class OutputProcessor:
             touched[state.request_id] = state
         results, finished = [], []
         for state in touched.values():
-            results.append(self._make_output(state, delta))
-            if state.finished:
+            done = state.finished
+            if done or not final_only:
+                results.append(self._make_output(state, delta))
+            if done:
                 finished.append(state)
                 self.remove_request(state.request_id)
         return results, to_abort, finished

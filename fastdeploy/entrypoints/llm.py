@@ -127,7 +127,7 @@ class LLM:
             progress = tqdm(total=len(request_ids), desc="Processed prompts")
         try:
             while pending:
-                for output in self.engine.step():
+                for output in self.engine.step(final_only=True):
                     if output.finished and output.request_id in pending:
                         finished[output.request_id] = output
                         pending.discard(output.request_id)

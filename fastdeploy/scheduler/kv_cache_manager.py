@@ -65,8 +65,14 @@ class KVCacheManager:
         request being admitted). Returns the newly allocated blocks, or None —
         changing nothing — when the pool cannot supply them.
         """
-        computed_blocks = computed_blocks or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        if not computed_blocks:  # the common decode step: its blocks usually have room already
+            total_tokens = request.num_computed_tokens + num_new_tokens
+            if total_tokens <= len(blocks) * self.block_size:
+                if self.enable_caching:
+                    self._cache_full_blocks(request, blocks, min(total_tokens, request.num_tokens))
+                return []
+        computed_blocks = computed_blocks or []
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         total_tokens = num_computed + num_new_tokens
         num_new_blocks = cdiv(total_tokens, self.block_size) - len(blocks) - len(computed_blocks)

@@ -234,3 +234,36 @@ def test_two_choices_aggregate_into_one_output(tokenizer, delta):
         assert [o.token_ids for o in final.outputs] == seqs
         assert all(o.finish_reason == "length" for o in final.outputs)
     assert "req" not in processor.requests
+
+
+@pytest.mark.parametrize("stop", [[], [STOP]])
+def test_final_only_reports_just_the_finished_output_the_cumulative_mode_ends_with(tokenizer, stop):
+    """Offline generation asks for finished outputs only: no output until a request
+    finishes, then the same one the cumulative mode ends with (stop strings included)."""
+    prompt = encode(tokenizer, "Compute:")
+    ids = encode(tokenizer, STOP_TEXT)
+    params = SamplingParams(max_tokens=100, stop=stop)
+    finals = []
+    for final_only in (False, True):
+        processor, (child,) = make_processor(tokenizer, "r", prompt, params)
+        reported = []
+        for i, t in enumerate(ids):
+            reason = "length" if i == len(ids) - 1 else None
+            outs, _, finished = processor.process(
+                [EngineCoreOutput(child, [t], reason)], False, None, final_only
+            )
+            reported.append(outs)
+            if finished:
+                break
+        if final_only:
+            assert all(not outs for outs in reported[:-1])
+        assert len(reported[-1]) == 1 and reported[-1][0].finished
+        finals.append(reported[-1][0])
+    cumulative, final_only = finals
+    assert final_only.outputs[0].text == cumulative.outputs[0].text
+    assert final_only.outputs[0].token_ids == cumulative.outputs[0].token_ids
+    assert (
+        final_only.outputs[0].finish_reason
+        == cumulative.outputs[0].finish_reason
+        == ("stop" if stop else "length")
+    )
