@@ -1,0 +1,167 @@
+"""Where an offline throughput run's time goes: step times by phase, and one decode window's kernels.
+
+    python -m benchmarks.gpubench.profile_throughput [config dir] [--attention-backend B]
+        [--num-prompts 256] [--input-len 512] [--output-len 256] [--window-step 100]
+
+Runs the throughput workload of ``gpu_benchmark.py`` (random prompts, greedy, ``ignore_eos``,
+dummy bf16 weights) step by step through the engine and prints:
+
+* the wall time of the prefill steps (any step that computes prompt tokens) and of the
+  decode-only steps, by batch size. With async scheduling a step's GPU time shows up in
+  the wall time of the step after it, so each step is charged the next step's time;
+* for four decode steps from ``--window-step`` on (torch profiler, CUDA activity): the GPU's
+  busy time, the span from the first kernel's start to the last one's end, the wall
+  time, the gaps between kernels by size, and the kernels with the most time and the
+  most idle time before them.
+
+Without CUDA the kernel window is skipped, so ``--device cpu`` only checks the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import random
+import time
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from fastdeploy import LLM, SamplingParams
+from fastdeploy.config import ModelConfig
+from fastdeploy.model_executor.model_loader import resolve_model
+
+GAP_BUCKETS_US = (1, 2, 4, 10, 100)
+
+
+def phase_table(log: list[tuple[int, int]], times: list[float], max_batch: int) -> list[str]:
+    """Markdown rows of seconds per phase: ``log`` is (scheduled tokens, requests) per step and
+    ``times[i]`` the wall time of step ``i``; step ``i`` is charged ``times[i + 1]``."""
+    phases: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
+    for i, (tokens, reqs) in enumerate(log):
+        if i + 1 >= len(times) or tokens == 0:
+            continue
+        key = "prefill" if tokens > reqs else f"decode, batch {min(max_batch, -(-reqs // 32) * 32)}"
+        phases[key][0] += 1
+        phases[key][1] += times[i + 1]
+    rows = ["| phase | steps | ms per step | seconds |", "| --- | ---: | ---: | ---: |"]
+    for key, (steps, seconds) in sorted(phases.items(), key=lambda kv: -kv[1][1]):
+        rows.append(f"| {key} | {steps} | {seconds / steps * 1e3:.2f} | {seconds:.3f} |")
+    return rows
+
+
+def kernel_window(events: list[Any], steps: int, wall_s: float, top: int = 12) -> list[str]:
+    """Busy time, span, gaps and the top kernels of ``steps`` profiled steps."""
+    kernels = sorted(
+        (e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and "Memcpy" not in e.name),
+        key=lambda e: e.time_range.start,
+    )
+    if not kernels:
+        return ["(no CUDA kernels recorded)"]
+    busy = sum(e.time_range.end - e.time_range.start for e in kernels) / 1e3 / steps
+    span = (kernels[-1].time_range.end - kernels[0].time_range.start) / 1e3 / steps
+    gaps = [b.time_range.start - a.time_range.end for a, b in zip(kernels, kernels[1:])]
+    lines = [
+        f"per step: wall {wall_s * 1e3 / steps:.2f} ms, kernel span {span:.2f} ms, GPU busy {busy:.2f} ms, "
+        f"{len(kernels) / steps:.0f} kernels"
+    ]
+    buckets = collections.Counter()
+    for gap in gaps:
+        bound = next((b for b in GAP_BUCKETS_US if gap < b), None)
+        buckets[f"< {bound} µs" if bound else f">= {GAP_BUCKETS_US[-1]} µs"] += gap
+    lines.append(
+        "idle between kernels per step: "
+        + ", ".join(f"{k} {v / 1e3 / steps:.3f} ms" for k, v in sorted(buckets.items()))
+    )
+    by_name: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0, 0.0])
+    for i, e in enumerate(kernels):
+        entry = by_name[e.name[:70]]
+        entry[0] += 1
+        entry[1] += (e.time_range.end - e.time_range.start) / 1e3
+        entry[2] += gaps[i - 1] / 1e3 if i else 0.0
+    lines += [
+        "| kernel | per step | ms per step | idle before, ms per step |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for name, (count, ms, idle) in sorted(by_name.items(), key=lambda kv: -kv[1][1] - kv[1][2])[:top]:
+        lines.append(f"| `{name}` | {count / steps:.0f} | {ms / steps:.3f} | {idle / steps:.3f} |")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("config", nargs="?", default="benchmarks/configs/llama-3.1-8b")
+    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--input-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--window-step", type=int, default=100)
+    parser.add_argument(
+        "--hf-config-overrides", type=str, default="{}", help="JSON, e.g. for a tiny smoke model"
+    )
+    args = parser.parse_args()
+    overrides = json.loads(args.hf_config_overrides)
+    vocab = resolve_model(ModelConfig(model=args.config, hf_config_overrides=dict(overrides))).arch.vocab_size
+    llm = LLM(
+        model=args.config, load_format="dummy", skip_tokenizer_init=True, seed=0, device=args.device,
+        dtype="bfloat16" if args.device == "cuda" else "float32", max_num_seqs=args.num_prompts,
+        max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
+        max_model_len=-(-(args.input_len + args.output_len + 1) // 16) * 16,
+        hf_config_overrides=overrides,
+    )  # fmt: skip
+    rng = random.Random(0)
+    prompts = [
+        [rng.randrange(min(100, vocab // 4), vocab) for _ in range(args.input_len)]
+        for _ in range(args.num_prompts)
+    ]
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate(
+        [[rng.randrange(min(100, vocab // 4), vocab) for _ in range(args.input_len)]], params
+    )  # warm-up
+    scheduler = llm.engine.core.scheduler
+    log: list[tuple[int, int]] = []
+    schedule = scheduler.schedule
+
+    def logged_schedule():
+        out = schedule()
+        log.append((out.total_num_scheduled_tokens, len(out.num_scheduled_tokens)))
+        return out
+
+    scheduler.schedule = logged_schedule
+    for i, prompt in enumerate(prompts):
+        llm.engine.add_request(f"tp-{i}", prompt, params)
+    times: list[float] = []
+    window: list[str] = []
+    start = time.perf_counter()
+    while llm.engine.has_unfinished_requests():
+        if len(times) == args.window_step and args.device == "cuda":
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                begin = time.perf_counter()
+                for _ in range(4):
+                    llm.engine.step()
+                torch.cuda.synchronize()
+                wall = time.perf_counter() - begin
+            times += [wall / 4] * 4
+            window = kernel_window(list(prof.events()), 4, wall)
+            continue
+        begin = time.perf_counter()
+        llm.engine.step()
+        times.append(time.perf_counter() - begin)
+    elapsed = time.perf_counter() - start
+    llm.shutdown()
+    print(f"{args.num_prompts} prompts x {args.input_len} / {args.output_len} tokens: {elapsed:.2f} s "
+          f"({args.num_prompts * args.output_len / elapsed:,.0f} output tok/s, profiled window included), "
+          f"{len(times)} steps")  # fmt: skip
+    print("\n".join(phase_table(log, times, args.num_prompts)))
+    if window:
+        print(f"\nDecode steps {args.window_step}-{args.window_step + 3}:")
+        print("\n".join(window))
+
+
+if __name__ == "__main__":
+    main()
