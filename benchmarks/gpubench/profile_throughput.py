@@ -67,13 +67,14 @@ def kernel_window(events: list[Any], steps: int, wall_s: float, top: int = 12) -
         f"per step: wall {wall_s * 1e3 / steps:.2f} ms, kernel span {span:.2f} ms, GPU busy {busy:.2f} ms, "
         f"{len(kernels) / steps:.0f} kernels"
     ]
-    buckets = collections.Counter()
+    labels = [f"< {b} µs" for b in GAP_BUCKETS_US] + [f">= {GAP_BUCKETS_US[-1]} µs"]
+    buckets = dict.fromkeys(labels, 0.0)
     for gap in gaps:
-        bound = next((b for b in GAP_BUCKETS_US if gap < b), None)
-        buckets[f"< {bound} µs" if bound else f">= {GAP_BUCKETS_US[-1]} µs"] += gap
+        index = next((i for i, b in enumerate(GAP_BUCKETS_US) if gap < b), len(GAP_BUCKETS_US))
+        buckets[labels[index]] += gap
     lines.append(
-        "idle between kernels per step: "
-        + ", ".join(f"{k} {v / 1e3 / steps:.3f} ms" for k, v in sorted(buckets.items()))
+        "idle between kernels per step (negative: overlapping launches, e.g. PDL): "
+        + ", ".join(f"{k} {v / 1e3 / steps:.3f} ms" for k, v in buckets.items())
     )
     by_name: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0, 0.0])
     for i, e in enumerate(kernels):

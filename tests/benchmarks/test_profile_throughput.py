@@ -50,7 +50,9 @@ def test_kernel_window_reports_busy_span_and_idle_before_each_kernel():
                                   time_range=SimpleNamespace(start=300, end=400)))  # fmt: skip
     lines = kernel_window(events, steps=2, wall_s=0.0005)
     assert lines[0] == "per step: wall 0.25 ms, kernel span 0.12 ms, GPU busy 0.02 ms, 2 kernels"
-    assert "< 2 µs 0.001 ms" in lines[1] and ">= 100 µs 0.100 ms" in lines[1]
+    assert lines[1].endswith(
+        "< 1 µs 0.000 ms, < 2 µs 0.001 ms, < 4 µs 0.000 ms, < 10 µs 0.000 ms, < 100 µs 0.000 ms, >= 100 µs 0.100 ms"
+    )
     table = dict(line.split(" | ", 1) for line in lines[4:])
     assert table["| `gemm`"] == "1 | 0.010 | 0.100 |"
     assert table["| `attn`"] == "1 | 0.010 | 0.001 |"
