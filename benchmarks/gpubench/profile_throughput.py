@@ -144,14 +144,14 @@ def main() -> None:
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 begin = time.perf_counter()
                 for _ in range(4):
-                    llm.engine.step()
+                    llm.engine.step(final_only=True)  # as LLM.generate
                 torch.cuda.synchronize()
                 wall = time.perf_counter() - begin
             times += [wall / 4] * 4
             window = kernel_window(list(prof.events()), 4, wall)
             continue
         begin = time.perf_counter()
-        llm.engine.step()
+        llm.engine.step(final_only=True)
         times.append(time.perf_counter() - begin)
     elapsed = time.perf_counter() - start
     llm.shutdown()
