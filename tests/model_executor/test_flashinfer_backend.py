@@ -60,21 +60,21 @@ def test_paged_layout_refuses_a_request_longer_than_its_row():
         paged_layout(np.array([33]), np.zeros((1, 2), np.int32), 16)
 
 
-def test_plan_staging_hands_over_each_steps_lists_and_grows():
-    staging = flashinfer_backend.PlanStaging(torch.device("cpu"))
+def test_plan_inputs_hand_over_each_steps_lists():
+    cpu = torch.device("cpu")
     rng = np.random.default_rng(1)
-    for num_reqs in (3, 100, 2):  # grows past the first buffers, then reuses them
+    for num_reqs in (3, 100, 2):
         seq_lens = rng.integers(1, 200, size=num_reqs)
         table = rng.integers(0, 5000, size=(num_reqs, 13)).astype(np.int32)
         layout = paged_layout(seq_lens, table, 16)
         qo = np.arange(num_reqs + 1, dtype=np.int64) * 3
-        indptr, indices, last, qo_t = staging.stage(layout, qo)
+        indptr, indices, last, qo_t = flashinfer_backend.plan_inputs(layout, qo, cpu)
         assert indptr.tolist() == layout.kv_indptr.tolist()
         assert indices.tolist() == layout.kv_indices.tolist()
         assert last.tolist() == layout.last_page_len.tolist()
         assert qo_t.tolist() == qo.tolist()
         assert {t.dtype for t in (indptr, indices, last, qo_t)} == {torch.int32}
-    assert staging.stage(layout)[3] is None
+    assert flashinfer_backend.plan_inputs(layout, None, cpu)[3] is None
 
 
 def _config(backend: str) -> EngineConfig:

@@ -18,8 +18,8 @@ layer, so steps that replay a CUDA graph never plan the eager wrappers.
   it beats FlashInfer's decode at every batch measured (Llama-3.1-8B heads, µs per layer:
   batch 256 x 640-token contexts 164 against 177), so FlashInfer serves the prefill and mixed
   steps, where its kernels are the faster ones (docs/benchmarks.md).
-* ``plan()`` reads its page lists from pinned host buffers (:class:`PlanStaging`), so planning
-  step N+1 never waits for step N to finish on the GPU.
+* ``plan()`` reads pinned page lists, with the page ids already on the device
+  (:func:`plan_inputs`), so planning step N+1 never waits for step N to finish on the GPU.
 
 Limits: bf16/fp16 activations and caches, head sizes 64/128/256, no fp8 caches with our
 per-slot scales, no attention-mask offsets (bidirectional multimodal attention); the
@@ -37,6 +37,7 @@ import torch
 
 from fastdeploy import envs
 from fastdeploy.model_executor.attention.metadata import CommonAttentionMetadata
+from fastdeploy.worker.upload import upload
 
 WORKSPACE_BYTES = 128 << 20
 """Float workspace of the split-KV partial results, shared by every wrapper (steps never overlap)."""
@@ -121,51 +122,26 @@ class FlashInferMetadata:
         return self.common.slot_mapping
 
 
-class PlanStaging:
-    """Pinned host copies of a step's page lists, and the page ids already on the device.
+def plan_inputs(
+    layout: PagedLayout, qo_indptr: np.ndarray | None, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(kv_indptr, kv_indices on the device, last_page_len, qo_indptr) for FlashInfer's ``plan()``.
 
-    FlashInfer's ``plan()`` copies host page lists to the device. From pageable memory
-    such a copy may wait for the stream; the page ids of a CUDA-graph wrapper are even
-    copied with ``non_blocking=False``, which waits for the step still running, so the host
-    could not prepare step N+1 while step N runs. Staged here, every copy is asynchronous:
-    the page ids go up from pinned memory ahead of the plan, and FlashInfer copies them
-    device to device. The buffers are reused each step (the caller waits for the previous
-    plan's copies first) and grow as needed.
+    ``plan()`` copies host page lists to the device. From pageable memory such a copy may
+    wait for the stream; the page ids of a CUDA-graph wrapper are even copied with
+    ``non_blocking=False``, which waits for the step still running, so the host could not
+    prepare step N+1 while step N runs. So the host lists are pinned, and the page ids go
+    up beforehand through :func:`upload` (asynchronous); FlashInfer then copies them
+    device to device.
     """
 
-    def __init__(self, device: torch.device):
-        self.device = device
-        self._host: dict[str, torch.Tensor] = {}
-        self._indices_device = torch.empty(0, dtype=torch.int32, device=device)
+    def host(values: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int32))
+        return tensor.pin_memory() if device.type == "cuda" else tensor
 
-    def _pinned(self, name: str, values: np.ndarray) -> torch.Tensor:
-        buf = self._host.get(name)
-        if buf is None or buf.numel() < len(values):
-            buf = torch.empty(
-                max(len(values), 2 * (0 if buf is None else buf.numel()), 64), dtype=torch.int32
-            )
-            buf = buf.pin_memory() if self.device.type == "cuda" else buf
-            self._host[name] = buf
-        view = buf[: len(values)]
-        view.numpy()[:] = values
-        return view
-
-    def stage(
-        self, layout: PagedLayout, qo_indptr: np.ndarray | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(kv_indptr, kv_indices on the device, last_page_len, qo_indptr) for ``plan()``."""
-        indptr = self._pinned("kv_indptr", layout.kv_indptr)
-        last = self._pinned("last_page_len", layout.last_page_len)
-        qo = None if qo_indptr is None else self._pinned("qo_indptr", qo_indptr)
-        host_indices = self._pinned("kv_indices", layout.kv_indices)
-        n = len(layout.kv_indices)
-        if self._indices_device.numel() < n:
-            self._indices_device = torch.empty(
-                max(n, 2 * self._indices_device.numel()), dtype=torch.int32, device=self.device
-            )
-        indices = self._indices_device[:n]
-        indices.copy_(host_indices, non_blocking=True)
-        return indptr, indices, last, qo
+    (indices,) = upload([layout.kv_indices], device)
+    qo = None if qo_indptr is None else host(qo_indptr)
+    return host(layout.kv_indptr), indices, host(layout.last_page_len), qo
 
 
 class FlashInferAttentionBackend:
@@ -205,7 +181,6 @@ class FlashInferAttentionBackend:
         )
         self._graph_buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._last_plan: torch.cuda.Event | None = None
-        self._staging = PlanStaging(device)
         self.small_decode = _small_decode_backend()
         """The Triton backend that serves decode-only steps of at most ``small_decode_max``
         requests (None: FlashInfer serves every step)."""
@@ -247,16 +222,15 @@ class FlashInferAttentionBackend:
         return out
 
     def _plan(self, meta: FlashInferMetadata) -> None:
-        # plan() copies from pinned host buffers (ours and FlashInfer's own) that the next plan()
-        # overwrites: make sure the device has taken the previous copies first (it has, unless
-        # the host runs ahead).
+        # plan() copies from a pinned host buffer that the next plan() overwrites: make sure
+        # the device has taken the previous copy first (it has, unless the host runs ahead).
         if self._last_plan is not None:
             self._last_plan.synchronize()
         layout, bs = meta.layout, meta.common.block_size
         kw = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale)
         heads = (self.num_heads, self.num_kv_heads, self.head_dim, bs)
         qo_indptr = None if meta.decode else meta.common.query_start_loc_cpu
-        indptr, indices, last, qo = self._staging.stage(layout, qo_indptr)
+        indptr, indices, last, qo = plan_inputs(layout, qo_indptr, self.device)
         if meta.decode:
             meta.wrapper.plan(indptr, indices, last, *heads, **kw)
         else:
