@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import random
 import time
 from typing import Any
 
@@ -32,6 +31,9 @@ from torch.profiler import ProfilerActivity, profile
 from fastdeploy import LLM, SamplingParams
 from fastdeploy.config import ModelConfig
 from fastdeploy.model_executor.model_loader import resolve_model
+
+from .measure import random_prompts
+from .settings import MODEL_8B
 
 GAP_BUCKETS_US = (1, 2, 4, 10, 100)
 
@@ -93,7 +95,7 @@ def kernel_window(events: list[Any], steps: int, wall_s: float, top: int = 12) -
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("config", nargs="?", default="benchmarks/configs/llama-3.1-8b")
+    parser.add_argument("config", nargs="?", default=MODEL_8B)
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--num-prompts", type=int, default=256)
@@ -114,15 +116,9 @@ def main() -> None:
         max_model_len=-(-(args.input_len + args.output_len + 1) // 16) * 16,
         hf_config_overrides=overrides,
     )  # fmt: skip
-    rng = random.Random(0)
-    prompts = [
-        [rng.randrange(min(100, vocab // 4), vocab) for _ in range(args.input_len)]
-        for _ in range(args.num_prompts)
-    ]
+    prompts = random_prompts(args.num_prompts, args.input_len, vocab, seed=0)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    llm.generate(
-        [[rng.randrange(min(100, vocab // 4), vocab) for _ in range(args.input_len)]], params
-    )  # warm-up
+    llm.generate(random_prompts(1, args.input_len, vocab, seed=1), params)  # warm-up
     scheduler = llm.engine.core.scheduler
     log: list[tuple[int, int]] = []
     schedule = scheduler.schedule

@@ -15,9 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from gpubench.profile_throughput import kernel_window, phase_table  # noqa: E402
-
-TINY = {"num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2,
-        "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 512, "tie_word_embeddings": True}  # fmt: skip
+from gpubench.settings import TINY_OVERRIDES  # noqa: E402
 
 
 def kernel(name: str, start: float, end: float) -> SimpleNamespace:
@@ -62,7 +60,7 @@ def test_runs_on_a_cpu():
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.gpubench.profile_throughput", "benchmarks/configs/llama-3.2-1b",
          "--device", "cpu", "--num-prompts", "4", "--input-len", "32", "--output-len", "4",
-         "--max-num-batched-tokens", "64", "--hf-config-overrides", json.dumps(TINY)],
+         "--max-num-batched-tokens", "64", "--hf-config-overrides", json.dumps(TINY_OVERRIDES)],
         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
