@@ -19,7 +19,8 @@ Sections (each independent: a failure is recorded in the results and the run goe
   (dummy bf16 weights), CUDA graphs on and off, against weight bytes / copy bandwidth.
 * ``throughput``: output tok/s for 256 random 512-token prompts x 256 tokens on the 8B shape
   per async-scheduling / CUDA-graphs mode, transformers ``generate`` in static batches on
-  the same workload, and the fraction of the compute floor (tokens x 2 x params / bf16 mm rate).
+  the same workload, and the fraction of the compute floor (tokens x 2 x params / bf16 mm rate,
+  in a burst and held for seconds), with the GPU's clock and power during each run.
 * ``overlap``: with ``FD_STEP_TRACE=1``, checks in the runner's trace that batch N-1's output
   is saved while batch N runs; skipped when the runner keeps no trace.
 
@@ -46,7 +47,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 from gpubench import engine_bench  # noqa: E402
-from gpubench.measure import copy_bandwidth, device_description, error_text, free_memory, matmul_rate  # noqa: E402
+from gpubench.measure import (  # noqa: E402
+    copy_bandwidth,
+    device_description,
+    error_text,
+    free_memory,
+    matmul_rate,
+    sustained_matmul_rate,
+)
 from gpubench.ops_bench import ops_section  # noqa: E402
 from gpubench.report import render_markdown  # noqa: E402
 from gpubench.settings import Settings, add_arguments, settings_from_args  # noqa: E402
@@ -95,9 +103,11 @@ def run_section(results: dict[str, Any], name: str, fn: Any, s: Settings, timeou
     log(f"section {name} {entry['status']} in {entry['seconds']:.1f} s")
 
 
-def device_rates(s: Settings, results: dict[str, Any]) -> tuple[float | None, float | None]:
-    """Copy bandwidth (for ops and itl) and bf16 matmul rate (for throughput), measured once."""
-    copy_bw = rate = None
+def device_rates(s: Settings, results: dict[str, Any]) -> tuple[float | None, dict[str, float | None]]:
+    """Copy bandwidth (for ops and itl) and the bf16 matmul rates (for throughput), measured once:
+    a short burst, and held for ``s.sustained_matmul_s`` seconds (see ``sustained_matmul_rate``)."""
+    copy_bw = None
+    rates: dict[str, float | None] = {"burst": None, "sustained": None}
     if {"ops", "itl"} & set(s.sections):
         try:
             copy = copy_bandwidth(s.device, s.copy_bytes)
@@ -110,12 +120,18 @@ def device_rates(s: Settings, results: dict[str, Any]) -> tuple[float | None, fl
         try:
             mm = matmul_rate(s.device, s.matmul_n)
             results["meta"]["matmul_bf16"] = mm
-            rate = mm["flop_per_s"]
-            log(f"bf16 matmul {s.matmul_n}^3: {rate / 1e12:.1f} TFLOP/s")
+            rates["burst"] = mm["flop_per_s"]
+            held = sustained_matmul_rate(s.device, s.matmul_n, s.sustained_matmul_s)
+            results["meta"]["matmul_bf16_sustained"] = held
+            rates["sustained"] = held["flop_per_s"]
+            log(
+                f"bf16 matmul {s.matmul_n}^3: {rates['burst'] / 1e12:.1f} TFLOP/s in a burst, "
+                f"{rates['sustained'] / 1e12:.1f} held for {s.sustained_matmul_s:g} s"
+            )
         except Exception:
             results["meta"]["matmul_error"] = error_text()
     free_memory(s.device)
-    return copy_bw, rate
+    return copy_bw, rates
 
 
 def needs(value: float | None, what: str) -> float:
@@ -162,13 +178,13 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     results["meta"]["device_info"] = device_description(s.device)
     log(f"device: {results['meta']['device_info']}")
-    copy_bw, mm_rate = device_rates(s, results)
+    copy_bw, mm_rates = device_rates(s, results)
     save()
     sections = {
         "correctness": lambda: engine_bench.correctness(s),
         "ops": lambda: ops_section(s, needs(copy_bw, "copy bandwidth")),
         "itl": lambda: engine_bench.itl(s, needs(copy_bw, "copy bandwidth")),
-        "throughput": lambda: engine_bench.throughput(s, mm_rate),
+        "throughput": lambda: engine_bench.throughput(s, mm_rates["burst"], mm_rates["sustained"]),
         "overlap": lambda: engine_bench.overlap(s),
     }
     for name in s.sections:

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import gc
 import random
+import shutil
 import statistics
+import subprocess
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -80,6 +83,99 @@ def matmul_rate(device: torch.device, n: int, dtype: torch.dtype = torch.bfloat1
         lambda _: torch.mm(a, b, out=out), device, iters=10 if device.type == "cuda" else 2
     )
     return {"n": n, "seconds": seconds, "flop_per_s": 2 * n**3 / seconds}
+
+
+def sustained_matmul_rate(
+    device: torch.device, n: int, seconds: float, dtype: torch.dtype = torch.bfloat16
+) -> dict[str, Any]:
+    """FLOP/s of back-to-back ``n x n x n`` products held for ``seconds``: the rate a GPU keeps up.
+
+    A short burst (:func:`matmul_rate`) runs at boost clocks; held for seconds, a GPU at its
+    power limit lowers its clocks (an H200 at 700 W: 771 TFLOP/s in a burst, about 665 held).
+    ``flop_per_s`` is the rate over the second half of the run, after the clocks settle;
+    ``windows`` are the rates of its successive ten-product windows.
+    """
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    out = torch.empty(n, n, device=device, dtype=dtype)
+    windows: list[float] = []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end or len(windows) < 2:
+        windows.append(2 * n**3 / time_per_call(lambda _: torch.mm(a, b, out=out), device, 10, 0, 1))
+    settled = windows[len(windows) // 2 :]
+    return {"n": n, "seconds": seconds, "flop_per_s": statistics.mean(settled), "windows": windows}
+
+
+class GpuMonitor:
+    """Samples the GPU's SM clock, power draw and clock-limit reasons (``nvidia-smi``) while open.
+
+    Throughput runs hold a GPU at its power limit for seconds; the summary says at which
+    clock it ran and how often the limit was what held it back. Without a CUDA device or
+    ``nvidia-smi`` the summary is empty.
+    """
+
+    QUERY = "clocks.sm,power.draw,power.limit,clocks_event_reasons.active"
+    SW_POWER_CAP = 0x4
+    HW_SLOWDOWN = 0x8 | 0x40 | 0x80  # hardware slowdown, thermal and power-brake slowdowns
+
+    def __init__(self, device: torch.device, interval_ms: int = 100):
+        self.samples: list[tuple[float, float, float, int]] = []
+        self._proc: subprocess.Popen | None = None
+        self._thread: threading.Thread | None = None
+        self._command: list[str] | None = None
+        tool = shutil.which("nvidia-smi")
+        if device.type != "cuda" or tool is None:
+            return
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+        gpu = f"GPU-{uuid}" if uuid is not None else str(index)  # the UUID holds under CUDA_VISIBLE_DEVICES
+        self._command = [tool, f"--query-gpu={self.QUERY}", "--format=csv,noheader,nounits",
+                         f"--loop-ms={interval_ms}", f"--id={gpu}"]  # fmt: skip
+
+    def __enter__(self) -> GpuMonitor:
+        if self._command is not None:
+            self._proc = subprocess.Popen(
+                self._command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+            )
+            self._thread = threading.Thread(target=self._read, daemon=True)
+            self._thread.start()
+        return self
+
+    def _read(self) -> None:
+        for line in self._proc.stdout:
+            sample = self.parse(line)
+            if sample is not None:
+                self.samples.append(sample)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._proc is not None:
+            self._proc.terminate()
+            self._proc.wait(timeout=5)
+            self._thread.join(timeout=5)
+
+    @staticmethod
+    def parse(line: str) -> tuple[float, float, float, int] | None:
+        """(SM MHz, power W, power limit W, reasons bit mask) of one CSV line, or None."""
+        try:
+            clock, power, limit, reasons = (field.strip() for field in line.split(","))
+            return float(clock), float(power), float(limit), int(reasons, 16)
+        except ValueError:
+            return None
+
+    def summary(self) -> dict[str, float]:
+        """Mean SM clock and power, the power limit, and the share of samples held at the
+        software power cap or slowed down by the hardware (empty without samples)."""
+        if not self.samples:
+            return {}
+        clocks, powers, limits, reasons = zip(*self.samples)
+        return {
+            "samples": len(self.samples),
+            "sm_clock_mhz_mean": statistics.mean(clocks),
+            "power_w_mean": statistics.mean(powers),
+            "power_limit_w": max(limits),
+            "power_capped_share": sum(bool(r & self.SW_POWER_CAP) for r in reasons) / len(reasons),
+            "hw_slowdown_share": sum(bool(r & self.HW_SLOWDOWN) for r in reasons) / len(reasons),
+        }
 
 
 def parameter_count(arch: ModelArchConfig) -> int:

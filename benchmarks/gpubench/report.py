@@ -154,6 +154,16 @@ def _itl(r: dict[str, Any]) -> list[str]:
     return out + _table(header, rows)
 
 
+def _gpu_state(gpu: dict[str, Any] | None) -> str:
+    """``1512 MHz, 693 W, capped 100%`` from a GpuMonitor summary (— without samples)."""
+    if not gpu:
+        return "—"
+    return (
+        f"{gpu['sm_clock_mhz_mean']:.0f} MHz, {gpu['power_w_mean']:.0f} W of {gpu['power_limit_w']:.0f}, "
+        f"capped {gpu['power_capped_share']:.0%}"
+    )
+
+
 def _throughput(r: dict[str, Any]) -> list[str]:
     rows = []
     for row in r["rows"]:
@@ -166,22 +176,32 @@ def _throughput(r: dict[str, Any]) -> list[str]:
             name = f"transformers generate (static batch {row.get('batch_size', '?')})"
         note = _row_error(row)
         if note:
-            rows.append([name, row["num_prompts"], note, "", "", ""])
+            rows.append([name, row["num_prompts"], note, "", "", "", "", ""])
             continue
+        fractions = [
+            f"{row[key]:.1%}" if key in row else "—"
+            for key in ("fraction_of_compute_floor", "fraction_of_sustained_floor")
+        ]
         rows.append([name, row["num_prompts"], f"{row['elapsed_s']:.1f}", f"{row['output_tok_per_s']:,.0f}",
                      f"{row.get('total_tok_per_s', 0):,.0f}" if "total_tok_per_s" in row else "—",
-                     f"{row['fraction_of_compute_floor']:.1%}" if "fraction_of_compute_floor" in row else "—"])  # fmt: skip
-    rate = r.get("matmul_flop_per_s")
+                     *fractions, _gpu_state(row.get("gpu"))])  # fmt: skip
+    rate, held = r.get("matmul_flop_per_s"), r.get("sustained_matmul_flop_per_s")
+    rates = []
+    if rate:
+        rates.append(f"{rate / 1e12:.0f} TFLOP/s in a burst")
+    if held:
+        rates.append(f"{held / 1e12:.0f} TFLOP/s held for seconds")
     out = [
         f"Llama-3.1-8B shape ({r['parameters'] / 1e9:.2f} B parameters), bf16 dummy weights, random prompts of "
         f"{r['input_len']} tokens, {r['output_len']} output tokens each (greedy, ignore_eos). "
         f"Compute floor = prompts × {r['input_len'] + r['output_len']} tokens × 2 × parameters / bf16 matmul rate"
-        + (f" ({rate / 1e12:.0f} TFLOP/s, {r['matmul_n']}³ torch.mm)." if rate else "."),
+        + (f" ({', '.join(rates)}; {r['matmul_n']}³ torch.mm)." if rates else ".")
+        + " GPU: mean SM clock and power during the run, and the share of samples held at the power cap.",
         "",
     ]
-    return out + _table(
-        ["engine", "prompts", "elapsed (s)", "output tok/s", "total tok/s", "compute floor / elapsed"], rows
-    )
+    header = ["engine", "prompts", "elapsed (s)", "output tok/s", "total tok/s", "burst floor / elapsed",
+              "held floor / elapsed", "GPU"]  # fmt: skip
+    return out + _table(header, rows)
 
 
 def _overlap(r: dict[str, Any]) -> list[str]:

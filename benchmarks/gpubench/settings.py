@@ -71,6 +71,8 @@ class Settings:
     """Extra engine arguments of every engine on the benchmarked device."""
     copy_bytes: int = 2 << 30
     matmul_n: int = 8192
+    sustained_matmul_s: float = 5.0
+    """How long the held matmul rate runs: about as long as one throughput run."""
     reshape_tokens: tuple[int, ...] = (256, 8192)
     """``reshape_and_cache_flash`` token counts: a decode batch and a prefill chunk."""
     decode_shapes: tuple[tuple[int, int], ...] = ((64, 2048), (1, 8192))
@@ -177,7 +179,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         s.itl_tokens, s.itl_prompt_len = 8, 8
         s.correctness_model, s.correctness_prompts, s.correctness_tokens = MODEL_1B, 2, 4
         s.overrides = dict(TINY_OVERRIDES)
-        s.copy_bytes, s.matmul_n = 16 << 20, 128
+        s.copy_bytes, s.matmul_n, s.sustained_matmul_s = 16 << 20, 128, 0.05
         s.reshape_tokens = (64,)
         s.decode_shapes = ((2, 64),)
         s.op_heads = (4, 2, 16, 16)

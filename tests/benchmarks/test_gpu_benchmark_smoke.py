@@ -16,7 +16,8 @@ SCRIPT = ROOT / "benchmarks" / "gpu_benchmark.py"
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from gpubench.engine_bench import analyze_trace  # noqa: E402
-from gpubench.measure import parameter_count  # noqa: E402
+from gpubench.measure import GpuMonitor, parameter_count, sustained_matmul_rate  # noqa: E402
+from gpubench.report import _throughput  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +37,8 @@ def test_every_section_ran(smoke):
     meta = results["meta"]
     assert meta["device_info"]["gpu"] == "none (CPU)" and meta["device_info"]["torch"] == torch.__version__
     assert meta["copy_bandwidth"]["bytes_per_s"] > 0 and meta["matmul_bf16"]["flop_per_s"] > 0
+    held = meta["matmul_bf16_sustained"]
+    assert held["flop_per_s"] > 0 and len(held["windows"]) >= 2 and held["seconds"] == 0.05
     assert "--smoke" in meta["command"] and meta["date"]
     sections = results["sections"]
     assert list(sections) == ["correctness", "ops", "itl", "throughput", "overlap"]
@@ -73,6 +76,13 @@ def test_section_contents(smoke):
     assert [r["engine"] for r in rows] == ["fastdeploy", "fastdeploy", "transformers generate"]
     assert [r["output_tokens"] for r in rows] == [4 * 8, 4 * 8, 4 * 8]
     assert all(r["output_tok_per_s"] > 0 and r["fraction_of_compute_floor"] > 0 for r in rows)
+    for r in rows:  # the held rate is measured apart from the burst one: the floors differ
+        expected = r["compute_floor_s"] * sections["throughput"]["result"]["matmul_flop_per_s"]
+        assert r["sustained_floor_s"] * sections["throughput"]["result"]["sustained_matmul_flop_per_s"] == (
+            pytest.approx(expected)
+        )
+        assert r["fraction_of_sustained_floor"] == pytest.approx(r["sustained_floor_s"] / r["elapsed_s"])
+        assert r["gpu"] == {}  # no GPU to sample on a CPU
     assert rows[2]["batch_size"] == 2
 
     overlap = sections["overlap"]["result"]
@@ -111,3 +121,45 @@ def test_parameter_count_matches_the_model(name, expected):
     with torch.device("meta"):
         model = MODEL_REGISTRY[arch.architecture](arch)
     assert sum(p.numel() for p in model.parameters()) == parameter_count(arch) == expected
+
+
+def test_sustained_matmul_rate_keeps_the_settled_half():
+    result = sustained_matmul_rate(torch.device("cpu"), 64, seconds=0.02)
+    windows = result["windows"]
+    assert len(windows) >= 2 and all(w > 0 for w in windows)
+    assert result["flop_per_s"] == pytest.approx(
+        sum(windows[len(windows) // 2 :]) / len(windows[len(windows) // 2 :])
+    )
+
+
+def test_gpu_monitor_parses_nvidia_smi_lines_and_summarizes():
+    assert GpuMonitor.parse("1512, 693.12, 700.00, 0x0000000000000004") == (1512.0, 693.12, 700.0, 4)
+    assert GpuMonitor.parse("[N/A], 693.12, 700.00, 0x4") is None  # a field the driver cannot read
+    assert GpuMonitor.parse("") is None
+    monitor = GpuMonitor(torch.device("cpu"))
+    with monitor:
+        pass
+    assert monitor.summary() == {}  # nothing sampled without a GPU
+    monitor.samples = [
+        (1500.0, 700.0, 700.0, 0x4),
+        (1980.0, 300.0, 700.0, 0x0),
+        (1200.0, 650.0, 700.0, 0x4 | 0x40),
+    ]
+    summary = monitor.summary()
+    assert summary["samples"] == 3 and summary["sm_clock_mhz_mean"] == pytest.approx(1560.0)
+    assert summary["power_w_mean"] == pytest.approx(550.0) and summary["power_limit_w"] == 700.0
+    assert summary["power_capped_share"] == pytest.approx(2 / 3)
+    assert summary["hw_slowdown_share"] == pytest.approx(1 / 3)
+
+
+def test_throughput_table_shows_both_floors_and_the_gpu_state():
+    row = {"engine": "fastdeploy", "async_scheduling": True, "cuda_graphs": True, "attention_backend": "triton",
+           "num_prompts": 256, "elapsed_s": 6.4, "output_tok_per_s": 10240.0, "total_tok_per_s": 30720.0,
+           "fraction_of_compute_floor": 0.64, "fraction_of_sustained_floor": 0.74,
+           "gpu": {"sm_clock_mhz_mean": 1512.0, "power_w_mean": 693.0, "power_limit_w": 700.0,
+                   "power_capped_share": 1.0}}  # fmt: skip
+    result = {"parameters": 8.03e9, "input_len": 512, "output_len": 256, "matmul_flop_per_s": 771e12,
+              "sustained_matmul_flop_per_s": 665e12, "matmul_n": 8192, "rows": [row]}  # fmt: skip
+    text = "\n".join(_throughput(result))
+    assert "771 TFLOP/s in a burst, 665 TFLOP/s held for seconds" in text
+    assert "| 64.0% | 74.0% | 1512 MHz, 693 W of 700, capped 100% |" in text
