@@ -86,14 +86,14 @@ def matmul_rate(device: torch.device, n: int, dtype: torch.dtype = torch.bfloat1
 
 
 def sustained_matmul_rate(
-    device: torch.device, n: int, seconds: float, dtype: torch.dtype = torch.bfloat16
+    device: torch.device, n: int, seconds: float, dtype: torch.dtype = torch.bfloat16, window: int = 100
 ) -> dict[str, Any]:
     """FLOP/s of back-to-back ``n x n x n`` products held for ``seconds``: the rate a GPU keeps up.
 
     A short burst (:func:`matmul_rate`) runs at boost clocks; held for seconds, a GPU at its
     power limit lowers its clocks (an H200 at 700 W: 771 TFLOP/s in a burst, about 665 held).
     ``flop_per_s`` is the rate over the second half of the run, after the clocks settle;
-    ``windows`` are the rates of its successive ten-product windows.
+    ``windows`` are the rates of its successive windows of ``window`` products.
     """
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
@@ -101,7 +101,7 @@ def sustained_matmul_rate(
     windows: list[float] = []
     end = time.perf_counter() + seconds
     while time.perf_counter() < end or len(windows) < 2:
-        windows.append(2 * n**3 / time_per_call(lambda _: torch.mm(a, b, out=out), device, 10, 0, 1))
+        windows.append(2 * n**3 / time_per_call(lambda _: torch.mm(a, b, out=out), device, window, 0, 1))
     settled = windows[len(windows) // 2 :]
     return {"n": n, "seconds": seconds, "flop_per_s": statistics.mean(settled), "windows": windows}
 
