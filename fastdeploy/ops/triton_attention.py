@@ -107,7 +107,10 @@ def _attend_tile(
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["num_reqs"])
+# stride_bt is the width of the step's block table, trimmed to its longest request: were it
+# specialized (== 1, % 16), a step whose width crossed a class would compile a new variant
+# in the middle of serving; unspecialized, the start-up warm-up compiles every variant.
+@triton.jit(do_not_specialize=["num_reqs", "stride_bt"])
 def _unified_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, seq_lens_ptr,
     query_start_ptr, limits_ptr, qk_scale, num_reqs, block_size,
@@ -163,7 +166,7 @@ def _unified_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])  # see _unified_kernel
 def _decode_kernel(
     out_ptr, part_out_ptr, part_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
     block_table_ptr, seq_lens_ptr, query_start_ptr, limits_ptr, qk_scale, block_size,

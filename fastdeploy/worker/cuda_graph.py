@@ -17,6 +17,7 @@ re-plans in ``update_graph_metadata`` before each replay) and the compiled
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import NamedTuple
@@ -119,18 +120,7 @@ class DecodeGraphs:
         for size in reversed(self.sizes):
             meta = self._metadata(size)
             with_logits = size <= LOGITS_IN_GRAPH_MAX_BS
-            with set_forward_context(meta), small_m_graph_warm_up():  # compile, autotune and allocate
-                hidden = self.model(self.input_ids[:size], self.positions[:size])
-                if with_logits:
-                    logits = self.model.compute_logits(hidden)
-                    if self.logits is None:
-                        rows = len(self.greedy_tokens)
-                        self.logits = torch.empty(
-                            rows, logits.shape[-1], dtype=logits.dtype, device=logits.device
-                        )
-                    argmax_rows(logits, out=self.greedy_tokens[:size])
-                    del logits
-            torch.cuda.synchronize()
+            self._warm_up_size(size, meta)
             graph = torch.cuda.CUDAGraph()
             with set_forward_context(meta), torch.cuda.graph(graph, pool=pool):
                 out = self.model(self.input_ids[:size], self.positions[:size])
@@ -147,6 +137,31 @@ class DecodeGraphs:
             time.perf_counter() - start,
             torch.cuda.memory_reserved() / 2**30,
         )
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Run every size's forward once without capturing: an engine that runs decode steps
+        eagerly (``--enforce-eager``) has its kernels compiled at start-up, not in the
+        first steps of each batch size that requests bring."""
+        for size in reversed(self.sizes):
+            self._warm_up_size(size, self._metadata(size), for_capture=False)
+
+    def _warm_up_size(self, size: int, meta, for_capture: bool = True) -> None:
+        """One forward of ``size`` padding requests (they read and write nothing): compiles,
+        and before a capture autotunes and allocates, what that size's steps need (eager
+        steps keep cuBLAS, so only a capture tunes the small-M kernels)."""
+        tune = small_m_graph_warm_up() if for_capture else contextlib.nullcontext()
+        with set_forward_context(meta), tune:
+            hidden = self.model(self.input_ids[:size], self.positions[:size])
+            if size <= LOGITS_IN_GRAPH_MAX_BS:
+                logits = self.model.compute_logits(hidden)
+                if self.logits is None:
+                    rows = len(self.greedy_tokens)
+                    self.logits = torch.empty(
+                        rows, logits.shape[-1], dtype=logits.dtype, device=logits.device
+                    )
+                argmax_rows(logits, out=self.greedy_tokens[:size])
+        torch.cuda.synchronize()
 
     def padded_size(self, num_reqs: int) -> int | None:
         """The captured size a batch of ``num_reqs`` decodes replays, or None when it is too large."""

@@ -30,6 +30,11 @@ from fastdeploy.worker.upload import upload
 
 logger = logging.getLogger(__name__)
 
+WARM_UP_QUERY_LENS = (2, 4, 8, 16, 32, 64, 128, 256)
+"""Query lengths of the start-up prefills: powers of two, so that for any GQA group one of them
+falls in each row-block class of the attention kernel and of either class of Triton's integer
+specialization (multiples of 16 or not)."""
+
 
 class ModelRunner:
     """Owns the model, the KV cache and the persistent batch of one worker."""
@@ -125,6 +130,64 @@ class ModelRunner:
             self.kv_caches.append(kv)
 
         self.graphs = self._capture_graphs()
+        if self.device.type == "cuda" and self.mm is None:
+            self.warm_up_kernels()
+
+    @torch.inference_mode()
+    def warm_up_kernels(self) -> None:
+        """Compile the attention kernels at start-up rather than in the first requests' steps.
+
+        Triton and FlashInfer compile a kernel variant the first time a step needs it, a
+        second or more each: the first prompt waited for its prefill kernels, and with
+        ``--enforce-eager`` the first step of each new decode batch size for its own. Here one
+        prefill per query-length class runs, and, when no graphs were captured, one decode per
+        size a graph would have had; their requests write nothing to the KV cache.
+        """
+        start = time.perf_counter()
+        limit = min(self.max_model_len, self.config.scheduler.max_num_batched_tokens)
+        query_lens = sorted({min(n, limit) for n in WARM_UP_QUERY_LENS})
+        for query_len in query_lens:
+            self._warm_up_prefill(query_len)
+        decode_sizes: list[int] = []
+        if self.graphs is None and self.device.type == "cuda" and self.mm is None:
+            if getattr(self.attn_backend, "supports_cuda_graphs", False):  # its graph metadata works eagerly
+                graphs = self._new_decode_graphs()
+                graphs.warm_up()
+                decode_sizes = graphs.sizes
+        logger.info(
+            "compiled the kernels of prefill lengths %s and eager decode sizes 1..%s in %.1f s",
+            query_lens,
+            decode_sizes[-1] if decode_sizes else "-",
+            time.perf_counter() - start,
+        )
+
+    def _warm_up_prefill(self, query_len: int) -> None:
+        """One forward of a single request of ``query_len`` new tokens that writes no cache slot."""
+        width = self.batch.block_table.table.shape[1]
+        block_rows = np.zeros((1, width), dtype=np.int32)
+        seq_lens = np.array([query_len], dtype=np.int64)
+        query_start_loc = np.array([0, query_len], dtype=np.int64)
+        host = [query_start_loc.astype(np.int32), seq_lens.astype(np.int32), block_rows]
+        dev = upload(host + [np.full(query_len, -1, dtype=np.int64)], self.device)
+        common = CommonAttentionMetadata(
+            num_reqs=1,
+            num_actual_tokens=query_len,
+            query_start_loc=dev[0],
+            seq_lens=dev[1],
+            block_table=dev[2],
+            block_table_cpu=block_rows,
+            slot_mapping=dev[3],
+            query_start_loc_cpu=query_start_loc,
+            seq_lens_cpu=seq_lens,
+            max_query_len=query_len,
+            max_seq_len=query_len,
+            block_size=self.block_size,
+        )
+        ids = torch.zeros(query_len, dtype=torch.int64, device=self.device)
+        positions = torch.arange(query_len, dtype=torch.int64, device=self.device)
+        with set_forward_context(self.attn_backend.build(common)):
+            hidden = self.model(ids, positions)
+        self.model.compute_logits(hidden[-1:])
 
     # ---- one step ------------------------------------------------------------------
 
@@ -181,16 +244,7 @@ class ModelRunner:
                 "(python setup_ops.py build_ext --inplace); running every step eagerly"
             )
             return None
-        max_bs = device_cfg.cuda_graph_max_bs or min(self.config.scheduler.max_num_seqs, 512)
-        graphs = DecodeGraphs(
-            self.model,
-            self.attn_backend,
-            min(max_bs, self.config.scheduler.max_num_seqs),
-            self.batch.block_table.table.shape[1],
-            self.block_size,
-            self.max_model_len,
-            self.device,
-        )
+        graphs = self._new_decode_graphs()
         try:
             graphs.capture()
         except torch.OutOfMemoryError:
@@ -205,6 +259,19 @@ class ModelRunner:
             torch.cuda.empty_cache()
             return None
         return graphs
+
+    def _new_decode_graphs(self) -> DecodeGraphs:
+        """Decode graphs (not yet captured) for batch sizes up to ``--cuda-graph-max-bs``."""
+        max_bs = self.config.device.cuda_graph_max_bs or min(self.config.scheduler.max_num_seqs, 512)
+        return DecodeGraphs(
+            self.model,
+            self.attn_backend,
+            min(max_bs, self.config.scheduler.max_num_seqs),
+            self.batch.block_table.table.shape[1],
+            self.block_size,
+            self.max_model_len,
+            self.device,
+        )
 
     @torch.inference_mode()
     def profile_run(self) -> None:

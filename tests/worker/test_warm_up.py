@@ -1,0 +1,91 @@
+"""Start-up kernel warm-up (``ModelRunner.warm_up_kernels``): it writes nothing and changes no output.
+
+On a GPU the engine runs it after the KV cache is allocated, so that Triton and
+FlashInfer compile their kernel variants then and not in the first requests' steps. On a
+CPU it is called here by hand: the same prefills run through the same metadata path.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from fastdeploy import LLM, SamplingParams
+from fastdeploy.worker.model_runner import WARM_UP_QUERY_LENS
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from gpubench.measure import random_prompts  # noqa: E402
+from gpubench.settings import MODEL_1B, TINY_OVERRIDES  # noqa: E402
+
+ENGINE = dict(
+    model=MODEL_1B, load_format="dummy", skip_tokenizer_init=True, hf_config_overrides=TINY_OVERRIDES,
+    dtype="float32", device="cpu", num_threads=1, max_num_seqs=4, max_model_len=96, seed=0,
+)  # fmt: skip
+PROMPTS = random_prompts(3, 20, TINY_OVERRIDES["vocab_size"], seed=3)
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+def _tokens(llm: LLM) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, GREEDY)]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_warm_up_writes_no_cache_and_changes_no_output(backend):
+    reference = LLM(attention_backend=backend, **ENGINE)
+    try:
+        expected = _tokens(reference)
+    finally:
+        reference.shutdown()
+
+    llm = LLM(attention_backend=backend, **ENGINE)
+    try:
+        runner = llm.engine.core.executor.worker.runner
+        assert runner.attn_backend.name == backend
+        assert all(not k.any() and not v.any() for k, v in runner.kv_caches)  # a fresh cache is zeros
+        runner.warm_up_kernels()
+        assert all(not k.any() and not v.any() for k, v in runner.kv_caches)  # and still is
+        assert _tokens(llm) == expected
+        assert llm.engine.core.scheduler.kv.usage() == 0
+    finally:
+        llm.shutdown()
+
+
+def test_warm_up_lengths_cover_each_block_class_and_respect_the_limits(monkeypatch):
+    from fastdeploy.worker import model_runner
+
+    seen: list[int] = []
+    monkeypatch.setattr(model_runner.ModelRunner, "_warm_up_prefill", lambda self, n: seen.append(n))
+    llm = LLM(**{**ENGINE, "max_model_len": 48})
+    try:
+        llm.engine.core.executor.worker.runner.warm_up_kernels()
+    finally:
+        llm.shutdown()
+    assert seen == [2, 4, 8, 16, 32, 48]  # 64, 128 and 256 capped at max_model_len, once
+    assert max(WARM_UP_QUERY_LENS) >= 128  # a prompt long enough for the largest query block
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_first_requests_compile_no_attention_kernel_on_a_gpu(enforce_eager, monkeypatch):
+    """After start-up, prompts and decode batches of new sizes find their kernels compiled."""
+    triton = pytest.importorskip("triton")
+    if not hasattr(getattr(triton, "knobs", None), "runtime"):
+        pytest.skip("this triton has no JIT hooks (triton.knobs)")
+    compiled: list[str] = []
+    monkeypatch.setattr(
+        triton.knobs.runtime, "jit_post_compile_hook", lambda *a, **kw: compiled.append(kw.get("repr", ""))
+    )
+    llm = LLM(**{**ENGINE, "device": "cuda", "dtype": "bfloat16", "attention_backend": "triton",
+                 "enforce_eager": enforce_eager, "max_num_seqs": 8})  # fmt: skip
+    try:
+        compiled.clear()  # what start-up compiled (nothing if an earlier engine of this process did)
+        for batch in (1, 3, 8):
+            llm.generate(random_prompts(batch, 40, TINY_OVERRIDES["vocab_size"], seed=batch), GREEDY)
+        attention = [name for name in compiled if "_unified_kernel" in name or "_decode" in name]
+        assert attention == []
+    finally:
+        llm.shutdown()
