@@ -155,7 +155,7 @@ def _itl(r: dict[str, Any]) -> list[str]:
 
 
 def _gpu_state(gpu: dict[str, Any] | None) -> str:
-    """``1512 MHz, 693 W, capped 100%`` from a GpuMonitor summary (— without samples)."""
+    """``1512 MHz, 693 W of 700, capped 100%`` from a GpuMonitor summary (— without samples)."""
     if not gpu:
         return "—"
     return (
