@@ -130,7 +130,7 @@ class ModelRunner:
             self.kv_caches.append(kv)
 
         self.graphs = self._capture_graphs()
-        if self.device.type == "cuda" and self.mm is None:
+        if self.device.type == "cuda":
             self.warm_up_kernels()
 
     @torch.inference_mode()
@@ -141,15 +141,18 @@ class ModelRunner:
         second or more each: the first prompt waited for its prefill kernels, and with
         ``--enforce-eager`` the first step of each new decode batch size for its own. Here one
         prefill per query-length class runs, and, when no graphs were captured, one decode per
-        size a graph would have had; their requests write nothing to the KV cache.
+        size a graph would have had; their requests write nothing to the KV cache. Multimodal
+        models are skipped: their M-RoPE positions are not the plain ones these steps use.
         """
+        if self.mm is not None:
+            return
         start = time.perf_counter()
         limit = min(self.max_model_len, self.config.scheduler.max_num_batched_tokens)
         query_lens = sorted({min(n, limit) for n in WARM_UP_QUERY_LENS})
         for query_len in query_lens:
             self._warm_up_prefill(query_len)
         decode_sizes: list[int] = []
-        if self.graphs is None and self.device.type == "cuda" and self.mm is None:
+        if self.graphs is None and self.device.type == "cuda":
             if getattr(self.attn_backend, "supports_cuda_graphs", False):  # its graph metadata works eagerly
                 graphs = self._new_decode_graphs()
                 graphs.warm_up()
