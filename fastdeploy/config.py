@@ -69,6 +69,14 @@ class ModelConfig:
     """Folder from which file:// multimodal feature URLs may be read (paths are
     resolved, symlinks included, and must lie under it). Empty: file:// URLs are
     refused."""
+    allowed_media_domains: str | None = None
+    """Comma-separated host names that http(s):// feature URLs may name (a name also admits its
+    subdomains). Empty: any public host. Checked at every redirect."""
+    allow_private_media_urls: bool = False
+    """Let http(s):// feature URLs reach loopback, private, link-local, multicast and
+    unspecified addresses (e.g. an object store on the local network). Off: such addresses
+    are refused after DNS resolution and at every redirect, so a request cannot make the
+    server fetch from inside its network."""
     mm_bidirectional_attention: bool = False
     """Let the tokens of one image or video attend to each other bidirectionally
     (text stays causal), for vision-language models trained that way. Off for
@@ -139,6 +147,29 @@ class DeviceConfig:
     cuda_graph_max_bs: int | None = None
     """Largest decode batch captured as a CUDA graph (sizes 1, 2, 4, 8, then steps
     of 8 up to it); larger batches run eagerly. Default: max_num_seqs, at most 512."""
+
+
+@dataclass
+class ServerConfig:
+    """The HTTP server: its address, its key and the limits it puts on each request
+    (not part of the engine, which the offline ``LLM`` runs without a server)."""
+
+    host: str = "127.0.0.1"
+    """Address the HTTP server listens on."""
+    port: int = 8000
+    """Port the HTTP server listens on."""
+    api_key: str | None = None
+    """If set, every route but /health, /metrics and /version needs 'Authorization: Bearer <key>'
+    (else 401), /docs and /openapi.json included."""
+    max_request_body_bytes: int = 8 * 1024 * 1024
+    """Largest request body accepted, in bytes; a larger one is refused with 413 before it is
+    read. Raise it for large inline image_embeds."""
+    max_prompts_per_request: int = 256
+    """Most prompts one /v1/completions request may carry (a list of strings or of token lists);
+    more is a 400."""
+    exit_on_engine_death: bool = True
+    """Exit (non-zero) when the engine dies, so that a supervisor restarts the server; off: keep
+    answering /health and new requests with 503."""
 
 
 @dataclass

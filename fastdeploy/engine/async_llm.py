@@ -41,7 +41,7 @@ class EngineGenerateError(RuntimeError):
 def _default_model_name(config: EngineConfig, source: Any) -> str:
     """The name the API serves the model under when none is given (the ``model_name`` metrics label).
 
-    Must agree with ``api_server.default_served_model_names``: the embedded default
+    Must agree with ``http_server.default_served_model_names``: the embedded default
     model is served as ``DEFAULT_MODEL_NAME``, not under its .gguf file name.
     """
     if not config.model.model:

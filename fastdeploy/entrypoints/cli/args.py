@@ -24,7 +24,7 @@ from typing import Any, Literal, Union
 
 import yaml
 
-from fastdeploy.config import EngineConfig, field_docs
+from fastdeploy.config import EngineConfig, ServerConfig, field_docs
 
 
 class ConfigFileError(ValueError):
@@ -50,21 +50,6 @@ class FlagSpec:
     @property
     def flag(self) -> str:
         return "--" + self.key.replace("_", "-")
-
-
-SERVER_FLAGS: tuple[FlagSpec, ...] = (
-    FlagSpec("host", "127.0.0.1", str, "Address the HTTP server listens on.", "value"),
-    FlagSpec("port", 8000, int, "Port the HTTP server listens on.", "value"),
-    FlagSpec(
-        "api_key",
-        None,
-        str,
-        "If set, requests to /v1/* must send 'Authorization: Bearer <key>' (else 401).",
-        "value",
-        optional=True,
-    ),
-)
-"""Options of the HTTP server itself (not part of the engine config)."""
 
 
 def _optional_inner(tp: Any) -> tuple[Any, bool]:
@@ -105,8 +90,13 @@ _json_object.__name__ = "JSON object"
 
 def engine_flag_specs() -> list[FlagSpec]:
     """A :class:`FlagSpec` per engine config field, in declaration order."""
+    return _flag_specs(EngineConfig.flat_fields())
+
+
+def _flag_specs(fields: list[tuple[type, dataclasses.Field]]) -> list[FlagSpec]:
+    """A :class:`FlagSpec` per (config class, field), in the order given."""
     specs = []
-    for section_cls, field in EngineConfig.flat_fields():
+    for section_cls, field in fields:
         hints = typing.get_type_hints(section_cls)
         tp, optional = _optional_inner(hints[field.name])
         doc = field_docs(section_cls).get(field.name, "")
@@ -132,6 +122,18 @@ def engine_flag_specs() -> list[FlagSpec]:
         else:
             raise TypeError(f"cannot make a CLI flag for {section_cls.__name__}.{field.name}: {tp!r}")
     return specs
+
+
+SERVER_FLAGS: tuple[FlagSpec, ...] = tuple(
+    _flag_specs([(ServerConfig, f) for f in dataclasses.fields(ServerConfig)])
+)
+"""Options of the HTTP server itself (:class:`~fastdeploy.config.ServerConfig`, not part of the engine)."""
+
+
+def server_config_from_args(ns: argparse.Namespace) -> ServerConfig:
+    """The :class:`ServerConfig` described by parsed ``serve`` arguments (file and defaults merged in)."""
+    resolved = vars(resolve_args(ns))
+    return ServerConfig(**{spec.key: resolved[spec.key] for spec in SERVER_FLAGS})
 
 
 def all_flag_specs() -> list[FlagSpec]:

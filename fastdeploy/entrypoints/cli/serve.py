@@ -55,7 +55,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
         if parser is None:
             raise
         parser.error(str(exc))
-    from fastdeploy.entrypoints.openai.api_server import BindError, run_server
+    from fastdeploy.entrypoints.openai.http_server import BindError, run_server
 
     try:
         asyncio.run(run_server(args))
