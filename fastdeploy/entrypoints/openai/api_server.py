@@ -26,6 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 import fastdeploy
+from fastdeploy.config import ServerConfig
 from fastdeploy.engine.protocol import EngineClient
 from fastdeploy.entrypoints.openai.errors import (
     AuthenticationError,
@@ -144,7 +145,7 @@ def _metrics_registry() -> Any:
 
 
 def build_app(
-    engine_client: EngineClient, served_model_names: list[str], api_key: str | None = None
+    engine_client: EngineClient, served_model_names: list[str], server: ServerConfig | None = None
 ) -> FastAPI:
     """The FastAPI app serving ``engine_client`` under ``served_model_names`` (the first is the default).
 
@@ -153,6 +154,8 @@ def build_app(
     ``app.state.begin_shutdown()`` ends the requests in flight with a 503 (the
     server calls it when it starts stopping).
     """
+    server = server or ServerConfig()
+    api_key = server.api_key
     app = FastAPI(title="FastDeploy", version=fastdeploy.__version__, docs_url="/docs", redoc_url=None)
     app.router.route_class = OpenAIRoute
     _install_exception_handlers(app)

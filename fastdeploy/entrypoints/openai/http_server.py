@@ -172,7 +172,7 @@ async def run_server(args: argparse.Namespace) -> None:
     they stop the server gracefully; either way ``engine.shutdown()`` runs, with
     further signals ignored so that no child process is left behind.
     """
-    from fastdeploy.entrypoints.cli.args import engine_config_from_args, resolve_args
+    from fastdeploy.entrypoints.cli.args import engine_config_from_args, resolve_args, server_config_from_args
 
     args = resolve_args(args)
     config = engine_config_from_args(args)
@@ -188,7 +188,7 @@ async def run_server(args: argparse.Namespace) -> None:
             engine = AsyncLLM.from_config(config)
             if inspect.isawaitable(engine):
                 engine = await engine
-        app = build_app(engine, served_model_names, args.api_key)
+        app = build_app(engine, served_model_names, server_config_from_args(args))
         await serve_http(app, args.host, args.port, sock=sock)
     finally:
         sock.close()
