@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 from collections.abc import Callable, Coroutine
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI
@@ -30,23 +28,27 @@ from fastdeploy.config import ServerConfig
 from fastdeploy.engine.protocol import EngineClient
 from fastdeploy.entrypoints.openai.errors import (
     AuthenticationError,
-    BadRequestError,
     NotFoundError,
     OpenAIError,
     ServiceUnavailableError,
     validation_error_to_openai,
 )
+from fastdeploy.entrypoints.openai.openapi import add_openapi_routes, json_body
 from fastdeploy.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
     parse_request,
     parse_tokenize_request,
 )
+from fastdeploy.entrypoints.openai.request_body import BodySizeLimitMiddleware, read_json
 from fastdeploy.entrypoints.openai.serving_chat import OpenAIServingChat
 from fastdeploy.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from fastdeploy.entrypoints.openai.serving_engine import ClientDisconnectedError, to_openai_error
 from fastdeploy.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
+from fastdeploy.entrypoints.openai.tokenizer_lanes import TokenizerLanes
 
 logger = logging.getLogger(__name__)
 
@@ -110,15 +112,6 @@ def _install_exception_handlers(app: FastAPI) -> None:
 # --------------------------------------------------------------------------- app
 
 
-async def read_json(request: Request) -> Any:
-    """The request body decoded as JSON; a 400 if it is not JSON."""
-    raw = await request.body()
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BadRequestError(f"Invalid JSON body: {exc}", code="invalid_json") from None
-
-
 def _api_key_dependency(api_key: str) -> Callable[[Request], Coroutine[Any, Any, None]]:
     expected = api_key.encode()
 
@@ -149,37 +142,47 @@ def build_app(
 ) -> FastAPI:
     """The FastAPI app serving ``engine_client`` under ``served_model_names`` (the first is the default).
 
-    With ``api_key`` set, ``/v1/*`` requires ``Authorization: Bearer <api_key>``;
-    ``/health``, ``/metrics``, ``/version``, ``/tokenize`` and ``/detokenize`` stay open.
+    ``server`` sets the limits of each request and the API key: with a key set,
+    every route needs ``Authorization: Bearer <key>`` except ``/health``,
+    ``/metrics`` and ``/version`` (what load balancers and Prometheus poll).
     ``app.state.begin_shutdown()`` ends the requests in flight with a 503 (the
     server calls it when it starts stopping).
     """
     server = server or ServerConfig()
-    api_key = server.api_key
-    app = FastAPI(title="FastDeploy", version=fastdeploy.__version__, docs_url="/docs", redoc_url=None)
+    app = FastAPI(
+        title="FastDeploy",
+        version=fastdeploy.__version__,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
     app.router.route_class = OpenAIRoute
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=server.max_request_body_bytes)
     _install_exception_handlers(app)
     app.state.engine_client = engine_client
+    auth = [Depends(_api_key_dependency(server.api_key))] if server.api_key else []
 
-    executor = ThreadPoolExecutor(1, thread_name_prefix="fd-tokenizer")
+    tokenizers = TokenizerLanes()
     shutdown_event = asyncio.Event()
     app.state.begin_shutdown = shutdown_event.set
-    completions = OpenAIServingCompletion(engine_client, served_model_names, executor, shutdown_event)
-    chat = OpenAIServingChat(engine_client, served_model_names, executor, shutdown_event)
-    tokenization = OpenAIServingTokenization(engine_client, served_model_names, executor, shutdown_event)
-
-    v1 = APIRouter(
-        prefix="/v1",
-        route_class=OpenAIRoute,
-        dependencies=[Depends(_api_key_dependency(api_key))] if api_key else [],
+    completions = OpenAIServingCompletion(
+        engine_client,
+        served_model_names,
+        tokenizers,
+        shutdown_event,
+        max_prompts_per_request=server.max_prompts_per_request,
     )
+    chat = OpenAIServingChat(engine_client, served_model_names, tokenizers, shutdown_event)
+    tokenization = OpenAIServingTokenization(engine_client, served_model_names, tokenizers, shutdown_event)
 
-    @v1.post("/completions")
+    v1 = APIRouter(prefix="/v1", route_class=OpenAIRoute, dependencies=auth)
+
+    @v1.post("/completions", openapi_extra=json_body(CompletionRequest))
     async def create_completion(raw_request: Request) -> Response:
         request = parse_request(CompletionRequest, await read_json(raw_request))
         return await completions.create_completion(request, raw_request)
 
-    @v1.post("/chat/completions")
+    @v1.post("/chat/completions", openapi_extra=json_body(ChatCompletionRequest))
     async def create_chat_completion(raw_request: Request) -> Response:
         request = parse_request(ChatCompletionRequest, await read_json(raw_request))
         return await chat.create_chat_completion(request, raw_request)
@@ -206,14 +209,19 @@ def build_app(
     async def version() -> Response:
         return JSONResponse({"version": fastdeploy.__version__})
 
-    @app.post("/tokenize")
+    @app.post(
+        "/tokenize",
+        dependencies=auth,
+        openapi_extra=json_body(TokenizeCompletionRequest | TokenizeChatRequest, "TokenizeRequest"),
+    )
     async def tokenize(raw_request: Request) -> Response:
         request = parse_tokenize_request(await read_json(raw_request))
         return JSONResponse((await tokenization.tokenize(request)).model_dump(exclude_none=True))
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", dependencies=auth, openapi_extra=json_body(DetokenizeRequest))
     async def detokenize(raw_request: Request) -> Response:
         request = parse_request(DetokenizeRequest, await read_json(raw_request))
         return JSONResponse((await tokenization.detokenize(request)).model_dump())
 
+    add_openapi_routes(app, auth)
     return app

@@ -19,9 +19,10 @@ class OpenAIError(Exception):
     error_type: str = "server_error"
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        message = encodable(message)
         super().__init__(message)
         self.message = message
-        self.param = param
+        self.param = None if param is None else encodable(param)
         self.code = code
 
     def body(self) -> dict[str, Any]:
@@ -34,6 +35,19 @@ class OpenAIError(Exception):
                 "code": self.code,
             }
         }
+
+
+def encodable(text: str) -> str:
+    """``text`` with lone surrogates written as ``\\udXXX`` escapes, so that it always encodes as UTF-8.
+
+    Error messages quote what the client sent, which may not be valid Unicode;
+    the error body must still be sendable.
+    """
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class BadRequestError(OpenAIError):
@@ -54,6 +68,20 @@ class NotFoundError(OpenAIError):
     """404: unknown model name or route."""
 
     status_code = 404
+    error_type = "invalid_request_error"
+
+
+class RequestTooLargeError(OpenAIError):
+    """413: the request body is over the server's size limit."""
+
+    status_code = 413
+    error_type = "invalid_request_error"
+
+
+class UnsupportedMediaTypeError(OpenAIError):
+    """415: the body is not sent as JSON."""
+
+    status_code = 415
     error_type = "invalid_request_error"
 
 

@@ -62,7 +62,7 @@ class OpenAIServingChat(OpenAIServing):
 
         conversation, items = await self.mm_inputs.split(request.messages, self._run_tokenizer)
         text = await self.render_chat(request.messages, conversation=conversation)
-        token_ids = await self.encode(text, add_special_tokens=False)
+        token_ids = await self.encode(text, add_special_tokens=False, param="messages")
         if not token_ids:
             raise BadRequestError("The chat template produced an empty prompt", param="messages")
         token_ids, mm_items = await self.mm_inputs.place(token_ids, items)

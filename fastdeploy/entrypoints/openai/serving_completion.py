@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -58,12 +59,23 @@ class OpenAIServingCompletion(OpenAIServing):
     chunk, as it sends ``prompt_logprobs``.
     """
 
+    def __init__(self, *args: Any, max_prompts_per_request: int | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.max_prompts_per_request = max_prompts_per_request
+        """Most prompts one request may carry (None: no limit)."""
+
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
         """Validate, tokenize, run and answer one completions request."""
         model = self.resolve_model(request.model)
         params = request.to_sampling_params()
         self.check_params(params)
         self.check_healthy()
+        limit = self.max_prompts_per_request
+        if limit is not None and len(request.prompt) > limit:
+            raise BadRequestError(
+                f"prompt holds {len(request.prompt)} prompts; this server takes at most {limit} per request",
+                param="prompt",
+            )
 
         prompts: list[EnginePrompt] = []
         for prompt in request.prompt:

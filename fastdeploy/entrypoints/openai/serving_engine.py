@@ -13,7 +13,6 @@ import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -35,6 +34,7 @@ from fastdeploy.entrypoints.openai.errors import (
     ServiceUnavailableError,
 )
 from fastdeploy.entrypoints.openai.protocol import ChatMessage, UsageInfo
+from fastdeploy.entrypoints.openai.tokenizer_lanes import TokenizerLanes
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -232,27 +232,29 @@ class UsageTracker:
 
 
 class OpenAIServing:
-    """Base of the endpoint handlers: the engine client, served names and a tokenizer thread.
+    """Base of the endpoint handlers: the engine client, served names and the tokenizer threads.
 
-    Tokenization runs on one dedicated thread: long prompts do not stall the
-    event loop, and a Rust tokenizer is never used from two threads at once.
+    Tokenization runs off the event loop on :class:`TokenizerLanes` (long
+    texts apart from short ones), and a text that cannot fit the model's
+    context is refused before it is tokenized (:meth:`check_text_length`).
     """
 
     def __init__(
         self,
         engine_client: EngineClient,
         served_model_names: list[str],
-        tokenizer_executor: ThreadPoolExecutor | None = None,
+        tokenizers: TokenizerLanes | None = None,
         shutdown_event: asyncio.Event | None = None,
     ):
         if not served_model_names:
             raise ValueError("at least one served model name is needed")
         self.engine = engine_client
         self.served_model_names = list(served_model_names)
-        self.executor = tokenizer_executor or ThreadPoolExecutor(1, thread_name_prefix="fd-tokenizer")
+        self.tokenizers = tokenizers or TokenizerLanes()
         self.shutdown_event = shutdown_event
         """Set when the server stops: requests in flight end with a 503."""
         self._vocab_size: int | None = None
+        self._max_token_chars: int | None = None
 
     @property
     def tokenizer(self) -> Any:
@@ -298,16 +300,43 @@ class OpenAIServing:
             self.check_token_ids(list(params.logit_bias), "logit_bias")
 
     async def _run_tokenizer(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, lambda: fn(*args, **kwargs))
+        """``fn(*args, **kwargs)`` on the tokenizer thread of short texts."""
+        return await self.tokenizers.call(lambda: fn(*args, **kwargs))
 
-    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        """Token ids of ``text``."""
-        ids = await self._run_tokenizer(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+    @property
+    def max_token_chars(self) -> int:
+        """The most characters one token can stand for (the longest vocabulary entry)."""
+        if self._max_token_chars is None:
+            vocab = self.tokenizer.get_vocab() if self.tokenizer is not None else {}
+            self._max_token_chars = max((len(token) for token in vocab), default=1) or 1
+        return self._max_token_chars
+
+    def check_text_length(self, num_chars: int, param: str) -> None:
+        """400 for a text that must be more tokens than the model's context, before tokenizing it.
+
+        No token stands for more than :attr:`max_token_chars` characters, so a
+        text longer than ``max_model_len`` times that is certainly too long;
+        this bounds the tokenizer's work per request by the context length.
+        """
+        limit = self.engine.max_model_len * self.max_token_chars
+        if num_chars > limit:
+            raise BadRequestError(
+                f"{param} has {num_chars} characters, more than fit this model's maximum context length "
+                f"of {self.engine.max_model_len} tokens",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    async def encode(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
+        """Token ids of ``text`` (a 400 naming ``param`` if it cannot fit the context)."""
+        self.check_text_length(len(text), param)
+        ids = await self.tokenizers.run(
+            self.tokenizer, lambda tok: tok.encode(text, add_special_tokens=add_special_tokens), len(text)
+        )
         return list(ids)
 
     async def decode(self, token_ids: list[int]) -> str:
-        return await self._run_tokenizer(self.tokenizer.decode, token_ids)
+        return await self.tokenizers.run(self.tokenizer, lambda tok: tok.decode(token_ids), len(token_ids))
 
     async def render_chat(
         self,
@@ -324,6 +353,7 @@ class OpenAIServing:
         """
         if conversation is None:
             conversation = [m.to_template_dict() for m in messages]
+        self.check_text_length(_text_chars(conversation), "messages")
         if any(isinstance(m.get("content"), list) for m in conversation):
             raise BadRequestError(
                 "image and video content parts are only accepted by /v1/chat/completions", param="messages"
@@ -369,6 +399,17 @@ class OpenAIServing:
                     yield i, out
         finally:
             await abort_quietly(self.engine, tracker.unfinished_request_ids())
+
+
+def _text_chars(value: Any) -> int:
+    """Characters in every string inside ``value`` (chat messages as template dicts)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_text_chars(v) for v in value.values())
+    if isinstance(value, list):
+        return sum(_text_chars(v) for v in value)
+    return 0
 
 
 def sub_request_ids(request_id: str, count: int) -> list[str]:

@@ -26,7 +26,8 @@ class OpenAIServingTokenization(OpenAIServing):
             )
         else:
             text = request.prompt
-        tokens = await self.encode(text, add_special_tokens=request.add_special_tokens)
+        param = "messages" if isinstance(request, TokenizeChatRequest) else "prompt"
+        tokens = await self.encode(text, add_special_tokens=request.add_special_tokens, param=param)
         token_strs = None
         if request.return_token_strs:
             token_strs = await self._run_tokenizer(self.tokenizer.convert_ids_to_tokens, tokens)

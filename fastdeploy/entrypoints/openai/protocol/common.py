@@ -17,9 +17,9 @@ from fastdeploy.entrypoints.openai.errors import from_pydantic
 
 
 class OpenAIModel(BaseModel):
-    """Base of request models: strict types, unknown fields rejected."""
+    """Base of request models: strict types, unknown fields rejected, floats finite (no NaN/Infinity)."""
 
-    model_config = ConfigDict(strict=True, extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
 class ResponseModel(BaseModel):

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, WithJsonSchema, field_validator
 
 from fastdeploy.entrypoints.openai.errors import BadRequestError
 from fastdeploy.entrypoints.openai.protocol.common import ResponseModel, UsageInfo, WithPromptLogprobs, _now
@@ -24,7 +24,24 @@ class CompletionRequest(SamplingRequest):
     DEFAULT_MAX_TOKENS: ClassVar[int] = 16
     """OpenAI's default ``max_tokens`` for the legacy completions endpoint."""
 
-    prompt: list[str | list[int]]
+    prompt: Annotated[
+        list[str | list[int]],
+        WithJsonSchema(
+            {
+                "anyOf": [
+                    {"type": "string", "minLength": 1},
+                    {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+                    {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+                    {
+                        "type": "array",
+                        "items": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+                        "minItems": 1,
+                    },
+                ]
+            }
+        ),
+    ]
+    """A string, a list of strings, a list of token ids or a list of token-id lists."""
     logprobs: int | None = None
     """Legacy form: how many top logprobs per token (0 still returns the sampled token's)."""
     echo: bool | None = None
