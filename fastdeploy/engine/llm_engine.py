@@ -16,6 +16,7 @@ from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.model_executor.model_loader import load_tokenizer, resolve_model
 from fastdeploy.multimodal.items import MMItem
 from fastdeploy.multimodal.prompt import MultimodalPromptBuilder
+from fastdeploy.multimodal.url_policy import MediaUrlPolicy
 from fastdeploy.scheduler.encoder_cache_manager import EncoderCacheManager
 
 
@@ -37,6 +38,9 @@ class LLMEngine:
             self.source.arch,
             allowed_local_media_path=config.model.allowed_local_media_path,
             cache=EncoderCacheManager.from_gib(config.cache.encoder_cache_memory),
+            url_policy=MediaUrlPolicy.from_config(
+                config.model.allowed_media_domains, config.model.allow_private_media_urls
+            ),
         )
         """Fetches and places the image / video features of prompts (``LLM.generate`` / ``LLM.chat``)."""
         self.stats = SchedulerStats()

@@ -11,6 +11,10 @@ items, in the same order, each with its ``features`` tensor and ``mm_hash``.
   those in flight stop at their next chunk, and the error (a
   :class:`~fastdeploy.multimodal.inputs.MultimodalInputError` naming the URL) is
   raised once the pool has shut down, so no thread outlives the call.
+- ``http(s)://`` URLs must pass the server's
+  :class:`~fastdeploy.multimodal.url_policy.MediaUrlPolicy` (no private addresses
+  by default), and every failed download, an unloadable file included, reads the
+  same to the client (the detail goes to the server log).
 - With an :class:`~fastdeploy.scheduler.encoder_cache_manager.EncoderCacheManager`,
   a URL fetched before (``FD_FEATURE_URL_CACHE``) is served from the cache
   without a download, and equal content from another URL reuses the cached tensor.
@@ -32,7 +36,15 @@ from fastdeploy import envs
 from fastdeploy.multimodal.hashing import mm_hash
 from fastdeploy.multimodal.inputs import FeatureItem, MultimodalInputError, validate_features
 from fastdeploy.multimodal.loaders import load_feature_bytes
-from fastdeploy.multimodal.sources import FetchCancelled, read_url, scheme_of, source_key
+from fastdeploy.multimodal.sources import (
+    FetchCancelled,
+    http_fetch_failed,
+    new_http_client,
+    read_url,
+    scheme_of,
+    source_key,
+)
+from fastdeploy.multimodal.url_policy import MediaUrlPolicy
 
 if TYPE_CHECKING:
     from fastdeploy.scheduler.encoder_cache_manager import EncoderCacheManager
@@ -60,6 +72,7 @@ class _Limits:
     timeout_s: float
     max_bytes: int
     allowed_local_media_path: str | None
+    url_policy: MediaUrlPolicy
     http_client: httpx.Client | None
     cancel: threading.Event
     observe_latency: Callable[[float], None] | None
@@ -87,10 +100,13 @@ def _run_job(job: _Job, limits: _Limits) -> list[FeatureItem]:
         allowed_local_media_path=limits.allowed_local_media_path,
         http_client=limits.http_client,
         cancel=limits.cancel,
+        url_policy=limits.url_policy,
     )
     try:
         features = load_feature_bytes(data)
     except MultimodalInputError as exc:
+        if scheme_of(job.url) in ("http", "https"):  # the same text as a failed download
+            raise http_fetch_failed(job.url, str(exc)) from None
         raise MultimodalInputError(f"{job.url}: {exc}") from None
     if limits.observe_latency is not None:
         limits.observe_latency(time.monotonic() - start)
@@ -133,6 +149,7 @@ def fetch_features(
     spatial_merge_size: int = 2,
     parallel: int | None = None,
     allowed_local_media_path: str | None = None,
+    url_policy: MediaUrlPolicy | None = None,
     timeout_s: float | None = None,
     max_bytes: int | None = None,
     cache: EncoderCacheManager | None = None,
@@ -141,7 +158,8 @@ def fetch_features(
     """Load every item of a request and return them in request order with ``features`` and ``mm_hash``.
 
     Items given inline are checked and hashed; URL items are fetched (file://
-    only under ``allowed_local_media_path``). Every feature must be float,
+    only under ``allowed_local_media_path``; http(s):// only where ``url_policy``
+    allows, by default public addresses of any host). Every feature must be float,
     ``[t*h*w / spatial_merge_size**2, hidden_size]``. ``parallel``,
     ``timeout_s`` (per URL) and ``max_bytes`` (per URL) default to
     ``FD_FEATURE_DOWNLOAD_PARALLEL``, ``FD_FEATURE_FETCH_TIMEOUT_S`` and
@@ -158,6 +176,7 @@ def fetch_features(
         timeout_s=envs.FD_FEATURE_FETCH_TIMEOUT_S if timeout_s is None else timeout_s,
         max_bytes=int(envs.FD_FEATURE_MAX_MB * MIB) if max_bytes is None else max_bytes,
         allowed_local_media_path=allowed_local_media_path,
+        url_policy=url_policy if url_policy is not None else MediaUrlPolicy(),
         http_client=None,
         cancel=threading.Event(),
         observe_latency=observe_latency,
@@ -184,7 +203,7 @@ def fetch_features(
 
     job_list = list(jobs.values())
     if any(scheme_of(job.url) in ("http", "https") for job in job_list):
-        limits.http_client = httpx.Client()
+        limits.http_client = new_http_client()
     try:
         fetched = _run_jobs(job_list, parallel, limits)
     finally:

@@ -27,6 +27,7 @@ from fastdeploy.multimodal.fetch import fetch_features
 from fastdeploy.multimodal.inputs import FeatureItem, MultimodalInputError
 from fastdeploy.multimodal.items import MMItem, expand_placeholders, placeholder_text
 from fastdeploy.multimodal.parts import is_feature_part, item_from_content_part
+from fastdeploy.multimodal.url_policy import MediaUrlPolicy
 from fastdeploy.scheduler.encoder_cache_manager import EncoderCacheManager
 from fastdeploy.transformers_utils.config import ModelArchConfig
 
@@ -99,9 +100,13 @@ class MultimodalPromptBuilder:
         cache: EncoderCacheManager | None = None,
         observe_latency: Callable[[float], None] | None = None,
         max_inline_bytes: int | None = None,
+        url_policy: MediaUrlPolicy | None = None,
     ):
         self.arch = arch
         self.allowed_local_media_path = allowed_local_media_path
+        self.url_policy = url_policy if url_policy is not None else MediaUrlPolicy()
+        """Which http(s):// feature URLs may be fetched (from ``--allowed-media-domains`` and
+        ``--allow-private-media-urls``)."""
         self.cache = cache
         """Fetch cache: a URL or content seen before is not downloaded or kept twice."""
         self.observe_latency = observe_latency
@@ -158,6 +163,7 @@ class MultimodalPromptBuilder:
             hidden_size=self.arch.hidden_size,
             spatial_merge_size=mm.spatial_merge_size,
             allowed_local_media_path=self.allowed_local_media_path,
+            url_policy=self.url_policy,
             cache=self.cache,
             observe_latency=self.observe_latency,
         )

@@ -6,11 +6,18 @@ chunks). A reader also stops between chunks once ``cancel`` is set, which is how
 :func:`fastdeploy.multimodal.fetch.fetch_features` stops the downloads of a
 request that has already failed. Every failure is a :class:`FeatureFetchError`
 naming the URL.
+
+``http(s)://`` URLs go through a :class:`~fastdeploy.multimodal.url_policy.MediaUrlPolicy`
+(allowed hosts, no private addresses by default; checked and pinned at every
+redirect hop), and every failed download answers the client with the same text,
+:data:`HTTP_FETCH_FAILED` (the detail goes to the server log), so the error
+cannot be used to probe which hosts and ports answer.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import threading
 import time
@@ -22,11 +29,18 @@ import httpx
 
 from fastdeploy import envs
 from fastdeploy.multimodal.inputs import FeatureFetchError
+from fastdeploy.multimodal.url_policy import MediaUrlPolicy, MediaUrlRefused
+
+logger = logging.getLogger(__name__)
 
 SCHEMES: tuple[str, ...] = ("file", "http", "https", "bos")
 CHUNK_BYTES = 1 << 20
 BOS_MAX_RETRIES = 2
 """Retries of one BOS GetObject on I/O errors, 5xx and expired requests (the SDK's policy)."""
+HTTP_FETCH_FAILED = "no loadable feature file could be downloaded from it"
+"""The reason of every failed http(s) download, whatever went wrong (no port-scan oracle)."""
+URL_REFUSED = "the URL is not allowed by the server's media URL policy"
+"""The reason of an http(s) URL (or redirect) refused by :class:`MediaUrlPolicy`."""
 
 
 class FetchCancelled(Exception):
@@ -111,18 +125,75 @@ def _read_file(url: str, allowed_local_media_path: str | None, budget: _Budget) 
         raise FeatureFetchError(url, f"cannot read the file: {exc.strerror}") from None
 
 
-def _read_http(url: str, client: httpx.Client, budget: _Budget) -> bytes:
+def new_http_client() -> httpx.Client:
+    """The client for feature downloads: direct connections, none reused.
+
+    Every hop connects to an address pinned for one host name (with that name as
+    TLS SNI), so a kept-alive connection must not serve another name that happens
+    to resolve to the same address. ``HTTP(S)_PROXY`` is not used (an explicit
+    transport turns it off): a proxy would resolve the name again, out of reach
+    of the address check, and would receive the pinned address as the TLS name.
+    """
+    return httpx.Client(transport=httpx.HTTPTransport(limits=httpx.Limits(max_keepalive_connections=0)))
+
+
+def http_fetch_failed(url: str, detail: str) -> FeatureFetchError:
+    """The one client-facing error of every failed http(s) download; ``detail`` goes to the log only.
+
+    Telling "connection refused" from "timed out" or "bad file" would let clients
+    probe the server's network, so the client always reads the same text.
+    """
+    logger.warning("could not fetch feature URL %s: %s", url, detail)
+    return FeatureFetchError(url, HTTP_FETCH_FAILED)
+
+
+def _read_http(url: str, client: httpx.Client, budget: _Budget, policy: MediaUrlPolicy) -> bytes:
+    """GET ``url``, following up to ``policy.max_redirects`` redirects, each hop checked and pinned.
+
+    Every hop's host must pass the allow-list and resolve only to allowed
+    addresses; the request goes to the checked address with the original
+    ``Host`` header and TLS SNI / certificate check for the host name.
+    """
     try:
-        with client.stream("GET", url, timeout=budget.timeout_s, follow_redirects=True) as response:
-            if response.status_code != 200:
-                raise FeatureFetchError(url, f"HTTP {response.status_code} {response.reason_phrase}")
-            length = response.headers.get("content-length")
-            budget.check_size(int(length) if length and length.isdigit() else None)
-            return budget.collect(response.iter_bytes(CHUNK_BYTES))
+        current = httpx.URL(url)
+        for _ in range(policy.max_redirects + 1):
+            if current.scheme not in ("http", "https"):
+                raise MediaUrlRefused(f"redirect to a {current.scheme or 'relative'} URL: {current}")
+            host = current.raw_host.decode("ascii")
+            port = current.port or (443 if current.scheme == "https" else 80)
+            address = policy.pin(host, port)
+            # TLS keeps checking the certificate against the host name, not the address
+            extensions = {"sni_hostname": host} if current.scheme == "https" and address != host else {}
+            remaining = max(budget.deadline - time.monotonic(), 0.001)
+            with client.stream(
+                "GET",
+                current.copy_with(host=address),
+                headers={"Host": current.netloc.decode("ascii")},
+                timeout=remaining,
+                follow_redirects=False,
+                extensions=extensions,
+            ) as response:
+                location = response.headers.get("location")
+                if response.is_redirect and location:
+                    current = current.join(location)
+                    continue
+                if response.status_code != 200:
+                    raise FeatureFetchError(url, f"HTTP {response.status_code} {response.reason_phrase}")
+                length = response.headers.get("content-length")
+                budget.check_size(int(length) if length and length.isdigit() else None)
+                return budget.collect(response.iter_bytes(CHUNK_BYTES))
+        raise FeatureFetchError(url, f"more than {policy.max_redirects} redirects")
+    except FetchCancelled:
+        raise
+    except MediaUrlRefused as exc:
+        logger.warning("feature URL %s refused by the media URL policy: %s", url, exc)
+        raise FeatureFetchError(url, URL_REFUSED) from None
+    except FeatureFetchError as exc:
+        raise http_fetch_failed(url, exc.reason) from None
     except httpx.TimeoutException:
-        raise FeatureFetchError(url, f"timed out after {budget.timeout_s:g} s") from None
-    except httpx.HTTPError as exc:
-        raise FeatureFetchError(url, f"{type(exc).__name__}: {exc}") from None
+        raise http_fetch_failed(url, f"timed out after {budget.timeout_s:g} s") from None
+    except Exception as exc:  # connection refused, DNS failure, bad URL, TLS...: all look the same
+        raise http_fetch_failed(url, f"{type(exc).__name__}: {exc}") from None
 
 
 @functools.lru_cache(maxsize=4)
@@ -192,15 +263,21 @@ def read_url(
     allowed_local_media_path: str | None = None,
     http_client: httpx.Client | None = None,
     cancel: threading.Event | None = None,
+    url_policy: MediaUrlPolicy | None = None,
 ) -> bytes:
-    """The bytes at ``url`` (file, http(s) or bos), within the time and size limits."""
+    """The bytes at ``url`` (file, http(s) or bos), within the time and size limits.
+
+    http(s) URLs are checked against ``url_policy`` (default: the strict
+    :class:`MediaUrlPolicy`, no private addresses) at every redirect hop.
+    """
     scheme = scheme_of(url)
     budget = _Budget(url, timeout_s, max_bytes, cancel)
     if scheme == "file":
         return _read_file(url, allowed_local_media_path, budget)
     if scheme == "bos":
         return _read_bos(url, budget)
+    policy = url_policy if url_policy is not None else MediaUrlPolicy()
     if http_client is not None:
-        return _read_http(url, http_client, budget)
-    with httpx.Client() as client:
-        return _read_http(url, client, budget)
+        return _read_http(url, http_client, budget, policy)
+    with new_http_client() as client:
+        return _read_http(url, client, budget, policy)

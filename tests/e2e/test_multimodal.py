@@ -1,4 +1,5 @@
-"""A Qwen2-VL server with precomputed image features from ``file://`` URLs."""
+"""A Qwen2-VL server with precomputed image features from ``file://`` URLs; http(s):// URLs
+into the server's own network are refused."""
 
 from __future__ import annotations
 
@@ -66,6 +67,22 @@ def test_chat_with_image_feature_urls(server_factory, qwen2_vl_dummy, tmp_path):
             http.post("/v1/chat/completions", json=chat_body(model, [image_part(outside)])), 400
         )
         assert "outside --allowed-local-media-path" in error["message"], error
+        # no SSRF: the server's own port, loopback in other spellings and the metadata address are
+        # refused by the default media URL policy, without saying what a name resolved to
+        for url in (
+            f"http://127.0.0.1:{srv.port}/metrics",
+            f"http://localhost:{srv.port}/metrics",
+            f"http://0.0.0.0:{srv.port}/metrics",
+            f"http://2130706433:{srv.port}/metrics",
+            f"http://[::ffff:127.0.0.1]:{srv.port}/metrics",
+            "http://169.254.169.254/latest/meta-data/",
+        ):
+            error = srv.check_error(
+                http.post("/v1/chat/completions", json=chat_body(model, [image_part(url)])), 400
+            )
+            message = error["message"]
+            assert url in message and "not allowed by the server's media URL policy" in message, error
+            assert "127.0.0.1" not in message.replace(url, ""), error
         # the server keeps serving after the refusals
         ok = http.post("/v1/chat/completions", json=body)
         assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == text

@@ -1,16 +1,21 @@
-"""Local HTTP servers for the feature fetch tests: a plain file server with per-file delays
-and request counts, and a BOS endpoint that checks the BCE v1 signature of GetObject."""
+"""Local HTTP servers for the feature fetch tests: a plain file server with per-file delays,
+redirects and request counts, and a BOS endpoint that checks the BCE v1 signature of GetObject.
+
+The file servers listen on loopback, which the default media URL policy refuses: tests
+that fetch from them pass ``url_policy=MediaUrlPolicy(allow_private=True)``."""
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import hmac
 import json
+import ssl
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import quote, unquote, urlsplit
 
@@ -22,9 +27,12 @@ class _Server(ThreadingHTTPServer):
 
     daemon_threads = True
 
-    def __init__(self, handler: type[BaseHTTPRequestHandler]):
-        super().__init__(("127.0.0.1", 0), handler)
+    def __init__(self, handler: type[BaseHTTPRequestHandler], host: str = "127.0.0.1", port: int = 0):
+        super().__init__((host, port), handler)
         self.files: dict[str, bytes] = {}
+        self.redirects: dict[str, str] = {}
+        self.hosts: list[str] = []
+        """The Host header of every request, in order."""
         self.delays: dict[str, float] = {}
         self.default_delay = 0.0
         self.counts: collections.Counter[str] = collections.Counter()
@@ -44,17 +52,22 @@ class _Server(ThreadingHTTPServer):
 
     @property
     def url(self) -> str:
-        """``http://127.0.0.1:<port>``."""
-        return f"http://127.0.0.1:{self.server_address[1]}"
+        """``http://<host>:<port>``."""
+        return f"http://{self.server_address[0]}:{self.server_address[1]}"
 
-    def count(self, path: str) -> None:
-        """Count one request for ``path``."""
+    @property
+    def port(self) -> int:
+        return self.server_address[1]
+
+    def count(self, path: str, host: str | None = None) -> None:
+        """Count one request for ``path`` and note its Host header."""
         with self.lock:
             self.counts[path] += 1
+            self.hosts.append(host or "")
 
 
 class FileHandler(BaseHTTPRequestHandler):
-    """GET /<name>: the bytes registered under that name after its delay; 404 otherwise."""
+    """GET /<name>: a 302 to ``redirects[name]``, else the bytes of ``files[name]`` after its delay; else 404."""
 
     server: _Server
 
@@ -63,7 +76,13 @@ class FileHandler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         path = urlsplit(self.path).path
-        self.server.count(path)
+        self.server.count(path, self.headers.get("Host"))
+        if path in self.server.redirects:
+            self.send_response(302)
+            self.send_header("Location", self.server.redirects[path])
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
         time.sleep(self.server.delays.get(path, self.server.default_delay))
         body = self.server.files.get(path)
         if body is None:
@@ -139,8 +158,15 @@ class BosHandler(FileHandler):
         self.wfile.write(body)
 
 
-def _serve(handler: type[BaseHTTPRequestHandler]) -> Iterator[_Server]:
-    server = _Server(handler)
+def _serve(
+    handler: type[BaseHTTPRequestHandler],
+    host: str = "127.0.0.1",
+    port: int = 0,
+    tls: ssl.SSLContext | None = None,
+) -> Iterator[_Server]:
+    server = _Server(handler, host, port)
+    if tls is not None:
+        server.socket = tls.wrap_socket(server.socket, server_side=True)
     thread = threading.Thread(target=server.serve_forever, args=(0.05,), name="test-server", daemon=True)
     thread.start()
     try:
@@ -155,6 +181,20 @@ def _serve(handler: type[BaseHTTPRequestHandler]) -> Iterator[_Server]:
 def feature_server() -> Iterator[_Server]:
     """A file server: set ``server.files["/name.npy"] = bytes`` and ``server.delays[...]``."""
     yield from _serve(FileHandler)
+
+
+@pytest.fixture
+def serve_files() -> Iterator[Callable[..., _Server]]:
+    """``serve_files(host="127.0.0.1", port=0, tls=None)``: start another file server (HTTPS with ``tls``)."""
+    with contextlib.ExitStack() as stack:
+
+        def start(host: str = "127.0.0.1", port: int = 0, tls: ssl.SSLContext | None = None) -> _Server:
+            serving = _serve(FileHandler, host, port, tls)
+            server = next(serving)
+            stack.callback(lambda: next(serving, None))
+            return server
+
+        yield start
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from fastdeploy.config import CacheConfig
 from fastdeploy.metrics import REGISTRY, EngineMetrics
 from fastdeploy.multimodal import FeatureItem, encode_features, fetch_features
+from fastdeploy.multimodal.url_policy import MediaUrlPolicy
 from fastdeploy.scheduler.encoder_cache_manager import GIB, EncoderCacheManager
 
 KIB = 1024
@@ -99,6 +100,10 @@ def test_budget_from_config():
     assert EncoderCacheManager.from_gib(CacheConfig().encoder_cache_memory).budget_bytes == GIB // 2
 
 
+LOCAL = MediaUrlPolicy(allow_private=True)
+"""The test file server is on loopback: allow private addresses (--allow-private-media-urls)."""
+
+
 def _item(server, name: str, tensor: torch.Tensor) -> FeatureItem:
     server.files[f"/{name}"] = encode_features(tensor, "npy")
     return FeatureItem("image", (1, 4, 4), url=f"{server.url}/{name}")
@@ -108,16 +113,16 @@ def test_repeated_url_is_not_fetched_again(feature_server):
     cache = EncoderCacheManager(GIB)
     x, y = torch.randn(4, 16), torch.randn(4, 16)
     a, b = _item(feature_server, "a.npy", x), _item(feature_server, "b.npy", y)
-    first = fetch_features([a, b], hidden_size=16, cache=cache)
+    first = fetch_features([a, b], hidden_size=16, url_policy=LOCAL, cache=cache)
     assert cache.take_stats() == (0, 2)
-    second = fetch_features([b, a], hidden_size=16, cache=cache)
+    second = fetch_features([b, a], hidden_size=16, url_policy=LOCAL, cache=cache)
     assert feature_server.counts == {"/a.npy": 1, "/b.npy": 1}  # served from the cache
     assert cache.take_stats() == (2, 0)
     assert [r.mm_hash for r in second] == [first[1].mm_hash, first[0].mm_hash]
     assert second[0].features is first[1].features
     # the same URL with another grid_thw is another item: fetched and hashed anew
     other_grid = FeatureItem("image", (1, 2, 8), url=a.url)
-    (z,) = fetch_features([other_grid], hidden_size=16, cache=cache)
+    (z,) = fetch_features([other_grid], hidden_size=16, url_policy=LOCAL, cache=cache)
     assert feature_server.counts["/a.npy"] == 2 and z.mm_hash != first[0].mm_hash
 
 
@@ -125,12 +130,12 @@ def test_same_content_from_another_url_is_a_hit(feature_server, monkeypatch):
     cache = EncoderCacheManager(GIB)
     x = torch.randn(4, 16)
     a, copy = _item(feature_server, "a.npy", x), _item(feature_server, "copy.npy", x.clone())
-    (first,) = fetch_features([a], hidden_size=16, cache=cache)
-    (second,) = fetch_features([copy], hidden_size=16, cache=cache)
+    (first,) = fetch_features([a], hidden_size=16, url_policy=LOCAL, cache=cache)
+    (second,) = fetch_features([copy], hidden_size=16, url_policy=LOCAL, cache=cache)
     assert second.mm_hash == first.mm_hash and second.features is first.features
     assert cache.take_stats() == (1, 1) and len(cache) == 1
     monkeypatch.setenv("FD_FEATURE_URL_CACHE", "0")
-    fetch_features([a], hidden_size=16, cache=cache)
+    fetch_features([a], hidden_size=16, url_policy=LOCAL, cache=cache)
     assert feature_server.counts["/a.npy"] == 2  # URL index off: fetched again, still a content hit
     assert cache.take_stats() == (1, 0)
 
@@ -138,7 +143,7 @@ def test_same_content_from_another_url_is_a_hit(feature_server, monkeypatch):
 def test_duplicate_url_in_one_request_is_fetched_once(feature_server):
     x = torch.randn(4, 16)
     a = _item(feature_server, "a.npy", x)
-    out = fetch_features([a, a, a], hidden_size=16, parallel=4)
+    out = fetch_features([a, a, a], hidden_size=16, url_policy=LOCAL, parallel=4)
     assert feature_server.counts["/a.npy"] == 1 and all(torch.equal(r.features, x) for r in out)
 
 
@@ -160,7 +165,9 @@ def test_metrics(feature_server):
     cache = EncoderCacheManager(GIB)
     item = _item(feature_server, "m.npy", torch.randn(4, 16))
     for _ in range(3):
-        fetch_features([item], hidden_size=16, cache=cache, observe_latency=metrics.on_feature_fetch)
+        fetch_features(
+            [item], hidden_size=16, url_policy=LOCAL, cache=cache, observe_latency=metrics.on_feature_fetch
+        )
     metrics.on_encoder_cache(*cache.take_stats())
     after = _samples("mm-test-model")
     assert after["fastdeploy:encoder_cache_hits_total"] == 2

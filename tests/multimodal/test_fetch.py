@@ -1,7 +1,13 @@
-"""fetch_features over a local HTTP server and local files: parallelism, order, failures, limits."""
+"""fetch_features over a local HTTP server and local files: parallelism, order, failures, limits.
+
+The HTTP server is on loopback, so these fetches use a policy that allows private
+addresses (as a server started with --allow-private-media-urls); what the default
+policy refuses is tested in test_url_policy.py. The client reads one generic text for
+every failed http(s) download; the detail is in the server log."""
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -16,10 +22,13 @@ from fastdeploy.multimodal import (
     encode_features,
     fetch_features,
 )
+from fastdeploy.multimodal.sources import HTTP_FETCH_FAILED
+from fastdeploy.multimodal.url_policy import MediaUrlPolicy
 
 HIDDEN = 16
 GRID = (1, 4, 4)  # 4 rows at merge size 2
 DELAY = 0.3
+LOCAL = MediaUrlPolicy(allow_private=True)
 
 
 def feats(seed: int) -> torch.Tensor:
@@ -39,8 +48,19 @@ def serve(server, n: int, delay: float = DELAY, fmt: str = "npy") -> list[Featur
 
 
 def fetch(items, **kw):
-    """fetch_features at the test model's hidden size."""
+    """fetch_features at the test model's hidden size, private addresses allowed."""
+    kw.setdefault("url_policy", LOCAL)
     return fetch_features(items, hidden_size=HIDDEN, spatial_merge_size=2, **kw)
+
+
+def failed(url: str) -> str:
+    """The client-facing text of every failed http(s) download of ``url``, as a regex."""
+    return f"cannot fetch multimodal feature {url}: {HTTP_FETCH_FAILED}$"
+
+
+def logged(caplog, text: str) -> bool:
+    """Whether the server log has a warning containing ``text``."""
+    return any(r.levelno == logging.WARNING and text in r.getMessage() for r in caplog.records)
 
 
 def extra_threads(before: set[threading.Thread]) -> list[threading.Thread]:
@@ -87,7 +107,7 @@ def test_default_parallelism_comes_from_the_env(feature_server, monkeypatch):
 
 
 @pytest.mark.parametrize("parallel", [1, 2])
-def test_first_failure_cancels_the_rest(feature_server, parallel):
+def test_first_failure_cancels_the_rest(feature_server, parallel, caplog):
     items = serve(feature_server, 8)
     missing = feature_server.url + "/missing.npy"
     items[0] = FeatureItem("image", GRID, url=missing, index=0)
@@ -96,7 +116,8 @@ def test_first_failure_cancels_the_rest(feature_server, parallel):
     with pytest.raises(FeatureFetchError) as info:
         fetch(items, parallel=parallel)
     elapsed = time.perf_counter() - start
-    assert missing in str(info.value) and "HTTP 404" in str(info.value)
+    assert str(info.value) == f"cannot fetch multimodal feature {missing}: {HTTP_FETCH_FAILED}"
+    assert logged(caplog, f"{missing}: HTTP 404")  # the detail is for the server log only
     assert info.value.url == missing
     assert elapsed < 4 * DELAY  # did not wait for the remaining downloads
     assert extra_threads(before) == []
@@ -110,12 +131,12 @@ def test_failure_in_the_middle_names_its_url(feature_server):
     bad = feature_server.url + "/gone.npy"
     items[5] = FeatureItem("image", GRID, url=bad, index=5)
     before = set(threading.enumerate())
-    with pytest.raises(MultimodalInputError, match=f"cannot fetch multimodal feature {bad}: HTTP 404"):
+    with pytest.raises(MultimodalInputError, match=failed(bad)):
         fetch(items, parallel=8)
     assert extra_threads(before) == []
 
 
-def test_wrong_shape_is_an_error_naming_the_url(feature_server):
+def test_wrong_shape_is_an_error_naming_the_url(feature_server, caplog):
     items = serve(feature_server, 3, delay=0)
     feature_server.files["/f1.npy"] = encode_features(torch.zeros(5, HIDDEN), "npy")
     with pytest.raises(
@@ -127,8 +148,9 @@ def test_wrong_shape_is_an_error_naming_the_url(feature_server):
     with pytest.raises(MultimodalInputError, match=rf"{items[1].url}: wrong width.*got \[4, 32\]"):
         fetch(items, parallel=4)
     feature_server.files["/f1.npy"] = b"garbage, not a tensor file"
-    with pytest.raises(MultimodalInputError, match=rf"{items[1].url}: unrecognised feature file"):
+    with pytest.raises(FeatureFetchError, match=failed(items[1].url)):
         fetch(items, parallel=1)
+    assert logged(caplog, "unrecognised feature file")
 
 
 def test_safetensors_over_http_and_inline_items(feature_server):
@@ -143,15 +165,17 @@ def test_safetensors_over_http_and_inline_items(feature_server):
     assert feature_server.counts["/f0.safetensors"] == 1  # the bad inline item failed before any fetch
 
 
-def test_timeout_and_size_limits(feature_server):
+def test_timeout_and_size_limits(feature_server, caplog):
     (slow,) = serve(feature_server, 1, delay=3.0)
     start = time.perf_counter()
-    with pytest.raises(FeatureFetchError, match="timed out after 0.3 s"):
+    with pytest.raises(FeatureFetchError, match=failed(slow.url)):
         fetch([slow], timeout_s=0.3)
     assert time.perf_counter() - start < 2.0
+    assert logged(caplog, "timed out after 0.3 s")
     (item,) = serve(feature_server, 1, delay=0)
-    with pytest.raises(FeatureFetchError, match="exceeds the limit of 100 bytes"):
+    with pytest.raises(FeatureFetchError, match=failed(item.url)):
         fetch([item], max_bytes=100)
+    assert logged(caplog, "exceeds the limit of 100 bytes")
 
 
 def test_unsupported_scheme_fails_before_fetching(feature_server):

@@ -20,6 +20,7 @@ from fastdeploy.multimodal.fetch import MIB
 from fastdeploy.multimodal.inputs import FeatureItem, MultimodalInputError
 from fastdeploy.multimodal.items import MMItem
 from fastdeploy.multimodal.prompt import MultimodalPromptBuilder
+from fastdeploy.multimodal.url_policy import MediaUrlPolicy
 from fastdeploy.scheduler.encoder_cache_manager import EncoderCacheManager
 
 
@@ -43,6 +44,10 @@ class MultimodalChatInputs:
                 cache=EncoderCacheManager.from_gib(self.engine.config.cache.encoder_cache_memory),
                 observe_latency=None if metrics is None else metrics.on_feature_fetch,
                 max_inline_bytes=int(envs.FD_FEATURE_MAX_MB * MIB),
+                url_policy=MediaUrlPolicy.from_config(
+                    self.engine.config.model.allowed_media_domains,
+                    self.engine.config.model.allow_private_media_urls,
+                ),
             )
         return self._builder
 
