@@ -1,0 +1,35 @@
+"""Process groups and collectives of the parallel layouts (tensor parallelism today).
+
+One worker process per rank; :func:`init_tensor_parallel` joins the ranks into
+a ``torch.distributed`` group (NCCL on GPUs, gloo on CPUs), and the parallel
+layers call :func:`tp_all_reduce` / :func:`tp_all_gather`, which are no-ops at
+one rank, so the same model code runs unchanged at every layout.
+"""
+
+from fastdeploy.distributed.parallel_state import (
+    TensorParallelInfo,
+    destroy_tensor_parallel,
+    divide,
+    free_port_init_method,
+    init_tensor_parallel,
+    tp_all_gather,
+    tp_all_reduce,
+    tp_broadcast,
+    tp_info,
+    tp_rank,
+    tp_size,
+)
+
+__all__ = [
+    "TensorParallelInfo",
+    "destroy_tensor_parallel",
+    "divide",
+    "free_port_init_method",
+    "init_tensor_parallel",
+    "tp_all_gather",
+    "tp_all_reduce",
+    "tp_broadcast",
+    "tp_info",
+    "tp_rank",
+    "tp_size",
+]
