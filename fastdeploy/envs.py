@@ -66,6 +66,11 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         _bool("FD_DISABLE_CUSTOM_OPS", "0"),
         "Use the torch fallbacks even when fastdeploy_ops is built.",
     ),
+    "FD_CPU_OPS_BUILD_TIMEOUT_S": (
+        lambda: float(os.environ.get("FD_CPU_OPS_BUILD_TIMEOUT_S", "300")),
+        "Seconds a process waits for another process's build of the C++ CPU kernels before it "
+        "uses the torch fallback instead.",
+    ),
     "FD_SMALL_M_GEMV": (
         _bool("FD_SMALL_M_GEMV", "1"),
         "Use the Triton small-batch linear kernel (and fuse SiLU-and-multiply into down_proj) "

@@ -8,6 +8,7 @@ import torch
 
 from fastdeploy.config import EngineConfig
 from fastdeploy.model_executor.model_loader import ModelSource
+from fastdeploy.ops import cpu_ops
 from fastdeploy.platforms import configure_threads, kv_cache_budget_bytes, resolve_device
 from fastdeploy.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from fastdeploy.worker.model_runner import ModelRunner
@@ -24,6 +25,7 @@ class Worker:
         configure_threads(config, self.device)
         torch.manual_seed(config.model.seed)
         self.runner = ModelRunner(config, source, self.device, max_model_len)
+        cpu_ops.preload_cpu_ops(self.device, self.runner.dtype)  # compile (or wait) before reporting ready
 
     def load_model(self) -> None:
         self.runner.load_model()
