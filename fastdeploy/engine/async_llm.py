@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -17,17 +16,29 @@ from fastdeploy.config import EngineConfig
 from fastdeploy.engine.core_proc import engine_core_main
 from fastdeploy.engine.feature_mirror import FeatureMirror
 from fastdeploy.engine.input_processor import InputProcessor, eos_ids_of
-from fastdeploy.engine.ipc import decode, encode, new_ipc_address, stop_process
+from fastdeploy.engine.ipc import (
+    ChildProcess,
+    decode,
+    encode,
+    ipc_address,
+    kill_process_group,
+    new_ipc_dir,
+    remove_ipc_dir,
+)
 from fastdeploy.engine.output_processor import OutputProcessor, RequestState
 from fastdeploy.engine.outputs import RequestOutput
 from fastdeploy.engine.protocol import EngineClient, EngineDeadError
-from fastdeploy.engine.request import EngineCoreOutput, EngineCoreOutputs
+from fastdeploy.engine.request import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.metrics import EngineMetrics
 from fastdeploy.model_executor.model_loader import load_tokenizer, resolve_model
 from fastdeploy.multimodal.items import MMItem
 
 logger = logging.getLogger(__name__)
+
+ENGINE_STOP_GRACE_S = 2.0
+"""On shutdown, how long the engine core may take to leave after the shutdown message (it reads it
+between steps), and again after SIGTERM, before it is killed."""
 
 
 class EngineStartupError(RuntimeError):
@@ -79,29 +90,35 @@ class AsyncLLM(EngineClient):
 
         self._zmq = zmq.asyncio.Context()
         self._zmq_sync = zmq.Context()
-        input_address, output_address = new_ipc_address("in"), new_ipc_address("out")
-        self._to_core = self._zmq_sync.socket(zmq.PUSH)  # sends never block the event loop: no HWM
-        self._to_core.setsockopt(zmq.SNDHWM, 0)
-        self._to_core.bind(input_address)
-        self._from_core = self._zmq.socket(zmq.PULL)
-        self._from_core.bind(output_address)
-        ctx = multiprocessing.get_context("spawn")
-        self._proc = ctx.Process(
-            target=engine_core_main,
-            args=(config, input_address, output_address),
-            name="fastdeploy-engine-core",
-        )
-        self._proc.start()
+        self._ipc_dir = new_ipc_dir()
+        """This run's private socket directory (the engine core's and its workers' sockets too)."""
+        self._ready = False
+        self._proc: ChildProcess | None = None
         try:
+            self._to_core = self._zmq_sync.socket(zmq.PUSH)  # sends never block the event loop: no HWM
+            self._to_core.setsockopt(zmq.SNDHWM, 0)
+            self._to_core.bind(ipc_address(self._ipc_dir, "in"))
+            self._from_core = self._zmq.socket(zmq.PULL)
+            self._from_core.bind(ipc_address(self._ipc_dir, "out"))
+            self._proc = ChildProcess(
+                engine_core_main, (config, self._ipc_dir), name="fastdeploy-engine-core", new_group=True
+            )
             ready = self._wait_ready()
-        except BaseException:
+        except BaseException:  # a failed start, or SIGINT/SIGTERM meanwhile: nothing may be left behind
             self.shutdown()
             raise
+        self._ready = True
         self.max_model_len = ready["max_model_len"]
         self.num_blocks = ready["num_blocks"]
         self.input_processor = InputProcessor(
             self.tokenizer, self.max_model_len, self.eos_token_ids, self.source.arch.vocab_size
         )
+        try:  # inside the server's event loop: watch the engine from now on, not from the first request
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        else:
+            self._ensure_tasks()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncLLM:
@@ -109,7 +126,7 @@ class AsyncLLM(EngineClient):
 
     @property
     def engine_pid(self) -> int | None:
-        return self._proc.pid
+        return None if self._proc is None else self._proc.pid
 
     def _wait_ready(self) -> dict[str, Any]:
         """Block until the engine core reports ready (or failed / died / timed out)."""
@@ -123,7 +140,7 @@ class AsyncLLM(EngineClient):
                 if message["type"] == "failed":
                     logger.debug("engine start-up trace:\n%s", message.get("trace"))
                     raise EngineStartupError(f"the engine failed to start: {message['error']}")
-            elif not self._proc.is_alive():
+            elif self._proc is not None and not self._proc.is_alive():
                 raise EngineStartupError(
                     f"the engine process exited during start-up (exit code {self._proc.exitcode})"
                 )
@@ -157,10 +174,8 @@ class AsyncLLM(EngineClient):
             self._mark_dead(f"engine output reader failed: {exc}")
 
     async def _watch_engine(self) -> None:
-        while self._dead_reason is None:
+        while self.is_healthy:
             await asyncio.sleep(envs.FD_HEALTH_CHECK_INTERVAL_S)
-            if not self._proc.is_alive() and not self._closed:
-                self._mark_dead(f"the engine core process exited (exit code {self._proc.exitcode})")
 
     def _handle_outputs(self, core: EngineCoreOutputs) -> None:
         if core.stats is not None:
@@ -190,6 +205,7 @@ class AsyncLLM(EngineClient):
             return
         self._dead_reason = reason
         logger.error("engine is dead: %s", reason)
+        self.metrics.on_scheduler_stats(SchedulerStats())  # nothing runs or waits any more
         for queue in self._queues.values():
             queue.put_nowait(EngineDeadError(reason))
 
@@ -200,8 +216,20 @@ class AsyncLLM(EngineClient):
     # ---- EngineClient ----------------------------------------------------------------
 
     @property
+    def dead_reason(self) -> str | None:
+        """Why the engine is dead (the engine core or a worker exited), or None while it is alive."""
+        return self._dead_reason
+
+    @property
     def is_healthy(self) -> bool:
-        return self._dead_reason is None and not self._closed and self._proc.is_alive()
+        """False once the engine core or a worker has died (or after shutdown).
+
+        Checking also notices an engine core that has exited and fails the requests in flight.
+        """
+        if self._dead_reason is None and not self._closed and self._proc is not None:
+            if not self._proc.is_alive():
+                self._mark_dead(f"the engine core process exited (exit code {self._proc.exitcode})")
+        return self._dead_reason is None and not self._closed
 
     async def generate(
         self,
@@ -256,20 +284,32 @@ class AsyncLLM(EngineClient):
             queue.put_nowait(asyncio.CancelledError())
 
     def shutdown(self) -> None:
-        """Stop the engine core (which stops its worker); safe to call twice."""
+        """Stop the engine core and its workers, and remove the run's sockets; safe to call twice.
+
+        Returns only once every engine process is gone: the engine core is asked to
+        stop (once it is ready; it stops its workers first), then sent SIGTERM, then
+        killed, each after :data:`ENGINE_STOP_GRACE_S`; whatever is left in its
+        process group (a worker of a killed engine core) is killed last.
+        """
         if self._closed:
             return
         self._closed = True
         for task in self._tasks:
             task.cancel()
-        if self._proc.is_alive():
-            try:
-                self._to_core.send(encode({"type": "shutdown"}), zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
-            self._proc.join(5)
-        stop_process(self._proc)
-        self._to_core.close(linger=0)
-        self._from_core.close(linger=0)
+        proc = self._proc
+        if proc is not None:
+            if self._ready and proc.is_alive():
+                try:
+                    self._to_core.send(encode({"type": "shutdown"}), zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+                proc.join(ENGINE_STOP_GRACE_S)
+            proc.stop(ENGINE_STOP_GRACE_S)
+            if not kill_process_group(proc.pid):
+                logger.warning("an engine process outlived the engine core")
+        for sock in ("_to_core", "_from_core"):
+            if hasattr(self, sock):
+                getattr(self, sock).close(linger=0)
         self._zmq.term()
         self._zmq_sync.term()
+        remove_ipc_dir(self._ipc_dir)

@@ -44,15 +44,21 @@ class EngineCore:
     """Schedules, executes and updates; the same loop serves offline and online use."""
 
     def __init__(self, config: EngineConfig, source: ModelSource, executor_cls):
-        from fastdeploy.scheduler.scheduler import Scheduler
-
         self.config = config
         self.max_model_len = resolve_max_model_len(config, source)
         self.executor = executor_cls(config, source, self.max_model_len)
+        try:
+            self._set_up(config)
+        except BaseException:  # an error or SIGTERM while sizing the cache: the worker goes too
+            self.executor.shutdown()
+            raise
+
+    def _set_up(self, config: EngineConfig) -> None:
+        from fastdeploy.scheduler.scheduler import Scheduler
+
         num_blocks = self.executor.determine_num_blocks()
         block_size = config.cache.block_size
         if num_blocks * block_size < self.max_model_len:
-            self.executor.shutdown()
             raise KVCacheTooSmallError(
                 f"the KV cache holds {num_blocks} blocks x {block_size} = {num_blocks * block_size} tokens, "
                 f"fewer than max_model_len={self.max_model_len}; raise --kv-cache-memory / "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import traceback
 
@@ -10,21 +11,23 @@ import zmq
 
 from fastdeploy import envs
 from fastdeploy.config import EngineConfig
-from fastdeploy.engine.ipc import become_child_process, decode, encode
+from fastdeploy.engine.ipc import decode, encode, ipc_address
 from fastdeploy.engine.request import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 
 logger = logging.getLogger(__name__)
 
 
-def engine_core_main(config: EngineConfig, input_address: str, output_address: str) -> None:
-    """Entry point of the engine core process.
+def engine_core_main(config: EngineConfig, ipc_dir: str) -> None:
+    """Entry point of the engine core process (a :class:`~fastdeploy.engine.ipc.ChildProcess`).
 
+    Its sockets, and its workers', live in the run's private ``ipc_dir`` (``in``:
+    requests from the API server, ``out``: outputs to it).
     Messages in: ``{"type": "add", "request": ...}``, ``{"type": "abort", "ids": [...]}``,
     ``{"type": "shutdown"}``. Messages out: ``ready`` (once, with the resolved
     limits), ``failed`` (start-up error), ``outputs`` (per step) and ``dead``
-    (a worker died; this process then exits).
+    (a worker died; this process then exits). Whichever way it ends (shutdown
+    message, SIGTERM, dead worker), its workers are stopped first.
     """
-    become_child_process()
     logging.basicConfig(level=envs.FD_LOG_LEVEL, format="%(asctime)s %(levelname)s [engine] %(message)s")
     import torch
 
@@ -35,13 +38,14 @@ def engine_core_main(config: EngineConfig, input_address: str, output_address: s
 
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
-    inbox.connect(input_address)
+    inbox.connect(ipc_address(ipc_dir, "in"))
     outbox = ctx.socket(zmq.PUSH)
-    outbox.connect(output_address)
+    outbox.connect(ipc_address(ipc_dir, "out"))
     core = None
     try:
         try:
-            core = EngineCore(config, resolve_model(config.model), MultiprocExecutor)
+            executor_cls = functools.partial(MultiprocExecutor, ipc_dir=ipc_dir)
+            core = EngineCore(config, resolve_model(config.model), executor_cls)
         except Exception as exc:
             outbox.send(
                 encode(
@@ -60,8 +64,9 @@ def engine_core_main(config: EngineConfig, input_address: str, output_address: s
     finally:
         if core is not None:
             core.shutdown()
-        outbox.close(linger=1000)
+        outbox.close(linger=1000)  # a last "failed" or "dead" still reaches the API server
         inbox.close(linger=0)
+        ctx.term()
 
 
 def _run_loop(core, inbox, outbox, worker_died_error: type[Exception]) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import traceback
 from typing import Any
 
@@ -11,7 +10,7 @@ import zmq
 from fastdeploy import envs
 from fastdeploy.config import EngineConfig
 from fastdeploy.engine.core import WorkerStepError
-from fastdeploy.engine.ipc import become_child_process, decode, encode, new_ipc_address, stop_process
+from fastdeploy.engine.ipc import ChildProcess, decode, encode, ipc_address
 from fastdeploy.model_executor.model_loader import ModelSource
 from fastdeploy.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
@@ -20,12 +19,25 @@ class WorkerDiedError(RuntimeError):
     """A worker process exited; the engine cannot continue."""
 
 
+WORKER_STOP_GRACE_S = 1.0
+"""How long a worker may take to leave after the shutdown message, then after SIGTERM, before it is killed."""
+
+
 def _worker_main(config: EngineConfig, source: ModelSource, max_model_len: int, address: str) -> None:
-    become_child_process()
+    """Entry point of a worker process (a :class:`~fastdeploy.engine.ipc.ChildProcess`): load, then serve calls."""
+    ctx = zmq.Context()
+    socket = ctx.socket(zmq.PAIR)
+    socket.connect(address)
+    try:
+        _serve_calls(config, source, max_model_len, socket)
+    finally:
+        socket.close(linger=1000)  # the last reply (a start-up error) still reaches the engine core
+        ctx.term()
+
+
+def _serve_calls(config: EngineConfig, source: ModelSource, max_model_len: int, socket: zmq.Socket) -> None:
     from fastdeploy.worker.worker import Worker
 
-    socket = zmq.Context().socket(zmq.PAIR)
-    socket.connect(address)
     try:
         worker = Worker(config, source, max_model_len)
         worker.load_model()
@@ -51,27 +63,29 @@ def _worker_main(config: EngineConfig, source: ModelSource, max_model_len: int, 
 
 
 class MultiprocExecutor:
-    """The engine core's handle on its worker process."""
+    """The engine core's handle on its worker process.
 
-    def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int):
+    The worker's socket lives in the run's private ``ipc_dir``; the worker runs in
+    the engine core's process group, so the API server can sweep both at the end.
+    """
+
+    def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int, *, ipc_dir: str):
         if config.parallel.tensor_parallel_size != 1:
             raise NotImplementedError("tensor_parallel_size > 1 is not implemented yet")
-        address = new_ipc_address("worker")
+        address = ipc_address(ipc_dir, "worker")
+        self._ready = False
         self._socket = zmq.Context.instance().socket(zmq.PAIR)
         self._socket.bind(address)
-        ctx = multiprocessing.get_context("spawn")
-        self._proc = ctx.Process(
-            target=_worker_main,
-            args=(config, source, max_model_len, address),
-            name="fastdeploy-worker",
-            daemon=True,
-        )
-        self._proc.start()
+        self._proc: ChildProcess | None = None
         try:
+            self._proc = ChildProcess(
+                _worker_main, (config, source, max_model_len, address), name="fastdeploy-worker"
+            )
             self._wait_reply(timeout_s=envs.FD_ENGINE_READY_TIMEOUT_S)
         except BaseException:
             self.shutdown()
             raise
+        self._ready = True
 
     def _wait_reply(self, timeout_s: float | None = None) -> Any:
         interval_ms = int(envs.FD_HEALTH_CHECK_INTERVAL_S * 1000)
@@ -105,19 +119,24 @@ class MultiprocExecutor:
         return None if wire is None else ModelRunnerOutput.from_wire(wire)
 
     def check_health(self) -> None:
-        if not self._proc.is_alive():
+        """Raises :class:`WorkerDiedError` if the worker process has exited."""
+        if self._proc is not None and not self._proc.is_alive():
             raise WorkerDiedError(f"the worker process exited (exit code {self._proc.exitcode})")
 
     @property
     def worker_pid(self) -> int | None:
-        return self._proc.pid
+        return None if self._proc is None else self._proc.pid
 
     def shutdown(self) -> None:
-        if self._proc.is_alive():
-            try:
-                self._socket.send(encode(["shutdown", []]), zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
-            self._proc.join(2)
-        stop_process(self._proc)
+        """Stop the worker and reap it: the shutdown message (a ready worker reads it between steps),
+        then SIGTERM, then SIGKILL, each after :data:`WORKER_STOP_GRACE_S`. Safe to call twice."""
+        if self._proc is not None:
+            if self._ready and self._proc.is_alive():
+                try:
+                    self._socket.send(encode(["shutdown", []]), zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+                self._proc.join(WORKER_STOP_GRACE_S)
+            self._proc.stop(WORKER_STOP_GRACE_S)
+        self._ready = False
         self._socket.close(linger=0)

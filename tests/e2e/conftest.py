@@ -50,7 +50,14 @@ def free_port() -> int:
 class RemoteServer:
     """``fastdeploy serve`` in a subprocess: start, wait for ``/health``, stop and check for orphans."""
 
-    def __init__(self, log_path: Path, *extra_args: str, api_key: str | None = None, wait: bool = True):
+    def __init__(
+        self,
+        log_path: Path,
+        *extra_args: str,
+        api_key: str | None = None,
+        wait: bool = True,
+        new_session: bool = False,
+    ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -62,7 +69,11 @@ class RemoteServer:
             cmd += ["--api-key", api_key]
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
         self._log = open(log_path, "wb")  # noqa: SIM115 (closed in stop())
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        # new_session: the server leads a process group of its own, as a command started from a shell
+        # does; send_signal_and_wait(group=True) then signals the whole group, like Ctrl-C at a terminal
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=new_session
+        )
         self._descendants: dict[int, psutil.Process] = {}
         if wait:
             self.wait_healthy()
@@ -99,6 +110,32 @@ class RemoteServer:
             time.sleep(0.5)
         raise TimeoutError(f"server not healthy within {START_TIMEOUT_S:.0f} s:\n{self.log()}")
 
+    def wait_exit(self, timeout: float) -> int:
+        """Wait for the server to exit by itself (e.g. after its engine died) and check for orphans."""
+        self.remember_descendants()
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"server still running after {timeout:.0f} s:\n{self.log()}") from None
+        finally:
+            if self.proc.poll() is not None:
+                self._log.close()
+        procs = list(self._descendants.values())
+        alive = [p for p in procs if not self.wait_exited([p], 0)]
+        assert not alive, f"processes left after the server exited: {alive}\n{self.log()}"
+        return code
+
+    def processes_named(self, name: str) -> list[psutil.Process]:
+        """Live descendants whose command line mentions ``name`` (e.g. ``fastdeploy-worker``)."""
+        found = []
+        for p in self.descendants():
+            try:
+                if name in " ".join(p.cmdline()):
+                    found.append(p)
+            except psutil.Error:  # exited meanwhile
+                pass
+        return found
+
     def descendants(self) -> list[psutil.Process]:
         """Every live process below the server process (engine core, worker, resource tracker)."""
         try:
@@ -124,11 +161,17 @@ class RemoteServer:
         assert len(children) == 1, children
         return children[0]
 
-    def send_signal_and_wait(self, sig: int, timeout: float = STOP_TIMEOUT_S) -> int:
-        """Signal the server process, wait for it to exit, and assert every child it had is gone."""
+    def send_signal_and_wait(self, sig: int, timeout: float = STOP_TIMEOUT_S, group: bool = False) -> int:
+        """Signal the server process, wait for it to exit, and assert every child it had is gone.
+
+        ``group``: signal its whole process group, like Ctrl-C at a terminal (needs ``new_session``).
+        """
         self.remember_descendants()
         if self.proc.poll() is None:
-            self.proc.send_signal(sig)
+            if group:
+                os.killpg(self.proc.pid, sig)
+            else:
+                self.proc.send_signal(sig)
         try:
             code = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -300,14 +343,18 @@ def model_name(server) -> str:
 
 @pytest.fixture
 def server_factory(tmp_path):
-    """Start dedicated servers: ``server_factory(*args, api_key=None, wait=True)``.
+    """Start dedicated servers: ``server_factory(*args, api_key=None, wait=True, new_session=False)``.
 
     Any server the test leaves running is stopped (without the orphan check) afterwards.
     """
     started: list[RemoteServer] = []
 
-    def start(*args: str, api_key: str | None = None, wait: bool = True) -> RemoteServer:
-        srv = RemoteServer(tmp_path / f"server{len(started)}.log", *args, api_key=api_key, wait=wait)
+    def start(
+        *args: str, api_key: str | None = None, wait: bool = True, new_session: bool = False
+    ) -> RemoteServer:
+        srv = RemoteServer(
+            tmp_path / f"server{len(started)}.log", *args, api_key=api_key, wait=wait, new_session=new_session
+        )
         started.append(srv)
         return srv
 

@@ -3,16 +3,23 @@
 Each subcommand lives in its own module exposing ``register(subparsers)``,
 which adds its parser and sets ``func`` (called with the parsed namespace).
 Adding a subcommand (``bench``, ...) is one entry in :data:`SUBCOMMAND_MODULES`.
+
+SIGINT and SIGTERM are handled from the first line of :func:`main` on (see
+:data:`~fastdeploy.engine.ipc.STOP_SIGNALS`): at any point they end the command
+quietly with status 130 or 143.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import logging
+import os
 import sys
 from collections.abc import Sequence
 
 import fastdeploy
+from fastdeploy.engine.ipc import STOP_SIGNALS
 
 SUBCOMMAND_MODULES: tuple[str, ...] = (
     "fastdeploy.entrypoints.cli.serve",
@@ -35,9 +42,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse ``argv`` (default: ``sys.argv[1:]``) and run the chosen subcommand; returns the exit code."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    """Parse ``argv`` (default: ``sys.argv[1:]``) and run the chosen subcommand; returns the exit code.
+
+    Run as the program (``argv`` None), ``serve`` ends the process itself once it
+    has cleaned up: the interpreter's teardown of torch would add a second or more
+    to every shutdown, and nothing is left for it to do.
+    """
+    command = None
+    with STOP_SIGNALS.installed():
+        try:
+            parser = build_parser()
+            args = parser.parse_args(argv)
+            command = args.command
+            code = _run(parser, args)
+        except KeyboardInterrupt:  # SIGINT or SIGTERM before the command could stop by itself
+            code = STOP_SIGNALS.exit_code or 130
+    if argv is None and command == "serve":
+        _exit_now(code)
+    return code
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help()
@@ -52,6 +77,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"fastdeploy {args.command}: {summary}", file=sys.stderr)
         print("(FD_LOG_LEVEL=DEBUG logs the engine's traceback)", file=sys.stderr)
         return 1
+
+
+def _exit_now(code: int) -> None:
+    """Flush the logs and standard streams, then end the process with ``code`` at once (``os._exit``)."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 import textwrap
 from typing import Any
@@ -47,21 +48,35 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
+def check_model_path(args: argparse.Namespace) -> str | None:
+    """Why the model cannot be served (a path that does not exist), or None; checked before anything starts."""
+    model = getattr(args, "model", None)
+    if model and not os.path.exists(os.path.expanduser(model)):
+        return f"argument --model: {model!r} does not exist"
+    return None
+
+
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
-    """Resolve the options (config file included) and run the server until SIGINT/SIGTERM."""
+    """Resolve the options (config file included) and run the server until SIGINT/SIGTERM.
+
+    Returns the exit status: 2 for a bad option (one line on stderr, before any
+    process starts), 1 when the port cannot be bound or the engine died, 130 or
+    143 when SIGINT or SIGTERM stopped it (at any point, start-up included).
+    """
     try:
         args = resolve_args(args)
     except ConfigFileError as exc:
         if parser is None:
             raise
         parser.error(str(exc))
+    problem = check_model_path(args)
+    if problem is not None:
+        print(f"fastdeploy serve: error: {problem}", file=sys.stderr)
+        return 2
     from fastdeploy.entrypoints.openai.http_server import BindError, run_server
 
     try:
-        asyncio.run(run_server(args))
-    except KeyboardInterrupt:
-        return 130
+        return asyncio.run(run_server(args))
     except BindError as exc:
         print(f"fastdeploy serve: error: {exc.strerror}", file=sys.stderr)
         return 1
-    return 0

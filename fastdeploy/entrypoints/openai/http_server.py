@@ -2,33 +2,46 @@
 
 :func:`run_server` builds the engine from the CLI options, serves the app of
 :func:`~fastdeploy.entrypoints.openai.api_server.build_app` until SIGINT/SIGTERM
-and always shuts the engine down.
+(or until the engine dies, with ``exit_on_engine_death``) and always shuts the
+engine down. Signals follow :data:`fastdeploy.engine.ipc.STOP_SIGNALS`: while
+the engine loads they interrupt the load, while serving they stop the server
+gracefully, and during the cleanup they are ignored.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import inspect
 import logging
 import os
-import signal
 import socket
-import threading
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
 
 from fastdeploy.config import EngineConfig
+from fastdeploy.engine.ipc import STOP_SIGNALS
+from fastdeploy.engine.protocol import EngineClient
 from fastdeploy.entrypoints.openai.api_server import build_app
 
 logger = logging.getLogger(__name__)
 
-GRACEFUL_SHUTDOWN_S = 5.0
+GRACEFUL_SHUTDOWN_S = 3.0
 """On SIGINT/SIGTERM, how long responses may take to finish before uvicorn cancels them (generation
-requests in flight are ended at once with a 503, see ``begin_shutdown``)."""
+requests in flight are ended at once with a 503, see ``begin_shutdown``; an idle server stops at once)."""
+
+ENGINE_DEATH_EXIT_DELAY_S = 3.0
+"""With ``exit_on_engine_death``, how long the server goes on after the engine died before it exits:
+streams in flight end with an error event at once, and meanwhile ``/health`` and new requests get 503."""
+
+EXIT_ENGINE_DEAD = 1
+"""Exit status of ``fastdeploy serve`` when the engine died."""
+
+QUIET_ACCESS_LOG_PATHS = frozenset({"/health", "/metrics"})
+"""Paths polled by health checkers and Prometheus: kept out of uvicorn's access log."""
 
 # --------------------------------------------------------------------------- running
 
@@ -45,30 +58,68 @@ def default_served_model_names(config: EngineConfig) -> list[str]:
     return [DEFAULT_MODEL_NAME]
 
 
+class QuietPathsFilter(logging.Filter):
+    """Drops uvicorn access-log records of :data:`QUIET_ACCESS_LOG_PATHS` (each scrape would be a line)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str):
+            return args[2].split("?", 1)[0] not in QUIET_ACCESS_LOG_PATHS
+        return True
+
+
+def quiet_access_log() -> None:
+    """Install :class:`QuietPathsFilter` on uvicorn's access logger (once)."""
+    access = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, QuietPathsFilter) for f in access.filters):
+        access.addFilter(QuietPathsFilter())
+
+
 class _Server(uvicorn.Server):
-    """uvicorn's server, with signal handling the engine can rely on.
+    """uvicorn's server, with the signal handling and the engine watch the engine relies on.
 
     uvicorn re-raises a captured SIGTERM after its shutdown, which would kill
-    the process before the engine's children are stopped; here the signal only
-    stops the server, and the caller shuts the engine down afterwards.
+    the process before the engine's children are stopped; here a signal only
+    stops the server (through :data:`STOP_SIGNALS`, which keeps it for the exit
+    status), and the caller shuts the engine down afterwards. With an
+    ``engine`` to watch and ``exit_on_engine_death``, the server also stops
+    :data:`ENGINE_DEATH_EXIT_DELAY_S` after the engine died (:attr:`engine_died`).
     """
 
-    def __init__(self, config: uvicorn.Config, on_ready: Callable[[str, int], None] | None = None):
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        on_ready: Callable[[str, int], None] | None = None,
+        engine: EngineClient | None = None,
+        exit_on_engine_death: bool = False,
+    ):
         super().__init__(config)
         self._on_ready = on_ready
+        self._engine = engine
+        self._exit_on_engine_death = exit_on_engine_death
+        self._engine_dead_since: float | None = None
+        self.engine_died = False
+        """Whether the server stopped because the engine died."""
 
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        handled = (signal.SIGINT, signal.SIGTERM)
-        original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
-        try:
-            yield
-        finally:
-            for sig, handler in original.items():
-                signal.signal(sig, handler)
+    def capture_signals(self):  # type: ignore[override]
+        return STOP_SIGNALS.calling(lambda signum: self.handle_exit(signum, None))
+
+    async def on_tick(self, counter: int) -> bool:
+        # every 0.1 s: is_healthy also fails the requests in flight of an engine that has just died
+        if self._engine is not None and self._engine_dead_since is None and not self._engine.is_healthy:
+            self._engine_dead_since = time.monotonic()
+            reason = getattr(self._engine, "dead_reason", None) or "unknown cause"
+            if self._exit_on_engine_death:
+                logger.error("the engine died (%s); exiting in %.0f s", reason, ENGINE_DEATH_EXIT_DELAY_S)
+            else:
+                logger.error("the engine died (%s); answering 503 until stopped", reason)
+        if (
+            self._exit_on_engine_death
+            and self._engine_dead_since is not None
+            and time.monotonic() - self._engine_dead_since >= ENGINE_DEATH_EXIT_DELAY_S
+        ):
+            self.engine_died = self.should_exit = True
+        return await super().on_tick(counter)
 
     async def shutdown(self, sockets: Any = None) -> None:
         begin_shutdown = getattr(getattr(self.config.app, "state", None), "begin_shutdown", None)
@@ -124,10 +175,14 @@ async def serve_http(
     sock: socket.socket | None = None,
     on_ready: Callable[[str, int], None] | None = _print_ready,
     log_level: str | None = None,
-) -> None:
+    engine: EngineClient | None = None,
+    exit_on_engine_death: bool = False,
+) -> bool:
     """Serve ``app`` with uvicorn until SIGINT/SIGTERM; ``on_ready(host, port)`` once it accepts connections.
 
     ``sock`` is a socket from :func:`bind_socket` (else uvicorn binds ``host:port`` itself).
+    With an ``engine`` and ``exit_on_engine_death``, serving also ends soon after the
+    engine dies; returns whether that is why it ended.
     """
     if log_level is None:
         from fastdeploy import envs
@@ -141,58 +196,52 @@ async def serve_http(
         lifespan="off",
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
-    server = _Server(config, on_ready=on_ready)
+    quiet_access_log()  # after uvicorn.Config, which configures uvicorn's loggers
+    server = _Server(config, on_ready=on_ready, engine=engine, exit_on_engine_death=exit_on_engine_death)
     await server.serve(sockets=[sock] if sock is not None else None)
+    return server.engine_died
 
 
-def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
-@contextlib.contextmanager
-def _signals_handled_by(handler: Any) -> Iterator[None]:
-    """Within the block, SIGINT and SIGTERM go to ``handler`` (main thread only; restored after)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    handled = (signal.SIGINT, signal.SIGTERM)
-    original = {sig: signal.signal(sig, handler) for sig in handled}
-    try:
-        yield
-    finally:
-        for sig, previous in original.items():
-            signal.signal(sig, previous)
-
-
-async def run_server(args: argparse.Namespace) -> None:
+async def run_server(args: argparse.Namespace) -> int:
     """Build the engine from parsed ``serve`` options, serve HTTP, and always shut the engine down.
 
-    The port is bound first (a busy port fails before the model loads). While
-    the engine loads, SIGINT/SIGTERM raise ``KeyboardInterrupt``; while serving
-    they stop the server gracefully; either way ``engine.shutdown()`` runs, with
-    further signals ignored so that no child process is left behind.
+    Returns the exit status: :data:`EXIT_ENGINE_DEAD` when serving ended because
+    the engine died, else ``128 + signal number`` of the signal that stopped it.
+    The port is bound first (a busy port fails before the model loads). A signal
+    while the engine loads raises ``KeyboardInterrupt`` (see :data:`STOP_SIGNALS`).
+    Either way ``engine.shutdown()`` runs, shielded from further signals, and
+    returns only once every engine process is gone.
     """
     from fastdeploy.entrypoints.cli.args import engine_config_from_args, resolve_args, server_config_from_args
 
     args = resolve_args(args)
     config = engine_config_from_args(args)
+    server_config = server_config_from_args(args)
     served_model_names = default_served_model_names(config)
     sock = bind_socket(args.host, args.port)
     engine: Any = None
     try:
-        # Blocking code inside the event loop does not see asyncio's SIGINT
-        # handling, and SIGTERM would kill the process without cleanup.
-        with _signals_handled_by(_raise_keyboard_interrupt):
-            from fastdeploy.engine.async_llm import AsyncLLM
+        from fastdeploy.engine.async_llm import AsyncLLM
 
-            engine = AsyncLLM.from_config(config)
-            if inspect.isawaitable(engine):
-                engine = await engine
-        app = build_app(engine, served_model_names, server_config_from_args(args))
-        await serve_http(app, args.host, args.port, sock=sock)
+        engine = AsyncLLM.from_config(config)
+        if inspect.isawaitable(engine):
+            engine = await engine
+        app = build_app(engine, served_model_names, server_config)
+        engine_died = await serve_http(
+            app,
+            args.host,
+            args.port,
+            sock=sock,
+            engine=engine,
+            exit_on_engine_death=server_config.exit_on_engine_death,
+        )
     finally:
-        sock.close()
-        if engine is not None:
-            logger.info("shutting down the engine")
-            with _signals_handled_by(signal.SIG_IGN):  # let the cleanup finish
+        with STOP_SIGNALS.shielded():
+            sock.close()
+            if engine is not None:
+                started = time.monotonic()
                 engine.shutdown()
+                logger.info("engine shut down in %.2f s", time.monotonic() - started)
+    if engine_died:
+        return EXIT_ENGINE_DEAD
+    return STOP_SIGNALS.exit_code or 0
