@@ -7,7 +7,7 @@ its body), by cancelling the request before its headers arrive, after a few chun
 The test asserts:
 
 - every response that reached a client is a 200 (no 5xx, in the client or in the access log), and
-  the server logs no traceback (one known bug, reported to the API layer, makes the test xfail);
+  the server logs no traceback;
 - every kept request streams to its end: a ``finish_reason`` and then ``[DONE]``, no error event;
 - after each round the engine is idle again within a few seconds: no request running or waiting,
   the KV-cache usage back at its idle value, no tokens generated any more (read from ``/metrics``);
@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 
 import httpx
 import psutil
-import pytest
 
 from tests.e2e.conftest import RemoteServer
 
@@ -64,8 +63,6 @@ FINISHED = (
 )
 
 WORDS = "sun river stone cloud apple music garden winter ocean forest city light road dream paper".split()
-KNOWN_BUG = "starlette.requests.ClientDisconnect"
-"""A hang-up while the server reads the body is logged as an internal error (fixed in the API layer)."""
 ACCESS_LINE = re.compile(r'"(?:GET|POST) (\S+) HTTP/[\d.]+" (\d{3})')
 
 
@@ -284,12 +281,7 @@ def test_disconnect_storm(server_factory) -> None:
     assert not errors, errors[:20]
     exceptions = logged_exceptions(log)
     print(f"exceptions in the server log: {dict(Counter(exceptions))}")
-    assert all(e.startswith(KNOWN_BUG) for e in exceptions), log[-8000:]
-    if exceptions:
-        pytest.xfail(
-            f"known bug: {len(exceptions)} hang-ups before the body was read were logged as internal "
-            "errors (starlette's ClientDisconnect is not mapped to the 499 ClientDisconnectedError)"
-        )
+    assert not exceptions, log[-8000:]
 
 
 def logged_exceptions(log: str) -> list[str]:

@@ -92,6 +92,13 @@ class ServiceUnavailableError(OpenAIError):
     error_type = "service_unavailable_error"
 
 
+class ClientDisconnectedError(OpenAIError):
+    """The client went away before the response was ready (nginx's 499); nothing is sent."""
+
+    status_code = 499
+    error_type = "client_closed_request"
+
+
 class InternalServerError(OpenAIError):
     """500: an unexpected failure while serving a request."""
 

@@ -14,11 +14,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from fastdeploy.entrypoints.openai.errors import (
     BadRequestError,
+    ClientDisconnectedError,
     RequestTooLargeError,
     UnsupportedMediaTypeError,
 )
@@ -121,7 +122,10 @@ def _has_surrogate(text: str) -> bool:
 async def read_json(request: Request) -> Any:
     """The request body decoded as JSON (415, 413 or 400 when it cannot be)."""
     check_json_content_type(request)
-    raw = await request.body()
+    try:
+        raw = await request.body()
+    except ClientDisconnect:
+        raise ClientDisconnectedError("client disconnected before sending its body") from None
     try:
         value = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import anyio
 from pydantic import BaseModel
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -28,6 +28,7 @@ from fastdeploy.engine.protocol import EngineClient, EngineDeadError
 from fastdeploy.engine.sampling_params import SamplingParams, SamplingParamsError
 from fastdeploy.entrypoints.openai.errors import (
     BadRequestError,
+    ClientDisconnectedError,
     InternalServerError,
     NotFoundError,
     OpenAIError,
@@ -42,13 +43,6 @@ T = TypeVar("T")
 SSE_DONE = "data: [DONE]\n\n"
 
 
-class ClientDisconnectedError(OpenAIError):
-    """The client went away before the response was ready (nginx's 499); nothing is sent."""
-
-    status_code = 499
-    error_type = "client_closed_request"
-
-
 def sse(payload: BaseModel | dict[str, Any]) -> str:
     """One server-sent event: ``data: {json}`` and a blank line."""
     data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
@@ -59,6 +53,8 @@ def to_openai_error(exc: BaseException) -> OpenAIError:
     """Map any exception raised while serving to the error the client should see."""
     if isinstance(exc, OpenAIError):
         return exc
+    if isinstance(exc, ClientDisconnect):  # the client left while its body was being read
+        return ClientDisconnectedError("client disconnected")
     if isinstance(exc, EngineDeadError):
         return ServiceUnavailableError(f"The engine is not available: {exc}", code="engine_dead")
     if isinstance(exc, SamplingParamsError):
