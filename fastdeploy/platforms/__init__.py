@@ -10,6 +10,8 @@ import os
 import torch
 
 from fastdeploy.config import EngineConfig
+from fastdeploy.model_executor.attention.backend import AttentionBackend, AttentionSpec
+from fastdeploy.model_executor.attention.registry import choose_attention_backend
 
 
 def resolve_device(config: EngineConfig) -> torch.device:
@@ -38,67 +40,24 @@ def get_attention_backend(
     num_kv_heads: int = 1,
     kv_cache_dtype: str = "auto",
     needs_mask_offsets: bool = False,
-):
+) -> AttentionBackend:
     """The attention backend for ``--attention-backend`` on this device, dtype and head size.
 
-    ``auto`` on CUDA: flashinfer when the package imports and can serve the model (bf16/fp16,
-    head size 64/128/256, no fp8 cache, no bidirectional multimodal masks), else triton (when
-    triton imports and the head size is a power of two >= 16), else torch; on a CPU: torch.
-    An explicitly named backend that cannot run here fails with a clear error (``triton`` on
-    a CPU only under ``TRITON_INTERPRET=1``, for tests).
+    The choice itself is the registry's (:func:`choose_attention_backend`): a named backend
+    when it can serve the model here (else one error saying why), under ``auto`` the
+    available backend of highest priority for the device. Today that is, on CUDA:
+    flashinfer (paired with triton for decode steps), else triton, else torch; on a CPU: torch.
     """
-    from fastdeploy.model_executor.attention.flashinfer_backend import (
-        flashinfer_importable,
-        flashinfer_unsupported_reason,
+    spec = AttentionSpec(
+        device=device,
+        dtype=dtype,
+        head_dim=head_dim,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        kv_cache_dtype=kv_cache_dtype,
+        needs_mask_offsets=needs_mask_offsets,
     )
-    from fastdeploy.model_executor.attention.torch_backend import TorchAttentionBackend
-    from fastdeploy.ops.cpu_ops import load_cpu_ops
-
-    name = config.device.attention_backend
-    flashinfer_installed = device.type == "cuda" and flashinfer_importable()
-    if name == "flashinfer" or (name == "auto" and flashinfer_installed):
-        reason = flashinfer_unsupported_reason(dtype, head_dim, kv_cache_dtype)
-        if reason is None and needs_mask_offsets:
-            reason = "it has no attention-mask offsets (--mm-bidirectional-attention)"
-        if reason is None and device.type != "cuda":
-            reason = "it runs on CUDA devices only"
-        if reason is None and not flashinfer_installed:
-            reason = "the flashinfer package is not installed (pip install flashinfer-python)"
-        if reason is None:
-            from fastdeploy.model_executor.attention.flashinfer_backend import FlashInferAttentionBackend
-
-            return FlashInferAttentionBackend(num_heads, num_kv_heads, head_dim, dtype, device)
-        if name == "flashinfer":
-            raise ValueError(f"--attention-backend flashinfer is not available: {reason}")
-    if name == "triton" or (name == "auto" and device.type == "cuda"):
-        try:
-            from fastdeploy.model_executor.attention.triton_backend import TritonAttentionBackend
-        except ImportError as exc:
-            if name == "triton":
-                raise RuntimeError(f"--attention-backend triton needs the triton package: {exc}") from exc
-        else:
-            from fastdeploy.ops.triton_attention import triton_interpreting
-
-            power_of_two = head_dim >= 16 and head_dim & (head_dim - 1) == 0
-            if name == "triton" and not power_of_two:
-                raise ValueError(
-                    f"the triton attention backend needs a power-of-two head_dim >= 16, got {head_dim}"
-                )
-            if name == "triton" and device.type != "cuda" and not triton_interpreting():
-                raise ValueError(
-                    "the triton attention backend runs on CUDA (on CPU only under TRITON_INTERPRET=1)"
-                )
-            if power_of_two:
-                return TritonAttentionBackend()
-    if name in ("auto", "torch"):
-        kernel_fits = (
-            device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and head_dim in (64, 128, 256)
-        )
-        return TorchAttentionBackend(load_cpu_ops() if kernel_fits else None)
-    raise ValueError(
-        f"attention backend {name!r} is not available on {device.type}; "
-        "available: auto, torch, triton, flashinfer"
-    )
+    return choose_attention_backend(config.device.attention_backend, spec)
 
 
 def kv_cache_budget_bytes(config: EngineConfig, device: torch.device, peak_torch_bytes: int = 0) -> int:

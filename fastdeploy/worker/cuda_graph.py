@@ -25,6 +25,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from fastdeploy.model_executor.attention.backend import AttentionBackend
 from fastdeploy.model_executor.attention.forward_context import set_forward_context
 from fastdeploy.model_executor.attention.metadata import CommonAttentionMetadata
 from fastdeploy.model_executor.layers.linear import small_m_graph_warm_up
@@ -62,7 +63,7 @@ class DecodeGraphs:
     def __init__(
         self,
         model: torch.nn.Module,
-        attn_backend,
+        attn_backend: AttentionBackend,
         max_batch_size: int,
         max_blocks_per_req: int,
         block_size: int,

@@ -59,12 +59,7 @@ class ModelRunner:
             kv_cache_dtype=self.kv_cache_dtype,
             needs_mask_offsets=arch.mm is not None and config.model.mm_bidirectional_attention,
         )
-        if self.kv_cache_dtype == "fp8_e4m3":
-            if self.attn_backend.name != "triton":
-                raise ValueError(
-                    f"kv_cache_dtype fp8_e4m3 needs the triton attention backend (a GPU); "
-                    f"the {self.attn_backend.name} backend reads {self.dtype} caches only"
-                )
+        if self.kv_cache_dtype == "fp8_e4m3":  # (the backend's supports_fp8_kv_cache was checked when chosen)
             check_fp8_supported(device)
         self.sampler = Sampler()
         self.mm: MultimodalBatchState | None = None
@@ -153,7 +148,7 @@ class ModelRunner:
             self._warm_up_prefill(query_len)
         decode_sizes: list[int] = []
         if self.graphs is None and self.device.type == "cuda":
-            if getattr(self.attn_backend, "supports_cuda_graphs", False):  # its graph metadata works eagerly
+            if self.attn_backend.supports_cuda_graphs:  # its graph metadata works eagerly
                 graphs = self._new_decode_graphs()
                 graphs.warm_up()
                 decode_sizes = graphs.sizes
@@ -241,7 +236,7 @@ class ModelRunner:
         device_cfg = self.config.device
         if self.device.type != "cuda" or device_cfg.enforce_eager or self.mm is not None:
             return None  # (M-RoPE models take [3, T] positions, which the captured graphs do not)
-        if not getattr(self.attn_backend, "supports_cuda_graphs", False) or not has_cuda_ops():
+        if not self.attn_backend.supports_cuda_graphs or not has_cuda_ops():
             logger.warning(
                 "CUDA graphs need the triton or flashinfer attention backend and the compiled fastdeploy_ops "
                 "(python setup_ops.py build_ext --inplace); running every step eagerly"

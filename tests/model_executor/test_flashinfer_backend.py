@@ -93,7 +93,7 @@ def test_flashinfer_named_where_it_cannot_run_is_a_clear_error(monkeypatch):
         get_attention_backend(config, cuda, torch.float32, 64)
     with pytest.raises(ValueError, match="head_dim must be one of"):
         get_attention_backend(config, cuda, torch.bfloat16, 80)
-    with pytest.raises(ValueError, match="triton backend only"):
+    with pytest.raises(ValueError, match="fp8_e4m3 needs the triton attention backend"):
         get_attention_backend(config, cuda, torch.bfloat16, 128, kv_cache_dtype="fp8_e4m3")
     with pytest.raises(ValueError, match="attention-mask offsets"):
         get_attention_backend(config, cuda, torch.bfloat16, 128, needs_mask_offsets=True)
@@ -124,14 +124,11 @@ MIXED = [(0, 23), (40, 17), (57, 1), (0, 5), (3, 1), (31, 9), (0, 1), (70, 1), (
 GPU_CASES = [(6, 2, 128), (32, 8, 128), (9, 3, 64), (4, 4, 64)]  # heads, kv_heads, head_dim (bf16)
 
 
-def _backend(heads, kv_heads, head_dim, small_decode_max=0):
-    """FlashInfer for every step (``small_decode_max`` 0), or with the Triton kernel for decode
-    batches up to that size."""
-    backend = flashinfer_backend.FlashInferAttentionBackend(
+def _backend(heads, kv_heads, head_dim):
+    """FlashInfer alone, for every step (no Triton decode partner)."""
+    return flashinfer_backend.FlashInferAttentionBackend(
         heads, kv_heads, head_dim, torch.bfloat16, torch.device("cuda")
     )
-    backend.small_decode_max = small_decode_max
-    return backend
 
 
 def _strided(q: torch.Tensor) -> torch.Tensor:
@@ -158,16 +155,23 @@ def test_gpu_flashinfer_matches_the_reference(heads, kv_heads, head_dim, shapes)
 
 @gpu_flashinfer
 def test_gpu_small_decode_batches_take_the_triton_kernel():
-    from fastdeploy.model_executor.attention.triton_backend import TritonAttentionMetadata
+    from fastdeploy.model_executor.attention.backend import PrefillDecodeBackend
+    from fastdeploy.model_executor.attention.triton_backend import (
+        TritonAttentionBackend,
+        TritonAttentionMetadata,
+    )
 
     layer, q, common = make_step(DECODES, 32, 8, 128, torch.bfloat16, device="cuda", seed=7)
-    backend = _backend(32, 8, 128, small_decode_max=len(DECODES))
+    backend = PrefillDecodeBackend(_backend(32, 8, 128), TritonAttentionBackend(), len(DECODES))
     meta = backend.build(common)
     assert isinstance(meta, TritonAttentionMetadata) and backend.build_graph_metadata(common) is not None
     out = backend.forward(layer, q, None, None, meta)
     torch.testing.assert_close(out.cpu().double(), reference(layer, q, common), atol=2e-2, rtol=2e-2)
-    backend.small_decode_max = len(DECODES) - 1
-    assert isinstance(backend.build(common), flashinfer_backend.FlashInferMetadata)
+    backend.decode_max_batch = len(DECODES) - 1
+    meta = backend.build(common)
+    assert isinstance(meta, flashinfer_backend.FlashInferMetadata)
+    out = backend.forward(layer, q, None, None, meta)
+    torch.testing.assert_close(out.cpu().double(), reference(layer, q, common), atol=2e-2, rtol=2e-2)
     layer, q, common = make_step(MIXED, 32, 8, 128, torch.bfloat16, device="cuda", seed=7)
     assert isinstance(backend.build(common), flashinfer_backend.FlashInferMetadata)  # prefills: FlashInfer
 

@@ -13,17 +13,18 @@ layer, so steps that replay a CUDA graph never plan the eager wrappers.
 * Decode CUDA graphs: one decode wrapper per captured batch size over fixed buffers; before
   each replay the step is planned again into them (padding requests read one token of
   block 0, and their rows are discarded).
-* Decode-only steps of at most ``FD_TRITON_DECODE_MAX_BATCH`` requests (default 1024, so every
-  decode step) take our Triton decode kernel instead: one kernel and no host plan. On an H200
-  it beats FlashInfer's decode at every batch measured (Llama-3.1-8B heads, µs per layer:
-  batch 256 x 640-token contexts 164 against 177), so FlashInfer serves the prefill and mixed
-  steps, where its kernels are the faster ones (docs/benchmarks.md).
 * ``plan()`` reads pinned page lists, with the page ids already on the device
   (:func:`plan_inputs`), so planning step N+1 never waits for step N to finish on the GPU.
 
+The backend declares a decode partner (``decode_backend = "triton"``): the registry pairs
+it with the Triton backend, which runs decode-only steps of at most
+``FD_TRITON_DECODE_MAX_BATCH`` requests (default: every decode step) in one kernel with no
+host plan; FlashInfer keeps the prefill and mixed steps (docs/attention.md; the
+measurements behind it are in docs/benchmarks.md).
+
 Limits: bf16/fp16 activations and caches, head sizes 64/128/256, no fp8 caches with our
 per-slot scales, no attention-mask offsets (bidirectional multimodal attention); the
-platform picks another backend for those.
+registry picks another backend for those.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import numpy as np
 import torch
 
 from fastdeploy import envs
+from fastdeploy.model_executor.attention.backend import AttentionBackend, AttentionSpec
 from fastdeploy.model_executor.attention.metadata import CommonAttentionMetadata
 from fastdeploy.worker.upload import upload
 
@@ -50,14 +52,12 @@ def flashinfer_importable() -> bool:
     return importlib.util.find_spec("flashinfer") is not None
 
 
-def flashinfer_unsupported_reason(dtype: torch.dtype, head_dim: int, kv_cache_dtype: str) -> str | None:
-    """Why FlashInfer cannot serve this model configuration, or None when it can."""
+def flashinfer_unsupported_reason(dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why FlashInfer's kernels cannot serve a model of this dtype and head size, or None."""
     if dtype not in SUPPORTED_DTYPES:
         return f"it runs float16/bfloat16 models only, not {dtype}"
     if head_dim not in SUPPORTED_HEAD_DIMS:
         return f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}"
-    if kv_cache_dtype != "auto":
-        return f"kv_cache_dtype {kv_cache_dtype!r} (per-slot fp8 scales) is served by the triton backend only"
     return None
 
 
@@ -144,17 +144,41 @@ def plan_inputs(
     return host(layout.kv_indptr), indices, host(layout.last_page_len), qo
 
 
-class FlashInferAttentionBackend:
-    """FlashInfer paged attention (FA2 kernels, JIT-compiled by FlashInfer on first use), with
-    decode batches of at most ``small_decode_max`` requests left to the Triton decode kernel.
+class FlashInferAttentionBackend(AttentionBackend):
+    """FlashInfer paged attention (FA2 kernels, JIT-compiled by FlashInfer on first use).
 
     ``num_heads``/``num_kv_heads``/``head_dim`` and ``dtype`` are the model's; ``scale``
     the softmax scale planned into the kernels (a layer with another scale passes the
-    ratio as ``q_scale``).
+    ratio as ``q_scale``). On its own it serves every step; the registry pairs it with its
+    declared :attr:`decode_backend` for small decode-only steps.
     """
 
     name = "flashinfer"
+    devices = ("cuda",)
     supports_cuda_graphs = True
+    supports_fp8_kv_cache = False  # FlashInfer takes one scale per tensor, our fp8 cache one per slot
+    supports_mm_bidirectional = False
+    decode_backend = "triton"
+    """Decode-only steps of at most ``FD_TRITON_DECODE_MAX_BATCH`` requests run the Triton decode
+    kernel: one kernel and no host plan, and the faster decode on the GPUs measured."""
+
+    @classmethod
+    def decode_backend_max_batch(cls) -> int:
+        """``FD_TRITON_DECODE_MAX_BATCH`` (default 1024, so every decode step; 0: FlashInfer decodes too)."""
+        return envs.FD_TRITON_DECODE_MAX_BATCH
+
+    @classmethod
+    def unavailable_reason(cls, spec: AttentionSpec) -> str | None:
+        """A bf16/fp16 model of head size 64/128/256, and the ``flashinfer`` package installed."""
+        reason = flashinfer_unsupported_reason(spec.dtype, spec.head_dim)
+        if reason is None and not flashinfer_importable():
+            reason = "the flashinfer package is not installed (pip install flashinfer-python)"
+        return reason
+
+    @classmethod
+    def from_spec(cls, spec: AttentionSpec) -> FlashInferAttentionBackend:
+        """Builds the wrappers and their workspace on ``spec.device``."""
+        return cls(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.dtype, spec.device)
 
     def __init__(
         self,
@@ -166,7 +190,7 @@ class FlashInferAttentionBackend:
     ):
         import flashinfer
 
-        reason = flashinfer_unsupported_reason(dtype, head_dim, "auto")
+        reason = flashinfer_unsupported_reason(dtype, head_dim)
         if reason is not None:
             raise ValueError(f"the flashinfer attention backend cannot run this model: {reason}")
         self._flashinfer = flashinfer
@@ -181,10 +205,6 @@ class FlashInferAttentionBackend:
         )
         self._graph_buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._last_plan: torch.cuda.Event | None = None
-        self.small_decode = _small_decode_backend()
-        """The Triton backend that serves decode-only steps of at most ``small_decode_max``
-        requests (None: FlashInfer serves every step)."""
-        self.small_decode_max = envs.FD_TRITON_DECODE_MAX_BATCH if self.small_decode is not None else 0
 
     # ---- per step -------------------------------------------------------------------
 
@@ -198,8 +218,6 @@ class FlashInferAttentionBackend:
         if common.block_table_cpu is None:
             raise ValueError("the flashinfer backend needs the host block table (block_table_cpu)")
         decode = common.max_query_len == 1
-        if decode and common.num_reqs <= self.small_decode_max:
-            return self.small_decode.build(common)
         layout = paged_layout(common.seq_lens_cpu, common.block_table_cpu, common.block_size)
         return FlashInferMetadata(common, self._decode if decode else self._prefill, decode, layout)
 
@@ -207,8 +225,6 @@ class FlashInferAttentionBackend:
         self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: FlashInferMetadata
     ) -> torch.Tensor:
         """q: [T, Hq, D]; k/v: [T, Hkv, D] (already in the cache, so unused here) → [T, Hq, D]."""
-        if not isinstance(meta, FlashInferMetadata):  # a small decode batch
-            return self.small_decode.forward(layer, q, k, v, meta)
         if layer.kv_cache_dtype != "auto":
             raise NotImplementedError(
                 f"kv_cache_dtype {layer.kv_cache_dtype!r} is not supported by flashinfer attention"
@@ -246,8 +262,6 @@ class FlashInferAttentionBackend:
         """Metadata to capture a decode graph of ``common.num_reqs`` requests: a decode wrapper
         over fixed buffers, planned with one-token requests until each replay re-plans it."""
         size = common.num_reqs
-        if size <= self.small_decode_max:
-            return self.small_decode.build_graph_metadata(common)
         indptr_buf, indices_buf, last_buf = self._graph_buffers_for(size, common.block_table.shape[1])
         wrapper = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace,
@@ -268,8 +282,6 @@ class FlashInferAttentionBackend:
 
     def update_graph_metadata(self, meta: FlashInferMetadata, common: CommonAttentionMetadata) -> None:
         """Re-plan a captured graph's wrapper for this step's real requests (before replay)."""
-        if not isinstance(meta, FlashInferMetadata):
-            return self.small_decode.update_graph_metadata(meta, common)
         meta.layout = paged_layout(
             common.seq_lens_cpu, common.block_table_cpu, common.block_size, pad_to=meta.graph_size
         )
@@ -278,7 +290,7 @@ class FlashInferAttentionBackend:
     def _graph_buffers_for(self, size: int, max_blocks: int) -> tuple[torch.Tensor, ...]:
         """One set of fixed plan buffers, sized by the first (largest) captured batch and
         shared by every graph (replays never overlap)."""
-        if self._graph_buffers is None:  # the first graph not left to the Triton kernel
+        if self._graph_buffers is None:  # the first (largest) graph this backend captures
             self._graph_buffers = (
                 torch.zeros(size + 1, dtype=torch.int32, device=self.device),
                 torch.zeros(size * max_blocks, dtype=torch.int32, device=self.device),
@@ -287,15 +299,3 @@ class FlashInferAttentionBackend:
         if self._graph_buffers[2].shape[0] < size:
             raise ValueError("capture CUDA graphs largest batch first (the plan buffers are sized by it)")
         return self._graph_buffers
-
-
-def _small_decode_backend():
-    """The Triton backend for small decode batches, or None without triton (or with
-    ``FD_TRITON_DECODE_MAX_BATCH=0``)."""
-    if envs.FD_TRITON_DECODE_MAX_BATCH <= 0:
-        return None
-    try:
-        from fastdeploy.model_executor.attention.triton_backend import TritonAttentionBackend
-    except ImportError:
-        return None
-    return TritonAttentionBackend()

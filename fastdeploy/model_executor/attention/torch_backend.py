@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
+from fastdeploy.model_executor.attention.backend import AttentionBackend, AttentionSpec
 from fastdeploy.model_executor.attention.metadata import CommonAttentionMetadata
 
 DECODE_GROUP_SIZE = 16
@@ -79,6 +80,8 @@ class PrefillBatch:
 
 @dataclass
 class TorchAttentionMetadata:
+    """One step's decodes and prefill chunks, grouped for the torch path or the C++ kernels."""
+
     common: CommonAttentionMetadata
     decode_groups: list[DecodeGroup]
     """Decodes for the torch path (empty when ``decode_batch`` is used)."""
@@ -94,20 +97,41 @@ class TorchAttentionMetadata:
         return self.common.slot_mapping
 
 
-class TorchAttentionBackend:
+class TorchAttentionBackend(AttentionBackend):
     """Plain-torch paged attention (CPU default and the reference for other backends).
 
-    With ``cpu_kernels`` (the compiled :mod:`fastdeploy.ops.cpu_ops` module), decode
-    attention runs in the C++ kernel, which reads the paged cache in place (3-4x
-    faster than the torch path on the CI CPU); everything else stays torch.
+    With ``cpu_kernels`` (the compiled :mod:`fastdeploy.ops.cpu_ops` module), decode and
+    prefill attention run in C++ kernels that read the paged cache in place; everything
+    else stays torch.
     """
 
     name = "torch"
+    devices = ("cpu", "cuda")
+    supports_cuda_graphs = False  # it slices per request on the host
+    supports_fp8_kv_cache = False
+    supports_mm_bidirectional = True
+
+    CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+    CPU_KERNEL_HEAD_DIMS = (64, 128, 256)
 
     def __init__(self, cpu_kernels: Any = None):
         self.cpu_kernels = cpu_kernels
 
+    @classmethod
+    def from_spec(cls, spec: AttentionSpec) -> TorchAttentionBackend:
+        """With the C++ CPU kernels where they fit (a CPU, fp32/bf16, head size 64/128/256, and
+        the kernels build), else the torch path."""
+        from fastdeploy.ops.cpu_ops import load_cpu_ops
+
+        fits = (
+            spec.device.type == "cpu"
+            and spec.dtype in cls.CPU_KERNEL_DTYPES
+            and spec.head_dim in cls.CPU_KERNEL_HEAD_DIMS
+        )
+        return cls(load_cpu_ops() if fits else None)
+
     def build(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
+        """Groups the step's decodes and prefill chunks (or packs them for the C++ kernels)."""
         qsl = common.query_start_loc_cpu
         query_lens = np.diff(qsl)
         decode_reqs = np.flatnonzero(query_lens == 1)

@@ -15,9 +15,15 @@ from dataclasses import dataclass
 
 import torch
 
+from fastdeploy.model_executor.attention.backend import AttentionBackend, AttentionSpec
 from fastdeploy.model_executor.attention.metadata import CommonAttentionMetadata
 from fastdeploy.ops.cache_ops import FP8_KV_CACHE_DTYPES
-from fastdeploy.ops.triton_attention import decode_attention, decode_num_splits, unified_attention
+from fastdeploy.ops.triton_attention import (
+    decode_attention,
+    decode_num_splits,
+    triton_interpreting,
+    unified_attention,
+)
 
 
 @dataclass
@@ -36,7 +42,7 @@ class TritonAttentionMetadata:
         return self.common.slot_mapping
 
 
-class TritonAttentionBackend:
+class TritonAttentionBackend(AttentionBackend):
     """Triton paged attention: any batch mix, GQA, bf16/fp16/fp32, fp8_e4m3 caches, mask offsets.
 
     ``decode_splits`` forces the number of KV splits of the decode kernel (tests, benchmarks);
@@ -46,11 +52,29 @@ class TritonAttentionBackend:
     """
 
     name = "triton"
+    devices = ("cuda", "cpu")  # a CPU only under TRITON_INTERPRET=1 (see unavailable_reason)
     supports_cuda_graphs = True
+    supports_fp8_kv_cache = True
+    supports_mm_bidirectional = True
 
     def __init__(self, decode_splits: int | None = None):
         self.decode_splits = decode_splits
         self._num_sms: int | None = None  # read from the device at the first decode step
+
+    @classmethod
+    def unavailable_reason(cls, spec: AttentionSpec) -> str | None:
+        """The kernels tile head_dim in powers of two, and compile for CUDA devices only (on a CPU
+        they run in Triton's interpreter, for tests)."""
+        if spec.head_dim < 16 or spec.head_dim & (spec.head_dim - 1):
+            return f"it needs a power-of-two head_dim >= 16, got {spec.head_dim}"
+        if spec.device.type != "cuda" and not triton_interpreting():
+            return "it runs on CUDA (on a CPU only under TRITON_INTERPRET=1)"
+        return None
+
+    @classmethod
+    def from_spec(cls, spec: AttentionSpec) -> TritonAttentionBackend:
+        """The decode split count follows the device (see :meth:`_splits`)."""
+        return cls()
 
     def build(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
         """Wraps the common metadata; decides between the decode and the unified kernel."""
