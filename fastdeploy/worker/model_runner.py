@@ -13,6 +13,7 @@ from fastdeploy.config import EngineConfig
 from fastdeploy.model_executor.attention.forward_context import set_forward_context
 from fastdeploy.model_executor.attention.metadata import CommonAttentionMetadata
 from fastdeploy.model_executor.layers.linear import prepack_linear_weights
+from fastdeploy.model_executor.layers.parallel_linear import local_heads
 from fastdeploy.model_executor.model_loader import ModelSource, load_model, resolve_dtype
 from fastdeploy.model_executor.sampler import LogprobsTensors, Sampler
 from fastdeploy.ops._ext import has_cuda_ops
@@ -49,13 +50,14 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.model.dtype, source.arch, device)
         self.batch = InputBatch(config.scheduler.max_num_seqs, max_model_len, self.block_size, device)
         arch = source.arch
+        heads = local_heads(arch.num_attention_heads, arch.num_key_value_heads)  # this rank's (TP)
         self.attn_backend = get_attention_backend(
             config,
             device,
             self.dtype,
             arch.head_dim,
-            num_heads=arch.num_attention_heads,
-            num_kv_heads=arch.num_key_value_heads,
+            num_heads=heads.num_heads,
+            num_kv_heads=heads.num_kv_heads,
             kv_cache_dtype=self.kv_cache_dtype,
             needs_mask_offsets=arch.mm is not None and config.model.mm_bidirectional_attention,
         )
@@ -101,12 +103,14 @@ class ModelRunner:
             per_head = arch.head_dim + 4
         else:
             per_head = arch.head_dim * self.dtype.itemsize
-        return 2 * arch.num_hidden_layers * arch.num_key_value_heads * per_head * self.block_size
+        kv_heads = local_heads(arch.num_attention_heads, arch.num_key_value_heads).num_kv_heads  # this rank's
+        return 2 * arch.num_hidden_layers * kv_heads * per_head * self.block_size
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate ``[num_blocks, block_size, kv_heads, head_dim]`` key and value caches per layer."""
         arch = self.source.arch
-        shape = (num_blocks, self.block_size, arch.num_key_value_heads, arch.head_dim)
+        kv_heads = local_heads(arch.num_attention_heads, arch.num_key_value_heads).num_kv_heads  # this rank's
+        shape = (num_blocks, self.block_size, kv_heads, arch.head_dim)
         self.kv_caches = []
         fp8 = self.kv_cache_dtype == "fp8_e4m3"
         cache_dtype = torch.float8_e4m3fn if fp8 else self.dtype

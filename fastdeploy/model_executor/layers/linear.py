@@ -169,18 +169,26 @@ class Linear(nn.Linear):
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 64)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.small_m_gemv and x.is_cuda and small_m_eligible(x, self.weight, self.bias):
+        return self.matmul(x, self.bias)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ weight.T + bias`` on this process's weight (the shard, in a parallel layer)."""
+        if self.small_m_gemv and x.is_cuda and small_m_eligible(x, self.weight, bias):
             return load_triton_gemv().small_m_linear(x, self.weight)
         if self.packed_weight is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
-        return nn.functional.linear(x, self.weight, self.bias)
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
+        return nn.functional.linear(x, self.weight, bias)
 
     def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``self(silu_and_mul(gate_up))`` for ``gate_up = [gate | up]``: one Triton kernel for
         small-M decode on a GPU (the activation formed as the weights stream), else the two ops."""
-        if self.small_m_gemv and gate_up.is_cuda and small_m_eligible(gate_up, self.weight, self.bias, True):
+        return self.matmul_silu_mul(gate_up, self.bias)
+
+    def matmul_silu_mul(self, gate_up: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`matmul` of ``silu_and_mul(gate_up)``, fused where :meth:`forward_silu_mul` says."""
+        if self.small_m_gemv and gate_up.is_cuda and small_m_eligible(gate_up, self.weight, bias, True):
             return load_triton_gemv().small_m_linear(gate_up, self.weight, silu_mul=True)
-        return self(silu_and_mul(gate_up))
+        return self.matmul(silu_and_mul(gate_up), bias)
 
     def fuses_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, rotary: object | None = None

@@ -8,11 +8,14 @@ model given, the embedded default model is used.
 from __future__ import annotations
 
 import os
+import zlib
 from dataclasses import dataclass
 
 import torch
 
 from fastdeploy.config import ModelConfig
+from fastdeploy.distributed import tp_size
+from fastdeploy.model_executor.layers.weight_loading import checkpoint_shapes, weight_loader
 from fastdeploy.model_executor.model_loader.default_model import default_model_path
 from fastdeploy.model_executor.model_loader.gguf_loader import gguf_config_dict, iterate_gguf_weights
 from fastdeploy.model_executor.model_loader.safetensors_loader import iterate_safetensors
@@ -125,25 +128,42 @@ _DUMMY_CHUNK = 1 << 26
 def initialize_dummy_weights(model: torch.nn.Module, seed: int) -> None:
     """Seeded random weights: norms near 1, matrices and embeddings ~ U(-0.05, 0.05).
 
-    Drawn in float32 where each parameter lives, by a generator of that device, in row
-    chunks of at most ``_DUMMY_CHUNK`` values, then cast into the parameter: an 8B model on
-    a GPU never passes through host memory. One seed gives the same weights in every dtype
+    Each checkpoint tensor a parameter is made of (one, or q/k/v and gate/up of a fused
+    parameter) is drawn in full by a generator of the parameter's device seeded from
+    ``seed`` and the tensor's name, and goes through the parameter's weight loader like a
+    real checkpoint tensor: every tensor-parallel size gets the same model (each rank its
+    shards), and every rank the same replicated parameters. Values are drawn in float32 in
+    row chunks of at most ``_DUMMY_CHUNK`` values and cast; a tensor that is the whole
+    parameter is drawn in place, others pass through one temporary of the parameter's dtype
+    (nothing through host memory on a GPU). One seed gives the same weights in every dtype
     on one device type; a CPU and a GPU draw different values.
     """
-    generators: dict[torch.device, torch.Generator] = {}
+    single_rank = tp_size() == 1
     for name, param in model.named_parameters():
-        device = param.device
-        if device not in generators:
-            generators[device] = torch.Generator(device=device).manual_seed(seed)
-        data = param.data.view(param.shape[0], -1) if param.dim() > 0 else param.data.view(1, 1)
-        rows = max(1, _DUMMY_CHUNK // max(1, data.shape[1]))
-        for start in range(0, data.shape[0], rows):
-            chunk = data[start : start + rows]
-            values = torch.rand(chunk.shape, generator=generators[device], device=device, dtype=torch.float32)
-            values.sub_(0.5).mul_(0.1)
-            if name.endswith("norm.weight"):
-                values.add_(1.0)
-            chunk.copy_(values)
+        is_norm = name.endswith("norm.weight")
+        for shard, shape in checkpoint_shapes(param).items():
+            generator = torch.Generator(device=param.device)
+            generator.manual_seed((seed * 1_000_003 + zlib.crc32(f"{name}:{shard}".encode())) % 2**63)
+            whole = shard is None and shape == tuple(param.shape)
+            if whole and (single_rank or not hasattr(param, "weight_loader")):
+                _fill_dummy(param.data, generator, is_norm)
+            else:
+                full = torch.empty(shape, dtype=param.dtype, device=param.device)
+                _fill_dummy(full, generator, is_norm)
+                weight_loader(param)(param, full, shard)
+
+
+def _fill_dummy(out: torch.Tensor, generator: torch.Generator, is_norm: bool) -> None:
+    """Fill ``out`` row chunk by row chunk (see :func:`initialize_dummy_weights`)."""
+    data = out.view(out.shape[0], -1) if out.dim() > 0 else out.view(1, 1)
+    rows = max(1, _DUMMY_CHUNK // max(1, data.shape[1]))
+    for start in range(0, data.shape[0], rows):
+        chunk = data[start : start + rows]
+        values = torch.rand(chunk.shape, generator=generator, device=out.device, dtype=torch.float32)
+        values.sub_(0.5).mul_(0.1)
+        if is_norm:
+            values.add_(1.0)
+        chunk.copy_(values)
 
 
 def load_tokenizer(config: ModelConfig, source: ModelSource):

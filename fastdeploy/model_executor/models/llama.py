@@ -4,6 +4,13 @@ Differences between the family members are flags of ``ModelArchConfig``:
 ``attention_bias`` (Qwen2), ``qk_norm`` (Qwen3), ``tie_word_embeddings`` and
 rope scaling. Inputs are flattened tokens of the whole batch; attention goes
 through the paged-cache ``Attention`` layer.
+
+Tensor parallelism: the layers are the parallel ones of
+:mod:`~fastdeploy.model_executor.layers.parallel_linear` and
+:mod:`~fastdeploy.model_executor.layers.vocab_parallel_embedding`, built for the group
+that :func:`fastdeploy.distributed.init_tensor_parallel` set up before the model; each
+rank holds its attention heads, its slice of the MLP and of the vocabulary, and loads its
+own shards from the full checkpoint tensors.
 """
 
 from __future__ import annotations
@@ -15,8 +22,15 @@ from torch import nn
 
 from fastdeploy.model_executor.attention import Attention
 from fastdeploy.model_executor.layers.layernorm import RMSNorm
-from fastdeploy.model_executor.layers.linear import Linear, load_triton_norm_gemv, small_m_context
+from fastdeploy.model_executor.layers.linear import load_triton_norm_gemv, small_m_context
+from fastdeploy.model_executor.layers.parallel_linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from fastdeploy.model_executor.layers.rotary_embedding import RotaryEmbedding
+from fastdeploy.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from fastdeploy.model_executor.layers.weight_loading import ShardId, checkpoint_shapes, weight_loader
 from fastdeploy.transformers_utils.config import ModelArchConfig
 
 
@@ -25,15 +39,27 @@ class WeightLoadError(ValueError):
 
 
 class LlamaAttention(nn.Module):
+    """Self-attention over this rank's heads (``num_heads`` / ``num_kv_heads`` are the local counts);
+    o_proj sums the ranks' outputs."""
+
     def __init__(self, cfg: ModelArchConfig, layer_idx: int):
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size,
+            cfg.head_dim,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.attention_bias,
+        )
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.o_proj = RowParallelLinear(
+            cfg.num_attention_heads * cfg.head_dim,
+            cfg.hidden_size,
+            bias=False,
+            input_shard=(self.qkv_proj.heads.head_start * self.head_dim, self.q_size),
+        )
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -91,11 +117,15 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    """SwiGLU MLP over this rank's slice of the intermediate features; down_proj sums the ranks'."""
+
     def __init__(self, cfg: ModelArchConfig):
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            cfg.hidden_size, [cfg.intermediate_size] * 2, bias=False
+        )
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
@@ -121,7 +151,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelArchConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         shared_rotary = self.layers[0].self_attn.rotary_emb  # one cos/sin table for every layer
         for layer in self.layers[1:]:
@@ -139,7 +169,7 @@ class LlamaModel(nn.Module):
         return hidden
 
 
-# checkpoint name fragment → (our fused parameter fragment, shard id)
+# checkpoint name fragment → (our fused parameter fragment, shard id of its loader)
 _STACKED = (
     ("q_proj", "qkv_proj", "q"),
     ("k_proj", "qkv_proj", "k"),
@@ -157,7 +187,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -168,7 +198,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, inputs_embeds)
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Hidden states [N, hidden] → float32 logits [N, vocab], written into ``out`` when given."""
+        """Hidden states [N, hidden] → float32 logits [N, vocab] (the full vocabulary on every
+        tensor-parallel rank), written into ``out`` when given."""
         logits = self.lm_head(hidden)
         return logits.float() if out is None else out.copy_(logits)
 
@@ -176,57 +207,41 @@ class LlamaForCausalLM(nn.Module):
         return [layer.self_attn.attn for layer in self.model.layers]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (Hugging Face names) into the fused parameters.
+        """Hand each full checkpoint tensor (Hugging Face names) to its parameter's loader, which
+        copies this rank's shard (into a fused parameter's region for q/k/v and gate/up).
 
-        Raises ``WeightLoadError`` for a shape mismatch (naming the tensor and
-        both shapes) and for parameters the checkpoint did not provide.
+        Raises ``WeightLoadError`` for a tensor no parameter takes, a shape mismatch (naming
+        the tensor and both full shapes) and parameters the checkpoint did not provide.
         """
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
+        params = dict(self.named_parameters())  # (a tied lm_head.weight is listed once, as the embedding)
+        loaded: set[tuple[str, ShardId]] = set()
         for name, tensor in weights:
             if name.endswith(_IGNORED_SUFFIXES):
                 continue
             if self.config.tie_word_embeddings and name == "lm_head.weight":
                 continue
-            target, shard = name, None
-            for ckpt_part, fused_part, shard_id in _STACKED:
-                if f".{ckpt_part}." in name:
-                    target, shard = name.replace(ckpt_part, fused_part), shard_id
-                    break
-            if target not in params:
+            target, shard = _parameter_of(name)
+            param = params.get(target)
+            shapes = checkpoint_shapes(param) if param is not None else {}
+            if shard not in shapes:
                 raise WeightLoadError(f"checkpoint tensor {name!r} has no matching model parameter")
-            param = params[target]
-            dest = param.data if shard is None else self._shard_view(param.data, shard, target)
-            if tuple(dest.shape) != tuple(tensor.shape):
+            if tuple(tensor.shape) != shapes[shard]:
                 raise WeightLoadError(
                     f"shape mismatch for {name!r}: checkpoint has {tuple(tensor.shape)}, "
-                    f"model expects {tuple(dest.shape)}"
+                    f"model expects {shapes[shard]}"
                 )
-            dest.copy_(tensor)
-            loaded.add(f"{target}:{shard}")
-        expected = set()
-        for pname in params:
-            if pname.endswith(("qkv_proj.weight", "qkv_proj.bias")):
-                expected.update(f"{pname}:{s}" for s in "qkv")
-            elif pname.endswith("gate_up_proj.weight"):
-                expected.update(f"{pname}:{s}" for s in (0, 1))
-            elif not (self.config.tie_word_embeddings and pname == "lm_head.weight"):
-                expected.add(f"{pname}:None")
-        missing = sorted(expected - loaded)
+            weight_loader(param)(param, tensor, shard)
+            loaded.add((target, shard))
+        expected = {(pname, shard) for pname, param in params.items() for shard in checkpoint_shapes(param)}
+        missing = sorted(expected - loaded, key=str)
         if missing:
-            shown = ", ".join(m.replace(":None", "") for m in missing[:5])
+            shown = ", ".join(pname if shard is None else f"{pname}:{shard}" for pname, shard in missing[:5])
             raise WeightLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {shown}")
 
-    def _shard_view(self, data: torch.Tensor, shard: str | int, name: str) -> torch.Tensor:
-        if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
-            attn = self.model.layers[0].self_attn
-            sizes = {
-                "q": (0, attn.q_size),
-                "k": (attn.q_size, attn.kv_size),
-                "v": (attn.q_size + attn.kv_size, attn.kv_size),
-            }
-            start, size = sizes[shard]
-        else:
-            size = self.config.intermediate_size
-            start = shard * size
-        return data.narrow(0, start, size)
+
+def _parameter_of(name: str) -> tuple[str, ShardId]:
+    """Our parameter name and shard id for a checkpoint tensor name (q_proj → qkv_proj, "q"; ...)."""
+    for ckpt_part, fused_part, shard_id in _STACKED:
+        if f".{ckpt_part}." in name:
+            return name.replace(ckpt_part, fused_part), shard_id
+    return name, None
