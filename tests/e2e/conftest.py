@@ -125,17 +125,6 @@ class RemoteServer:
         assert not alive, f"processes left after the server exited: {alive}\n{self.log()}"
         return code
 
-    def processes_named(self, name: str) -> list[psutil.Process]:
-        """Live descendants whose command line mentions ``name`` (e.g. ``fastdeploy-worker``)."""
-        found = []
-        for p in self.descendants():
-            try:
-                if name in " ".join(p.cmdline()):
-                    found.append(p)
-            except psutil.Error:  # exited meanwhile
-                pass
-        return found
-
     def descendants(self) -> list[psutil.Process]:
         """Every live process below the server process (engine core, worker, resource tracker)."""
         try:

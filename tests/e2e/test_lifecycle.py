@@ -29,6 +29,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import psutil
 import pytest
 
 from tests.e2e.test_failures import start_long_stream
@@ -55,6 +56,14 @@ def ipc_leftovers(tmpdir: Path) -> list[str]:
     return sorted(str(p) for p in tmpdir.rglob("*") if p.is_socket() or p.name.startswith("fastdeploy-"))
 
 
+def worker_started(srv) -> bool:
+    """Whether the engine core has started its worker (a grandchild of the server): the model is loading."""
+    try:
+        return any(child.children() for child in psutil.Process(srv.proc.pid).children())
+    except psutil.Error:  # a process exited meanwhile
+        return False
+
+
 def wait_until(condition, timeout: float, srv, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -70,7 +79,7 @@ def test_signal_during_startup_stops_everything(server_factory, server_tmpdir, s
     if phase == "importing":
         time.sleep(1.0)  # the server is still importing its modules
     else:  # the worker process exists: the model is loading
-        wait_until(lambda: srv.processes_named("fastdeploy-worker"), 120, srv, "worker process")
+        wait_until(lambda: worker_started(srv), 120, srv, "worker process")
     assert srv.proc.poll() is None, srv.log()
 
     started = time.monotonic()
