@@ -51,6 +51,12 @@ CHECKPOINTS = {
 LOCAL_HEADS = {"llama-gqa": [(2, 1)] * 2, "llama-kv1": [(2, 1)] * 2, "llama-uneven": [(2, 1), (4, 2)]}
 """(query heads, KV heads) of each rank, where the layout is the point of the checkpoint."""
 NUM_TOKENS = 23
+QKV_LAYOUTS = {
+    (4, 2): [((0, 2), (0, 1)), ((2, 4), (1, 2))],  # even
+    (4, 1): [((0, 2), (0, 1)), ((2, 4), (0, 1))],  # the one KV head on both ranks
+    (6, 3): [((0, 2), (0, 1)), ((2, 6), (1, 3))],  # whole GQA groups, unevenly
+}
+"""(heads, KV heads) → per rank: its query heads and its KV heads, [start, end) of the checkpoint's."""
 
 
 def _write_checkpoint(folder: str, family: str, overrides: dict) -> None:
@@ -138,23 +144,24 @@ def _layer_checks(rank: int, size: int) -> dict[str, tuple[torch.Tensor, torch.T
     checks["merged"] = (layer(x), torch.cat([mine(F.linear(x, w0)), mine(F.linear(x, w1))], dim=-1))
 
     head_dim = 3
-    for heads, kv_heads in ((4, 2), (4, 1), (6, 3)):  # even, KV replicated, uneven GQA groups
+    for (heads, kv_heads), ranks in QKV_LAYOUTS.items():
+        (q_start, q_end), (kv_start, kv_end) = ranks[rank]
         wq, wk, wv = rand(heads * head_dim, 12), rand(kv_heads * head_dim, 12), rand(kv_heads * head_dim, 12)
         bq, bk, bv = rand(heads * head_dim), rand(kv_heads * head_dim), rand(kv_heads * head_dim)
         layer = QKVParallelLinear(12, head_dim, heads, kv_heads, bias=True)
         for shard, weight, bias in (("q", wq, bq), ("k", wk, bk), ("v", wv, bv)):
             _load(layer.weight, weight, shard)
             _load(layer.bias, bias, shard)
-        q, k, v = layer(x).split([layer.q_size, layer.kv_size, layer.kv_size], dim=-1)
-        mine_q = slice(
-            layer.heads.head_start * head_dim, (layer.heads.head_start + layer.num_heads) * head_dim
+        q_cols, kv_cols = (
+            slice(q_start * head_dim, q_end * head_dim),
+            slice(kv_start * head_dim, kv_end * head_dim),
         )
-        start, count = layer.heads.kv_head_start, layer.num_kv_heads
-        mine_kv = slice(start * head_dim, (start + count) * head_dim)
-        got, want = torch.cat([q, k, v], -1), torch.cat([F.linear(x, wq, bq)[:, mine_q], *(
-            F.linear(x, w_, b_)[:, mine_kv] for w_, b_ in ((wk, bk), (wv, bv))
-        )], -1)  # fmt: skip
-        checks[f"qkv-{heads}-{kv_heads}"] = (got, want)
+        want = [
+            F.linear(x, wq, bq)[:, q_cols],
+            F.linear(x, wk, bk)[:, kv_cols],
+            F.linear(x, wv, bv)[:, kv_cols],
+        ]
+        checks[f"qkv-{heads}-{kv_heads}"] = (layer(x), torch.cat(want, dim=-1))
 
     w, b, x8, gate_up = rand(6, 8), rand(6), rand(5, 8), rand(5, 16)
     layer = RowParallelLinear(8, 6, bias=True)
