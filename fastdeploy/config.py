@@ -170,6 +170,9 @@ class ServerConfig:
     exit_on_engine_death: bool = True
     """Exit (non-zero) when the engine dies, so that a supervisor restarts the server; off: keep
     answering /health and new requests with 503."""
+    strict_request_fields: bool = False
+    """Refuse (400) request fields that are neither OpenAI's nor a supported extension; off: ignore
+    them with a warning logged once per field name, as vLLM does."""
 
 
 @dataclass

@@ -13,7 +13,8 @@ class IncrementalDetokenizer:
 
     Each step decodes a small window of recent tokens twice (with and without
     the new ones) and emits the difference; a window whose text ends in an
-    incomplete character (U+FFFD) waits for the next token.
+    incomplete character (U+FFFD) waits for the next token, and at the end such
+    a tail is dropped.
     """
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True):
@@ -28,11 +29,20 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add_tokens(self, token_ids: list[int], final: bool = False) -> str:
-        """Append tokens; return the newly readable text (all of it when ``final``)."""
+        """Append tokens; return the newly readable text.
+
+        With ``final`` (the choice ends here) everything left is returned, except
+        an incomplete character at the very end (a choice cut by ``max_tokens``
+        inside a multi-byte character): its bytes are dropped, never sent as U+FFFD.
+        """
         self._ids.extend(token_ids)
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(self._ids[self._prefix_offset :])
-        if len(new_text) <= len(prefix_text) or (new_text.endswith("\ufffd") and not final):
+        if new_text.endswith("\ufffd"):
+            if not final:
+                return ""
+            new_text = new_text.rstrip("\ufffd")
+        if len(new_text) <= len(prefix_text):
             return ""
         delta = new_text[len(prefix_text) :]
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)

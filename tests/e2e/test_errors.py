@@ -6,6 +6,9 @@ wrong one, are 401s; every other request here sends the key.
 
 from __future__ import annotations
 
+import time
+import uuid
+
 import httpx
 import openai
 import pytest
@@ -44,7 +47,6 @@ BAD_REQUESTS = [
     ("missing-messages", CHAT_PATH, {"max_tokens": 4}, "messages"),
     ("missing-prompt", COMPLETIONS_PATH, {"max_tokens": 4}, "prompt"),
     ("empty-prompt", COMPLETIONS_PATH, {"prompt": ""}, "prompt"),
-    ("unknown-field", COMPLETIONS_PATH, {"prompt": "Hi", "bogus": 1}, "bogus"),
     ("body-not-object", COMPLETIONS_PATH, ["Hi"], None),
     ("token-id-out-of-vocab", COMPLETIONS_PATH, {"prompt": [10**9]}, "prompt"),
 ]
@@ -58,6 +60,20 @@ def test_bad_request_is_400(server, path, body, param):
     assert error["type"] == "invalid_request_error"
     if param is not None:
         assert error["param"] == param, error
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS_PATH, CHAT_PATH])
+def test_unknown_field_is_ignored_with_a_warning(server, path):
+    """A field outside the OpenAI API and its extensions is dropped and logged, as vLLM does (the server
+    would refuse it with --strict-request-fields: tests/entrypoints/test_request_fields.py)."""
+    field = f"bogus_{uuid.uuid4().hex[:8]}"  # warnings come once per field name: a name never sent before
+    body = {"prompt": "Hi"} if path == COMPLETIONS_PATH else {"messages": MESSAGES}
+    response = post(server, path, {**body, "max_tokens": 1, field: 1})
+    assert response.status_code == 200, response.text
+    deadline = time.monotonic() + 10
+    while f"Ignoring the request field '{field}'" not in server.log_path.read_text(errors="replace"):
+        assert time.monotonic() < deadline, f"no warning naming {field} in the server log"
+        time.sleep(0.1)
 
 
 @pytest.mark.parametrize("path", [COMPLETIONS_PATH, CHAT_PATH])

@@ -177,7 +177,7 @@ def test_out_of_range_values_are_400_with_param(fields, param):
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"stop_token_ids": "1"}, "stop_token_ids"),
         ({"model": 3}, "model"),
-        ({"stream_options": {"include_usage": True, "other": 1}}, "stream_options.other"),
+        ({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
     ],
 )
 def test_wrong_types_are_400_with_param(fields, param):
@@ -185,10 +185,17 @@ def test_wrong_types_are_400_with_param(fields, param):
     assert err.param == param
 
 
-def test_unknown_field_is_rejected():
-    err = bad_request(chat, guided_choice=["a"])
-    assert err.param == "guided_choice"
-    assert err.message == "Unrecognized request argument supplied: guided_choice"
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"not_a_field": ["a"]}, "not_a_field"),
+        ({"stream_options": {"include_usage": True, "other": 1}}, "stream_options.other"),
+    ],
+)
+def test_unknown_field_is_rejected_with_strict_fields(fields, param):
+    err = bad_request(parse_request, ChatCompletionRequest, {"messages": USER, **fields}, strict_fields=True)
+    assert err.param == param
+    assert err.message == f"Unrecognized request argument supplied: {param}"
 
 
 @pytest.mark.parametrize(
@@ -238,8 +245,8 @@ def test_bad_echo_and_prompt_logprobs_values_are_400(make, fields, param):
     assert bad_request(make(**fields).to_sampling_params).param == param
 
 
-def test_chat_has_no_echo():
-    assert bad_request(chat, echo=True).param == "echo"
+def test_chat_echo_needs_a_bool():
+    assert bad_request(chat, echo="yes").param == "echo"
 
 
 def test_off_values_of_unimplemented_fields_are_accepted():

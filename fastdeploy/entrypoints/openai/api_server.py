@@ -142,7 +142,8 @@ def build_app(
 ) -> FastAPI:
     """The FastAPI app serving ``engine_client`` under ``served_model_names`` (the first is the default).
 
-    ``server`` sets the limits of each request and the API key: with a key set,
+    ``server`` sets the limits of each request, how unknown request fields are
+    treated (``strict_request_fields``) and the API key: with a key set,
     every route needs ``Authorization: Bearer <key>`` except ``/health``,
     ``/metrics`` and ``/version`` (what load balancers and Prometheus poll).
     ``app.state.begin_shutdown()`` ends the requests in flight with a 503 (the
@@ -161,6 +162,7 @@ def build_app(
     _install_exception_handlers(app)
     app.state.engine_client = engine_client
     auth = [Depends(_api_key_dependency(server.api_key))] if server.api_key else []
+    strict = server.strict_request_fields
 
     tokenizers = TokenizerLanes()
     shutdown_event = asyncio.Event()
@@ -179,17 +181,21 @@ def build_app(
 
     @v1.post("/completions", openapi_extra=json_body(CompletionRequest))
     async def create_completion(raw_request: Request) -> Response:
-        request = parse_request(CompletionRequest, await read_json(raw_request))
+        request = parse_request(CompletionRequest, await read_json(raw_request), strict_fields=strict)
         return await completions.create_completion(request, raw_request)
 
     @v1.post("/chat/completions", openapi_extra=json_body(ChatCompletionRequest))
     async def create_chat_completion(raw_request: Request) -> Response:
-        request = parse_request(ChatCompletionRequest, await read_json(raw_request))
+        request = parse_request(ChatCompletionRequest, await read_json(raw_request), strict_fields=strict)
         return await chat.create_chat_completion(request, raw_request)
 
     @v1.get("/models")
     async def list_models() -> Response:
         return JSONResponse(tokenization.list_models().model_dump())
+
+    @v1.get("/models/{model:path}")
+    async def retrieve_model(model: str) -> Response:
+        return JSONResponse(tokenization.retrieve_model(model).model_dump())
 
     app.include_router(v1)
 
@@ -215,12 +221,12 @@ def build_app(
         openapi_extra=json_body(TokenizeCompletionRequest | TokenizeChatRequest, "TokenizeRequest"),
     )
     async def tokenize(raw_request: Request) -> Response:
-        request = parse_tokenize_request(await read_json(raw_request))
+        request = parse_tokenize_request(await read_json(raw_request), strict_fields=strict)
         return JSONResponse((await tokenization.tokenize(request)).model_dump(exclude_none=True))
 
     @app.post("/detokenize", dependencies=auth, openapi_extra=json_body(DetokenizeRequest))
     async def detokenize(raw_request: Request) -> Response:
-        request = parse_request(DetokenizeRequest, await read_json(raw_request))
+        request = parse_request(DetokenizeRequest, await read_json(raw_request), strict_fields=strict)
         return JSONResponse((await tokenization.detokenize(request)).model_dump())
 
     add_openapi_routes(app, auth)

@@ -68,9 +68,10 @@ def completion_logprobs(
 ) -> CompletionLogProbs:
     """The legacy ``logprobs`` object; ``text_offset`` is where the first token's text starts.
 
-    A None entry (the first prompt token of an echoed prompt, which nothing
-    predicts) gives a null ``token_logprob`` and ``top_logprobs``; its text comes
-    from ``decode``.
+    Each ``top_logprobs`` entry holds the sampled token and the ``num_top``
+    most likely ones. A None entry (the first prompt token of an echoed prompt,
+    which nothing predicts) gives a null ``token_logprob`` and ``top_logprobs``;
+    its text comes from ``decode``.
     """
     out = CompletionLogProbs()
     offset = text_offset
@@ -89,13 +90,18 @@ def completion_logprobs(
         out.token_logprobs.append(_finite(sampled.logprob))
         out.text_offset.append(offset)
         offset += len(text)
-        top = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None), key=lambda x: x[1].rank)
-        out.top_logprobs.append(
-            {_token_str(t, lp): _finite(lp.logprob) for t, lp in top if lp.rank <= num_top}
-            if num_top
-            else None
-        )
+        out.top_logprobs.append(_top_logprobs(token, entry, num_top))
     return out
+
+
+def _top_logprobs(token: int, entry: dict[int, Logprob], num_top: int) -> dict[str, float]:
+    """A legacy ``top_logprobs`` entry: the ``num_top`` most likely tokens and, always, the sampled
+    one (OpenAI: "up to logprobs+1 elements"; with ``logprobs: 0`` just the sampled token)."""
+    chosen = [(token, entry[token])] + [
+        (t, lp) for t, lp in entry.items() if t != token and lp.rank is not None and lp.rank <= num_top
+    ]
+    chosen.sort(key=lambda x: -x[1].logprob)
+    return {_token_str(t, lp): _finite(lp.logprob) for t, lp in chosen}
 
 
 def prompt_logprobs_json(

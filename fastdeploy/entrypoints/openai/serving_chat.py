@@ -1,21 +1,25 @@
 """``POST /v1/chat/completions``: messages through the chat template, assistant text out.
 
-Streaming follows OpenAI's chunk sequence: one chunk per choice with
-``delta.role = "assistant"`` first, then content deltas, the finish reason, an
-optional usage chunk with no choices, and ``data: [DONE]``.
+Streaming follows OpenAI's chunk sequence, one choice per chunk: a chunk per
+choice with ``delta.role = "assistant"`` first, then content deltas, the finish
+reason, an optional usage chunk with no choices, and ``data: [DONE]``.
 
-``prompt_logprobs`` (vLLM's extension) sits at the top level of the response,
-as in vLLM; when streaming, in the first chunk after they arrive.
+``prompt_logprobs`` and ``prompt_token_ids`` (vLLM's extensions) sit at the top
+level of the response, as in vLLM; when streaming, ``prompt_token_ids`` in the
+first chunk and ``prompt_logprobs`` in the first chunk after they arrive.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from fastdeploy.engine.outputs import CompletionOutput
 from fastdeploy.entrypoints.openai.errors import BadRequestError
 from fastdeploy.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs_json
 from fastdeploy.entrypoints.openai.protocol import (
@@ -42,6 +46,36 @@ from fastdeploy.entrypoints.openai.serving_engine import (
 )
 from fastdeploy.entrypoints.openai.serving_mm import MultimodalChatInputs
 
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+"""Marks the end of the final message in the rendered text, for ``continue_final_message``."""
+
+
+@dataclass
+class ChatOptions:
+    """What a chat answer reports besides its text, from the request."""
+
+    include_usage: bool = False
+    """Streaming: end with a usage chunk (and ``"usage": null`` in the other chunks)."""
+    continuous_usage: bool = False
+    """Streaming: the usage so far in every chunk (vLLM's ``continuous_usage_stats``)."""
+    num_prompt_logprobs: int | None = None
+    """The ``prompt_logprobs`` the client asked for (None: leave the field out)."""
+    echo_text: str = ""
+    """The text every choice starts with (``echo``)."""
+    return_token_ids: bool = False
+    """Report ``prompt_token_ids`` and each choice's ``token_ids``."""
+
+    @classmethod
+    def of(cls, request: ChatCompletionRequest) -> ChatOptions:
+        """The options ``request`` asks for."""
+        return cls(
+            include_usage=request.include_usage,
+            continuous_usage=request.continuous_usage,
+            num_prompt_logprobs=request.prompt_logprobs,
+            echo_text=request.echo_text,
+            return_token_ids=bool(request.return_token_ids),
+        )
+
 
 class OpenAIServingChat(OpenAIServing):
     """Handler of the chat completions endpoint (text, and image / video feature parts)."""
@@ -61,7 +95,7 @@ class OpenAIServingChat(OpenAIServing):
         self.check_healthy()
 
         conversation, items = await self.mm_inputs.split(request.messages, self._run_tokenizer)
-        text = await self.render_chat(request.messages, conversation=conversation)
+        text = await self._render(request, conversation)
         token_ids = await self.encode(text, add_special_tokens=False, param="messages")
         if not token_ids:
             raise BadRequestError("The chat template produced an empty prompt", param="messages")
@@ -79,63 +113,106 @@ class OpenAIServingChat(OpenAIServing):
         ]
 
         request_id = random_id("chatcmpl")
-        num_prompt_lps = request.prompt_logprobs
+        options = ChatOptions.of(request)
         if request.stream:
-            return SSEResponse(
-                self._stream(request_id, model, prompts, request.include_usage, num_prompt_lps)
-            )
+            return SSEResponse(self._stream(request_id, model, prompts, options))
         response = await run_until_disconnected(
-            raw_request, self._collect(request_id, model, prompts, num_prompt_lps)
+            raw_request, self._collect(request_id, model, prompts, options)
         )
         return JSONResponse(response.model_dump())
 
+    async def _render(self, request: ChatCompletionRequest, conversation: list[dict[str, Any]] | None) -> str:
+        """The prompt text: the chat template applied with ``add_generation_prompt``, or, with
+        ``continue_final_message``, cut right after the final message's content.
+
+        The cut works as ``transformers``' ``apply_chat_template(continue_final_message=True)``: a
+        tag appended to the final message marks where its content ends in the rendered text.
+        """
+        if not request.continue_final_message:
+            return await self.render_chat(
+                request.messages,
+                add_generation_prompt=request.add_generation_prompt,
+                conversation=conversation,
+            )
+        conversation = [dict(m) for m in (conversation or request.template_messages())]
+        final = conversation[-1]
+        if not isinstance(final.get("content"), str):
+            raise BadRequestError(
+                "continue_final_message needs a final message with text content", param="messages"
+            )
+        final["content"] += _CONTINUE_TAG
+        text = await self.render_chat(
+            request.messages, add_generation_prompt=False, conversation=conversation
+        )
+        tag = _CONTINUE_TAG.strip()
+        if tag not in text:
+            raise BadRequestError(
+                "continue_final_message is set but the chat template drops the final message's content",
+                param="continue_final_message",
+            )
+        at = text.rindex(tag)
+        if text[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
+            return text[:at]
+        return text[:at].rstrip()  # the template trimmed the content's trailing space
+
+    def _stream_choice(
+        self, c: CompletionOutput, num_top: int | None, options: ChatOptions
+    ) -> ChatCompletionStreamChoice:
+        return ChatCompletionStreamChoice(
+            index=c.index,
+            delta=DeltaMessage(content=c.text) if c.text else DeltaMessage(),
+            logprobs=chat_logprobs(c.token_ids, c.logprobs, num_top)
+            if c.logprobs and num_top is not None
+            else None,
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+            token_ids=list(c.token_ids) if options.return_token_ids else None,
+        )
+
     async def _stream(
-        self,
-        request_id: str,
-        model: str,
-        prompts: list[EnginePrompt],
-        include_usage: bool,
-        num_prompt_lps: int | None = None,
+        self, request_id: str, model: str, prompts: list[EnginePrompt], options: ChatOptions
     ) -> AsyncIterator[str]:
         n = prompts[0].params.n
         num_top = prompts[0].params.logprobs
         tracker = UsageTracker([request_id], prompts)
-        exclude = None if include_usage else {"usage"}
+        exclude = None if options.include_usage else {"usage"}
         pending_prompt_lps = None  # sent with the next chunk after they arrive
+        pending_prompt_ids = list(prompts[0].token_ids) if options.return_token_ids else None
 
-        def chunk(choices: list[ChatCompletionStreamChoice]) -> str:
-            nonlocal pending_prompt_lps
+        def chunk(choice: ChatCompletionStreamChoice) -> str:
+            nonlocal pending_prompt_lps, pending_prompt_ids
             body = ChatCompletionStreamResponse(
-                id=request_id, model=model, choices=choices, prompt_logprobs=pending_prompt_lps
+                id=request_id,
+                model=model,
+                choices=[choice],
+                prompt_logprobs=pending_prompt_lps,
+                prompt_token_ids=pending_prompt_ids,
+                usage=tracker.usage() if options.continuous_usage else None,
             )
-            pending_prompt_lps = None
+            pending_prompt_lps = pending_prompt_ids = None
             return f"data: {body.model_dump_json(exclude=exclude)}\n\n"
 
         try:
             for k in range(n):
                 yield chunk(
-                    [ChatCompletionStreamChoice(index=k, delta=DeltaMessage(role="assistant", content=""))]
+                    ChatCompletionStreamChoice(index=k, delta=DeltaMessage(role="assistant", content=""))
                 )
+            if options.echo_text:
+                for k in range(n):
+                    yield chunk(
+                        ChatCompletionStreamChoice(index=k, delta=DeltaMessage(content=options.echo_text))
+                    )
             async with contextlib.aclosing(self.iterate_outputs([request_id], prompts, tracker)) as outputs:
                 async for _, out in outputs:
-                    if out.prompt_logprobs is not None and num_prompt_lps is not None:
+                    if out.prompt_logprobs is not None and options.num_prompt_logprobs is not None:
                         pending_prompt_lps = prompt_logprobs_json(
-                            prompts[0].token_ids, out.prompt_logprobs, num_prompt_lps
+                            prompts[0].token_ids, out.prompt_logprobs, options.num_prompt_logprobs
                         )
-                    choices = [
-                        ChatCompletionStreamChoice(
-                            index=c.index,
-                            delta=DeltaMessage(content=c.text) if c.text else DeltaMessage(),
-                            logprobs=chat_logprobs(c.token_ids, c.logprobs, num_top) if c.logprobs else None,
-                            finish_reason=c.finish_reason,
-                            stop_reason=c.stop_reason,
-                        )
-                        for c in out.outputs
-                        if c.text or c.finish_reason is not None or c.logprobs
-                    ]
-                    if choices:
-                        yield chunk(choices)
-            if include_usage:
+                    for c in out.outputs:
+                        has_ids = options.return_token_ids and bool(c.token_ids)
+                        if c.text or c.finish_reason is not None or c.logprobs or has_ids:
+                            yield chunk(self._stream_choice(c, num_top, options))
+            if options.include_usage:
                 usage_chunk = ChatCompletionStreamResponse(
                     id=request_id, model=model, choices=[], usage=tracker.usage()
                 )
@@ -145,11 +222,11 @@ class OpenAIServingChat(OpenAIServing):
         yield SSE_DONE
 
     async def _collect(
-        self, request_id: str, model: str, prompts: list[EnginePrompt], num_prompt_lps: int | None = None
+        self, request_id: str, model: str, prompts: list[EnginePrompt], options: ChatOptions
     ) -> ChatCompletionResponse:
         n = prompts[0].params.n
         num_top = prompts[0].params.logprobs
-        texts: list[list[str]] = [[] for _ in range(n)]
+        texts: list[list[str]] = [[options.echo_text] for _ in range(n)]
         token_ids: list[list[int]] = [[] for _ in range(n)]
         logprobs: list[list] = [[] for _ in range(n)]
         finish: list[str | None] = [None] * n
@@ -159,9 +236,9 @@ class OpenAIServingChat(OpenAIServing):
         try:
             async with contextlib.aclosing(self.iterate_outputs([request_id], prompts, tracker)) as outputs:
                 async for _, out in outputs:
-                    if out.prompt_logprobs is not None and num_prompt_lps is not None:
+                    if out.prompt_logprobs is not None and options.num_prompt_logprobs is not None:
                         prompt_lps = prompt_logprobs_json(
-                            prompts[0].token_ids, out.prompt_logprobs, num_prompt_lps
+                            prompts[0].token_ids, out.prompt_logprobs, options.num_prompt_logprobs
                         )
                     for c in out.outputs:
                         texts[c.index].append(c.text)
@@ -178,9 +255,15 @@ class OpenAIServingChat(OpenAIServing):
                 logprobs=None if num_top is None else chat_logprobs(token_ids[k], logprobs[k], num_top),
                 finish_reason=finish[k] or "abort",
                 stop_reason=stop_reason[k],
+                token_ids=token_ids[k] if options.return_token_ids else None,
             )
             for k in range(n)
         ]
         return ChatCompletionResponse(
-            id=request_id, model=model, choices=choices, usage=tracker.usage(), prompt_logprobs=prompt_lps
+            id=request_id,
+            model=model,
+            choices=choices,
+            usage=tracker.usage(),
+            prompt_logprobs=prompt_lps,
+            prompt_token_ids=list(prompts[0].token_ids) if options.return_token_ids else None,
         )

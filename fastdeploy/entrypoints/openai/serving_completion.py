@@ -1,7 +1,8 @@
 """``POST /v1/completions``: prompts in, text out (streamed as SSE or in one response).
 
 A request may carry several prompts; each becomes one engine request, and
-choice ``k`` of prompt ``i`` is reported as index ``i * n + k``.
+choice ``k`` of prompt ``i`` is reported as index ``i * n + k``. Streaming sends
+one choice per chunk, as OpenAI does.
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ class CompletionExtras:
     """Per prompt, the text that starts each of its choices (``echo``); None: no echo."""
     num_prompt_logprobs: int | None = None
     """The ``prompt_logprobs`` the client asked for (None: leave the field out)."""
+    return_token_ids: bool = False
+    """Report each choice's ``prompt_token_ids`` and ``token_ids`` (vLLM's extension)."""
+    continuous_usage: bool = False
+    """Streaming: the usage so far in every chunk (vLLM's ``continuous_usage_stats``)."""
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -98,7 +103,11 @@ class OpenAIServingCompletion(OpenAIServing):
                 EnginePrompt(token_ids=token_ids, params=params.clone(max_tokens=max_tokens), text=text)
             )
 
-        extras = CompletionExtras(num_prompt_logprobs=request.prompt_logprobs)
+        extras = CompletionExtras(
+            num_prompt_logprobs=request.prompt_logprobs,
+            return_token_ids=bool(request.return_token_ids),
+            continuous_usage=request.continuous_usage,
+        )
         if request.echo:  # token-id prompts echo as their decoded text
             extras.echo_texts = [
                 p.text if p.text is not None else await self.decode(p.token_ids) for p in prompts
@@ -156,7 +165,9 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt_lps: list[list | None] = [None] * len(prompts)
         tracker = UsageTracker(request_ids, prompts)
         exclude = None if include_usage else {"usage"}
-        first_has_extras = extras.echo_texts is not None or extras.num_prompt_logprobs is not None
+        first_has_extras = (
+            extras.echo_texts is not None or extras.num_prompt_logprobs is not None or extras.return_token_ids
+        )
 
         def logprobs_of(k: int, token_ids: list[int], logprobs: list) -> object:
             if num_top is None or not logprobs:
@@ -170,7 +181,6 @@ class OpenAIServingCompletion(OpenAIServing):
                 async for i, out in outputs:
                     if out.prompt_logprobs is not None:
                         prompt_lps[i] = out.prompt_logprobs
-                    choices = []
                     for c in out.outputs:
                         k = i * n + c.index
                         first = not started[k]
@@ -180,25 +190,36 @@ class OpenAIServingCompletion(OpenAIServing):
                                 prompts[i], extras.echo_texts[i], prompt_lps[i], text, token_ids, logprobs,
                                 num_top is not None,
                             )  # fmt: skip
+                        has_ids = extras.return_token_ids and bool(c.token_ids)
                         if not (
-                            text or c.finish_reason is not None or logprobs or (first and first_has_extras)
+                            text
+                            or c.finish_reason is not None
+                            or logprobs
+                            or has_ids
+                            or (first and first_has_extras)
                         ):
                             continue
                         started[k] = True
-                        choices.append(
-                            CompletionResponseChoice(
-                                index=k,
-                                text=text,
-                                logprobs=logprobs_of(k, token_ids, logprobs),
-                                finish_reason=c.finish_reason,
-                                stop_reason=c.stop_reason,
-                                prompt_logprobs=self._prompt_logprobs_field(prompts[i], prompt_lps[i], extras)
-                                if first
-                                else None,
-                            )
+                        choice = CompletionResponseChoice(
+                            index=k,
+                            text=text,
+                            logprobs=logprobs_of(k, token_ids, logprobs),
+                            finish_reason=c.finish_reason,
+                            stop_reason=c.stop_reason,
+                            token_ids=list(c.token_ids) if extras.return_token_ids else None,
+                            prompt_logprobs=self._prompt_logprobs_field(prompts[i], prompt_lps[i], extras)
+                            if first
+                            else None,
+                            prompt_token_ids=list(prompts[i].token_ids)
+                            if first and extras.return_token_ids
+                            else None,
                         )
-                    if choices:
-                        chunk = CompletionStreamResponse(id=request_id, model=model, choices=choices)
+                        chunk = CompletionStreamResponse(
+                            id=request_id,
+                            model=model,
+                            choices=[choice],
+                            usage=tracker.usage() if extras.continuous_usage else None,
+                        )
                         yield f"data: {chunk.model_dump_json(exclude=exclude)}\n\n"
             if include_usage:
                 yield sse(
@@ -257,7 +278,9 @@ class OpenAIServingCompletion(OpenAIServing):
                     else completion_logprobs(ids, lps, num_top, 0, self._decode_token),
                     finish_reason=finish[k] or "abort",
                     stop_reason=stop_reason[k],
+                    token_ids=token_ids[k] if extras.return_token_ids else None,
                     prompt_logprobs=self._prompt_logprobs_field(prompts[i], prompt_lps[i], extras),
+                    prompt_token_ids=list(prompts[i].token_ids) if extras.return_token_ids else None,
                 )
             )
         return CompletionResponse(id=request_id, model=model, choices=choices, usage=tracker.usage())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from fastdeploy.entrypoints.openai.errors import NotFoundError
 from fastdeploy.entrypoints.openai.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -43,11 +44,24 @@ class OpenAIServingTokenization(OpenAIServing):
 
     def list_models(self) -> ModelList:
         """The served model names, with the model path and context length."""
-        root = getattr(getattr(self.engine, "config", None), "model", None)
-        root_path = getattr(root, "model", None)
-        return ModelList(
-            data=[
-                ModelCard(id=name, root=root_path, max_model_len=self.engine.max_model_len)
-                for name in self.served_model_names
-            ]
-        )
+        return ModelList(data=[self._model_card(name) for name in self.served_model_names])
+
+    def retrieve_model(self, name: str) -> ModelCard:
+        """``GET /v1/models/{model}``: one served model's card; 404 naming the model if it is not served."""
+        if name not in self.served_model_names:
+            raise NotFoundError(f"The model `{name}` does not exist.", param="model", code="model_not_found")
+        return self._model_card(name)
+
+    def _model_card(self, name: str) -> ModelCard:
+        return ModelCard(id=name, root=self.model_path, max_model_len=self.engine.max_model_len)
+
+    @property
+    def model_path(self) -> str | None:
+        """Where the served model's files are: the model folder or .gguf file the engine loaded
+        (the embedded default model's file when no model was given)."""
+        source = getattr(self.engine, "source", None)
+        path = getattr(source, "path", None)
+        if path:
+            return str(path)
+        config = getattr(getattr(self.engine, "config", None), "model", None)
+        return getattr(config, "model", None) or None

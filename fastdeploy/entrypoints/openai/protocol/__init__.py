@@ -1,10 +1,12 @@
 """Pydantic models of the OpenAI HTTP protocol, and their translation to engine terms.
 
 Requests are validated strictly (``"max_tokens": "10"`` is a 400, not silently
-coerced) and unknown fields are rejected, so a client never believes the server
-honoured a parameter it ignored. OpenAI fields that the engine does not
-implement yet are declared so that their "off" value is accepted and any other
-value is a 400 that says so.
+coerced). Every field of OpenAI's request schemas is declared: the engine uses
+it, or ignores it with a logged warning where it cannot apply, or (for what is
+not implemented yet and cannot be ignored, such as ``tools``) accepts only its
+"off" value and answers a 400 that says so otherwise. A field outside the
+protocol and its supported extensions is dropped with a warning, as vLLM does,
+or refused with ``--strict-request-fields``.
 
 The models live in modules by concern, all re-exported here:
 
@@ -39,9 +41,11 @@ from fastdeploy.entrypoints.openai.protocol.common import (
     PromptTokensDetails,
     ResponseModel,
     UsageInfo,
+    WithExtensions,
     WithPromptLogprobs,
     parse_request,
     random_id,
+    warn_once,
 )
 from fastdeploy.entrypoints.openai.protocol.completion import (
     CompletionLogProbs,
@@ -102,9 +106,11 @@ __all__ = [
     "TokenizeCompletionRequest",
     "TokenizeResponse",
     "UsageInfo",
+    "WithExtensions",
     "WithPromptLogprobs",
     "parse_request",
     "parse_tokenize_request",
     "random_id",
     "resolve_max_tokens",
+    "warn_once",
 ]

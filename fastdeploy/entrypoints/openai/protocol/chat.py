@@ -4,7 +4,7 @@ the chat request and its (streamed) responses.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_serializer
 
@@ -14,6 +14,7 @@ from fastdeploy.entrypoints.openai.protocol.common import (
     OpenAIModel,
     ResponseModel,
     UsageInfo,
+    WithExtensions,
     WithPromptLogprobs,
     _now,
 )
@@ -94,8 +95,17 @@ def _check_messages(value: list[ChatMessage]) -> list[ChatMessage]:
 # --------------------------------------------------------------------------- request
 
 
+_NOT_STORED = "requests are not stored by this server"
+_PREFIX_CACHE = "the prefix cache is automatic and shared; its keys and lifetime cannot be set"
+
+
 class ChatCompletionRequest(SamplingRequest):
-    """``POST /v1/chat/completions``. ``max_completion_tokens`` wins over ``max_tokens``."""
+    """``POST /v1/chat/completions``. ``max_completion_tokens`` wins over ``max_tokens``.
+
+    Every field of OpenAI's chat request is declared (the ignored ones in
+    :attr:`IGNORED_FIELDS`), plus vLLM's extensions ``add_generation_prompt``,
+    ``continue_final_message`` (exclusive with it), ``echo`` and ``return_token_ids``.
+    """
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
@@ -106,10 +116,50 @@ class ChatCompletionRequest(SamplingRequest):
     functions: Any = None
     function_call: Any = None
     response_format: Any = None
-    modalities: Any = None
-    audio: Any = None
-    prediction: Any = None
-    store: Any = None
+    # accepted and ignored (IGNORED_FIELDS says why)
+    parallel_tool_calls: bool | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    moderation: dict[str, Any] | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    safety_identifier: str | None = None
+    # extensions (vLLM's names)
+    add_generation_prompt: bool = True
+    """End the rendered prompt with the template's assistant header (a chat template variable)."""
+    continue_final_message: bool = False
+    """Leave the final message open so that the answer continues it (HF ``apply_chat_template``'s
+    option; exclusive with ``add_generation_prompt``)."""
+    echo: bool = False
+    """Start the answer with the last message's content when that message is the one the answer
+    continues (an assistant message, or any with ``add_generation_prompt: false``), as vLLM does."""
+
+    IGNORED_FIELDS: ClassVar[dict[str, tuple[str, tuple[Any, ...]]]] = {
+        **SamplingRequest.IGNORED_FIELDS,
+        "parallel_tool_calls": ("tool calling is not supported yet", (None,)),
+        "metadata": (_NOT_STORED, (None,)),
+        "store": (_NOT_STORED, (None, False)),
+        "service_tier": ("this server has a single service tier", (None, "auto", "default")),
+        "reasoning_effort": ("the reasoning effort of the served model cannot be set", (None,)),
+        "verbosity": ("the verbosity of the served model cannot be set", (None,)),
+        "modalities": ("text is the only output modality", (None, ["text"])),
+        "audio": ("audio output is not supported", (None,)),
+        "prediction": ("predicted outputs are not used", (None,)),
+        "web_search_options": ("this server has no web search", (None,)),
+        "moderation": ("this server does no moderation", (None,)),
+        "prompt_cache_key": (_PREFIX_CACHE, (None,)),
+        "prompt_cache_retention": (_PREFIX_CACHE, (None,)),
+        "prompt_cache_options": (_PREFIX_CACHE, (None,)),
+        "safety_identifier": ("end-user ids are not used by this server", (None,)),
+    }
 
     @field_validator("messages")
     @classmethod
@@ -131,6 +181,28 @@ class ChatCompletionRequest(SamplingRequest):
                 raise BadRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
             return None
         return self.top_logprobs or 0
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.continue_final_message and self.add_generation_prompt:
+            raise BadRequestError(
+                "Cannot set both 'continue_final_message' and 'add_generation_prompt' to true "
+                "(set add_generation_prompt to false to continue the final message)",
+                param="continue_final_message",
+            )
+
+    @property
+    def echo_text(self) -> str:
+        """The text an ``echo`` answer starts with: the last message's content when the answer
+        continues that message (vLLM's rule), else nothing."""
+        if not self.echo:
+            return ""
+        last = self.messages[-1]
+        if self.add_generation_prompt and last.role != "assistant":
+            return ""
+        if isinstance(last.content, list):  # feature parts: their text parts
+            return "\n".join(p["text"] for p in last.content if p.get("type") == "text")
+        return last.content or ""
 
     def template_messages(self) -> list[dict[str, Any]]:
         """The conversation as a list of dicts for ``tokenizer.apply_chat_template``."""
@@ -159,16 +231,22 @@ class ChatMessageOut(ResponseModel):
     content: str
 
 
-class ChatCompletionResponseChoice(ResponseModel):
+class ChatCompletionResponseChoice(WithExtensions):
+    """One answer; ``token_ids`` (vLLM's ``return_token_ids``) only when asked."""
+
+    OMIT_IF_NULL = ("token_ids",)
+
     index: int
     message: ChatMessageOut
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionResponse(WithPromptLogprobs):
-    """A chat answer; ``prompt_logprobs`` (vLLM's extension, at this level as in vLLM) only when asked."""
+    """A chat answer; ``prompt_logprobs`` and ``prompt_token_ids`` (vLLM's extensions, at this level
+    as in vLLM) only when asked."""
 
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -189,18 +267,24 @@ class DeltaMessage(ResponseModel):
         return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
 
 
-class ChatCompletionStreamChoice(ResponseModel):
+class ChatCompletionStreamChoice(WithExtensions):
+    """A streamed piece of one answer; ``token_ids`` (the delta's, with ``return_token_ids``) only when asked."""
+
+    OMIT_IF_NULL = ("token_ids",)
+
     index: int
     delta: DeltaMessage
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionStreamResponse(WithPromptLogprobs):
-    """One SSE chunk of a streamed chat completion (``choices`` empty in the usage chunk).
+    """One SSE chunk of a streamed chat completion: one choice, or none in the final usage chunk.
 
-    ``prompt_logprobs``, when asked, come once, in the first chunk after the role chunks.
+    ``prompt_token_ids``, when asked, come in the first chunk; ``prompt_logprobs`` once,
+    in the first chunk after the role chunks.
     """
 
     id: str

@@ -1,23 +1,50 @@
 """Shared pieces of the OpenAI protocol: model bases, parsing, ids, error bodies, usage and prompt logprobs.
 
 Request models derive from :class:`OpenAIModel` (strict types, unknown fields
-rejected); response models derive from :class:`ResponseModel` (lenient: the
-server builds them itself).
+refused by the model); :func:`parse_request` drops fields outside the protocol
+with a logged warning unless the server runs with ``--strict-request-fields``.
+Response models derive from :class:`ResponseModel` (lenient: the server builds
+them itself).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_serializer
 
-from fastdeploy.entrypoints.openai.errors import from_pydantic
+from fastdeploy.entrypoints.openai.errors import _clean_loc, encodable, from_pydantic
+
+logger = logging.getLogger(__name__)
+
+_warned: set[str] = set()
+_MAX_WARNED = 1024
+"""Most distinct keys :func:`warn_once` remembers: clients inventing field names can neither grow
+the set without bound nor flood the log."""
+
+
+def warn_once(key: str, message: str) -> None:
+    """Log ``message`` as a warning the first time ``key`` is seen in this process.
+
+    Ignored request fields are reported this way: once per field name is enough
+    for an operator, and a busy server's log is not flooded.
+    """
+    if key in _warned:
+        return
+    if len(_warned) >= _MAX_WARNED:
+        if "" not in _warned:
+            _warned.add("")
+            logger.warning("More ignored request fields were sent; they are no longer logged")
+        return
+    _warned.add(key)
+    logger.warning(message)
 
 
 class OpenAIModel(BaseModel):
-    """Base of request models: strict types, unknown fields rejected, floats finite (no NaN/Infinity)."""
+    """Base of request models: strict types, unknown fields refused, floats finite (no NaN/Infinity)."""
 
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
@@ -28,12 +55,77 @@ class ResponseModel(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
-def parse_request(cls: type[OpenAIModel], data: Any) -> Any:
-    """Validate ``data`` (a decoded JSON value) as ``cls``; a ``BadRequestError`` on failure."""
+def parse_request(cls: type[OpenAIModel], data: Any, *, strict_fields: bool = False) -> Any:
+    """Validate ``data`` (a decoded JSON value) as ``cls``; a ``BadRequestError`` on failure.
+
+    A field that no model declares (outside the OpenAI protocol and the
+    supported extensions) is dropped with a warning, logged once per field name,
+    as vLLM does; with ``strict_fields`` (``--strict-request-fields``) it is a
+    400 (``Unrecognized request argument supplied: NAME``). Inside a chat
+    message an unknown field is always a 400.
+    """
     try:
         return cls.model_validate(data)
     except ValidationError as exc:
+        if strict_fields:
+            raise from_pydantic(exc) from None
+        cleaned = _drop_unknown_fields(data, exc)
+        if cleaned is None:
+            raise from_pydantic(exc) from None
+    try:
+        return cls.model_validate(cleaned)
+    except ValidationError as exc:
         raise from_pydantic(exc) from None
+
+
+_NEVER_DROPPED = frozenset({"messages"})
+"""Top-level fields inside which an unknown field stays a 400: dropping part of a chat message
+would change the prompt the model sees."""
+
+
+def _drop_unknown_fields(data: Any, exc: ValidationError) -> Any | None:
+    """``data`` without the fields ``exc`` reports as unknown (a warning for each), or None if there are none.
+
+    Only the containers on the way to a dropped field are copied; the caller's
+    ``data`` is left as it was.
+    """
+    dropped = False
+    for error in exc.errors(include_url=False):
+        if error["type"] != "extra_forbidden":
+            continue
+        loc = _clean_loc(tuple(error["loc"]))
+        if loc and (len(loc) == 1 or loc[0] not in _NEVER_DROPPED) and _has_path(data, loc):
+            data = _without(data, loc)
+            dropped = True
+            name = encodable("".join("[]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")[:200])
+            warn_once(
+                f"unknown:{name}",
+                f"Ignoring the request field '{name}': it is not part of the OpenAI API nor a supported "
+                "extension (start the server with --strict-request-fields to refuse such requests)",
+            )
+    return data if dropped else None
+
+
+def _has_path(data: Any, loc: tuple[Any, ...]) -> bool:
+    for part in loc:
+        if isinstance(part, str) and isinstance(data, dict) and part in data:
+            data = data[part]
+        elif isinstance(part, int) and isinstance(data, list) and 0 <= part < len(data):
+            data = data[part]
+        else:
+            return False
+    return True
+
+
+def _without(data: Any, loc: tuple[Any, ...]) -> Any:
+    """A copy of ``data`` with the item at ``loc`` removed (``loc`` exists and ends in a dict key)."""
+    head, rest = loc[0], loc[1:]
+    copy = dict(data) if isinstance(data, dict) else list(data)
+    if rest:
+        copy[head] = _without(data[head], rest)
+    else:
+        del copy[head]
+    return copy
 
 
 def random_id(prefix: str) -> str:
@@ -109,16 +201,31 @@ PromptLogprobs = list[dict[str, PromptLogprob] | None]
 """Aligned with the prompt tokens: null for the first, then token id (as a string) → entry."""
 
 
-class WithPromptLogprobs(ResponseModel):
-    """A response part that may carry ``prompt_logprobs``; the key is left out when it is null."""
+class WithExtensions(ResponseModel):
+    """A response part with extension fields (vLLM's) that are left out of the JSON when null.
 
-    prompt_logprobs: PromptLogprobs | None = None
+    A client that did not ask for them sees OpenAI's shapes unchanged.
+    """
+
+    OMIT_IF_NULL: ClassVar[tuple[str, ...]] = ()
+    """The extension fields, in the order they end the JSON object (where vLLM has them)."""
 
     @model_serializer(mode="wrap")
-    def _omit_null_prompt_logprobs(self, handler: Any) -> dict[str, Any]:
+    def _omit_null_extensions(self, handler: Any) -> dict[str, Any]:
         data = handler(self)
-        if "prompt_logprobs" in data:
-            value = data.pop("prompt_logprobs")  # re-added last, where vLLM has it
-            if value is not None:
-                data["prompt_logprobs"] = value
+        for key in self.OMIT_IF_NULL:
+            if key in data:
+                value = data.pop(key)
+                if value is not None:
+                    data[key] = value
         return data
+
+
+class WithPromptLogprobs(WithExtensions):
+    """A response part that may carry ``prompt_logprobs`` (and ``prompt_token_ids``); left out when null."""
+
+    OMIT_IF_NULL = ("prompt_logprobs", "prompt_token_ids")
+
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
+    """The prompt's token ids, with ``return_token_ids`` (vLLM's extension)."""

@@ -111,13 +111,17 @@ class CompletionLogProbs(ResponseModel):
 
 
 class CompletionResponseChoice(WithPromptLogprobs):
-    """One choice; ``prompt_logprobs`` (vLLM's extension) only when asked, in the first chunk when streaming."""
+    """One choice. vLLM's extensions, only when asked: ``prompt_logprobs`` and ``prompt_token_ids``
+    (in the choice's first chunk when streaming) and ``token_ids`` (the chunk's when streaming)."""
+
+    OMIT_IF_NULL = ("token_ids", "prompt_logprobs", "prompt_token_ids")
 
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(ResponseModel):
@@ -130,7 +134,7 @@ class CompletionResponse(ResponseModel):
 
 
 class CompletionStreamResponse(ResponseModel):
-    """One SSE chunk of a streamed completion (``choices`` empty in the usage chunk)."""
+    """One SSE chunk of a streamed completion: one choice, or none in the final usage chunk."""
 
     id: str
     object: Literal["text_completion"] = "text_completion"

@@ -1,19 +1,24 @@
 """Request fields shared by completions and chat completions, their translation to engine terms,
 and the output-length limit.
 
-OpenAI fields that the engine does not implement yet are declared so that their
-"off" value is accepted and any other value is a 400 that says so.
+Every field of the OpenAI request schemas is declared. Those the engine uses
+are translated to ``SamplingParams``; those it cannot apply (``user``, ``store``,
+``service_tier``, ...) are accepted and ignored with a warning logged once per
+field name (:attr:`SamplingRequest.IGNORED_FIELDS`). Fields whose meaning the
+engine does not implement yet and that cannot be ignored without changing the
+answer (``tools``, ``response_format``, ...) accept only their "off" value and
+are a 400 that says so otherwise.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import field_validator
 
 from fastdeploy.engine.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
 from fastdeploy.entrypoints.openai.errors import BadRequestError
-from fastdeploy.entrypoints.openai.protocol.common import OpenAIModel, _check_token_ids
+from fastdeploy.entrypoints.openai.protocol.common import OpenAIModel, _check_token_ids, warn_once
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 MAX_N = 128
@@ -22,9 +27,12 @@ request, so an unbounded ``n`` would let one request flood the engine."""
 
 
 class StreamOptions(OpenAIModel):
-    """``stream_options``: only ``include_usage`` is defined."""
+    """``stream_options``: OpenAI's ``include_usage`` and ``include_obfuscation`` (ignored), and vLLM's
+    ``continuous_usage_stats`` (with ``include_usage``: the usage so far in every chunk)."""
 
     include_usage: bool | None = False
+    include_obfuscation: bool | None = None
+    continuous_usage_stats: bool | None = False
 
 
 # OpenAI fields the engine does not implement yet, with the values that mean "off".
@@ -35,10 +43,6 @@ _UNSUPPORTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),
     "function_call": (None, "none"),
     "response_format": (None, {"type": "text"}),
-    "modalities": (None, ["text"]),
-    "audio": (None,),
-    "prediction": (None,),
-    "store": (None, False),
 }
 
 
@@ -70,6 +74,7 @@ class SamplingRequest(OpenAIModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    """Accepted and ignored (an end-user id; nothing here uses it)."""
     # Extensions (vLLM-compatible names), sent with the openai client's ``extra_body``.
     top_k: int | None = None
     """-1 or 0: off."""
@@ -87,6 +92,13 @@ class SamplingRequest(OpenAIModel):
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
     """Logprobs of the prompt tokens plus this many top alternatives each (vLLM's field)."""
+    return_token_ids: bool | None = None
+    """vLLM's: the prompt's token ids (``prompt_token_ids``) and each choice's (``token_ids``) in the response."""
+
+    IGNORED_FIELDS: ClassVar[dict[str, tuple[str, tuple[Any, ...]]]] = {
+        "user": ("end-user ids are not used by this server", (None,)),
+    }
+    """OpenAI fields accepted and ignored: name → (why, the values that need no warning)."""
 
     @field_validator("stop")
     @classmethod
@@ -117,11 +129,27 @@ class SamplingRequest(OpenAIModel):
         """Whether a streaming response ends with a usage chunk."""
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Whether every chunk of a streaming response carries the usage so far (vLLM's
+        ``continuous_usage_stats``, which needs ``include_usage`` as in vLLM)."""
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
     def check_supported(self) -> None:
-        """Raise a 400 if a not-yet-implemented OpenAI field has a non-default value."""
+        """Raise a 400 if a not-yet-implemented OpenAI field has a non-default value, and log (once
+        per field name) the fields that are accepted but ignored."""
         for name, off_values in _UNSUPPORTED_DEFAULTS.items():
             if name in type(self).model_fields and not _is_off(getattr(self, name), off_values):
                 raise BadRequestError(f"'{name}' is not supported by this server yet", param=name)
+        for name, (why, quiet_values) in self.IGNORED_FIELDS.items():
+            if not _is_off(getattr(self, name), quiet_values):
+                warn_once(f"ignored:{name}", f"The request field '{name}' is accepted but ignored: {why}")
+        if self.stream_options is not None and self.stream_options.include_obfuscation:
+            warn_once(
+                "ignored:stream_options.include_obfuscation",
+                "The request field 'stream_options.include_obfuscation' is accepted but ignored: "
+                "stream chunks are not padded",
+            )
 
     def _requested_max_tokens(self) -> tuple[int | None, str]:
         """The requested output limit and the name of the field it came from."""

@@ -54,11 +54,14 @@ class DetokenizeRequest(OpenAIModel):
         return _check_token_ids(v)
 
 
-def parse_tokenize_request(data: Any) -> TokenizeCompletionRequest | TokenizeChatRequest:
-    """Pick the tokenize request form by whether ``messages`` is present."""
+def parse_tokenize_request(
+    data: Any, *, strict_fields: bool = False
+) -> TokenizeCompletionRequest | TokenizeChatRequest:
+    """Pick the tokenize request form by whether ``messages`` is present (unknown fields as in
+    :func:`parse_request`)."""
     if isinstance(data, dict) and "messages" in data:
-        return parse_request(TokenizeChatRequest, data)
-    return parse_request(TokenizeCompletionRequest, data)
+        return parse_request(TokenizeChatRequest, data, strict_fields=strict_fields)
+    return parse_request(TokenizeCompletionRequest, data, strict_fields=strict_fields)
 
 
 class TokenizeResponse(ResponseModel):

@@ -1,0 +1,270 @@
+"""Compatibility with what OpenAI clients expect, found by vLLM's and SGLang's server suites (issue 20):
+one choice per stream chunk, ``client.models.retrieve``, legacy ``logprobs: 0``, OpenAI request fields
+accepted, vLLM's extensions (``continuous_usage_stats``, ``continue_final_message``, chat ``echo``,
+``return_token_ids``), no broken character at a ``max_tokens`` cut, and ``/v1/models`` ``root``.
+
+All against the shared server with the official ``openai`` client (extensions go in ``extra_body``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import openai
+import pytest
+
+PROMPT = "The capital of France is"
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+GREEDY = {"temperature": 0, "max_tokens": 6}
+FULL_LENGTH = {"ignore_eos": True}
+"""extra_body making a greedy answer exactly ``max_tokens`` long."""
+EMOJI_START = 15107
+"""The default model's token " ðŁ": a space and the first two bytes of a four-byte emoji (" 🦊" starts with it)."""
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return server.openai()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The default model's tokenizer, to render chat templates the way ``transformers`` does."""
+    from fastdeploy.config import ModelConfig
+    from fastdeploy.model_executor.model_loader import load_tokenizer, resolve_model
+
+    config = ModelConfig()
+    return load_tokenizer(config, resolve_model(config))
+
+
+def wait_for_log(server, text: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in server.log_path.read_text(errors="replace"):
+        assert time.monotonic() < deadline, f"{text!r} not in the server log:\n{server.log()}"
+        time.sleep(0.1)
+
+
+# ---- one choice per chunk -------------------------------------------------------------------
+
+
+def test_completion_stream_sends_one_choice_per_chunk(client, model_name):
+    for prompt, n in ((PROMPT, 3), ([PROMPT, "Hello, my name is"], 2)):
+        stream = client.completions.create(
+            model=model_name, prompt=prompt, n=n, max_tokens=6, temperature=1.0, seed=1, stream=True,
+            stream_options={"include_usage": True},
+        )  # fmt: skip
+        chunks = list(stream)
+        assert [len(c.choices) for c in chunks[:-1]] == [1] * (len(chunks) - 1)
+        assert chunks[-1].choices == [] and chunks[-1].usage is not None
+        num_choices = n * (len(prompt) if isinstance(prompt, list) else 1)
+        finished = {c.choices[0].index for c in chunks[:-1] if c.choices[0].finish_reason is not None}
+        assert finished == set(range(num_choices))
+
+
+def test_chat_stream_sends_one_choice_per_chunk(client, model_name):
+    stream = client.chat.completions.create(
+        model=model_name, messages=CHAT, n=3, max_tokens=6, temperature=1.0, seed=1, stream=True
+    )
+    chunks = list(stream)
+    assert all(len(c.choices) == 1 for c in chunks)
+    texts: dict[int, str] = {}
+    for c in chunks:
+        texts[c.choices[0].index] = texts.get(c.choices[0].index, "") + (c.choices[0].delta.content or "")
+    assert sorted(texts) == [0, 1, 2] and all(texts.values())
+
+
+# ---- /v1/models ---------------------------------------------------------------------------------
+
+
+def test_models_retrieve(server, client, model_name):
+    card = client.models.retrieve(model_name)
+    assert card.id == model_name and card.object == "model"
+    listed = client.models.list().data[0]
+    assert card.model_dump(exclude={"created"}) == listed.model_dump(exclude={"created"})
+    assert card.root and card.max_model_len == server.max_model_len
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("no-such-model")
+    assert "no-such-model" in info.value.message
+    assert info.value.body["code"] == "model_not_found"
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0) as stranger:
+        with pytest.raises(openai.AuthenticationError):
+            stranger.models.retrieve(model_name)
+
+
+def test_models_root_is_the_model_path(client):
+    """Without --model the shared server runs the embedded default model: root is its .gguf file."""
+    from fastdeploy.model_executor.model_loader.default_model import default_model_path
+
+    root = client.models.list().data[0].root
+    assert root == default_model_path() and os.path.isfile(root)
+
+
+# ---- logprobs: 0 ------------------------------------------------------------------------------
+
+
+def test_completion_logprobs_zero_returns_the_sampled_tokens(client, model_name):
+    lp = (
+        client.completions.create(
+            model=model_name, prompt=PROMPT, logprobs=0, extra_body=FULL_LENGTH, **GREEDY
+        )
+        .choices[0]
+        .logprobs
+    )
+    assert len(lp.top_logprobs) == len(lp.tokens) == GREEDY["max_tokens"]
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert top == {token: pytest.approx(logprob)}
+
+
+# ---- request fields -----------------------------------------------------------------------------
+
+
+def test_openai_request_fields_are_accepted(server, client, model_name):
+    expected = client.chat.completions.create(model=model_name, messages=CHAT, **GREEDY)
+    response = client.chat.completions.create(
+        model=model_name,
+        messages=CHAT,
+        parallel_tool_calls=True,
+        metadata={"team": "search"},
+        service_tier="flex",
+        reasoning_effort="low",
+        store=True,
+        user="user-1",
+        prediction={"type": "content", "content": "Paris"},
+        modalities=["text"],
+        web_search_options={},
+        verbosity="low",
+        prompt_cache_key="france",
+        safety_identifier="hash-1",
+        **GREEDY,
+    )
+    assert response.choices[0].message.content == expected.choices[0].message.content
+    completion = client.completions.create(model=model_name, prompt=PROMPT, user="user-1", **GREEDY)
+    assert completion.choices[0].text
+    wait_for_log(server, "The request field 'store' is accepted but ignored")
+
+
+def test_tools_are_still_refused_as_not_supported_yet(client, model_name):
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=model_name, messages=CHAT, tools=[tool], max_tokens=2)
+    assert "not supported" in info.value.message
+
+
+# ---- extensions ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_continuous_usage_stats(client, model_name, endpoint):
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    if endpoint == "chat":
+        stream = client.chat.completions.create(
+            model=model_name, messages=CHAT, n=2, stream=True, stream_options=options, extra_body=FULL_LENGTH,
+            **GREEDY,
+        )  # fmt: skip
+    else:
+        stream = client.completions.create(
+            model=model_name, prompt=PROMPT, n=2, stream=True, stream_options=options, extra_body=FULL_LENGTH,
+            **GREEDY,
+        )  # fmt: skip
+    chunks = list(stream)
+    assert all(c.usage is not None for c in chunks)
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 2 * GREEDY["max_tokens"]
+    assert {c.usage.prompt_tokens for c in chunks} == {chunks[-1].usage.prompt_tokens}
+    assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
+
+
+def test_continue_final_message_with_echo(server, client, model_name, tokenizer):
+    start = "The capital of France is"
+    messages = [*CHAT, {"role": "assistant", "content": start}]
+    extra = {"add_generation_prompt": False, "continue_final_message": True, "echo": True}
+    reply = client.chat.completions.create(model=model_name, messages=messages, extra_body=extra, **GREEDY)
+    # the prompt is transformers' rendering with continue_final_message: it ends inside the message
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    assert rendered.endswith(start)
+    ids = tokenizer.encode(rendered, add_special_tokens=False)
+    assert reply.usage.prompt_tokens == len(ids)
+    continuation = client.completions.create(model=model_name, prompt=ids, **GREEDY).choices[0].text
+    assert reply.choices[0].message.content == start + continuation  # echo: the message it continues first
+
+    stream = client.chat.completions.create(
+        model=model_name, messages=messages, extra_body=extra, stream=True, **GREEDY
+    )
+    deltas = [c.choices[0].delta.content for c in stream if c.choices and c.choices[0].delta.content]
+    assert deltas[0] == start and "".join(deltas) == reply.choices[0].message.content
+
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=model_name, messages=messages, extra_body={"continue_final_message": True}, max_tokens=2
+        )
+    assert info.value.body["param"] == "continue_final_message"
+
+
+def test_add_generation_prompt_false_and_echo_of_a_new_answer(client, model_name, tokenizer):
+    plain = client.chat.completions.create(model=model_name, messages=CHAT, **GREEDY)
+    echoed = client.chat.completions.create(
+        model=model_name, messages=CHAT, extra_body={"echo": True}, **GREEDY
+    )
+    assert echoed.choices[0].message.content == plain.choices[0].message.content  # nothing to continue
+    bare = client.chat.completions.create(
+        model=model_name, messages=CHAT, extra_body={"add_generation_prompt": False}, **GREEDY
+    )
+    rendered = tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=False)
+    assert bare.usage.prompt_tokens == len(tokenizer.encode(rendered, add_special_tokens=False))
+    assert bare.usage.prompt_tokens < plain.usage.prompt_tokens
+
+
+def test_return_token_ids(server, client, model_name):
+    extra = {"return_token_ids": True, **FULL_LENGTH}
+    prompt_ids = server.tokenize(PROMPT)["tokens"]
+    choice = client.completions.create(model=model_name, prompt=PROMPT, extra_body=extra, **GREEDY).choices[0]
+    assert choice.prompt_token_ids == prompt_ids
+    assert len(choice.token_ids) == GREEDY["max_tokens"]
+    with server.http() as http:
+        assert http.post("/detokenize", json={"tokens": choice.token_ids}).json()["prompt"] == choice.text
+
+    chunks = list(
+        client.completions.create(model=model_name, prompt=PROMPT, extra_body=extra, stream=True, **GREEDY)
+    )
+    assert chunks[0].choices[0].prompt_token_ids == prompt_ids
+    assert all(getattr(c.choices[0], "prompt_token_ids", None) is None for c in chunks[1:])
+    assert [t for c in chunks for t in (getattr(c.choices[0], "token_ids", None) or [])] == choice.token_ids
+
+    reply = client.chat.completions.create(model=model_name, messages=CHAT, extra_body=extra, **GREEDY)
+    assert reply.prompt_token_ids == server.tokenize(messages=CHAT)["tokens"]
+    assert len(reply.choices[0].token_ids) == reply.usage.completion_tokens
+    stream = client.chat.completions.create(
+        model=model_name, messages=CHAT, extra_body=extra, stream=True, **GREEDY
+    )
+    chunks = list(stream)
+    assert chunks[0].prompt_token_ids == reply.prompt_token_ids
+    assert [t for c in chunks for t in (getattr(c.choices[0], "token_ids", None) or [])] == reply.choices[
+        0
+    ].token_ids
+
+    plain = client.completions.create(model=model_name, prompt=PROMPT, **GREEDY).choices[0].model_dump()
+    assert "token_ids" not in plain and "prompt_token_ids" not in plain
+
+
+# ---- no broken character at a max_tokens cut ----------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_max_tokens_cut_inside_a_character_sends_no_broken_character(client, model_name, stream):
+    # the bias makes the model's one token " ðŁ", which is half a character
+    args = {"model": model_name, "prompt": PROMPT, "max_tokens": 1, "logit_bias": {str(EMOJI_START): 100}}
+    if stream:
+        chunks = list(client.completions.create(**args, stream=True))
+        text = "".join(c.choices[0].text for c in chunks)
+        finish = chunks[-1].choices[0].finish_reason
+    else:
+        choice = client.completions.create(**args).choices[0]
+        text, finish = choice.text, choice.finish_reason
+    assert finish == "length"
+    assert text == " "  # the complete part (the space) is kept, the incomplete tail dropped
+
+    reply = client.chat.completions.create(
+        model=model_name, messages=CHAT, max_tokens=1, logit_bias={str(EMOJI_START): 100}
+    )
+    assert reply.choices[0].message.content == " "

@@ -1,0 +1,299 @@
+"""OpenAI compatibility without a model: which request fields are accepted, used, ignored or refused,
+the extension fields of responses, legacy ``top_logprobs``, ``--strict-request-fields`` through
+``build_app``, ``GET /v1/models/{model}``, and the end of a detokenized stream cut inside a character.
+
+(The end-to-end side, with the official client against a live server, is tests/e2e/test_openai_compat.py.)
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from types import SimpleNamespace
+
+import pytest
+from fastapi.testclient import TestClient
+from openai.types import completion_create_params as openai_completion_params
+from openai.types.chat import completion_create_params as openai_chat_params
+
+from fastdeploy.config import ModelConfig, ServerConfig
+from fastdeploy.engine.detokenizer import IncrementalDetokenizer
+from fastdeploy.engine.outputs import Logprob
+from fastdeploy.entrypoints.openai.api_server import build_app
+from fastdeploy.entrypoints.openai.errors import BadRequestError
+from fastdeploy.entrypoints.openai.logprobs import completion_logprobs
+from fastdeploy.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponseChoice,
+    ChatMessageOut,
+    CompletionRequest,
+    CompletionResponseChoice,
+    parse_request,
+)
+
+USER = [{"role": "user", "content": "Hello"}]
+PROTOCOL_LOGGER = "fastdeploy.entrypoints.openai.protocol"
+
+
+def chat(**fields) -> ChatCompletionRequest:
+    return parse_request(ChatCompletionRequest, {"messages": USER, **fields})
+
+
+def unique(name: str) -> str:
+    """A field name no test has sent before (warnings are logged once per name and process)."""
+    return f"{name}_{uuid.uuid4().hex[:8]}"
+
+
+def warnings_of(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+# --------------------------------------------------------------------------- unknown fields
+
+
+def test_unknown_fields_are_dropped_with_one_warning_per_name(caplog):
+    top, nested = unique("top"), unique("nested")
+    data = {"messages": USER, top: 1, "stream": True, "stream_options": {"include_usage": True, nested: 2}}
+    with caplog.at_level(logging.WARNING, logger=PROTOCOL_LOGGER):
+        request = parse_request(ChatCompletionRequest, data)
+        parse_request(ChatCompletionRequest, data)
+    assert request.include_usage and request.messages[0].content == "Hello"
+    assert data[top] == 1 and nested in data["stream_options"]  # the caller's data is left alone
+    logged = warnings_of(caplog)
+    assert [m for m in logged if top in m] == [
+        f"Ignoring the request field '{top}': it is not part of the OpenAI API nor a supported extension "
+        "(start the server with --strict-request-fields to refuse such requests)"
+    ]
+    assert len([m for m in logged if f"stream_options.{nested}" in m]) == 1
+
+
+def test_unknown_fields_are_400_with_strict_fields():
+    name = unique("field")
+    with pytest.raises(BadRequestError) as info:
+        parse_request(CompletionRequest, {"prompt": "hi", name: 1}, strict_fields=True)
+    assert info.value.param == name
+    assert info.value.message == f"Unrecognized request argument supplied: {name}"
+
+
+def test_an_unknown_field_inside_a_message_stays_400():
+    """Dropping part of a message would change the prompt the model sees."""
+    with pytest.raises(BadRequestError) as info:
+        parse_request(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x", "extra": 1}]})
+    assert info.value.param == "messages[0].extra"
+
+
+def test_other_errors_still_win_after_unknown_fields_are_dropped():
+    with pytest.raises(BadRequestError) as info:
+        parse_request(CompletionRequest, {"prompt": "hi", unique("f"): 1, "max_tokens": "5"})
+    assert info.value.param == "max_tokens"
+
+
+# --------------------------------------------------------------------------- OpenAI's own fields
+
+
+def test_every_field_of_openais_request_schemas_is_declared():
+    """The installed ``openai`` package's request parameters are all known here (none is an unknown field)."""
+    chat_fields = set(openai_chat_params.CompletionCreateParamsBase.__annotations__) | {"stream"}
+    completion_fields = set(openai_completion_params.CompletionCreateParamsBase.__annotations__) | {"stream"}
+    assert chat_fields - set(ChatCompletionRequest.model_fields) == set()
+    assert completion_fields - set(CompletionRequest.model_fields) == set()
+
+
+IGNORED_CHAT_FIELDS = {
+    "parallel_tool_calls": True,
+    "metadata": {"team": "a"},
+    "store": True,
+    "service_tier": "flex",
+    "reasoning_effort": "low",
+    "verbosity": "low",
+    "modalities": ["text", "audio"],
+    "audio": {"voice": "alloy", "format": "wav"},
+    "prediction": {"type": "content", "content": "Hello"},
+    "web_search_options": {},
+    "moderation": {"policy": {}},
+    "prompt_cache_key": "k",
+    "prompt_cache_retention": "24h",
+    "prompt_cache_options": {"ttl": "1h"},
+    "safety_identifier": "s",
+    "user": "u",
+}
+
+
+def test_openai_fields_the_engine_cannot_apply_are_accepted_and_logged_once(caplog):
+    with caplog.at_level(logging.WARNING, logger=PROTOCOL_LOGGER):
+        chat(
+            **IGNORED_CHAT_FIELDS, stream=True, stream_options={"include_obfuscation": True}
+        ).to_sampling_params()
+    logged = warnings_of(caplog)
+    for name in (*IGNORED_CHAT_FIELDS, "stream_options.include_obfuscation"):
+        # earlier tests of this process may already have logged it, never twice
+        assert len([m for m in logged if f"'{name}' is accepted but ignored" in m]) <= 1
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger=PROTOCOL_LOGGER):
+        chat(**IGNORED_CHAT_FIELDS).to_sampling_params()
+    assert warnings_of(caplog) == []
+    params = chat(store=True, user="u", metadata={"a": "b"}).to_sampling_params()
+    assert params == chat().to_sampling_params()
+
+
+def test_off_values_of_ignored_fields_log_nothing(caplog):
+    with caplog.at_level(logging.WARNING, logger=PROTOCOL_LOGGER):
+        chat(store=False, modalities=["text"], service_tier="auto").to_sampling_params()
+    assert not [m for m in warnings_of(caplog) if "'store'" in m or "'modalities'" in m]
+
+
+def test_ignored_fields_keep_their_types():
+    with pytest.raises(BadRequestError) as info:
+        chat(store="yes")
+    assert info.value.param == "store"
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"tools": [{"type": "function", "function": {"name": "f"}}]},
+        {"tool_choice": "required"},
+        {"response_format": {"type": "json_object"}},
+        {"functions": [{"name": "f"}]},
+    ],
+)
+def test_tools_and_response_format_are_still_400(fields):
+    with pytest.raises(BadRequestError) as info:
+        chat(**fields).to_sampling_params()
+    assert "not supported" in info.value.message
+    chat(tools=None, tool_choice="none", response_format={"type": "text"}).to_sampling_params()
+
+
+# --------------------------------------------------------------------------- extensions
+
+
+def test_add_generation_prompt_and_continue_final_message_are_exclusive():
+    assert chat().add_generation_prompt and not chat().continue_final_message
+    chat(add_generation_prompt=False, continue_final_message=True).to_sampling_params()
+    with pytest.raises(BadRequestError) as info:
+        chat(continue_final_message=True).to_sampling_params()
+    assert info.value.param == "continue_final_message"
+
+
+def test_chat_echo_echoes_the_message_the_answer_continues():
+    with_answer = [*USER, {"role": "assistant", "content": "The answer is"}]
+    assert chat(messages=with_answer, echo=True).echo_text == "The answer is"
+    assert chat(messages=with_answer).echo_text == ""  # no echo asked
+    assert chat(echo=True).echo_text == ""  # a new assistant message: nothing to echo
+    assert chat(echo=True, add_generation_prompt=False).echo_text == "Hello"  # vLLM: the last message
+
+
+def test_continuous_usage_needs_include_usage():
+    both = {"include_usage": True, "continuous_usage_stats": True}
+    assert chat(stream=True, stream_options=both).continuous_usage
+    assert not chat(stream=True, stream_options={"continuous_usage_stats": True}).continuous_usage
+    assert not chat(stream=True, stream_options={"include_usage": True}).continuous_usage
+
+
+def test_token_id_fields_are_left_out_unless_asked():
+    plain = CompletionResponseChoice(index=0, text="x").model_dump()
+    assert "token_ids" not in plain and "prompt_token_ids" not in plain
+    asked = CompletionResponseChoice(index=0, text="x", token_ids=[5], prompt_token_ids=[1, 2]).model_dump()
+    assert (asked["token_ids"], asked["prompt_token_ids"]) == ([5], [1, 2])
+    assert (
+        "token_ids"
+        not in ChatCompletionResponseChoice(index=0, message=ChatMessageOut(content="")).model_dump()
+    )
+
+
+# --------------------------------------------------------------------------- legacy logprobs
+
+
+def entry(sampled: int, sampled_rank: int, top: list[tuple[int, float]]) -> dict[int, Logprob]:
+    """An engine logprobs entry: the sampled token first, then the top alternatives by rank."""
+    result = {
+        sampled: Logprob(-5.0 if sampled_rank > len(top) else dict(top)[sampled], sampled_rank, f"t{sampled}")
+    }
+    for rank, (token, lp) in enumerate(top, start=1):
+        result.setdefault(token, Logprob(lp, rank, f"t{token}"))
+    return result
+
+
+def test_completion_logprobs_zero_returns_the_sampled_token_per_position():
+    lps = [entry(7, 3, []), entry(8, 1, [])]
+    out = completion_logprobs([7, 8], lps, 0, 0)
+    assert out.top_logprobs == [{"t7": -5.0}, {"t8": lps[1][8].logprob}]
+
+
+def test_completion_top_logprobs_always_hold_the_sampled_token():
+    top = [(1, -0.1), (2, -0.5)]
+    out = completion_logprobs([9, 2], [entry(9, 4, top), entry(2, 2, top)], 2, 0)
+    assert out.top_logprobs[0] == {"t1": -0.1, "t2": -0.5, "t9": -5.0}  # logprobs + 1 entries, by likelihood
+    assert out.top_logprobs[1] == {"t1": -0.1, "t2": -0.5}
+
+
+# --------------------------------------------------------------------------- the app
+
+
+def fake_engine(model_path: str = "/models/m.gguf") -> SimpleNamespace:
+    """Just enough of an engine client for /tokenize and /v1/models; generation gets a 503 (unhealthy)."""
+    return SimpleNamespace(
+        is_healthy=False,
+        max_model_len=64,
+        vocab_size=100,
+        tokenizer=SimpleNamespace(
+            encode=lambda text, add_special_tokens: [1, 2], get_vocab=lambda: {"ab": 0}
+        ),
+        source=SimpleNamespace(path=model_path),
+        config=SimpleNamespace(model=ModelConfig()),
+    )
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_build_app_applies_strict_request_fields(strict):
+    app = build_app(fake_engine(), ["m"], ServerConfig(strict_request_fields=strict))
+    body = {"prompt": "hi", unique("field"): 1}
+    with TestClient(app) as client:
+        response = client.post("/v1/completions", json=body)
+        tokenize = client.post("/tokenize", json={"prompt": "hi", unique("field"): 1})
+    if strict:
+        assert response.status_code == tokenize.status_code == 400
+        assert response.json()["error"]["message"].startswith("Unrecognized request argument supplied")
+    else:  # parsed: it gets as far as the (unhealthy) engine
+        assert response.status_code == 503, response.text
+        assert tokenize.status_code == 200 and tokenize.json()["tokens"] == [1, 2], tokenize.text
+
+
+def test_retrieve_model_and_its_root():
+    app = build_app(fake_engine("/models/m.gguf"), ["m", "org/alias"], ServerConfig(api_key="k"))
+    headers = {"Authorization": "Bearer k"}
+    with TestClient(app) as client:
+        listed = client.get("/v1/models", headers=headers).json()["data"]
+        assert [card["root"] for card in listed] == ["/models/m.gguf"] * 2
+        card = client.get("/v1/models/m", headers=headers).json()
+        assert card == listed[0]
+        assert client.get("/v1/models/org/alias", headers=headers).json()["id"] == "org/alias"
+        missing = client.get("/v1/models/nope", headers=headers)
+        assert missing.status_code == 404
+        assert missing.json()["error"]["code"] == "model_not_found"
+        assert "`nope`" in missing.json()["error"]["message"]
+        assert client.get("/v1/models/m").status_code == 401
+
+
+# --------------------------------------------------------------------------- detokenization
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from fastdeploy.model_executor.model_loader import load_tokenizer, resolve_model
+
+    config = ModelConfig()
+    return load_tokenizer(config, resolve_model(config))
+
+
+@pytest.mark.parametrize("text", [" 🦊", "é 你好"])
+def test_a_choice_cut_inside_a_character_drops_the_incomplete_tail(tokenizer, text):
+    prompt = tokenizer.encode("Say:", add_special_tokens=False)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    for cut in range(1, len(ids) + 1):
+        detok = IncrementalDetokenizer(tokenizer, prompt)
+        deltas = [detok.add_tokens([t], final=i == cut - 1) for i, t in enumerate(ids[:cut])]
+        assert "\ufffd" not in detok.text, (cut, deltas)
+        assert text.startswith(detok.text)
+        complete = tokenizer.decode(ids[:cut]).rstrip("\ufffd")
+        assert detok.text == complete
