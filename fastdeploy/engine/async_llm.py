@@ -17,6 +17,7 @@ from fastdeploy.engine.core_proc import engine_core_main
 from fastdeploy.engine.feature_mirror import FeatureMirror
 from fastdeploy.engine.input_processor import InputProcessor, eos_ids_of
 from fastdeploy.engine.ipc import (
+    STOP_SIGNALS,
     ChildProcess,
     decode,
     encode,
@@ -133,6 +134,7 @@ class AsyncLLM(EngineClient):
         poller_socket = zmq.Socket.shadow(self._from_core.underlying)
         deadline = time.monotonic() + envs.FD_ENGINE_READY_TIMEOUT_S
         while True:
+            STOP_SIGNALS.raise_if_received()
             if poller_socket.poll(200):
                 message = decode(poller_socket.recv())
                 if message["type"] == "ready":

@@ -108,6 +108,16 @@ class StopSignals:
         else:
             raise KeyboardInterrupt(f"signal {signum}")
 
+    def raise_if_received(self) -> None:
+        """Raise ``KeyboardInterrupt`` again if a signal has come (for loops that wait during start-up).
+
+        A Python signal handler runs at the next bytecode of the main thread, which
+        may be inside a ``__del__`` or a callback whose exceptions are only printed:
+        the first interrupt can be lost, the signal cannot.
+        """
+        if self.received is not None and self._callback is None and not self._shield_depth:
+            raise KeyboardInterrupt(f"signal {self.received}")
+
     @contextlib.contextmanager
     def installed(self) -> Iterator[StopSignals]:
         """Within the block the handlers are ours (main thread only); the previous ones come back after."""
@@ -121,6 +131,7 @@ class StopSignals:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            self.received = None
 
     @contextlib.contextmanager
     def calling(self, callback: Callable[[int], None]) -> Iterator[None]:

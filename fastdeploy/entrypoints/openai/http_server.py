@@ -227,6 +227,7 @@ async def run_server(args: argparse.Namespace) -> int:
         if inspect.isawaitable(engine):
             engine = await engine
         app = build_app(engine, served_model_names, server_config)
+        STOP_SIGNALS.raise_if_received()  # a signal whose interrupt got lost while loading
         engine_died = await serve_http(
             app,
             args.host,
