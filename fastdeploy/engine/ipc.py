@@ -135,12 +135,19 @@ class StopSignals:
 
     @contextlib.contextmanager
     def calling(self, callback: Callable[[int], None]) -> Iterator[None]:
-        """Within the block the first signal calls ``callback(signum)`` instead of raising."""
-        previous, self._callback = self._callback, callback
-        try:
-            yield
-        finally:
-            self._callback = previous
+        """Within the block the first signal calls ``callback(signum)`` instead of raising.
+
+        Installs the handlers for the block if :meth:`installed` has not (a server run
+        without ``fastdeploy``'s ``main``).
+        """
+        with contextlib.ExitStack() as stack:
+            if signal.getsignal(signal.SIGINT) != self._handle:
+                stack.enter_context(self.installed())
+            previous, self._callback = self._callback, callback
+            try:
+                yield
+            finally:
+                self._callback = previous
 
     @contextlib.contextmanager
     def shielded(self) -> Iterator[None]:
