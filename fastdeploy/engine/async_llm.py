@@ -298,20 +298,26 @@ class AsyncLLM(EngineClient):
         self._closed = True
         for task in self._tasks:
             task.cancel()
+        try:
+            self._stop_engine_processes()
+            for sock in ("_to_core", "_from_core"):
+                if hasattr(self, sock):
+                    getattr(self, sock).close(linger=0)
+            self._zmq.term()
+            self._zmq_sync.term()
+        finally:
+            remove_ipc_dir(self._ipc_dir)
+
+    def _stop_engine_processes(self) -> None:
         proc = self._proc
-        if proc is not None:
-            if self._ready and proc.is_alive():
-                try:
-                    self._to_core.send(encode({"type": "shutdown"}), zmq.NOBLOCK)
-                except zmq.ZMQError:
-                    pass
-                proc.join(ENGINE_STOP_GRACE_S)
-            proc.stop(ENGINE_STOP_GRACE_S)
-            if not kill_process_group(proc.pid):
-                logger.warning("an engine process outlived the engine core")
-        for sock in ("_to_core", "_from_core"):
-            if hasattr(self, sock):
-                getattr(self, sock).close(linger=0)
-        self._zmq.term()
-        self._zmq_sync.term()
-        remove_ipc_dir(self._ipc_dir)
+        if proc is None:
+            return
+        if self._ready and proc.is_alive():
+            try:
+                self._to_core.send(encode({"type": "shutdown"}), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            proc.join(ENGINE_STOP_GRACE_S)
+        proc.stop(ENGINE_STOP_GRACE_S)
+        if not kill_process_group(proc.pid):
+            logger.warning("an engine process outlived the engine core")
