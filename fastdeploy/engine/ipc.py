@@ -251,6 +251,16 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(0)
 
 
+def _read_payload(stream: Any) -> bytes | None:
+    """The length-prefixed payload a :class:`ChildProcess` writes, or None if it was cut short."""
+    header = stream.read(_LENGTH.size)
+    if len(header) != _LENGTH.size:
+        return None
+    (size,) = _LENGTH.unpack(header)
+    payload = stream.read(size)
+    return payload if len(payload) == size else None
+
+
 def child_main() -> None:
     """Entry point of a :class:`ChildProcess`: set up, read ``(target, args)`` from stdin, run it, exit."""
     parent_pid = int(sys.argv[1])
@@ -261,13 +271,11 @@ def child_main() -> None:
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     code = 1
     try:
-        header = sys.stdin.buffer.read(_LENGTH.size)
-        payload = sys.stdin.buffer.read(_LENGTH.unpack(header)[0]) if len(header) == _LENGTH.size else b""
-        if len(header) == _LENGTH.size and len(payload) == _LENGTH.unpack(header)[0]:
+        payload = _read_payload(sys.stdin.buffer)
+        if payload is not None:  # else the parent gave up on us while starting us: leave quietly
             target, args = pickle.loads(payload)  # imports the target's module (torch, ...)
             target(*args)
             code = 0
-        # else the parent gave up on us while starting us: leave quietly
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 0
     except BaseException:
