@@ -125,10 +125,17 @@ class SchedulerConfig:
 
 @dataclass
 class ParallelConfig:
-    """How the model is spread over devices."""
+    """How the model is spread over devices and processes."""
 
     tensor_parallel_size: int = 1
-    """Number of tensor-parallel workers (only 1 is implemented)."""
+    """Worker processes (one per GPU) that split each layer's weights and heads between them,
+    joined by torch.distributed (NCCL on GPUs, gloo on CPUs)."""
+    data_parallel_size: int = 1
+    """Independent engine replicas (each with its own tensor-parallel workers and KV cache) behind
+    one API server, which sends each request to the least-loaded replica."""
+    data_parallel_rank: int = 0
+    """This engine's data-parallel rank (set by the server for each replica; its workers use the
+    GPUs from rank x tensor_parallel_size on)."""
 
 
 @dataclass
