@@ -1,11 +1,21 @@
-"""The API server's engine client: engine core in its own process, outputs streamed back over ZMQ."""
+"""The API server's engine client: engine cores in their own processes, outputs streamed back over ZMQ.
+
+With ``--data-parallel-size N`` it runs N engine cores (each with its own workers and KV
+cache) and sends each request to the least-loaded one (:class:`Router`).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import logging
+import os
+import signal
 import time
-from collections.abc import AsyncIterator
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -13,7 +23,7 @@ import zmq.asyncio
 
 from fastdeploy import envs
 from fastdeploy.config import EngineConfig
-from fastdeploy.engine.core_proc import engine_core_main
+from fastdeploy.engine.core_proc import engine_core_main, input_socket_name
 from fastdeploy.engine.feature_mirror import FeatureMirror
 from fastdeploy.engine.input_processor import InputProcessor, eos_ids_of
 from fastdeploy.engine.ipc import (
@@ -50,6 +60,140 @@ class EngineGenerateError(RuntimeError):
     """The engine failed one request; the server stays up for the others."""
 
 
+@dataclass
+class RankLoad:
+    """What the API server knows of one data-parallel rank's load."""
+
+    num_requests: int = 0
+    """Engine requests (sequences) routed to the rank and not finished yet, counted here."""
+    kv_cache_usage: float = 0.0
+    """The fraction of its KV cache the rank last reported in use (0 to 1)."""
+
+
+def choose_rank(loads: Sequence[RankLoad]) -> int:
+    """The rank for a new request: the fewest unfinished requests, then the least KV cache in use, then
+    the lowest rank (so that equal ranks are chosen the same way every time)."""
+    return min(
+        range(len(loads)), key=lambda rank: (loads[rank].num_requests, loads[rank].kv_cache_usage, rank)
+    )
+
+
+PREFIX_ROUTING_SLACK = 2
+"""A request whose prompt prefix a rank served last goes to that rank (its prefix cache likely holds
+the prefix) unless the rank has more than this many unfinished requests over the least-loaded one."""
+PREFIX_ROUTING_ENTRIES = 1 << 16
+"""Prompt blocks the router remembers (least recently routed forgotten first), each with its rank."""
+
+
+def prefix_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """A hash per full block of ``token_ids``, each of the whole prefix up to the block's end (as the
+    engine's prefix cache hashes blocks), so prompts with a common prefix share their leading hashes."""
+    hashes, parent = [], 0
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash((parent, tuple(token_ids[start : start + block_size])))
+        hashes.append(parent)
+    return hashes
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where one request went: its rank and how many engine requests (``n`` choices) it added there."""
+
+    rank: int
+    num_requests: int
+
+
+class Router:
+    """Sends each new request to the least-loaded data-parallel rank and remembers which rank owns it.
+
+    With ``prefix_block_size`` (prefix caching on, several ranks) a prompt whose longest known
+    prefix a rank served last goes to that rank instead, unless the rank is more than
+    :data:`PREFIX_ROUTING_SLACK` requests busier than the least-loaded one. Aborts go to the
+    owning rank; :meth:`release` (when the request has finished, failed or been aborted)
+    forgets it and takes its load off the rank.
+    """
+
+    def __init__(self, num_ranks: int, prefix_block_size: int | None = None):
+        self.loads = [RankLoad() for _ in range(num_ranks)]
+        self._routes: dict[str, Route] = {}
+        self._prefix_block_size = prefix_block_size if num_ranks > 1 else None
+        self._prefix_owners: OrderedDict[int, int] = OrderedDict()
+        """Prefix block hash → the rank that last served a prompt with that prefix."""
+
+    def __len__(self) -> int:
+        """Requests routed and not yet released."""
+        return len(self._routes)
+
+    def route(self, request_id: str, num_requests: int, prompt_token_ids: Sequence[int] = ()) -> Route:
+        """Choose the rank for a request of ``num_requests`` engine requests and count them there."""
+        rank = choose_rank(self.loads)
+        if self._prefix_block_size:
+            hashes = prefix_block_hashes(prompt_token_ids, self._prefix_block_size)
+            owner = self._owner_of_longest_prefix(hashes)
+            if owner is not None and (
+                self.loads[owner].num_requests <= self.loads[rank].num_requests + PREFIX_ROUTING_SLACK
+            ):
+                rank = owner
+            self._remember(hashes, rank)
+        route = Route(rank, num_requests)
+        self.loads[rank].num_requests += num_requests
+        self._routes[request_id] = route
+        return route
+
+    def _owner_of_longest_prefix(self, hashes: list[int]) -> int | None:
+        owner = None
+        for block_hash in hashes:
+            rank = self._prefix_owners.get(block_hash)
+            if rank is None:
+                break
+            owner = rank
+        return owner
+
+    def _remember(self, hashes: list[int], rank: int) -> None:
+        for block_hash in hashes:
+            self._prefix_owners[block_hash] = rank
+            self._prefix_owners.move_to_end(block_hash)
+        while len(self._prefix_owners) > PREFIX_ROUTING_ENTRIES:
+            self._prefix_owners.popitem(last=False)
+
+    def rank_of(self, request_id: str) -> int | None:
+        """The rank that owns an unreleased request, else None."""
+        route = self._routes.get(request_id)
+        return None if route is None else route.rank
+
+    def release(self, request_id: str, route: Route) -> None:
+        """The request is over: take its load off its rank and forget it (once per :meth:`route`)."""
+        self.loads[route.rank].num_requests -= route.num_requests
+        if self._routes.get(request_id) is route:  # not a later request that reused the id
+            del self._routes[request_id]
+
+    def on_kv_cache_usage(self, rank: int, usage: float) -> None:
+        """Record the KV-cache usage a rank reported (the tie-break between equally loaded ranks)."""
+        self.loads[rank].kv_cache_usage = usage
+
+
+@dataclass
+class _EngineCoreHandle:
+    """The API server's side of one data-parallel rank's engine core process."""
+
+    rank: int
+    to_core: zmq.Socket
+    """Requests, aborts and the shutdown message to this engine core (PUSH; never blocks: no HWM)."""
+    feature_mirror: FeatureMirror
+    """What this engine core holds of the features sent to it (a repeated item goes without them)."""
+    proc: ChildProcess | None = field(default=None)
+
+    def send(self, message: dict[str, Any]) -> None:
+        """Queue a message for the engine core (never blocks; ZMQ buffers)."""
+        self.to_core.send(encode(message))
+
+
+def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
+    """A copy of ``config`` for the engine core of data-parallel ``rank`` (its workers pick their devices
+    from it)."""
+    return dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, data_parallel_rank=rank))
+
+
 def _default_model_name(config: EngineConfig, source: Any) -> str:
     """The name the API serves the model under when none is given (the ``model_name`` metrics label).
 
@@ -66,9 +210,11 @@ def _default_model_name(config: EngineConfig, source: Any) -> str:
 class AsyncLLM(EngineClient):
     """Tokenizes and detokenizes here; schedules and runs the model in child processes.
 
-    One asyncio task reads engine outputs and routes them to per-request
-    queues; another watches the engine process. If the engine or a worker
-    dies, every waiting request gets ``EngineDeadError`` and ``is_healthy``
+    One engine core process per data-parallel rank (``--data-parallel-size``), all
+    started at once; each request goes to one of them (:class:`Router`). They share
+    one output socket: one asyncio task reads the outputs of all and routes them to
+    per-request queues; another watches the engine processes. If any engine core or
+    worker dies, every waiting request gets ``EngineDeadError`` and ``is_healthy``
     turns False.
     """
 
@@ -79,10 +225,14 @@ class AsyncLLM(EngineClient):
         self.eos_token_ids = eos_ids_of(self.source.arch.eos_token_ids, self.tokenizer)
         self.vocab_size = self.source.arch.vocab_size
         self.arch = self.source.arch
-        self._feature_mirror = FeatureMirror(config.cache.encoder_cache_memory)
-        """What the engine core holds of the features sent to it (a repeated item goes without them)."""
+        num_ranks = config.parallel.data_parallel_size
+        if num_ranks < 1:
+            raise ValueError(f"data_parallel_size must be at least 1, got {num_ranks}")
         self.model_name = config.model.served_model_name or _default_model_name(config, self.source)
-        self.metrics = EngineMetrics(self.model_name)
+        self.metrics = EngineMetrics(self.model_name, num_ranks)
+        self._router = Router(
+            num_ranks, config.cache.block_size if config.cache.enable_prefix_caching else None
+        )
         self.output_processor = OutputProcessor(self.tokenizer, self.metrics)
         self._queues: dict[str, asyncio.Queue] = {}
         self._dead_reason: str | None = None
@@ -94,16 +244,22 @@ class AsyncLLM(EngineClient):
         self._ipc_dir = new_ipc_dir()
         """This run's private socket directory (the engine core's and its workers' sockets too)."""
         self._ready = False
-        self._proc: ChildProcess | None = None
+        self._cores: list[_EngineCoreHandle] = []
+        """One per data-parallel rank, in rank order."""
         try:
-            self._to_core = self._zmq_sync.socket(zmq.PUSH)  # sends never block the event loop: no HWM
-            self._to_core.setsockopt(zmq.SNDHWM, 0)
-            self._to_core.bind(ipc_address(self._ipc_dir, "in"))
             self._from_core = self._zmq.socket(zmq.PULL)
             self._from_core.bind(ipc_address(self._ipc_dir, "out"))
-            self._proc = ChildProcess(
-                engine_core_main, (config, self._ipc_dir), name="fastdeploy-engine-core", new_group=True
-            )
+            for rank in range(num_ranks):
+                core = _EngineCoreHandle(
+                    rank, self._zmq_sync.socket(zmq.PUSH), FeatureMirror(config.cache.encoder_cache_memory)
+                )
+                self._cores.append(core)
+                core.to_core.setsockopt(zmq.SNDHWM, 0)  # sends never block the event loop
+                core.to_core.bind(ipc_address(self._ipc_dir, input_socket_name(rank)))
+            for core in self._cores:  # all start now and load their models side by side
+                name = "fastdeploy-engine-core" + (f"-{core.rank}" if num_ranks > 1 else "")
+                args = (rank_config(config, core.rank), self._ipc_dir)
+                core.proc = ChildProcess(engine_core_main, args, name=name, new_group=True)
             ready = self._wait_ready()
         except BaseException:  # a failed start, or SIGINT/SIGTERM meanwhile: nothing may be left behind
             self.shutdown()
@@ -127,29 +283,44 @@ class AsyncLLM(EngineClient):
 
     @property
     def engine_pid(self) -> int | None:
-        return None if self._proc is None else self._proc.pid
+        """The process id of the (rank 0) engine core."""
+        proc = self._cores[0].proc if self._cores else None
+        return None if proc is None else proc.pid
+
+    def _which(self, rank: int) -> str:
+        """`` of data-parallel rank N`` for messages about one engine core, when there are several."""
+        return f" of data-parallel rank {rank}" if len(self._cores) > 1 else ""
 
     def _wait_ready(self) -> dict[str, Any]:
-        """Block until the engine core reports ready (or failed / died / timed out)."""
+        """Block until every engine core reports ready (or one failed / died / the time is up).
+
+        Returns rank 0's message (all ranks run the same model with the same limits).
+        """
         poller_socket = zmq.Socket.shadow(self._from_core.underlying)
         deadline = time.monotonic() + envs.FD_ENGINE_READY_TIMEOUT_S
-        while True:
+        ready: dict[int, dict[str, Any]] = {}
+        while len(ready) < len(self._cores):
             STOP_SIGNALS.raise_if_received()
             if poller_socket.poll(200):
                 message = decode(poller_socket.recv())
                 if message["type"] == "ready":
-                    return message
-                if message["type"] == "failed":
+                    ready[message["rank"]] = message
+                elif message["type"] == "failed":
                     logger.debug("engine start-up trace:\n%s", message.get("trace"))
-                    raise EngineStartupError(f"the engine failed to start: {message['error']}")
-            elif self._proc is not None and not self._proc.is_alive():
-                raise EngineStartupError(
-                    f"the engine process exited during start-up (exit code {self._proc.exitcode})"
-                )
+                    which = self._which(message["rank"])
+                    raise EngineStartupError(f"the engine{which} failed to start: {message['error']}")
+            else:
+                for core in self._cores:
+                    if core.proc is not None and not core.proc.is_alive():
+                        raise EngineStartupError(
+                            f"the engine process{self._which(core.rank)} exited during start-up "
+                            f"(exit code {core.proc.exitcode})"
+                        )
             if time.monotonic() > deadline:
                 raise EngineStartupError(
                     f"the engine did not start within {envs.FD_ENGINE_READY_TIMEOUT_S:.0f} s"
                 )
+        return ready[0]
 
     # ---- background tasks ------------------------------------------------------------
 
@@ -165,9 +336,11 @@ class AsyncLLM(EngineClient):
             while True:
                 message = decode(await self._from_core.recv())
                 if message["type"] == "outputs":
-                    self._handle_outputs(EngineCoreOutputs.from_wire({**message, "timestamp": time.time()}))
+                    outputs = EngineCoreOutputs.from_wire({**message, "timestamp": time.time()})
+                    self._handle_outputs(outputs, message["rank"])
                 elif message["type"] == "dead":
-                    self._mark_dead(message["error"])
+                    which = self._which(message["rank"])
+                    self._mark_dead(f"{message['error']} (engine core{which})" if which else message["error"])
                     return
         except asyncio.CancelledError:
             raise
@@ -179,9 +352,11 @@ class AsyncLLM(EngineClient):
         while self.is_healthy:
             await asyncio.sleep(envs.FD_HEALTH_CHECK_INTERVAL_S)
 
-    def _handle_outputs(self, core: EngineCoreOutputs) -> None:
+    def _handle_outputs(self, core: EngineCoreOutputs, rank: int) -> None:
+        """Deliver one message of outputs from the engine core of ``rank``."""
         if core.stats is not None:
-            self.metrics.on_scheduler_stats(core.stats)
+            self.metrics.on_scheduler_stats(core.stats, rank)
+            self._router.on_kv_cache_usage(rank, core.stats.kv_cache_usage)
         good: list[EngineCoreOutput] = []
         for out in core.outputs:
             if out.error is None:
@@ -194,8 +369,8 @@ class AsyncLLM(EngineClient):
         outputs, to_abort, _ = self.output_processor.process(good, delta=True, now=core.timestamp)
         for output in outputs:
             self._put(output.request_id, output)
-        if to_abort:
-            self._send({"type": "abort", "ids": to_abort})
+        if to_abort:  # choices a stop string ended, all of this rank
+            self._cores[rank].send({"type": "abort", "ids": to_abort})
 
     def _put(self, request_id: str, item: Any) -> None:
         queue = self._queues.get(request_id)
@@ -207,30 +382,31 @@ class AsyncLLM(EngineClient):
             return
         self._dead_reason = reason
         logger.error("engine is dead: %s", reason)
-        self.metrics.on_scheduler_stats(SchedulerStats())  # nothing runs or waits any more
+        for rank in range(len(self._cores)):  # nothing runs or waits any more
+            self.metrics.on_scheduler_gauges(SchedulerStats(), rank)
         for queue in self._queues.values():
             queue.put_nowait(EngineDeadError(reason))
-
-    def _send(self, message: dict[str, Any]) -> None:
-        """Queue a message for the engine core (never blocks; ZMQ buffers)."""
-        self._to_core.send(encode(message))
 
     # ---- EngineClient ----------------------------------------------------------------
 
     @property
     def dead_reason(self) -> str | None:
-        """Why the engine is dead (the engine core or a worker exited), or None while it is alive."""
+        """Why the engine is dead (an engine core or a worker exited), or None while it is alive."""
         return self._dead_reason
 
     @property
     def is_healthy(self) -> bool:
-        """False once the engine core or a worker has died (or after shutdown).
+        """False once any engine core or worker has died (or after shutdown).
 
         Checking also notices an engine core that has exited and fails the requests in flight.
         """
-        if self._dead_reason is None and not self._closed and self._proc is not None:
-            if not self._proc.is_alive():
-                self._mark_dead(f"the engine core process exited (exit code {self._proc.exitcode})")
+        if self._dead_reason is None and not self._closed:
+            for core in self._cores:
+                if core.proc is not None and not core.proc.is_alive():
+                    self._mark_dead(
+                        f"the engine core process{self._which(core.rank)} exited (exit code {core.proc.exitcode})"
+                    )
+                    break
         return self._dead_reason is None and not self._closed
 
     async def generate(
@@ -254,12 +430,14 @@ class AsyncLLM(EngineClient):
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         self.output_processor.add_request(state)
+        route = self._router.route(request_id, len(core_requests), prompt_token_ids)
+        core = self._cores[route.rank]
         finished = False
         try:
             for core_request in core_requests:  # no await in between: the mirror sees the send order
                 wire = core_request.to_wire()
-                wire["mm_items"] = self._feature_mirror.strip(wire["mm_items"])
-                self._send({"type": "add", "request": wire})
+                wire["mm_items"] = core.feature_mirror.strip(wire["mm_items"])
+                core.send({"type": "add", "request": wire})
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
@@ -272,26 +450,29 @@ class AsyncLLM(EngineClient):
         finally:
             self._queues.pop(request_id, None)
             if not finished:
-                self._abort_now(request_id)
+                self._abort_now(request_id, route.rank)
+            self._router.release(request_id, route)
 
-    def _abort_now(self, request_id: str) -> None:
+    def _abort_now(self, request_id: str, rank: int | None) -> None:
+        """Abort a request's unfinished choices in the engine core of ``rank`` (None: not known, all)."""
         child_ids = self.output_processor.abort_request(request_id)
         if child_ids and self._dead_reason is None and not self._closed:
-            self._send({"type": "abort", "ids": child_ids})
+            for core in self._cores if rank is None else [self._cores[rank]]:
+                core.send({"type": "abort", "ids": child_ids})
 
     async def abort(self, request_id: str) -> None:
         queue = self._queues.pop(request_id, None)
-        self._abort_now(request_id)
+        self._abort_now(request_id, self._router.rank_of(request_id))
         if queue is not None:
             queue.put_nowait(asyncio.CancelledError())
 
     def shutdown(self) -> None:
-        """Stop the engine core and its workers, and remove the run's sockets; safe to call twice.
+        """Stop the engine cores and their workers, and remove the run's sockets; safe to call twice.
 
-        Returns only once every engine process is gone: the engine core is asked to
-        stop (once it is ready; it stops its workers first), then sent SIGTERM, then
-        killed, each after :data:`ENGINE_STOP_GRACE_S`; whatever is left in its
-        process group (a worker of a killed engine core) is killed last.
+        Returns only once every engine process is gone: the engine cores are asked to
+        stop (once they are ready; each stops its workers first), then sent SIGTERM, then
+        killed, each step after :data:`ENGINE_STOP_GRACE_S` for all of them together;
+        whatever is left in their process groups (a worker of a killed engine core) is killed last.
         """
         if self._closed:
             return
@@ -300,24 +481,32 @@ class AsyncLLM(EngineClient):
             task.cancel()
         try:
             self._stop_engine_processes()
-            for sock in ("_to_core", "_from_core"):
-                if hasattr(self, sock):
-                    getattr(self, sock).close(linger=0)
+            for core in self._cores:
+                core.to_core.close(linger=0)
+            if hasattr(self, "_from_core"):
+                self._from_core.close(linger=0)
             self._zmq.term()
             self._zmq_sync.term()
         finally:
             remove_ipc_dir(self._ipc_dir)
 
     def _stop_engine_processes(self) -> None:
-        proc = self._proc
-        if proc is None:
-            return
-        if self._ready and proc.is_alive():
-            try:
-                self._to_core.send(encode({"type": "shutdown"}), zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
-            proc.join(ENGINE_STOP_GRACE_S)
-        proc.stop(ENGINE_STOP_GRACE_S)
-        if not kill_process_group(proc.pid):
-            logger.warning("an engine process outlived the engine core")
+        procs = [core.proc for core in self._cores if core.proc is not None]
+        if self._ready:
+            for core in self._cores:
+                if core.proc is not None and core.proc.is_alive():
+                    with contextlib.suppress(zmq.ZMQError):
+                        core.to_core.send(encode({"type": "shutdown"}), zmq.NOBLOCK)
+            deadline = time.monotonic() + ENGINE_STOP_GRACE_S
+            for proc in procs:
+                proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in procs:  # SIGTERM to all at once: each stops its workers in parallel with the others
+            if proc.is_alive():
+                with contextlib.suppress(OSError):
+                    os.kill(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + ENGINE_STOP_GRACE_S
+        for proc in procs:
+            proc.stop(max(0.0, deadline - time.monotonic()))
+        for proc in procs:
+            if not kill_process_group(proc.pid):
+                logger.warning("an engine process outlived its engine core (pid %d)", proc.pid)

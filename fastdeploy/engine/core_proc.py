@@ -17,18 +17,27 @@ from fastdeploy.engine.request import EngineCoreOutput, EngineCoreRequest, Sched
 logger = logging.getLogger(__name__)
 
 
+def input_socket_name(rank: int) -> str:
+    """The name of the socket (in the run's ipc dir) on which the engine core of data-parallel ``rank``
+    receives requests; every engine core sends its outputs to the one socket ``out``."""
+    return f"in{rank}"
+
+
 def engine_core_main(config: EngineConfig, ipc_dir: str) -> None:
     """Entry point of the engine core process (a :class:`~fastdeploy.engine.ipc.ChildProcess`).
 
-    Its sockets, and its workers', live in the run's private ``ipc_dir`` (``in``:
-    requests from the API server, ``out``: outputs to it).
-    Messages in: ``{"type": "add", "request": ...}``, ``{"type": "abort", "ids": [...]}``,
-    ``{"type": "shutdown"}``. Messages out: ``ready`` (once, with the resolved
-    limits), ``failed`` (start-up error), ``outputs`` (per step) and ``dead``
+    Its sockets, and its workers', live in the run's private ``ipc_dir`` (``in<rank>``:
+    requests from the API server, ``out``: outputs to it, shared by the engine cores of
+    every data-parallel rank). Messages in: ``{"type": "add", "request": ...}``,
+    ``{"type": "abort", "ids": [...]}``, ``{"type": "shutdown"}``. Messages out, each with
+    this core's ``rank`` (``config.parallel.data_parallel_rank``): ``ready`` (once, with the
+    resolved limits), ``failed`` (start-up error), ``outputs`` (per step) and ``dead``
     (a worker died; this process then exits). Whichever way it ends (shutdown
     message, SIGTERM, dead worker), its workers are stopped first.
     """
-    logging.basicConfig(level=envs.FD_LOG_LEVEL, format="%(asctime)s %(levelname)s [engine] %(message)s")
+    rank = config.parallel.data_parallel_rank
+    tag = f"engine{rank}" if config.parallel.data_parallel_size > 1 else "engine"
+    logging.basicConfig(level=envs.FD_LOG_LEVEL, format=f"%(asctime)s %(levelname)s [{tag}] %(message)s")
     import torch
 
     torch.set_num_threads(1)  # this process only schedules; the worker owns the cores
@@ -38,7 +47,7 @@ def engine_core_main(config: EngineConfig, ipc_dir: str) -> None:
 
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
-    inbox.connect(ipc_address(ipc_dir, "in"))
+    inbox.connect(ipc_address(ipc_dir, input_socket_name(rank)))
     outbox = ctx.socket(zmq.PUSH)
     outbox.connect(ipc_address(ipc_dir, "out"))
     core = None
@@ -51,16 +60,16 @@ def engine_core_main(config: EngineConfig, ipc_dir: str) -> None:
                 encode(
                     {
                         "type": "failed",
+                        "rank": rank,
                         "error": f"{type(exc).__name__}: {exc}",
                         "trace": traceback.format_exc(),
                     }
                 )
             )
             return
-        outbox.send(
-            encode({"type": "ready", "max_model_len": core.max_model_len, "num_blocks": core.num_blocks})
-        )
-        _run_loop(core, inbox, outbox, WorkerDiedError)
+        ready = {"type": "ready", "max_model_len": core.max_model_len, "num_blocks": core.num_blocks}
+        outbox.send(encode({**ready, "rank": rank}))
+        _run_loop(core, inbox, _Outbox(outbox, rank), WorkerDiedError)
     finally:
         if core is not None:
             core.shutdown()
@@ -69,7 +78,19 @@ def engine_core_main(config: EngineConfig, ipc_dir: str) -> None:
         ctx.term()
 
 
-def _run_loop(core, inbox, outbox, worker_died_error: type[Exception]) -> None:
+class _Outbox:
+    """The ``out`` socket, tagging every message with the sender's data-parallel rank."""
+
+    def __init__(self, socket: zmq.Socket, rank: int):
+        self.socket = socket
+        self.rank = rank
+
+    def send(self, message: dict) -> None:
+        message["rank"] = self.rank
+        self.socket.send(encode(message))
+
+
+def _run_loop(core, inbox, outbox: _Outbox, worker_died_error: type[Exception]) -> None:
     idle_poll_ms = int(envs.FD_HEALTH_CHECK_INTERVAL_S * 1000)
     reported_idle = True
     while True:
@@ -101,7 +122,7 @@ def _run_loop(core, inbox, outbox, worker_died_error: type[Exception]) -> None:
                     reported_idle = True
         except worker_died_error as exc:
             logger.error("%s", exc)
-            outbox.send(encode({"type": "dead", "error": str(exc)}))
+            outbox.send({"type": "dead", "error": str(exc)})
             return
 
 
@@ -109,13 +130,11 @@ def _rejected(request_id: str, message: str) -> EngineCoreOutput:
     return EngineCoreOutput(request_id, [], "abort", None, 0, error=message)
 
 
-def _send_outputs(outbox, outputs: list[EngineCoreOutput], stats: SchedulerStats | None) -> None:
+def _send_outputs(outbox: _Outbox, outputs: list[EngineCoreOutput], stats: SchedulerStats | None) -> None:
     outbox.send(
-        encode(
-            {
-                "type": "outputs",
-                "outputs": [dataclasses.asdict(o) for o in outputs],
-                "stats": dataclasses.asdict(stats) if stats is not None else None,
-            }
-        )
+        {
+            "type": "outputs",
+            "outputs": [dataclasses.asdict(o) for o in outputs],
+            "stats": dataclasses.asdict(stats) if stats is not None else None,
+        }
     )

@@ -7,6 +7,10 @@ keeps the order). An item whose hash the front end's mirror holds is sent
 without its features, and the engine core's mirror, in the same state, holds
 the tensor. Requests keep their own reference to their tensors, so an eviction
 never takes features from a request that has them.
+
+With data parallelism every engine core has its own mirror, and so the front end
+keeps one per engine core (``AsyncLLM``): a feature sent to rank 0 is not held by
+rank 1, and each pair sees the requests of its own socket in order.
 """
 
 from __future__ import annotations

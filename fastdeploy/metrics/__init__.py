@@ -1,13 +1,17 @@
 """Prometheus metrics of the server, names prefixed ``fastdeploy:``, times in seconds.
 
 ``REGISTRY`` is what ``GET /metrics`` exposes. ``EngineMetrics`` is fed by the
-front end: scheduler snapshots from the engine core, and per-request timings
+front end: scheduler snapshots from the engine core(s), and per-request timings
 from the output processor.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from fastdeploy.engine.request import SchedulerStats
 
@@ -37,18 +41,35 @@ _LATENCY_BUCKETS = (
 )
 _LABELS = ["model_name"]
 
-_running = Gauge(
-    "fastdeploy:num_requests_running", "Requests in the running batch.", _LABELS, registry=REGISTRY
-)
-_waiting = Gauge(
-    "fastdeploy:num_requests_waiting", "Requests waiting to be scheduled.", _LABELS, registry=REGISTRY
-)
-_kv_usage = Gauge(
-    "fastdeploy:kv_cache_usage_perc",
-    "Fraction of KV cache blocks in use (0 to 1).",
-    _LABELS,
-    registry=REGISTRY,
-)
+
+class _SchedulerGauges(Collector):
+    """The scheduler gauges (running, waiting, KV usage): each engine core's last snapshot, read when scraped.
+
+    A collector rather than ``Gauge`` objects because its label names depend on the server:
+    ``model_name``, plus ``engine`` (the data-parallel rank) when it runs several engine cores.
+    """
+
+    FAMILIES = (
+        ("fastdeploy:num_requests_running", "Requests in the running batch.", "num_running"),
+        ("fastdeploy:num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting"),
+        ("fastdeploy:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1).", "kv_cache_usage"),
+    )
+
+    def __init__(self) -> None:
+        self.snapshots: dict[tuple[tuple[str, str], ...], SchedulerStats] = {}
+        """Label pairs of one engine core → its last snapshot."""
+
+    def collect(self) -> Iterator[Metric]:
+        snapshots = list(self.snapshots.items())
+        for name, doc, field in self.FAMILIES:
+            family = Metric(name, doc, "gauge")
+            for labels, stats in snapshots:
+                family.add_sample(name, dict(labels), float(getattr(stats, field)))
+            yield family
+
+
+_scheduler_gauges = _SchedulerGauges()
+REGISTRY.register(_scheduler_gauges)
 _prefix_queries = Counter(
     "fastdeploy:prefix_cache_queries",
     "Prompt tokens looked up in the prefix cache.",
@@ -119,23 +140,36 @@ _feature_fetch = Histogram(
 
 
 class EngineMetrics:
-    """Records one engine's metrics under its ``model_name`` label."""
+    """Records one engine's metrics under its ``model_name`` label.
 
-    def __init__(self, model_name: str):
+    With ``num_engines`` > 1 (data parallelism) the scheduler gauges have one series per
+    engine core, labelled ``engine`` with its rank (as vLLM's); the counters add up over
+    the engine cores. With one engine core the label is left out: nothing changes.
+    """
+
+    def __init__(self, model_name: str, num_engines: int = 1):
         self.labels = {"model_name": model_name}
+        per_engine = [(("engine", str(rank)),) if num_engines > 1 else () for rank in range(num_engines)]
+        self._gauge_keys = [(("model_name", model_name), *engine) for engine in per_engine]
+        """Per engine core, the label pairs of its scheduler gauges."""
         # create every labelled series now, so that a fresh server exposes its gauges and
         # counters at 0 instead of leaving them out until the first request
-        for metric in (_running, _waiting, _kv_usage, _prefix_queries, _prefix_hits, _preemptions,
+        for rank in range(num_engines):
+            self.on_scheduler_gauges(SchedulerStats(), rank)
+        for metric in (_prefix_queries, _prefix_hits, _preemptions,
                        _prompt_tokens, _generation_tokens, _ttft, _itl, _e2e, _queue,
                        _encoder_cache_hits, _encoder_cache_misses, _feature_fetch):  # fmt: skip
             metric.labels(**self.labels)
         for reason in ("stop", "length", "abort"):
             _success.labels(model_name=model_name, finished_reason=reason)  # expose zeros from the start
 
-    def on_scheduler_stats(self, stats: SchedulerStats) -> None:
-        _running.labels(**self.labels).set(stats.num_running)
-        _waiting.labels(**self.labels).set(stats.num_waiting)
-        _kv_usage.labels(**self.labels).set(stats.kv_cache_usage)
+    def on_scheduler_gauges(self, stats: SchedulerStats, engine: int = 0) -> None:
+        """Set engine core ``engine``'s gauges (running, waiting, KV usage) from ``stats``."""
+        _scheduler_gauges.snapshots[self._gauge_keys[engine]] = stats
+
+    def on_scheduler_stats(self, stats: SchedulerStats, engine: int = 0) -> None:
+        """Take a snapshot that engine core ``engine`` sent: its gauges, and add its interval counters."""
+        self.on_scheduler_gauges(stats, engine)
         _prefix_queries.labels(**self.labels).inc(stats.prefix_cache_queries)
         _prefix_hits.labels(**self.labels).inc(stats.prefix_cache_hits)
         _preemptions.labels(**self.labels).inc(stats.num_preemptions)
