@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -9,8 +10,11 @@ from fastdeploy.config import EngineConfig
 from fastdeploy.engine.core import EngineCore
 from fastdeploy.engine.executor import InProcExecutor
 from fastdeploy.engine.input_processor import InputProcessor, eos_ids_of
+from fastdeploy.engine.ipc import new_ipc_dir, remove_ipc_dir
+from fastdeploy.engine.multiproc_executor import MultiprocExecutor
 from fastdeploy.engine.output_processor import OutputProcessor, RequestState
 from fastdeploy.engine.outputs import RequestOutput
+from fastdeploy.engine.parallel_layout import ParallelLayoutError, check_parallel_layout
 from fastdeploy.engine.request import SchedulerStats
 from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.model_executor.model_loader import load_tokenizer, resolve_model
@@ -26,8 +30,23 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.source = resolve_model(config.model)
+        check_parallel_layout(config, self.source.arch)
+        if config.parallel.data_parallel_size > 1:
+            raise ParallelLayoutError(
+                "data_parallel_size > 1 runs replicas behind `fastdeploy serve`; the offline LLM runs one "
+                "(use tensor_parallel_size to spread it over devices)"
+            )
         self.tokenizer = load_tokenizer(config.model, self.source)
-        self.core = EngineCore(config, self.source, InProcExecutor)
+        self._ipc_dir: str | None = None
+        executor_cls: Any = InProcExecutor
+        if config.parallel.tensor_parallel_size > 1:  # one worker process per rank
+            self._ipc_dir = new_ipc_dir()
+            executor_cls = functools.partial(MultiprocExecutor, ipc_dir=self._ipc_dir)
+        try:
+            self.core = EngineCore(config, self.source, executor_cls)
+        except BaseException:
+            remove_ipc_dir(self._ipc_dir)
+            raise
         self.max_model_len = self.core.max_model_len
         self.eos_token_ids = eos_ids_of(self.source.arch.eos_token_ids, self.tokenizer)
         self.input_processor = InputProcessor(
@@ -92,3 +111,4 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.core.shutdown()
+        remove_ipc_dir(self._ipc_dir)

@@ -25,9 +25,10 @@ def resolve_device(config: EngineConfig) -> torch.device:
 
 
 def configure_threads(config: EngineConfig, device: torch.device) -> None:
-    """Use every core (or ``--num-threads``) for CPU matmuls."""
+    """CPU matmul threads: ``--num-threads``, else the cores shared out over the worker processes."""
     if device.type == "cpu":
-        torch.set_num_threads(config.device.num_threads or os.cpu_count() or 1)
+        workers = config.parallel.tensor_parallel_size * config.parallel.data_parallel_size
+        torch.set_num_threads(config.device.num_threads or max(1, (os.cpu_count() or 1) // workers))
 
 
 def get_attention_backend(

@@ -10,6 +10,7 @@ import torch
 
 from fastdeploy import envs
 from fastdeploy.config import EngineConfig
+from fastdeploy.distributed import tp_broadcast, tp_size
 from fastdeploy.model_executor.attention.forward_context import set_forward_context
 from fastdeploy.model_executor.attention.metadata import CommonAttentionMetadata
 from fastdeploy.model_executor.layers.linear import prepack_linear_weights
@@ -322,6 +323,8 @@ class ModelRunner:
         slots = state.sample_slots
         params = build_sampling_tensors(self.batch, slots, state.logits.shape[-1], self._to_device)
         sampled = self.sampler(state.logits, params, state.greedy_tokens)
+        if tp_size() > 1:  # every rank feeds rank 0's ids to its next step (random draws may differ)
+            tp_broadcast(sampled.token_ids, src=0)
         state.logits = state.greedy_tokens = None
         state.stopped = device_stop_flags(
             self.batch,

@@ -7,6 +7,7 @@ import logging
 import torch
 
 from fastdeploy.config import EngineConfig
+from fastdeploy.distributed import init_tensor_parallel
 from fastdeploy.model_executor.model_loader import ModelSource
 from fastdeploy.ops import cpu_ops
 from fastdeploy.platforms import configure_threads, kv_cache_budget_bytes, resolve_device
@@ -16,13 +17,35 @@ from fastdeploy.worker.model_runner import ModelRunner
 logger = logging.getLogger(__name__)
 
 
+def worker_device(config: EngineConfig, rank: int) -> torch.device:
+    """The device of tensor-parallel rank ``rank``: on CUDA, GPU ``dp_rank * tp_size + rank``
+    (unless ``--device`` names one GPU, for a single worker)."""
+    device = resolve_device(config)
+    if device.type != "cuda" or device.index is not None:
+        return device
+    parallel = config.parallel
+    return torch.device("cuda", parallel.data_parallel_rank * parallel.tensor_parallel_size + rank)
+
+
 class Worker:
     """Sets up the device, loads the model, sizes and allocates the KV cache, runs steps."""
 
-    def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int):
+    def __init__(
+        self,
+        config: EngineConfig,
+        source: ModelSource,
+        max_model_len: int,
+        rank: int = 0,
+        init_method: str | None = None,
+    ):
+        """Rank ``rank`` of the tensor-parallel group that meets at ``init_method`` (one rank: None)."""
         self.config = config
-        self.device = resolve_device(config)
+        self.rank = rank
+        self.device = worker_device(config, rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         configure_threads(config, self.device)
+        init_tensor_parallel(config.parallel.tensor_parallel_size, rank, init_method or "", self.device)
         torch.manual_seed(config.model.seed)
         self.runner = ModelRunner(config, source, self.device, max_model_len)
         cpu_ops.preload_cpu_ops(self.device, self.runner.dtype)  # compile (or wait) before reporting ready

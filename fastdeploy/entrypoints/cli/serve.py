@@ -56,6 +56,23 @@ def check_model_path(args: argparse.Namespace) -> str | None:
     return None
 
 
+def check_layout(args: argparse.Namespace) -> str | None:
+    """Why the parallel layout cannot run this model here (heads that do not split, too few GPUs), or None."""
+    parallel = (getattr(args, "tensor_parallel_size", 1), getattr(args, "data_parallel_size", 1))
+    if parallel == (1, 1):
+        return None  # nothing to check: no model config read before the engine starts
+    from fastdeploy.engine.parallel_layout import ParallelLayoutError, check_parallel_layout
+    from fastdeploy.entrypoints.cli.args import engine_config_from_args
+    from fastdeploy.model_executor.model_loader import resolve_model
+
+    config = engine_config_from_args(args)
+    try:
+        check_parallel_layout(config, resolve_model(config.model).arch)
+    except (ParallelLayoutError, RuntimeError) as exc:
+        return str(exc)
+    return None
+
+
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
     """Resolve the options (config file included) and run the server until SIGINT/SIGTERM.
 
@@ -69,7 +86,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
         if parser is None:
             raise
         parser.error(str(exc))
-    problem = check_model_path(args)
+    problem = check_model_path(args) or check_layout(args)
     if problem is not None:
         print(f"fastdeploy serve: error: {problem}", file=sys.stderr)
         return 2

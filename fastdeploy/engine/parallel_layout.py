@@ -1,0 +1,53 @@
+"""Checks that a parallel layout can run before any process starts: one clear error instead of a hang.
+
+Tensor parallelism splits the attention heads by whole GQA groups and the MLP
+evenly, and needs a GPU per rank on CUDA; data parallelism multiplies the GPUs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastdeploy.config import EngineConfig
+from fastdeploy.model_executor.layers.parallel_linear import shard_heads
+from fastdeploy.platforms import resolve_device
+from fastdeploy.transformers_utils.config import ModelArchConfig
+
+
+class ParallelLayoutError(ValueError):
+    """The requested tensor- / data-parallel layout cannot run this model on this machine."""
+
+
+def check_parallel_layout(config: EngineConfig, arch: ModelArchConfig) -> None:
+    """Raise :class:`ParallelLayoutError` naming the problem unless the layout can run."""
+    parallel = config.parallel
+    tp, dp = parallel.tensor_parallel_size, parallel.data_parallel_size
+    if tp < 1 or dp < 1:
+        raise ParallelLayoutError(f"tensor_parallel_size ({tp}) and data_parallel_size ({dp}) must be >= 1")
+    if not 0 <= parallel.data_parallel_rank < dp:
+        raise ParallelLayoutError(f"data_parallel_rank ({parallel.data_parallel_rank}) must lie in [0, {dp})")
+    device = resolve_device(config)
+    if device.type == "cuda":
+        if device.index is not None and tp * dp > 1:
+            raise ParallelLayoutError(
+                f"--device {device} names one GPU, but tensor_parallel_size x data_parallel_size = {tp * dp} "
+                "workers need one each; use --device cuda (and CUDA_VISIBLE_DEVICES to pick GPUs)"
+            )
+        visible = torch.cuda.device_count()
+        if tp * dp > visible:
+            raise ParallelLayoutError(
+                f"tensor_parallel_size {tp} x data_parallel_size {dp} needs {tp * dp} GPUs, "
+                f"but {visible} {'is' if visible == 1 else 'are'} visible"
+            )
+    if tp == 1:
+        return
+    try:
+        for rank in range(tp):
+            shard_heads(arch.num_attention_heads, arch.num_key_value_heads, tp, rank)
+    except ValueError as exc:
+        raise ParallelLayoutError(str(exc)) from None
+    if arch.intermediate_size % tp:
+        raise ParallelLayoutError(
+            f"the MLP's intermediate size ({arch.intermediate_size}) is not divisible by "
+            f"tensor_parallel_size {tp}"
+        )
