@@ -83,6 +83,8 @@ PREFIX_ROUTING_SLACK = 2
 the prefix) unless the rank has more than this many unfinished requests over the least-loaded one."""
 PREFIX_ROUTING_ENTRIES = 1 << 16
 """Prompt blocks the router remembers (least recently routed forgotten first), each with its rank."""
+PREFIX_ROUTING_MAX_BLOCKS = 256
+"""Leading blocks of a prompt the router hashes (bounds its work per request on the event loop)."""
 
 
 def prefix_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
@@ -128,7 +130,8 @@ class Router:
         """Choose the rank for a request of ``num_requests`` engine requests and count them there."""
         rank = choose_rank(self.loads)
         if self._prefix_block_size:
-            hashes = prefix_block_hashes(prompt_token_ids, self._prefix_block_size)
+            size = self._prefix_block_size
+            hashes = prefix_block_hashes(prompt_token_ids[: PREFIX_ROUTING_MAX_BLOCKS * size], size)
             owner = self._owner_of_longest_prefix(hashes)
             if owner is not None and (
                 self.loads[owner].num_requests <= self.loads[rank].num_requests + PREFIX_ROUTING_SLACK
