@@ -16,8 +16,8 @@ import time
 import numpy as np
 import torch
 
+from fastdeploy.core.step_io import NewRequestData, WorkerSamplingParams
 from fastdeploy.model_executor.sampler import Sampler
-from fastdeploy.scheduler.output import NewRequestData
 from fastdeploy.worker.input_batch import InputBatch
 from fastdeploy.worker.sampling_metadata import build_sampling_tensors
 
@@ -36,7 +36,7 @@ def mixed_fields(i: int, vocab: int) -> dict:
             **GREEDY,
             "logit_bias": {j: 2.0 for j in range(0, vocab, vocab // 8)},
             "min_tokens": 10**6,
-            "min_tokens_stop_ids": [0, 1, 2],
+            "stop_token_ids": [0, 1, 2],
         },
         {**GREEDY, "temperature": 0.9, "bad_words_token_ids": [[5], [7, 8], [9, 10, 11]]},
     ]
@@ -62,7 +62,8 @@ def make_batch(batch: int, vocab: int, history: int, fields_of, device: torch.de
     ib = InputBatch(batch, history + 16, 16, device)
     for i in range(batch):
         tokens = rng.integers(0, vocab, history).tolist()
-        ib.add_request(NewRequestData(f"r{i}", tokens, history // 2, fields_of(i, vocab), [0], 0))
+        sampling = WorkerSamplingParams(**fields_of(i, vocab))
+        ib.add_request(NewRequestData(f"r{i}", tokens, history // 2, sampling, [0], 0))
     return ib
 
 

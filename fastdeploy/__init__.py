@@ -2,8 +2,8 @@
 
 __version__ = "0.1.0"
 
-from fastdeploy.engine.outputs import CompletionOutput, RequestOutput  # noqa: E402
-from fastdeploy.engine.sampling_params import SamplingParams  # noqa: E402
+from fastdeploy.core.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from fastdeploy.core.sampling_params import SamplingParams  # noqa: E402
 
 
 def __getattr__(name: str):

@@ -233,7 +233,7 @@ def bench_small_m_linear(
     row["baseline_seconds"] = _time_calls(baseline, sets, device)
     try:
         from fastdeploy.ops import triton_gemv
-        from fastdeploy.ops.triton_attention import triton_interpreting
+        from fastdeploy.ops.triton_env import triton_interpreting
     except ImportError:
         row["skipped"] = "triton is not installed"
         return row

@@ -23,6 +23,10 @@ import zmq.asyncio
 
 from fastdeploy import envs
 from fastdeploy.config import EngineConfig
+from fastdeploy.core.mm_item import MMItem
+from fastdeploy.core.outputs import RequestOutput
+from fastdeploy.core.request import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+from fastdeploy.core.sampling_params import SamplingParams
 from fastdeploy.engine.core_proc import engine_core_main, input_socket_name
 from fastdeploy.engine.feature_mirror import FeatureMirror
 from fastdeploy.engine.input_processor import InputProcessor, eos_ids_of
@@ -37,13 +41,9 @@ from fastdeploy.engine.ipc import (
     remove_ipc_dir,
 )
 from fastdeploy.engine.output_processor import OutputProcessor, RequestState
-from fastdeploy.engine.outputs import RequestOutput
 from fastdeploy.engine.protocol import EngineClient, EngineDeadError
-from fastdeploy.engine.request import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
-from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.metrics import EngineMetrics
 from fastdeploy.model_executor.model_loader import load_tokenizer, resolve_model
-from fastdeploy.multimodal.items import MMItem
 
 logger = logging.getLogger(__name__)
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import logging
 
 from fastdeploy.config import EngineConfig
+from fastdeploy.core.request import EngineCoreOutputs, EngineCoreRequest, Request
+from fastdeploy.core.step_io import SchedulerOutput
 from fastdeploy.engine.feature_mirror import FeatureMirror
-from fastdeploy.engine.request import EngineCoreOutputs, EngineCoreRequest, Request
 from fastdeploy.model_executor.model_loader import ModelSource
-from fastdeploy.scheduler.output import SchedulerOutput
 
 
 class WorkerStepError(RuntimeError):

@@ -11,8 +11,8 @@ import zmq
 
 from fastdeploy import envs
 from fastdeploy.config import EngineConfig
+from fastdeploy.core.request import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from fastdeploy.engine.ipc import decode, encode, ipc_address
-from fastdeploy.engine.request import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 
 logger = logging.getLogger(__name__)
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from fastdeploy.config import EngineConfig
+from fastdeploy.core.step_io import ModelRunnerOutput, SchedulerOutput
 from fastdeploy.model_executor.model_loader import ModelSource
-from fastdeploy.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from fastdeploy.worker.worker import Worker
 
 

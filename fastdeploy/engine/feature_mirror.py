@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from fastdeploy.multimodal.items import MMItem
-from fastdeploy.scheduler.encoder_cache_manager import GIB
+from fastdeploy.core.mm_item import MMItem
+from fastdeploy.multimodal.encoder_cache import GIB
 
 
 class FeatureMirror:

@@ -6,10 +6,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from fastdeploy.core.mm_item import MMItem
+from fastdeploy.core.request import EngineCoreRequest
+from fastdeploy.core.sampling_params import SamplingParams, SamplingParamsError
 from fastdeploy.engine.output_processor import child_request_id
-from fastdeploy.engine.request import EngineCoreRequest
-from fastdeploy.engine.sampling_params import SamplingParams, SamplingParamsError
-from fastdeploy.multimodal.items import MMItem
 
 
 class PromptTooLongError(ValueError):

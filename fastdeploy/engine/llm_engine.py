@@ -7,21 +7,21 @@ import time
 from typing import Any
 
 from fastdeploy.config import EngineConfig
+from fastdeploy.core.mm_item import MMItem
+from fastdeploy.core.outputs import RequestOutput
+from fastdeploy.core.request import SchedulerStats
+from fastdeploy.core.sampling_params import SamplingParams
 from fastdeploy.engine.core import EngineCore
 from fastdeploy.engine.executor import InProcExecutor
 from fastdeploy.engine.input_processor import InputProcessor, eos_ids_of
 from fastdeploy.engine.ipc import new_ipc_dir, remove_ipc_dir
 from fastdeploy.engine.multiproc_executor import MultiprocExecutor
 from fastdeploy.engine.output_processor import OutputProcessor, RequestState
-from fastdeploy.engine.outputs import RequestOutput
 from fastdeploy.engine.parallel_layout import ParallelLayoutError, check_parallel_layout
-from fastdeploy.engine.request import SchedulerStats
-from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.model_executor.model_loader import load_tokenizer, resolve_model
-from fastdeploy.multimodal.items import MMItem
+from fastdeploy.multimodal.encoder_cache import EncoderCacheManager
 from fastdeploy.multimodal.prompt import MultimodalPromptBuilder
 from fastdeploy.multimodal.url_policy import MediaUrlPolicy
-from fastdeploy.scheduler.encoder_cache_manager import EncoderCacheManager
 
 
 class LLMEngine:

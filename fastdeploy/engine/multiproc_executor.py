@@ -15,11 +15,11 @@ import zmq
 
 from fastdeploy import envs
 from fastdeploy.config import EngineConfig
+from fastdeploy.core.step_io import ModelRunnerOutput, SchedulerOutput
 from fastdeploy.distributed import free_port_init_method
 from fastdeploy.engine.core import WorkerStepError
 from fastdeploy.engine.ipc import ChildProcess, decode, encode, ipc_address
 from fastdeploy.model_executor.model_loader import ModelSource
-from fastdeploy.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 
 class WorkerDiedError(RuntimeError):

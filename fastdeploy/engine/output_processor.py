@@ -10,11 +10,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from fastdeploy.core.outputs import CompletionOutput, Logprob, RequestOutput
+from fastdeploy.core.prompt_logprobs import to_prompt_logprobs
+from fastdeploy.core.request import EngineCoreOutput
+from fastdeploy.core.sampling_params import SamplingParams
 from fastdeploy.engine.detokenizer import IncrementalDetokenizer
-from fastdeploy.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from fastdeploy.engine.prompt_logprobs import to_prompt_logprobs
-from fastdeploy.engine.request import EngineCoreOutput
-from fastdeploy.engine.sampling_params import SamplingParams
 
 
 def child_request_id(request_id: str, index: int, n: int) -> str:

@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastdeploy.config import EngineConfig
-from fastdeploy.engine.outputs import RequestOutput
-from fastdeploy.engine.sampling_params import SamplingParams
+from fastdeploy.core.outputs import RequestOutput
+from fastdeploy.core.sampling_params import SamplingParams
 
 
 class EngineDeadError(RuntimeError):

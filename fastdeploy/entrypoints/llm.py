@@ -7,10 +7,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from fastdeploy.config import EngineConfig
+from fastdeploy.core.mm_item import MMItem
+from fastdeploy.core.outputs import RequestOutput
+from fastdeploy.core.sampling_params import SamplingParams
 from fastdeploy.engine.llm_engine import LLMEngine
-from fastdeploy.engine.outputs import RequestOutput
-from fastdeploy.engine.sampling_params import SamplingParams
-from fastdeploy.multimodal.items import MMItem
 from fastdeploy.multimodal.prompt import items_from_mm_data
 
 PromptType = str | list[int] | dict[str, Any]

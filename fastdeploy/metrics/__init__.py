@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from fastdeploy.engine.request import SchedulerStats
+from fastdeploy.core.request import SchedulerStats
 
 REGISTRY = CollectorRegistry()
 

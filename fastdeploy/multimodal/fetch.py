@@ -15,7 +15,7 @@ items, in the same order, each with its ``features`` tensor and ``mm_hash``.
   :class:`~fastdeploy.multimodal.url_policy.MediaUrlPolicy` (no private addresses
   by default), and every failed download, an unloadable file included, reads the
   same to the client (the detail goes to the server log).
-- With an :class:`~fastdeploy.scheduler.encoder_cache_manager.EncoderCacheManager`,
+- With an :class:`~fastdeploy.multimodal.encoder_cache.EncoderCacheManager`,
   a URL fetched before (``FD_FEATURE_URL_CACHE``) is served from the cache
   without a download, and equal content from another URL reuses the cached tensor.
 """
@@ -47,7 +47,7 @@ from fastdeploy.multimodal.sources import (
 from fastdeploy.multimodal.url_policy import MediaUrlPolicy
 
 if TYPE_CHECKING:
-    from fastdeploy.scheduler.encoder_cache_manager import EncoderCacheManager
+    from fastdeploy.multimodal.encoder_cache import EncoderCacheManager
 
 MIB = 1 << 20
 

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from fastdeploy.multimodal.items import MMItem
+from fastdeploy.core.mm_item import MMItem
 
 
 def item_positions(

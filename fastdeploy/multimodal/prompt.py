@@ -23,12 +23,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from fastdeploy.core.mm_item import MMItem
+from fastdeploy.multimodal.encoder_cache import EncoderCacheManager
 from fastdeploy.multimodal.fetch import fetch_features
 from fastdeploy.multimodal.inputs import FeatureItem, MultimodalInputError
-from fastdeploy.multimodal.items import MMItem, expand_placeholders, placeholder_text
+from fastdeploy.multimodal.items import expand_placeholders, placeholder_text
 from fastdeploy.multimodal.parts import is_feature_part, item_from_content_part
 from fastdeploy.multimodal.url_policy import MediaUrlPolicy
-from fastdeploy.scheduler.encoder_cache_manager import EncoderCacheManager
 from fastdeploy.transformers_utils.config import ModelArchConfig
 
 _EMBEDS_KEYS = ("image_embeds", "video_embeds", "embeds", "features")

@@ -20,12 +20,11 @@ query dtype first, so the numerics match the GPU path.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from fastdeploy.ops.triton_env import triton_interpreting
 from fastdeploy.ops.triton_pdl import pdl_kwargs, pdl_prologue, pdl_trigger
 
 LOG2E = 1.4426950408889634
@@ -33,14 +32,6 @@ MIN_SPLIT_TOKENS = 256
 """Decode splits are only added while each still covers this many tokens of the static bound."""
 MAX_SPLITS = 16
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def triton_interpreting() -> bool:
-    """Whether Triton kernels run in its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    knobs = getattr(triton, "knobs", None)
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @triton.jit

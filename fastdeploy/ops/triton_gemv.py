@@ -51,7 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastdeploy.ops.triton_attention import triton_interpreting
+from fastdeploy.ops.triton_env import triton_interpreting
 from fastdeploy.ops.triton_pdl import pdl_kwargs, pdl_prologue, pdl_trigger
 
 SMALL_M_MAX = 4

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastdeploy.ops.triton_attention import triton_interpreting
+from fastdeploy.ops.triton_env import triton_interpreting
 from fastdeploy.ops.triton_gemv import ACC_ELEMENTS, BROADCAST_CONFIGS, DTYPES, autotune_bench, launch
 from fastdeploy.ops.triton_layer_ops import load_cos_sin
 from fastdeploy.ops.triton_pdl import pdl_kwargs, pdl_prologue, pdl_trigger

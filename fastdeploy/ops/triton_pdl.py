@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from fastdeploy import envs
+from fastdeploy.ops.triton_env import triton_interpreting
 
 try:  # Triton >= 3.4
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -49,8 +50,6 @@ def _triton_has_launch_pdl() -> bool:
 
 @functools.cache
 def _pdl_on(device_index: int) -> bool:
-    from fastdeploy.ops.triton_attention import triton_interpreting
-
     if not envs.FD_TRITON_PDL or triton_interpreting() or not _triton_has_launch_pdl():
         return False
     return torch.cuda.get_device_capability(device_index)[0] >= 9

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastdeploy.engine.request import Request
-from fastdeploy.scheduler.encoder_cache_manager import GIB, EncoderCacheManager
+from fastdeploy.core.request import Request
+from fastdeploy.multimodal.encoder_cache import GIB, EncoderCacheManager
 
 
 class WorkerEncoderCache:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastdeploy.engine.request import Request
+from fastdeploy.core.request import Request
 from fastdeploy.scheduler.block_hash import extend_block_hashes
 from fastdeploy.scheduler.block_pool import BlockPool, KVCacheBlock
 

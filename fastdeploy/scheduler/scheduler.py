@@ -6,46 +6,55 @@ import time
 from collections import deque
 
 from fastdeploy.config import EngineConfig
-from fastdeploy.engine.request import (
+from fastdeploy.core.request import (
     EngineCoreOutput,
     FinishReason,
     Request,
     RequestStatus,
     SchedulerStats,
 )
+from fastdeploy.core.step_io import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    StopCode,
+    WorkerSamplingParams,
+    reaches_length_limit,
+)
 from fastdeploy.scheduler.encoder_sync import WorkerEncoderCache
 from fastdeploy.scheduler.kv_cache_manager import KVCacheManager
-from fastdeploy.scheduler.output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 
-WORKER_SAMPLING_FIELDS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "logit_bias",
-    "bad_words_token_ids",
-    "min_tokens",
-    "logprobs",
-)
+_FINISH_OF_STOP_CODE = {
+    StopCode.EOS: FinishReason.STOP,
+    StopCode.STOP_TOKEN: FinishReason.STOP,
+    StopCode.LENGTH: FinishReason.LENGTH,
+}
+"""The finish reason of each stop code the worker reports (``RUNNING`` has none)."""
 
 
-def worker_sampling(request: Request) -> dict:
-    """The sampling fields the worker needs, plus the token ids ``min_tokens`` suppresses."""
+def worker_sampling(request: Request) -> WorkerSamplingParams:
+    """The sampling and stop controls the worker needs for ``request``."""
     sp = request.sampling_params
-    fields = {f: getattr(sp, f) for f in WORKER_SAMPLING_FIELDS}
-    eos = [] if sp.ignore_eos else sorted(request.eos_token_ids)
-    stop_ids = sorted(set(eos) | set(sp.stop_token_ids))
-    if sp.min_tokens > 0:
-        fields["min_tokens_stop_ids"] = stop_ids
-    fields["stop_ids"] = stop_ids  # the device-side stop check (the scheduler's stays authoritative)
-    fields["max_tokens"] = sp.max_tokens
-    # once sent, prompt logprobs are not recomputed when a preempted request resumes
-    fields["prompt_logprobs"] = sp.prompt_logprobs if request.needs_prompt_logprobs else None
-    return fields
+    return WorkerSamplingParams(
+        temperature=sp.temperature,
+        top_p=sp.top_p,
+        top_k=sp.top_k,
+        min_p=sp.min_p,
+        seed=sp.seed,
+        repetition_penalty=sp.repetition_penalty,
+        presence_penalty=sp.presence_penalty,
+        frequency_penalty=sp.frequency_penalty,
+        logit_bias=sp.logit_bias,
+        bad_words_token_ids=sp.bad_words_token_ids,
+        min_tokens=sp.min_tokens,
+        max_tokens=sp.max_tokens,
+        eos_token_ids=[] if sp.ignore_eos else sorted(request.eos_token_ids),
+        stop_token_ids=list(sp.stop_token_ids),
+        logprobs=sp.logprobs,
+        # once sent, prompt logprobs are not recomputed when a preempted request resumes
+        prompt_logprobs=sp.prompt_logprobs if request.needs_prompt_logprobs else None,
+    )
 
 
 class Scheduler:
@@ -198,16 +207,17 @@ class Scheduler:
         return num_new
 
     def _in_flight_tokens_finish(self, request: Request) -> bool:
-        """Whether the tokens already in flight take the request to max_tokens or max_model_len."""
-        if not request.num_output_placeholders:
-            return False
-        max_tokens = request.sampling_params.max_tokens
-        if (
-            max_tokens is not None
-            and request.num_output_tokens + request.num_output_placeholders >= max_tokens
-        ):
-            return True
-        return request.num_tokens + request.num_output_placeholders >= self.max_model_len
+        """Whether the tokens already in flight take the request to max_tokens or max_model_len
+        (then nothing more is scheduled for it: the worker ends it with the last of them)."""
+        placeholders = request.num_output_placeholders
+        return placeholders > 0 and bool(
+            reaches_length_limit(
+                request.num_output_tokens + placeholders,
+                request.num_tokens + placeholders,
+                request.max_tokens,
+                self.max_model_len,
+            )
+        )
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
@@ -255,11 +265,14 @@ class Scheduler:
     # ---- results -------------------------------------------------------------------
 
     def update_from_output(self, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        """Append sampled tokens, finish requests that hit a stop condition, report deltas.
+        """Append sampled tokens, finish the requests the worker's stop codes end, report deltas.
 
-        Prompt logprobs of prefill chunks are gathered per request and sent with
-        its first output. A request with ``max_tokens == 0`` ends right after its
-        prefill (reason ``length``): the token sampled there is dropped.
+        The worker alone decides whether a token ends its request (EOS, stop token ids,
+        max_tokens, max_model_len: :class:`~fastdeploy.core.step_io.StopCode`); this only acts on
+        it. A row of a request aborted or preempted meanwhile (or finished by the previous
+        step's token, with async scheduling) is dropped. Prompt logprobs of prefill chunks are
+        gathered per request and sent with its first output. A request with ``max_tokens ==
+        0`` ends right after its prefill (reason ``length``): the token sampled there is dropped.
         """
         outputs = []
         for req_id, (first_index, entries) in (runner_output.prompt_logprobs or {}).items():
@@ -267,8 +280,8 @@ class Scheduler:
             if request is not None and request.prompt_logprobs is not None:
                 request.prompt_logprobs.add(first_index, entries)
         all_logprobs = runner_output.logprobs or [None] * len(runner_output.req_ids)
-        for req_id, token_id, logprobs in zip(
-            runner_output.req_ids, runner_output.sampled_token_ids, all_logprobs
+        for req_id, token_id, code, logprobs in zip(
+            runner_output.req_ids, runner_output.sampled_token_ids, runner_output.stopped, all_logprobs
         ):
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -276,11 +289,12 @@ class Scheduler:
             request.num_output_placeholders = max(request.num_output_placeholders - 1, 0)
             prompt_logprobs = request.prompt_logprobs.take() if request.prompt_logprobs else None
             if request.max_tokens == 0:
-                new_token_ids, reason, stop_reason, logprobs = [], FinishReason.LENGTH, None, None
+                new_token_ids, logprobs = [], None
             else:
                 request.append_output_token(token_id)
                 new_token_ids = [token_id]
-                reason, stop_reason = self._check_stop(request, token_id)
+            reason = _FINISH_OF_STOP_CODE.get(code)
+            stop_reason = token_id if code == StopCode.STOP_TOKEN else None
             if reason is not None:
                 self._finish(request, reason, stop_reason)
             outputs.append(
@@ -296,19 +310,6 @@ class Scheduler:
                 )
             )
         return outputs
-
-    def _check_stop(self, request: Request, token_id: int) -> tuple[FinishReason | None, int | None]:
-        sp = request.sampling_params
-        if request.num_output_tokens >= sp.min_tokens:
-            if not sp.ignore_eos and token_id in request.eos_token_ids:
-                return FinishReason.STOP, None
-            if token_id in sp.stop_token_ids:
-                return FinishReason.STOP, token_id
-        if sp.max_tokens is not None and request.num_output_tokens >= sp.max_tokens:
-            return FinishReason.LENGTH, None
-        if request.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH, None
-        return None, None
 
     def make_stats(self) -> SchedulerStats:
         """Snapshot for metrics; resets the per-interval prefix-cache counters."""

@@ -9,7 +9,7 @@ class BlockTable:
     """``[max_num_reqs, max_blocks_per_req]`` block ids on the host.
 
     Rows change only by appending the blocks the scheduler newly allocated; each step
-    sends the used rows to the device with its other inputs (:func:`fastdeploy.worker.upload.upload`).
+    sends the used rows to the device with its other inputs (:func:`fastdeploy.ops.upload.upload`).
     """
 
     def __init__(self, max_num_reqs: int, max_blocks_per_req: int):

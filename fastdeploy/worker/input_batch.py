@@ -8,8 +8,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from fastdeploy.scheduler.output import NewRequestData
+from fastdeploy.core.step_io import NewRequestData, StopCode, WorkerSamplingParams
 from fastdeploy.worker.block_table import BlockTable
+
+NO_MAX_TOKENS = np.iinfo(np.int64).max
+"""``max_tokens`` of a request without a limit."""
+
+_NO_SAMPLING = WorkerSamplingParams()
+"""What an empty slot holds."""
 
 
 class InputBatch:
@@ -31,30 +37,32 @@ class InputBatch:
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = BlockTable(max_num_reqs, -(-max_model_len // block_size))
+        # per-slot sampling and stop controls, written by _set_sampling (the defaults for empty slots)
         self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
-        self.top_p = np.ones(max_num_reqs, dtype=np.float32)
+        self.top_p = np.zeros(max_num_reqs, dtype=np.float32)
         self.top_k = np.zeros(max_num_reqs, dtype=np.int64)
         self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
         self.generators: dict[int, torch.Generator] = {}
-        self.repetition_penalty = np.ones(max_num_reqs, dtype=np.float32)
+        self.repetition_penalty = np.zeros(max_num_reqs, dtype=np.float32)
         self.presence_penalty = np.zeros(max_num_reqs, dtype=np.float32)
         self.frequency_penalty = np.zeros(max_num_reqs, dtype=np.float32)
         self.min_tokens = np.zeros(max_num_reqs, dtype=np.int64)
-        self.max_tokens = np.full(max_num_reqs, np.iinfo(np.int64).max, dtype=np.int64)
-        """Output tokens allowed per slot (no limit: int64 max)."""
-        self.stop_ids: dict[int, list[int]] = {}
-        """Slot → token ids that stop it once ``min_tokens`` are out (EOS unless ignored, stop_token_ids)."""
+        self.max_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        """Output tokens allowed per slot (no limit: :data:`NO_MAX_TOKENS`)."""
         self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)
         """Top logprobs wanted per token; -1: no logprobs."""
         self.num_prompt_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)
         """Top logprobs wanted per prompt token; -1: no prompt logprobs."""
         self.logit_bias: dict[int, dict[int, float]] = {}
-        self.min_tokens_stop_ids: dict[int, list[int]] = {}
-        """Slot → EOS and stop token ids to suppress until ``min_tokens`` outputs exist."""
+        self.stop_ids: dict[int, dict[int, StopCode]] = {}
+        """Slot → the token ids that end it once ``min_tokens`` are out, each with its stop code
+        (EOS unless ignored, then ``stop_token_ids``); banned until then."""
         self.static_bans: dict[int, list[int]] = {}
         """Slot → single-token bad words (always banned)."""
         self.bad_word_seqs: dict[int, list[list[int]]] = {}
         """Slot → multi-token bad words (banned when the preceding output tokens match)."""
+        for slot in range(max_num_reqs):
+            self._set_sampling(slot, _NO_SAMPLING)
         self._sparse: dict[str, tuple[np.ndarray, ...]] | None = None
         self._free_slots = list(range(max_num_reqs - 1, -1, -1))
         self.version = 0
@@ -82,32 +90,7 @@ class InputBatch:
         self.num_prompt_tokens[slot] = req.num_prompt_tokens
         self.num_computed_tokens[slot] = req.num_computed_tokens
         self.block_table.set_row(slot, req.block_ids)
-        s = req.sampling
-        self.temperature[slot] = s["temperature"]
-        self.top_p[slot] = s["top_p"]
-        self.top_k[slot] = s["top_k"] if s["top_k"] > 0 else 0
-        self.min_p[slot] = s["min_p"]
-        if s.get("seed") is not None:
-            self.generators[slot] = torch.Generator(device=self.device).manual_seed(s["seed"])
-        self.repetition_penalty[slot] = s.get("repetition_penalty", 1.0)
-        self.presence_penalty[slot] = s.get("presence_penalty", 0.0)
-        self.frequency_penalty[slot] = s.get("frequency_penalty", 0.0)
-        self.min_tokens[slot] = s.get("min_tokens", 0)
-        if s.get("max_tokens") is not None:
-            self.max_tokens[slot] = s["max_tokens"]
-        if s.get("stop_ids"):
-            self.stop_ids[slot] = list(s["stop_ids"])
-        self.num_logprobs[slot] = -1 if s.get("logprobs") is None else s["logprobs"]
-        self.num_prompt_logprobs[slot] = -1 if s.get("prompt_logprobs") is None else s["prompt_logprobs"]
-        if s.get("logit_bias"):
-            self.logit_bias[slot] = {int(k): float(v) for k, v in s["logit_bias"].items()}
-        if s.get("min_tokens", 0) > 0 and s.get("min_tokens_stop_ids"):
-            self.min_tokens_stop_ids[slot] = list(s["min_tokens_stop_ids"])
-        words = s.get("bad_words_token_ids") or []
-        if singles := [w[0] for w in words if len(w) == 1]:
-            self.static_bans[slot] = singles
-        if multi := [list(w) for w in words if len(w) > 1]:
-            self.bad_word_seqs[slot] = multi
+        self._set_sampling(slot, req.sampling)
         self._sparse = None
         self.version += 1
         return slot
@@ -118,37 +101,51 @@ class InputBatch:
             return
         self.req_ids[slot] = None
         self.block_table.clear_row(slot)
-        self.generators.pop(slot, None)
-        self.repetition_penalty[slot] = 1.0
-        self.presence_penalty[slot] = self.frequency_penalty[slot] = 0.0
-        self.min_tokens[slot] = 0
-        self.max_tokens[slot] = np.iinfo(np.int64).max
-        self.num_logprobs[slot] = -1
-        self.num_prompt_logprobs[slot] = -1
-        for per_slot in (
-            self.logit_bias,
-            self.min_tokens_stop_ids,
-            self.static_bans,
-            self.bad_word_seqs,
-            self.stop_ids,
-        ):
-            per_slot.pop(slot, None)
+        self._set_sampling(slot, _NO_SAMPLING)
         self._sparse = None
         self.version += 1
         self._free_slots.append(slot)
 
+    def _set_sampling(self, slot: int, s: WorkerSamplingParams) -> None:
+        """Write the sampling and stop controls of ``slot`` (the defaults when it is emptied)."""
+        self.temperature[slot] = s.temperature
+        self.top_p[slot] = s.top_p
+        self.top_k[slot] = max(s.top_k, 0)  # 0: no top-k
+        self.min_p[slot] = s.min_p
+        self.repetition_penalty[slot] = s.repetition_penalty
+        self.presence_penalty[slot] = s.presence_penalty
+        self.frequency_penalty[slot] = s.frequency_penalty
+        self.min_tokens[slot] = s.min_tokens
+        self.max_tokens[slot] = NO_MAX_TOKENS if s.max_tokens is None else s.max_tokens
+        self.num_logprobs[slot] = -1 if s.logprobs is None else s.logprobs
+        self.num_prompt_logprobs[slot] = -1 if s.prompt_logprobs is None else s.prompt_logprobs
+        _set_or_pop(
+            self.generators,
+            slot,
+            None if s.seed is None else torch.Generator(device=self.device).manual_seed(s.seed),
+        )
+        _set_or_pop(self.logit_bias, slot, s.logit_bias)
+        words = s.bad_words_token_ids or []
+        _set_or_pop(self.static_bans, slot, [w[0] for w in words if len(w) == 1])
+        _set_or_pop(self.bad_word_seqs, slot, [list(w) for w in words if len(w) > 1])
+        stop_ids: dict[int, StopCode] = {}
+        if s.max_tokens != 0:  # with max_tokens 0 the sampled token is no output: it ends by length
+            stop_ids = dict.fromkeys(s.stop_token_ids, StopCode.STOP_TOKEN)
+            stop_ids.update(dict.fromkeys(s.eos_token_ids, StopCode.EOS))  # an id in both counts as EOS
+        _set_or_pop(self.stop_ids, slot, stop_ids)
+
     def sparse_entries(self) -> dict[str, tuple[np.ndarray, ...]]:
         """Per-slot token lists flattened to (slots, token ids[, values]) arrays.
 
-        Rebuilt only when a request joins or leaves; each step then selects its
-        rows from these arrays with vectorised indexing.
+        ``logit_bias``: (slots, tokens, float32 biases); ``static_bans``: (slots, tokens);
+        ``stop_ids``: (slots, tokens, int32 stop codes). Rebuilt only when a request joins or
+        leaves; each step then selects its rows from these arrays with vectorised indexing.
         """
         if self._sparse is None:
             self._sparse = {
-                "logit_bias": _flatten({s: list(b.items()) for s, b in self.logit_bias.items()}, pairs=True),
-                "min_tokens": _flatten(self.min_tokens_stop_ids),
+                "logit_bias": _flatten(self.logit_bias, np.float32),
                 "static_bans": _flatten(self.static_bans),
-                "stop_ids": _flatten(self.stop_ids),
+                "stop_ids": _flatten(self.stop_ids, np.int32),
             }
         return self._sparse
 
@@ -175,12 +172,20 @@ class InputBatch:
         self.num_tokens[slot] = n + 1
 
 
-def _flatten(per_slot: dict[int, list], pairs: bool = False) -> tuple[np.ndarray, ...]:
-    """``{slot: [token, ...]}`` (or ``[(token, value), ...]``) → flat slot / token (/ value) arrays."""
-    slots = [s for s, items in per_slot.items() for _ in items]
-    if pairs:
-        tokens = [t for items in per_slot.values() for t, _ in items]
-        values = [v for items in per_slot.values() for _, v in items]
-        return (np.array(slots, np.int64), np.array(tokens, np.int64), np.array(values, np.float32))
-    tokens = [t for items in per_slot.values() for t in items]
-    return (np.array(slots, np.int64), np.array(tokens, np.int64))
+def _set_or_pop(per_slot: dict[int, Any], slot: int, value: Any) -> None:
+    """``per_slot[slot] = value``, or no entry for ``slot`` when ``value`` is empty or None."""
+    if value:
+        per_slot[slot] = value
+    else:
+        per_slot.pop(slot, None)
+
+
+def _flatten(per_slot: dict[int, Any], value_dtype: type | None = None) -> tuple[np.ndarray, ...]:
+    """``{slot: [token, ...]}`` → flat (slots, tokens) arrays; ``{slot: {token: value}}`` with a
+    ``value_dtype`` → (slots, tokens, values)."""
+    slots = np.array([s for s, items in per_slot.items() for _ in items], np.int64)
+    tokens = np.array([t for items in per_slot.values() for t in items], np.int64)
+    if value_dtype is None:
+        return slots, tokens
+    values = np.array([v for items in per_slot.values() for v in items.values()], value_dtype)
+    return slots, tokens, values

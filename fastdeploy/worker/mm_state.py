@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from fastdeploy.multimodal.items import MMItem
+from fastdeploy.core.mm_item import MMItem
+from fastdeploy.core.step_io import NewRequestData
 from fastdeploy.multimodal.positions import mrope_positions
-from fastdeploy.scheduler.output import NewRequestData
 from fastdeploy.transformers_utils.config import MultimodalArchConfig
 
 

@@ -10,7 +10,9 @@ import torch
 
 from fastdeploy import envs
 from fastdeploy.config import EngineConfig
+from fastdeploy.core.step_io import ModelRunnerOutput, SchedulerOutput, StopCode
 from fastdeploy.distributed import tp_broadcast, tp_size
+from fastdeploy.model_executor.attention.backend import AttentionMetadata
 from fastdeploy.model_executor.attention.forward_context import set_forward_context
 from fastdeploy.model_executor.attention.metadata import CommonAttentionMetadata
 from fastdeploy.model_executor.layers.linear import prepack_linear_weights
@@ -20,15 +22,20 @@ from fastdeploy.model_executor.sampler import LogprobsTensors, Sampler
 from fastdeploy.ops._ext import has_cuda_ops
 from fastdeploy.ops.cache_ops import check_fp8_supported, normalize_kv_cache_dtype
 from fastdeploy.ops.stop_ops import alloc_stop_flag, get_stop, set_stop
+from fastdeploy.ops.upload import upload
 from fastdeploy.platforms import get_attention_backend
-from fastdeploy.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from fastdeploy.worker.cuda_graph import DecodeGraphs, GraphOutput
 from fastdeploy.worker.input_batch import InputBatch
 from fastdeploy.worker.mm_state import MultimodalBatchState
 from fastdeploy.worker.prompt_logprobs import compute_prompt_logprobs
 from fastdeploy.worker.sampling_metadata import build_sampling_tensors
-from fastdeploy.worker.step_state import StepState, device_stop_flags, length_stop_flags
-from fastdeploy.worker.upload import upload
+from fastdeploy.worker.step_state import (
+    StepArrays,
+    StepInputs,
+    StepState,
+    device_stop_codes,
+    length_stop_codes,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -75,11 +82,12 @@ class ModelRunner:
         pinned = device.type == "cuda"
         rows = config.scheduler.max_num_seqs
         self._host_token_ids = [torch.zeros(rows, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
-        self._host_stopped = [torch.zeros(rows, dtype=torch.bool, pin_memory=pinned) for _ in range(2)]
-        """Pinned buffers the sampled ids and stop flags are copied into, alternating between steps."""
+        self._host_stop_codes = [torch.zeros(rows, dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
+        """Pinned buffers the sampled ids and stop codes are copied into, alternating between steps."""
         self._stop_flag_device, self._stop_flag_host = alloc_stop_flag(device)
         self.any_running = False
-        """Whether any request of the last saved step is still running, read from the device flag."""
+        """Whether any request that sampled in the last saved step runs on: the device's flag
+        (``set_stop``), read through pinned memory once the step's copies are done (``get_stop``)."""
         self._prev_sampled: torch.Tensor | None = None
         self._prev_slots = np.zeros(0, dtype=np.int64)
         """The last sampled ids (on the device) and their slots: inputs of the next step's decodes."""
@@ -167,30 +175,26 @@ class ModelRunner:
     def _warm_up_prefill(self, query_len: int) -> None:
         """One forward of a single request of ``query_len`` new tokens that writes no cache slot."""
         width = self.batch.block_table.table.shape[1]
-        block_rows = np.zeros((1, width), dtype=np.int32)
         seq_lens = np.array([query_len], dtype=np.int64)
         query_start_loc = np.array([0, query_len], dtype=np.int64)
-        host = [query_start_loc.astype(np.int32), seq_lens.astype(np.int32), block_rows]
-        dev = upload(host + [np.full(query_len, -1, dtype=np.int64)], self.device)
-        common = CommonAttentionMetadata(
-            num_reqs=1,
-            num_actual_tokens=query_len,
-            query_start_loc=dev[0],
-            seq_lens=dev[1],
-            block_table=dev[2],
-            block_table_cpu=block_rows,
-            slot_mapping=dev[3],
-            query_start_loc_cpu=query_start_loc,
-            seq_lens_cpu=seq_lens,
-            max_query_len=query_len,
-            max_seq_len=query_len,
-            block_size=self.block_size,
+        no_tokens = np.zeros(0, dtype=np.int64)
+        host = StepArrays(
+            query_start_loc=query_start_loc.astype(np.int32),
+            seq_lens=seq_lens.astype(np.int32),
+            block_table=np.zeros((1, width), dtype=np.int32),
+            slot_mapping=np.full(query_len, -1, dtype=np.int64),
+            input_ids=np.zeros(query_len, dtype=np.int64),
+            positions=np.arange(query_len, dtype=np.int64),
+            logits_indices=np.array([query_len - 1], dtype=np.int64),
+            unsaved_tokens=no_tokens,
+            unsaved_rows=no_tokens,
+            length_codes=np.zeros(1, dtype=np.int32),
         )
-        ids = torch.zeros(query_len, dtype=torch.int64, device=self.device)
-        positions = torch.arange(query_len, dtype=torch.int64, device=self.device)
-        with set_forward_context(self.attn_backend.build(common)):
-            hidden = self.model(ids, positions)
-        self.model.compute_logits(hidden[-1:])
+        dev = host.upload(self.device)
+        attn_metadata = self._attention_metadata(host, dev, query_start_loc, seq_lens, query_len)
+        with set_forward_context(attn_metadata):
+            hidden = self.model(dev.input_ids, dev.positions)
+        self.model.compute_logits(hidden[dev.logits_indices])
 
     # ---- one step ------------------------------------------------------------------
 
@@ -213,17 +217,20 @@ class ModelRunner:
         state = self._preprocess_and_execute_model(scheduler_output)
         previous, self._pending = self._pending, None
         output = self._save_model_output(previous) if previous is not None else None
+        if previous is not None and self._ended_before(state, previous, scheduler_output):
+            self._skip_sampling(state)
         self._postprocess(state)
         if scheduler_output.total_num_scheduled_tokens:
             self._pending = state
         return output
 
-    def _forward(self, inputs: dict) -> GraphOutput:
+    def _forward(self, inputs: StepInputs) -> GraphOutput:
         """The model's forward pass: a CUDA graph replay for decode-only steps that fit one.
 
         Only a graph of a small batch also returns the logits and greedy tokens of every row.
         """
-        common = inputs["attn_metadata"].common
+        common = inputs.attn_metadata.common
+        tensors = inputs.tensors
         graphs = self.graphs
         if (
             graphs is not None
@@ -231,9 +238,9 @@ class ModelRunner:
             and common.attn_mask_offsets is None
             and graphs.padded_size(common.num_reqs) is not None
         ):
-            return graphs.run(inputs["input_ids"], inputs["positions"], common)
-        with set_forward_context(inputs["attn_metadata"]):
-            hidden = self.model(inputs["input_ids"], inputs["positions"], inputs.get("inputs_embeds"))
+            return graphs.run(tensors.input_ids, tensors.positions, common)
+        with set_forward_context(inputs.attn_metadata):
+            hidden = self.model(tensors.input_ids, tensors.positions, inputs.inputs_embeds)
             return GraphOutput(hidden, None, None)
 
     def _capture_graphs(self) -> DecodeGraphs | None:
@@ -302,22 +309,22 @@ class ModelRunner:
         inputs = self._prepare_inputs(so)
         hidden, all_logits, greedy_tokens = self._forward(inputs)
         state.prompt_logprobs = compute_prompt_logprobs(
-            self.model, hidden, self.batch, inputs["scheduled_slots"], inputs["query_start_loc_cpu"]
+            self.model, hidden, self.batch, inputs.scheduled_slots, inputs.query_start_loc_cpu
         )
-        state.sample_slots = inputs["sample_slots"]
-        state.num_tokens_after = inputs["num_tokens_after"]
-        state.stopped_by_length = inputs["stopped_by_length"]
+        state.sample_slots = inputs.sample_slots
+        state.num_tokens_after = inputs.num_tokens_after
+        state.length_codes = inputs.tensors.length_codes
         state.req_ids = [self.batch.req_ids[slot] for slot in state.sample_slots.tolist()]
-        if all_logits is not None and len(state.sample_slots) == len(inputs["scheduled_slots"]):
+        if all_logits is not None and len(state.sample_slots) == len(inputs.scheduled_slots):
             # every row samples (a decode step): the graph's logits and argmax as they are
             state.logits, state.greedy_tokens = all_logits, greedy_tokens
         elif len(state.sample_slots):
-            state.logits = self.model.compute_logits(hidden[inputs["logits_indices"]])
+            state.logits = self.model.compute_logits(hidden[inputs.tensors.logits_indices])
         self._trace("execute_end", so.step_id)
         return state
 
     def _postprocess(self, state: StepState) -> None:
-        """Sample on the device, flag stopped requests there, and start copying the ids to the host."""
+        """Sample on the device, decide there which requests end, and start copying both to the host."""
         if state.logits is None:
             return
         slots = state.sample_slots
@@ -326,26 +333,43 @@ class ModelRunner:
         if tp_size() > 1:  # every rank feeds rank 0's ids to its next step (random draws may differ)
             tp_broadcast(sampled.token_ids, src=0)
         state.logits = state.greedy_tokens = None
-        state.stopped = device_stop_flags(
-            self.batch,
-            slots,
-            sampled.token_ids,
-            state.stopped_by_length,
-            state.num_tokens_after,
-            self._to_device,
+        state.stop_codes = device_stop_codes(
+            self.batch, slots, sampled.token_ids, state.length_codes, state.num_tokens_after, self._to_device
         )
-        set_stop(state.stopped, self._stop_flag_device, self._stop_flag_host)
+        set_stop(state.stop_codes != StopCode.RUNNING, self._stop_flag_device, self._stop_flag_host)
         self._prev_sampled, self._prev_slots = sampled.token_ids, slots
         turn = state.step_id % 2
         state.token_ids_host = self._host_token_ids[turn][: len(slots)]
         state.token_ids_host.copy_(sampled.token_ids, non_blocking=True)
-        state.stopped_host = self._host_stopped[turn][: len(slots)]
-        state.stopped_host.copy_(state.stopped, non_blocking=True)
+        state.stop_codes_host = self._host_stop_codes[turn][: len(slots)]
+        state.stop_codes_host.copy_(state.stop_codes, non_blocking=True)
         state.logprobs = sampled.logprobs
         if self.device.type == "cuda":
             state.event = torch.cuda.Event()
             state.event.record()
         self._trace("postprocess_end", state.step_id)
+
+    def _ended_before(self, state: StepState, previous: StepState, so: SchedulerOutput) -> bool:
+        """Whether every request ``state`` would sample for already ended with ``previous``'s token.
+
+        With async scheduling a request that ends at step N is still in step N+1 (the engine
+        scheduled N+1 before N's tokens were back). Once N is saved, the device's flag says
+        whether any of N's requests runs on; when none does and N+1 samples only for them (the
+        same requests: none re-added by this step), N+1's tokens would all be dropped by the
+        engine, so they are not sampled.
+        """
+        if self.any_running or previous.stop_codes is None or not state.req_ids:
+            return False
+        readded = {new.req_id for new in so.new_reqs}
+        return readded.isdisjoint(state.req_ids) and set(state.req_ids) <= set(previous.req_ids)
+
+    def _skip_sampling(self, state: StepState) -> None:
+        """Leave ``state`` with no sampled rows (its output then carries no tokens)."""
+        state.logits = state.greedy_tokens = state.length_codes = None
+        state.sample_slots = state.sample_slots[:0]
+        state.num_tokens_after = state.num_tokens_after[:0]
+        state.req_ids = []
+        self._prev_sampled, self._prev_slots = None, self._prev_slots[:0]
 
     def _save_model_output(self, state: StepState) -> ModelRunnerOutput:
         """Wait for the step's copies, record its tokens in the batch and build the output."""
@@ -359,11 +383,12 @@ class ModelRunner:
         logprobs = None
         if state.logprobs is not None:
             logprobs = self._logprobs_lists(state.sample_slots, state.logprobs)
-        stopped = state.stopped_host.tolist() if state.stopped_host is not None else None
-        self.any_running = get_stop(self._stop_flag_host) if state.stopped is not None else self.any_running
+        stopped = state.stop_codes_host.tolist() if state.stop_codes_host is not None else []
+        if state.stop_codes is not None:
+            self.any_running = get_stop(self._stop_flag_host)
         self._trace("save_end", state.step_id)
         return ModelRunnerOutput(
-            state.step_id, state.req_ids, tokens, logprobs, state.prompt_logprobs, stopped=stopped
+            state.step_id, state.req_ids, tokens, stopped, logprobs, state.prompt_logprobs
         )
 
     def _trace(self, stage: str, step_id: int) -> None:
@@ -399,7 +424,9 @@ class ModelRunner:
             batch.block_table.append(slot, block_ids)
             batch.num_computed_tokens[slot] = num_computed
 
-    def _prepare_inputs(self, so: SchedulerOutput) -> dict:
+    def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
+        """The step's inputs from the persistent batch, built with vectorised numpy and uploaded
+        in one copy; the tokens still in flight are then patched in from the device."""
         batch = self.batch
         num_sched = np.zeros(batch.num_slots, dtype=np.int64)
         for req_id, n in so.num_scheduled_tokens.items():
@@ -412,70 +439,69 @@ class ModelRunner:
         positions = batch.num_computed_tokens[req_of_token] + (
             np.arange(total) - np.repeat(cu - counts, counts)
         )
-        input_ids = batch.token_ids[req_of_token, positions]
         # tokens sampled by the step still in flight: on the device only, taken from its sampled ids
         unsaved = np.flatnonzero(positions >= batch.num_tokens[req_of_token])
-        unsaved_rows = self._unsaved_rows(unsaved, req_of_token)
         block_numbers = batch.block_table.table[req_of_token, positions // self.block_size]
-        slot_mapping = block_numbers.astype(np.int64) * self.block_size + positions % self.block_size
         seq_lens = batch.num_computed_tokens[slots] + counts
         query_start_loc = np.concatenate([[0], cu])
         finishing = seq_lens >= batch.num_tokens[slots]
         mm_step = (
             None if self.mm is None else self.mm.prepare([batch.req_ids[s] for s in slots], counts, positions)
         )
-        block_rows = batch.block_table.rows(slots)
         sample_slots = slots[finishing]
         num_tokens_after = seq_lens[finishing] + 1  # each sampling row's tokens once it has its new one
-        host = [
-            query_start_loc.astype(np.int32),
-            seq_lens.astype(np.int32),
-            block_rows,
-            slot_mapping,
-            input_ids,
-            positions if mm_step is None else mm_step.positions,
-            cu[finishing] - 1,
-            unsaved,
-            unsaved_rows,
-            length_stop_flags(batch, sample_slots, num_tokens_after, self.max_model_len),
-        ]
-        has_offsets = mm_step is not None and mm_step.mask_offsets is not None
-        if has_offsets:
-            host.append(mm_step.mask_offsets)
-        dev = upload(host, self.device)
+        host = StepArrays(
+            query_start_loc=query_start_loc.astype(np.int32),
+            seq_lens=seq_lens.astype(np.int32),
+            block_table=batch.block_table.rows(slots),
+            slot_mapping=block_numbers.astype(np.int64) * self.block_size + positions % self.block_size,
+            input_ids=batch.token_ids[req_of_token, positions],
+            positions=positions if mm_step is None else mm_step.positions,
+            logits_indices=cu[finishing] - 1,
+            unsaved_tokens=unsaved,
+            unsaved_rows=self._unsaved_rows(unsaved, req_of_token),
+            length_codes=length_stop_codes(batch, sample_slots, num_tokens_after, self.max_model_len),
+            mask_offsets=None if mm_step is None else mm_step.mask_offsets,
+        )
+        dev = host.upload(self.device)
+        if len(unsaved):
+            dev.input_ids[dev.unsaved_tokens] = self._prev_sampled[dev.unsaved_rows]
+        inputs_embeds = None if mm_step is None else self.mm.inputs_embeds(self.model, dev.input_ids, mm_step)
+        return StepInputs(
+            tensors=dev,
+            attn_metadata=self._attention_metadata(host, dev, query_start_loc, seq_lens, int(counts.max())),
+            inputs_embeds=inputs_embeds,
+            sample_slots=sample_slots,
+            num_tokens_after=num_tokens_after,
+            scheduled_slots=slots,
+            query_start_loc_cpu=query_start_loc,
+        )
+
+    def _attention_metadata(
+        self,
+        host: StepArrays[np.ndarray],
+        dev: StepArrays[torch.Tensor],
+        query_start_loc: np.ndarray,
+        seq_lens: np.ndarray,
+        max_query_len: int,
+    ) -> AttentionMetadata:
+        """The backend's metadata of a step (``query_start_loc`` and ``seq_lens``: the int64 host copies)."""
         common = CommonAttentionMetadata(
-            num_reqs=len(slots),
-            num_actual_tokens=total,
-            query_start_loc=dev[0],
-            seq_lens=dev[1],
-            block_table=dev[2],
-            block_table_cpu=block_rows,
-            slot_mapping=dev[3],
+            num_reqs=len(seq_lens),
+            num_actual_tokens=int(query_start_loc[-1]),
+            query_start_loc=dev.query_start_loc,
+            seq_lens=dev.seq_lens,
+            block_table=dev.block_table,
+            block_table_cpu=host.block_table,
+            slot_mapping=dev.slot_mapping,
             query_start_loc_cpu=query_start_loc,
             seq_lens_cpu=seq_lens,
-            max_query_len=int(counts.max()),
+            max_query_len=max_query_len,
             max_seq_len=int(seq_lens.max()),
             block_size=self.block_size,
-            attn_mask_offsets=dev[10] if has_offsets else None,
+            attn_mask_offsets=dev.mask_offsets,
         )
-        input_ids = dev[4]
-        if len(unsaved):
-            input_ids[dev[7]] = self._prev_sampled[dev[8]]
-        return {
-            "input_ids": input_ids,
-            "positions": dev[5],
-            "inputs_embeds": None
-            if mm_step is None
-            else self.mm.inputs_embeds(self.model, input_ids, mm_step),
-            "attn_metadata": self.attn_backend.build(common),
-            "logits_indices": dev[6],
-            "sample_slots": sample_slots,
-            "num_tokens_after": num_tokens_after,
-            "stopped_by_length": dev[9],
-            # the token layout, for prompt logprobs: slots[i] owns rows query_start_loc[i]:[i + 1]
-            "scheduled_slots": slots,
-            "query_start_loc_cpu": query_start_loc,
-        }
+        return self.attn_backend.build(common)
 
     def _unsaved_rows(self, unsaved: np.ndarray, req_of_token: np.ndarray) -> np.ndarray:
         """For each token not yet on the host, its row in the previous step's sampled ids."""

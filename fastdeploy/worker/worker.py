@@ -7,11 +7,11 @@ import logging
 import torch
 
 from fastdeploy.config import EngineConfig
+from fastdeploy.core.step_io import ModelRunnerOutput, SchedulerOutput
 from fastdeploy.distributed import init_tensor_parallel
 from fastdeploy.model_executor.model_loader import ModelSource
 from fastdeploy.ops import cpu_ops
 from fastdeploy.platforms import configure_threads, kv_cache_budget_bytes, resolve_device
-from fastdeploy.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from fastdeploy.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)

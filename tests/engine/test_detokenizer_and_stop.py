@@ -7,10 +7,10 @@ import random
 import pytest
 
 from fastdeploy.config import ModelConfig
+from fastdeploy.core.request import EngineCoreOutput
+from fastdeploy.core.sampling_params import SamplingParams
 from fastdeploy.engine.detokenizer import IncrementalDetokenizer
 from fastdeploy.engine.output_processor import OutputProcessor, RequestState
-from fastdeploy.engine.request import EngineCoreOutput
-from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.model_executor.model_loader import load_tokenizer, resolve_model
 
 MULTIBYTE_TEXTS = [

@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
+from fastdeploy.core.mm_item import MMItem
 from fastdeploy.engine.feature_mirror import FeatureMirror
-from fastdeploy.multimodal.items import MMItem
 
 KIB = 1024
 

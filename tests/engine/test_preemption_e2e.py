@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fastdeploy import LLM, SamplingParams
-from fastdeploy.engine.request import RequestStatus
+from fastdeploy.core.request import RequestStatus
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 10  # 40 tokens: one sequence of max_model_len fits, four growing ones do not

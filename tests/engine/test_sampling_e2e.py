@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from fastdeploy import LLM, SamplingParams
+from fastdeploy.core.sampling_params import SamplingParamsError
 from fastdeploy.engine.input_processor import bad_words_token_ids
-from fastdeploy.engine.sampling_params import SamplingParamsError
 
 PROMPT = "The capital of France is"
 OTHER_PROMPTS = ["Once upon a time, there", "def fibonacci(n):", "List three facts about Mars:"]

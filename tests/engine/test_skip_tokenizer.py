@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from fastdeploy import LLM, SamplingParams
-from fastdeploy.engine.sampling_params import SamplingParamsError
+from fastdeploy.core.sampling_params import SamplingParamsError
 
 CONFIG_1B = Path(__file__).resolve().parents[2] / "benchmarks" / "configs" / "llama-3.2-1b"
 TINY = {

@@ -7,8 +7,8 @@ import json
 import pytest
 from pydantic import ValidationError
 
+from fastdeploy.core.sampling_params import SamplingParamsError
 from fastdeploy.engine.protocol import EngineDeadError
-from fastdeploy.engine.sampling_params import SamplingParamsError
 from fastdeploy.entrypoints.openai.errors import (
     AuthenticationError,
     BadRequestError,

@@ -17,8 +17,8 @@ from openai.types import completion_create_params as openai_completion_params
 from openai.types.chat import completion_create_params as openai_chat_params
 
 from fastdeploy.config import ModelConfig, ServerConfig
+from fastdeploy.core.outputs import Logprob
 from fastdeploy.engine.detokenizer import IncrementalDetokenizer
-from fastdeploy.engine.outputs import Logprob
 from fastdeploy.entrypoints.openai.api_server import build_app
 from fastdeploy.entrypoints.openai.errors import BadRequestError
 from fastdeploy.entrypoints.openai.logprobs import completion_logprobs

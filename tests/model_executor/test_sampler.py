@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from fastdeploy.core.step_io import NewRequestData, WorkerSamplingParams
 from fastdeploy.model_executor.sampler import (
     PenaltyTensors,
     Sampler,
@@ -14,7 +15,6 @@ from fastdeploy.model_executor.sampler import (
     apply_top_k_top_p_min_p,
     compute_logprobs,
 )
-from fastdeploy.scheduler.output import NewRequestData
 from fastdeploy.worker.input_batch import InputBatch
 from fastdeploy.worker.sampling_metadata import build_sampling_tensors
 
@@ -90,7 +90,7 @@ def make_batch(requests: list[tuple[list[int], list[int], dict]], vocab: int = V
     """A persistent batch holding ``(prompt, output so far, sampling fields)`` per request."""
     batch = InputBatch(8, 64, 4, torch.device("cpu"))
     for i, (prompt, output, fields) in enumerate(requests):
-        sampling = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "seed": None, **fields}
+        sampling = WorkerSamplingParams(**fields)
         batch.add_request(NewRequestData(f"r{i}", prompt + output, len(prompt), sampling, [0], 0))
     return batch
 
@@ -189,7 +189,7 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     logits = torch.zeros(2, VOCAB)
     logits[:, 0] = 100.0  # EOS
     logits[:, 1] = 90.0  # a stop token id
-    fields = {"temperature": 0.0, "min_tokens": 3, "min_tokens_stop_ids": [0, 1]}
+    fields = {"temperature": 0.0, "min_tokens": 3, "eos_token_ids": [0], "stop_token_ids": [1]}
     batch = make_batch([([5, 6], [7, 8], fields), ([5, 6], [7, 8, 9], fields)])
     params = build_sampling_tensors(batch, np.array([0, 1]), VOCAB, torch.from_numpy)
     tokens = Sampler()(logits, params).token_ids.tolist()

@@ -25,7 +25,8 @@ from fastdeploy.config import EngineConfig  # noqa: E402
 from fastdeploy.model_executor.attention.forward_context import set_forward_context  # noqa: E402
 from fastdeploy.model_executor.attention.layer import Attention  # noqa: E402
 from fastdeploy.model_executor.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from fastdeploy.ops.triton_attention import decode_num_splits, triton_interpreting  # noqa: E402
+from fastdeploy.ops.triton_attention import decode_num_splits  # noqa: E402
+from fastdeploy.ops.triton_env import triton_interpreting  # noqa: E402
 from fastdeploy.platforms import get_attention_backend  # noqa: E402
 
 INTERPRETED = triton_interpreting()

@@ -10,8 +10,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from fastdeploy.config import CacheConfig
 from fastdeploy.metrics import REGISTRY, EngineMetrics
 from fastdeploy.multimodal import FeatureItem, encode_features, fetch_features
+from fastdeploy.multimodal.encoder_cache import GIB, EncoderCacheManager
 from fastdeploy.multimodal.url_policy import MediaUrlPolicy
-from fastdeploy.scheduler.encoder_cache_manager import GIB, EncoderCacheManager
 
 KIB = 1024
 

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import torch
 
+from fastdeploy.core.mm_item import MMItem, tensor_from_wire, tensor_to_wire
 from fastdeploy.multimodal import FeatureItem, MultimodalInputError, mm_hash
-from fastdeploy.multimodal.items import MMItem, expand_placeholders, tensor_from_wire, tensor_to_wire
+from fastdeploy.multimodal.items import expand_placeholders
 from fastdeploy.multimodal.positions import mrope_positions
 from fastdeploy.transformers_utils.config import MultimodalArchConfig
 

@@ -10,12 +10,13 @@ import random
 
 import numpy as np
 import torch
+from worker_stop import worker_output
 
 from fastdeploy.config import EngineConfig
-from fastdeploy.engine.request import EngineCoreRequest, Request
-from fastdeploy.engine.sampling_params import SamplingParams
-from fastdeploy.multimodal.items import MMItem
-from fastdeploy.scheduler.output import ModelRunnerOutput
+from fastdeploy.core.mm_item import MMItem
+from fastdeploy.core.request import EngineCoreRequest, Request
+from fastdeploy.core.sampling_params import SamplingParams
+from fastdeploy.core.step_io import ModelRunnerOutput
 from fastdeploy.scheduler.scheduler import Scheduler
 from fastdeploy.transformers_utils.config import MultimodalArchConfig
 from fastdeploy.worker.mm_state import MultimodalBatchState
@@ -67,12 +68,7 @@ def step(sched: Scheduler, worker: MultimodalBatchState) -> dict:
     for req_id in so.num_scheduled_tokens:  # the worker uses exactly the features the request names
         for item in worker.items.get(req_id, []):
             assert torch.equal(item.features, features_of(item.mm_hash))
-    done = [
-        r
-        for r in so.num_scheduled_tokens
-        if sched.requests[r].num_computed_tokens >= sched.requests[r].num_tokens
-    ]
-    sched.update_from_output(ModelRunnerOutput(so.step_id, done, [7] * len(done)))
+    sched.update_from_output(worker_output(sched, so, lambda request: 7))
     return {new.req_id: new.mm_items for new in so.new_reqs}
 
 
@@ -143,7 +139,7 @@ def test_bidirectional_items_are_not_cut_by_chunks_and_get_key_limits():
     so = sched.schedule()
     assert so.num_scheduled_tokens == {"a": 2}
     worker.add_request(so.new_reqs[0])
-    sched.update_from_output(ModelRunnerOutput(so.step_id, [], []))
+    sched.update_from_output(ModelRunnerOutput(so.step_id, [], [], []))
     assert sched.schedule().num_scheduled_tokens == {"a": 5}
     inputs = worker.prepare(["a"], np.array([5]), np.arange(2, 7))
     assert inputs.mask_offsets.tolist() == [6, 6, 6, 6, 7]  # the image's tokens see up to its end

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from fastdeploy.engine.request import EngineCoreRequest, Request
-from fastdeploy.engine.sampling_params import SamplingParams
+from fastdeploy.core.request import EngineCoreRequest, Request
+from fastdeploy.core.sampling_params import SamplingParams
 from fastdeploy.scheduler.block_hash import ROOT_HASH, hash_block
 from fastdeploy.scheduler.kv_cache_manager import KVCacheManager
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from worker_stop import worker_output
+
 from fastdeploy.config import EngineConfig
-from fastdeploy.engine.prompt_logprobs import PromptLogprobsBuffer, to_prompt_logprobs
-from fastdeploy.engine.request import EngineCoreRequest, Request
-from fastdeploy.engine.sampling_params import SamplingParams
-from fastdeploy.scheduler.output import ModelRunnerOutput
+from fastdeploy.core.prompt_logprobs import PromptLogprobsBuffer, to_prompt_logprobs
+from fastdeploy.core.request import EngineCoreRequest, Request
+from fastdeploy.core.sampling_params import SamplingParams
 from fastdeploy.scheduler.scheduler import Scheduler
 
 BLOCK = 4
@@ -37,16 +38,14 @@ def run(sched: Scheduler) -> dict[str, list]:
     outputs: dict[str, list] = {}
     while sched.has_unfinished_requests():
         so = sched.schedule()
-        prompt_lps, req_ids = {}, []
+        prompt_lps = {}
         for req_id, n in so.num_scheduled_tokens.items():
             request = sched.requests[req_id]
             start = request.num_computed_tokens - n
             end = min(request.num_computed_tokens, request.num_prompt_tokens - 1)
             if request.needs_prompt_logprobs and end > start:
                 prompt_lps[req_id] = [start + 1, [entry(i) for i in range(start + 1, end + 1)]]
-            if request.num_computed_tokens >= request.num_tokens:
-                req_ids.append(req_id)
-        result = ModelRunnerOutput(so.step_id, req_ids, [7] * len(req_ids), prompt_logprobs=prompt_lps)
+        result = worker_output(sched, so, lambda request: 7, prompt_logprobs=prompt_lps)
         for out in sched.update_from_output(result):
             outputs.setdefault(out.request_id, []).append(out)
     return outputs

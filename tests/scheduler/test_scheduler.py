@@ -6,11 +6,12 @@ import random
 from collections.abc import Callable
 
 import pytest
+from worker_stop import worker_output
 
 from fastdeploy.config import EngineConfig
-from fastdeploy.engine.request import EngineCoreOutput, EngineCoreRequest, Request, RequestStatus
-from fastdeploy.engine.sampling_params import SamplingParams
-from fastdeploy.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from fastdeploy.core.request import EngineCoreOutput, EngineCoreRequest, Request, RequestStatus
+from fastdeploy.core.sampling_params import SamplingParams
+from fastdeploy.core.step_io import ModelRunnerOutput, SchedulerOutput, StopCode
 from fastdeploy.scheduler.scheduler import Scheduler
 
 VOCAB = 1000
@@ -103,13 +104,7 @@ def step(
     assert set(so.num_scheduled_tokens) <= {r.request_id for r in sched.running}
     if worker is not None:
         worker.apply(so)
-    req_ids, tokens = [], []
-    for rid in so.num_scheduled_tokens:
-        request = sched.requests[rid]
-        if request.num_computed_tokens >= request.num_tokens:
-            req_ids.append(rid)
-            tokens.append(sampler(request))
-    outputs = sched.update_from_output(ModelRunnerOutput(so.step_id, req_ids, tokens))
+    outputs = sched.update_from_output(worker_output(sched, so, sampler))
     return so, outputs
 
 
@@ -351,6 +346,77 @@ def test_max_model_len_ends_with_length():
     make_request(sched, "a", rand_prompt(rng, 15), max_tokens=None)
     tokens, finish = run_to_completion(sched)
     assert len(tokens["a"]) == 5 and finish["a"] == ("length", None)
+
+
+def runner_output(so: SchedulerOutput, rows: dict[str, tuple[int, StopCode]]) -> ModelRunnerOutput:
+    """A worker's output for ``so``: ``{req_id: (token, stop code)}``."""
+    return ModelRunnerOutput(
+        so.step_id, list(rows), [token for token, _ in rows.values()], [code for _, code in rows.values()]
+    )
+
+
+def test_the_worker_stop_codes_alone_finish_requests():
+    """The scheduler acts on the worker's decision and re-checks nothing (EOS, stop ids, max_tokens)."""
+    rng = random.Random(11)
+    sched = make_scheduler()
+    for req_id in ("length", "eos_ignored", "stop_token", "eos"):
+        make_request(sched, req_id, rand_prompt(rng, 5), max_tokens=2)
+    so = sched.schedule()
+    rows = {
+        "length": (5, StopCode.LENGTH),  # one token of two: the host would have gone on
+        "eos_ignored": (EOS, StopCode.RUNNING),  # the host would have stopped on EOS
+        "stop_token": (6, StopCode.STOP_TOKEN),
+        "eos": (7, StopCode.EOS),
+    }
+    outputs = sched.update_from_output(runner_output(so, rows))
+    finish = {out.request_id: (out.finish_reason, out.stop_reason) for out in outputs}
+    assert finish == {
+        "length": ("length", None),
+        "eos_ignored": (None, None),
+        "stop_token": ("stop", 6),
+        "eos": ("stop", None),
+    }
+    so = sched.schedule()
+    assert so.num_scheduled_tokens == {"eos_ignored": 1}
+    assert sorted(so.finished_req_ids) == ["eos", "length", "stop_token"]
+    # at max_tokens the request still runs on while the worker says so
+    (out,) = sched.update_from_output(runner_output(so, {"eos_ignored": (8, StopCode.RUNNING)}))
+    assert out.finish_reason is None and sched.requests["eos_ignored"].output_token_ids == [EOS, 8]
+    (out,) = sched.update_from_output(runner_output(sched.schedule(), {"eos_ignored": (9, StopCode.LENGTH)}))
+    assert out.finish_reason == "length" and not sched.requests
+    assert sched.kv.pool.num_used_blocks == 0
+
+
+def test_async_scheduling_drops_the_in_flight_token_of_a_request_the_worker_ended():
+    rng = random.Random(12)
+    sched = make_scheduler()
+    sched.async_scheduling = True
+    make_request(sched, "a", rand_prompt(rng, 6), max_tokens=20)
+    make_request(sched, "b", rand_prompt(rng, 6), max_tokens=20)
+    first = sched.schedule()
+    second = sched.schedule()  # before the first step's tokens are back: a placeholder each
+    assert second.num_scheduled_tokens == {"a": 1, "b": 1}
+    outputs = sched.update_from_output(
+        runner_output(first, {"a": (EOS, StopCode.EOS), "b": (9, StopCode.RUNNING)})
+    )
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [("a", "stop"), ("b", None)]
+    outputs = sched.update_from_output(
+        runner_output(second, {"a": (10, StopCode.RUNNING), "b": (11, StopCode.RUNNING)})
+    )
+    assert [(o.request_id, o.new_token_ids) for o in outputs] == [("b", [11])]  # a ended with its first token
+    third = sched.schedule()
+    assert third.finished_req_ids == ["a"] and third.num_scheduled_tokens == {"b": 1}
+    assert sched.requests["b"].output_token_ids == [9, 11]
+
+
+def test_async_scheduling_schedules_nothing_past_the_length_limit():
+    rng = random.Random(13)
+    sched = make_scheduler(max_model_len=12)
+    sched.async_scheduling = True
+    make_request(sched, "tokens", rand_prompt(rng, 5), max_tokens=2)
+    make_request(sched, "model_len", rand_prompt(rng, 10), max_tokens=None)
+    steps = [sched.schedule() for _ in range(3)]
+    assert [sorted(so.num_scheduled_tokens) for so in steps] == [["model_len", "tokens"]] * 2 + [[]]
 
 
 # ---- aborts ----------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from fastdeploy.engine.outputs import Logprob
+from fastdeploy.core.outputs import Logprob
 from fastdeploy.entrypoints.openai.protocol import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,

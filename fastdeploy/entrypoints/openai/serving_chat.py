@@ -19,7 +19,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from fastdeploy.engine.outputs import CompletionOutput
+from fastdeploy.core.outputs import CompletionOutput
 from fastdeploy.entrypoints.openai.errors import BadRequestError
 from fastdeploy.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs_json
 from fastdeploy.entrypoints.openai.protocol import (

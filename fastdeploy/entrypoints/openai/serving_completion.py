@@ -15,7 +15,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from fastdeploy.engine.outputs import Logprob
+from fastdeploy.core.outputs import Logprob
 from fastdeploy.entrypoints.openai.errors import BadRequestError
 from fastdeploy.entrypoints.openai.logprobs import completion_logprobs, prompt_logprobs_json
 from fastdeploy.entrypoints.openai.protocol import (

@@ -22,10 +22,10 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from fastdeploy.core.outputs import RequestOutput
+from fastdeploy.core.sampling_params import SamplingParams, SamplingParamsError
 from fastdeploy.engine.input_processor import PromptTooLongError
-from fastdeploy.engine.outputs import RequestOutput
 from fastdeploy.engine.protocol import EngineClient, EngineDeadError
-from fastdeploy.engine.sampling_params import SamplingParams, SamplingParamsError
 from fastdeploy.entrypoints.openai.errors import (
     BadRequestError,
     ClientDisconnectedError,

@@ -13,15 +13,15 @@ import asyncio
 from typing import Any
 
 from fastdeploy import envs
+from fastdeploy.core.mm_item import MMItem
 from fastdeploy.engine.protocol import EngineClient
 from fastdeploy.entrypoints.openai.errors import BadRequestError
 from fastdeploy.entrypoints.openai.protocol import ChatMessage
+from fastdeploy.multimodal.encoder_cache import EncoderCacheManager
 from fastdeploy.multimodal.fetch import MIB
 from fastdeploy.multimodal.inputs import FeatureItem, MultimodalInputError
-from fastdeploy.multimodal.items import MMItem
 from fastdeploy.multimodal.prompt import MultimodalPromptBuilder
 from fastdeploy.multimodal.url_policy import MediaUrlPolicy
-from fastdeploy.scheduler.encoder_cache_manager import EncoderCacheManager
 
 
 class MultimodalChatInputs:

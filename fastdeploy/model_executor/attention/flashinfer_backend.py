@@ -39,7 +39,7 @@ import torch
 from fastdeploy import envs
 from fastdeploy.model_executor.attention.backend import AttentionBackend, AttentionSpec
 from fastdeploy.model_executor.attention.metadata import CommonAttentionMetadata
-from fastdeploy.worker.upload import upload
+from fastdeploy.ops.upload import upload
 
 WORKSPACE_BYTES = 128 << 20
 """Float workspace of the split-KV partial results, shared by every wrapper (steps never overlap)."""

@@ -18,12 +18,8 @@ import torch
 from fastdeploy.model_executor.attention.backend import AttentionBackend, AttentionSpec
 from fastdeploy.model_executor.attention.metadata import CommonAttentionMetadata
 from fastdeploy.ops.cache_ops import FP8_KV_CACHE_DTYPES
-from fastdeploy.ops.triton_attention import (
-    decode_attention,
-    decode_num_splits,
-    triton_interpreting,
-    unified_attention,
-)
+from fastdeploy.ops.triton_attention import decode_attention, decode_num_splits, unified_attention
+from fastdeploy.ops.triton_env import triton_interpreting
 
 
 @dataclass

@@ -8,7 +8,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_serializer
 
-from fastdeploy.engine.sampling_params import MAX_LOGPROBS
+from fastdeploy.core.sampling_params import MAX_LOGPROBS
 from fastdeploy.entrypoints.openai.errors import BadRequestError
 from fastdeploy.entrypoints.openai.protocol.common import (
     OpenAIModel,

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 from pydantic import field_validator
 
-from fastdeploy.engine.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
+from fastdeploy.core.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
 from fastdeploy.entrypoints.openai.errors import BadRequestError
 from fastdeploy.entrypoints.openai.protocol.common import OpenAIModel, _check_token_ids, warn_once
 

@@ -15,7 +15,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from fastdeploy.engine.outputs import Logprob
+from fastdeploy.core.outputs import Logprob
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from fastdeploy.worker.upload import upload
+from fastdeploy.ops.upload import upload
 
 
 def _arrays() -> list[np.ndarray]:

@@ -12,9 +12,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastdeploy.engine.prompt_logprobs import PromptLogprobsBuffer
-from fastdeploy.engine.sampling_params import SamplingParams
-from fastdeploy.multimodal.items import MMItem
+from fastdeploy.core.mm_item import MMItem
+from fastdeploy.core.prompt_logprobs import PromptLogprobsBuffer
+from fastdeploy.core.sampling_params import SamplingParams
 
 
 class FinishReason(str, enum.Enum):
@@ -42,7 +42,7 @@ class EngineCoreRequest:
     eos_token_ids: list[int] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.time)
     mm_items: list[dict[str, Any]] | None = None
-    """Multimodal items in wire form (:meth:`fastdeploy.multimodal.items.MMItem.to_wire`); over IPC an
+    """Multimodal items in wire form (:meth:`fastdeploy.core.mm_item.MMItem.to_wire`); over IPC an
     item the engine core already holds comes without features (see ``engine/feature_mirror.py``)."""
 
     def to_wire(self) -> dict[str, Any]:

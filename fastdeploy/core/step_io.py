@@ -1,0 +1,168 @@
+"""The step hand-offs: ``SchedulerOutput`` (engine core → workers), ``ModelRunnerOutput`` (back); msgpack-friendly."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy as np
+
+
+class StopCode(enum.IntEnum):
+    """Why a request ends with the token just sampled (``RUNNING``: it goes on).
+
+    Decided once, by the worker's stop check on the device (``worker/step_state.py``), and
+    carried per row in :attr:`ModelRunnerOutput.stopped`; the scheduler finishes requests from
+    it. Stop strings need text and stay in the front end.
+    """
+
+    RUNNING = 0
+    EOS = 1
+    """An end-of-sequence id (finish reason ``stop``, no stop reason)."""
+    STOP_TOKEN = 2
+    """One of ``stop_token_ids`` (finish reason ``stop``; the token is the stop reason)."""
+    LENGTH = 3
+    """``max_tokens`` outputs or ``max_model_len`` tokens (finish reason ``length``)."""
+
+
+def reaches_length_limit(
+    num_output_tokens: int | np.ndarray,
+    num_tokens: int | np.ndarray,
+    max_tokens: int | np.ndarray | None,
+    max_model_len: int,
+) -> bool | np.ndarray:
+    """Whether a request with ``num_output_tokens`` outputs and ``num_tokens`` tokens in all can take
+    no further token: ``max_tokens`` outputs (None: no limit) or ``max_model_len`` tokens.
+
+    The one length rule, elementwise on numpy arrays: the worker's stop check applies it to
+    the token just sampled, the scheduler to the tokens still in flight (async scheduling) so
+    that it schedules nothing past the limit.
+    """
+    if max_tokens is None:
+        return num_tokens >= max_model_len
+    return (num_output_tokens >= max_tokens) | (num_tokens >= max_model_len)
+
+
+@dataclass
+class WorkerSamplingParams:
+    """The sampling and stop controls of one request that a worker needs, with their defaults.
+
+    Built by the scheduler from the request's ``SamplingParams`` and sent once, in
+    :class:`NewRequestData`; the worker's ``InputBatch`` keeps them per slot.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    """-1 (or 0): no top-k."""
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    """Token id → bias added to its logit."""
+    bad_words_token_ids: list[list[int]] | None = None
+    """Token sequences never to generate."""
+    min_tokens: int = 0
+    """Outputs before an EOS or stop token id may end the request (those ids are banned until then)."""
+    max_tokens: int | None = None
+    """Outputs allowed (None: up to ``max_model_len``); with 0 the prefill's token is dropped."""
+    eos_token_ids: list[int] = field(default_factory=list)
+    """End-of-sequence ids that end the request (empty with ``ignore_eos``)."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Further ids that end the request (reported as its stop reason)."""
+    logprobs: int | None = None
+    """Top logprobs wanted per sampled token (None: no logprobs)."""
+    prompt_logprobs: int | None = None
+    """Top logprobs wanted per prompt token (None: none, or already sent before a preemption)."""
+
+
+@dataclass
+class NewRequestData:
+    """A request the worker has not seen (new, or resumed after preemption)."""
+
+    req_id: str
+    token_ids: list[int]
+    """Every known token: the prompt, plus outputs generated before a preemption."""
+    num_prompt_tokens: int
+    sampling: WorkerSamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    mm_items: list[dict[str, Any]] | None = None
+    """Multimodal items in wire form; ``features`` only where the worker lacks them, ``cached``
+    whether the worker keeps them after the request (see ``scheduler/encoder_sync.py``)."""
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> NewRequestData:
+        """Rebuild from ``dataclasses.asdict`` form (as decoded from msgpack)."""
+        return cls(**{**d, "sampling": WorkerSamplingParams(**d["sampling"])})
+
+
+@dataclass
+class CachedRequestData:
+    """Deltas for requests the worker already holds."""
+
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    """One step: which requests run, how many tokens each, and what changed."""
+
+    step_id: int
+    new_reqs: list[NewRequestData]
+    cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: list[str]
+    """Requests finished, aborted or preempted since the last step: drop their state."""
+    evicted_mm_hashes: list[str] = field(default_factory=list)
+    """Multimodal features evicted from the encoder cache: the worker drops them (before adding
+    this step's new requests)."""
+
+    def to_wire(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> SchedulerOutput:
+        return cls(
+            step_id=d["step_id"],
+            new_reqs=[NewRequestData.from_wire(r) for r in d["new_reqs"]],
+            cached_reqs=CachedRequestData(**d["cached_reqs"]),
+            num_scheduled_tokens=d["num_scheduled_tokens"],
+            total_num_scheduled_tokens=d["total_num_scheduled_tokens"],
+            finished_req_ids=d["finished_req_ids"],
+            evicted_mm_hashes=d.get("evicted_mm_hashes", []),
+        )
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Tokens sampled in one step, for the requests that produced one, and whether each ends there."""
+
+    step_id: int
+    req_ids: list[str]
+    sampled_token_ids: list[int]
+    stopped: list[int]
+    """Per row, the worker's :class:`StopCode` for its token (0 while the request goes on): the
+    scheduler finishes requests from it and re-checks nothing."""
+    logprobs: list[list | None] | None = None
+    """Aligned with ``req_ids`` when any row asked for logprobs: ``[top ids, top logprobs,
+    sampled logprob, sampled rank]`` or None per row."""
+    prompt_logprobs: dict[str, list] | None = None
+    """Requests that asked for prompt logprobs and prefilled this step → ``[first prompt index,
+    entries]``: one entry ``[top ids, top logprobs, token logprob, token rank]`` per prompt token
+    that this step's positions predict (index 1 is the second prompt token)."""
+
+    def to_wire(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> ModelRunnerOutput:
+        return cls(**d)
