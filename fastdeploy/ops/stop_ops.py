@@ -1,12 +1,14 @@
 """The "is any request still running" flag, kept on the device and read through pinned memory.
 
-After sampling, the model runner has per-request ``stop_flags`` on the device.
-:func:`set_stop` reduces them to one int32 (1 while any request is not
-stopped, else 0; FastDeploy's ``not_need_stop``) and writes it to
-``flag_device`` (for later device work) and to ``flag_host`` (pinned host
-memory), on the current stream and without any host synchronisation.
-:func:`get_stop` reads ``flag_host`` on the host, again without a
-synchronisation.
+After sampling, the model runner has per-request ``stop_flags`` on the device
+(its stop codes, non-zero where the request ends). :func:`set_stop` reduces
+them to one int32 (1 while any request is not stopped, else 0; FastDeploy's
+``not_need_stop``) and writes it to ``flag_device`` (for later device work) and
+to ``flag_host`` (pinned host memory), on the current stream and without any
+host synchronisation. :func:`get_stop` reads ``flag_host`` on the host, again
+without a synchronisation: the runner does so when it saves the step
+(``ModelRunner.any_running``), and with async scheduling skips sampling the next
+step when every request it holds has already ended.
 
 Memory-ordering contract: ``flag_host`` holds the new value only after the
 work queued before it has run. The caller records a CUDA event on the same

@@ -78,7 +78,7 @@ def build_sampling_tensors(
     num_output = batch.num_tokens - batch.num_prompt_tokens
 
     ban_rows, ban_tokens = [static_bans[0]], [static_bans[1]]
-    m_slots, m_tokens = sparse["min_tokens"]
+    m_slots, m_tokens, _ = sparse["stop_ids"]  # banned while a slot's outputs are fewer than min_tokens
     if len(m_slots):
         active = (row_of_slot[m_slots] >= 0) & (num_output[m_slots] < batch.min_tokens[m_slots])
         ban_rows.append(row_of_slot[m_slots[active]])

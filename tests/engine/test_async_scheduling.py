@@ -9,8 +9,11 @@ stages and the bookkeeping are the same as on a GPU, so outputs must be identica
 from __future__ import annotations
 
 import pytest
+import torch
 
 from fastdeploy import LLM, SamplingParams
+from fastdeploy.core.step_io import StopCode
+from fastdeploy.worker import model_runner
 
 PROMPTS = [
     "The quick brown fox jumps over",
@@ -85,28 +88,42 @@ def test_overlap_saves_the_previous_step_while_the_next_one_runs(monkeypatch):
     assert checked >= 3
 
 
-def test_device_stop_flags_agree_with_the_scheduler():
-    llm = LLM(dtype="float32", num_threads=1)
+def _worker_stops_every_request_at(monkeypatch, n: int) -> None:
+    """Make the worker's stop check end every request with its ``n``-th output (a stop token id,
+    whatever the token): a decision the engine cannot make from the request's parameters."""
+    original = model_runner.device_stop_codes
+
+    def stop_at_n(batch, slots, sampled, length_codes, num_tokens_after, to_device):
+        codes = original(batch, slots, sampled, length_codes, num_tokens_after, to_device)
+        nth = num_tokens_after - batch.num_prompt_tokens[slots] == n
+        return torch.where(torch.from_numpy(nth).to(codes.device), int(StopCode.STOP_TOKEN), codes)
+
+    monkeypatch.setattr(model_runner, "device_stop_codes", stop_at_n)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_the_engine_finishes_requests_from_the_worker_stop_codes(monkeypatch, async_scheduling):
+    _worker_stops_every_request_at(monkeypatch, 3)
+    llm = LLM(dtype="float32", num_threads=1, async_scheduling=async_scheduling)
     runner = llm.engine.core.executor.worker.runner
-    seen: list[tuple[str, bool]] = []
-    original = runner._save_model_output
-
-    def spy(state):
-        output = original(state)
-        seen.extend(zip(output.req_ids, output.stopped or []))
-        return output
-
-    runner._save_model_output = spy
+    skipped = []
+    original_skip = runner._skip_sampling
+    runner._skip_sampling = lambda state: (skipped.append(list(state.req_ids)), original_skip(state))
     try:
         params = [
-            SamplingParams(temperature=0, max_tokens=5),
-            SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[13, 198]),
-            SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+            SamplingParams(temperature=0.8, seed=3, max_tokens=12, min_tokens=2),
         ]
-        outputs = llm.generate(PROMPTS[:3], params)
+        outputs = llm.generate(PROMPTS[:2], params)
+        while llm.engine.has_unfinished_requests():  # async: the step launched after the last one
+            assert llm.engine.step() == []
+        assert runner._pending is None and llm.engine.core.scheduler.kv.usage() == 0
     finally:
         llm.shutdown()
-    for i, output in enumerate(outputs):
-        flags = [stopped for req_id, stopped in seen if req_id == output.request_id]
-        assert len(flags) == len(output.outputs[0].token_ids)
-        assert flags[-1] and not any(flags[:-1]), (i, flags)
+    for output in outputs:
+        choice = output.outputs[0]
+        assert len(choice.token_ids) == 3 and choice.finish_reason == "stop"
+        assert choice.stop_reason == choice.token_ids[-1]
+    # with async scheduling both requests were scheduled once more before their third tokens came
+    # back; the device flag said nothing ran on, so that step sampled nothing
+    assert skipped == ([[o.request_id for o in outputs]] if async_scheduling else [])
