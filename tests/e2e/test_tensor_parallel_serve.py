@@ -50,3 +50,15 @@ def test_tp2_streams(tp_server, model_name):
     )
     text = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
     assert text == greedy_completions(tp_server, model_name)[0][: len(text)] and text
+
+
+def test_dp2_x_tp2_greedy_tokens_equal_tp1(server, server_factory, model_name):
+    """Two replicas of two tensor-parallel workers each (four workers): the same tokens as one worker."""
+    from tests.e2e.conftest import API_KEY
+
+    srv = server_factory("--tensor-parallel-size", "2", "--data-parallel-size", "2", api_key=API_KEY)
+    cores = [p for p in srv.descendants() if len(p.children()) == 2]
+    assert len(cores) == 2, srv.descendants()  # two engine cores, each with two workers
+    assert greedy_completions(srv, model_name) == greedy_completions(server, model_name)
+    assert greedy_chat(srv, model_name) == greedy_chat(server, model_name)
+    srv.stop()
