@@ -25,13 +25,13 @@ import psutil
 import pytest
 
 from fastdeploy.config import EngineConfig
-from fastdeploy.engine.async_llm import (
+from fastdeploy.engine.async_llm import rank_config
+from fastdeploy.engine.dp_router import (
     PREFIX_ROUTING_SLACK,
     RankLoad,
     Router,
     choose_rank,
     prefix_block_hashes,
-    rank_config,
 )
 from tests.e2e.conftest import RemoteServer
 from tests.e2e.test_failures import start_long_stream
