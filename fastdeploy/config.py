@@ -180,6 +180,9 @@ class ServerConfig:
     strict_request_fields: bool = False
     """Refuse (400) request fields that are neither OpenAI's nor a supported extension; off: ignore
     them with a warning logged once per field name, as vLLM does."""
+    reasoning_parser: str | None = None
+    """Split the model's reasoning (between think tags) out of chat answers into reasoning_content:
+    qwen3 or deepseek_r1 (docs/api.md); unset: the answer is all content."""
 
 
 @dataclass

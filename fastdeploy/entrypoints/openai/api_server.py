@@ -43,6 +43,7 @@ from fastdeploy.entrypoints.openai.protocol import (
     parse_request,
     parse_tokenize_request,
 )
+from fastdeploy.entrypoints.openai.reasoning import get_reasoning_parser
 from fastdeploy.entrypoints.openai.request_body import BodySizeLimitMiddleware, read_json
 from fastdeploy.entrypoints.openai.serving_chat import OpenAIServingChat
 from fastdeploy.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -143,7 +144,8 @@ def build_app(
     """The FastAPI app serving ``engine_client`` under ``served_model_names`` (the first is the default).
 
     ``server`` sets the limits of each request, how unknown request fields are
-    treated (``strict_request_fields``) and the API key: with a key set,
+    treated (``strict_request_fields``), the reasoning parser of chat answers (an
+    unknown name is a ``ValueError`` listing the known ones) and the API key: with a key set,
     every route needs ``Authorization: Bearer <key>`` except ``/health``,
     ``/metrics`` and ``/version`` (what load balancers and Prometheus poll).
     ``app.state.begin_shutdown()`` ends the requests in flight with a 503 (the
@@ -174,7 +176,10 @@ def build_app(
         shutdown_event,
         max_prompts_per_request=server.max_prompts_per_request,
     )
-    chat = OpenAIServingChat(engine_client, served_model_names, tokenizers, shutdown_event)
+    reasoning_parser = get_reasoning_parser(server.reasoning_parser) if server.reasoning_parser else None
+    chat = OpenAIServingChat(
+        engine_client, served_model_names, tokenizers, shutdown_event, reasoning_parser=reasoning_parser
+    )
     tokenization = OpenAIServingTokenization(engine_client, served_model_names, tokenizers, shutdown_event)
 
     v1 = APIRouter(prefix="/v1", route_class=OpenAIRoute, dependencies=auth)

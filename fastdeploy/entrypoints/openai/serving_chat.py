@@ -7,10 +7,15 @@ reason, an optional usage chunk with no choices, and ``data: [DONE]``.
 ``prompt_logprobs`` and ``prompt_token_ids`` (vLLM's extensions) sit at the top
 level of the response, as in vLLM; when streaming, ``prompt_token_ids`` in the
 first chunk and ``prompt_logprobs`` in the first chunk after they arrive.
+
+With a reasoning parser (``--reasoning-parser``), the answer's reasoning goes to
+``reasoning_content`` and ``reasoning`` (message and deltas alike) and the rest to
+``content``; an answer cut inside its reasoning has ``content: null``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -20,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from fastdeploy.core.outputs import CompletionOutput
+from fastdeploy.engine.protocol import EngineClient
 from fastdeploy.entrypoints.openai.errors import BadRequestError
 from fastdeploy.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs_json
 from fastdeploy.entrypoints.openai.protocol import (
@@ -33,6 +39,7 @@ from fastdeploy.entrypoints.openai.protocol import (
     random_id,
     resolve_max_tokens,
 )
+from fastdeploy.entrypoints.openai.reasoning import ReasoningParser, ReasoningStream
 from fastdeploy.entrypoints.openai.serving_engine import (
     SSE_DONE,
     EnginePrompt,
@@ -45,6 +52,7 @@ from fastdeploy.entrypoints.openai.serving_engine import (
     to_openai_error,
 )
 from fastdeploy.entrypoints.openai.serving_mm import MultimodalChatInputs
+from fastdeploy.entrypoints.openai.tokenizer_lanes import TokenizerLanes
 
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 """Marks the end of the final message in the rendered text, for ``continue_final_message``."""
@@ -64,6 +72,8 @@ class ChatOptions:
     """The text every choice starts with (``echo``)."""
     return_token_ids: bool = False
     """Report ``prompt_token_ids`` and each choice's ``token_ids``."""
+    reasoning: ReasoningParser | None = None
+    """Splits each answer's reasoning from its content (None: all content)."""
 
     @classmethod
     def of(cls, request: ChatCompletionRequest) -> ChatOptions:
@@ -78,7 +88,21 @@ class ChatOptions:
 
 
 class OpenAIServingChat(OpenAIServing):
-    """Handler of the chat completions endpoint (text, and image / video feature parts)."""
+    """Handler of the chat completions endpoint (text, and image / video feature parts).
+
+    ``reasoning_parser`` (the class ``--reasoning-parser`` names) splits reasoning out of answers.
+    """
+
+    def __init__(
+        self,
+        engine_client: EngineClient,
+        served_model_names: list[str],
+        tokenizers: TokenizerLanes | None = None,
+        shutdown_event: asyncio.Event | None = None,
+        reasoning_parser: type[ReasoningParser] | None = None,
+    ):
+        super().__init__(engine_client, served_model_names, tokenizers, shutdown_event)
+        self.reasoning_parser = reasoning_parser
 
     @property
     def mm_inputs(self) -> MultimodalChatInputs:
@@ -114,6 +138,8 @@ class OpenAIServingChat(OpenAIServing):
 
         request_id = random_id("chatcmpl")
         options = ChatOptions.of(request)
+        if self.reasoning_parser is not None:
+            options.reasoning = self.reasoning_parser(text, request.chat_template_kwargs)
         if request.stream:
             return SSEResponse(self._stream(request_id, model, prompts, options))
         response = await run_until_disconnected(
@@ -133,6 +159,7 @@ class OpenAIServingChat(OpenAIServing):
                 request.messages,
                 add_generation_prompt=request.add_generation_prompt,
                 conversation=conversation,
+                template_kwargs=request.chat_template_kwargs,
             )
         conversation = [dict(m) for m in (conversation or request.template_messages())]
         final = conversation[-1]
@@ -142,7 +169,10 @@ class OpenAIServingChat(OpenAIServing):
             )
         final["content"] += _CONTINUE_TAG
         text = await self.render_chat(
-            request.messages, add_generation_prompt=False, conversation=conversation
+            request.messages,
+            add_generation_prompt=False,
+            conversation=conversation,
+            template_kwargs=request.chat_template_kwargs,
         )
         tag = _CONTINUE_TAG.strip()
         if tag not in text:
@@ -156,11 +186,11 @@ class OpenAIServingChat(OpenAIServing):
         return text[:at].rstrip()  # the template trimmed the content's trailing space
 
     def _stream_choice(
-        self, c: CompletionOutput, num_top: int | None, options: ChatOptions
+        self, c: CompletionOutput, num_top: int | None, options: ChatOptions, delta: DeltaMessage
     ) -> ChatCompletionStreamChoice:
         return ChatCompletionStreamChoice(
             index=c.index,
-            delta=DeltaMessage(content=c.text) if c.text else DeltaMessage(),
+            delta=delta,
             logprobs=chat_logprobs(c.token_ids, c.logprobs, num_top)
             if c.logprobs and num_top is not None
             else None,
@@ -178,6 +208,7 @@ class OpenAIServingChat(OpenAIServing):
         exclude = None if options.include_usage else {"usage"}
         pending_prompt_lps = None  # sent with the next chunk after they arrive
         pending_prompt_ids = list(prompts[0].token_ids) if options.return_token_ids else None
+        splits = [options.reasoning.stream() for _ in range(n)] if options.reasoning else None
 
         def chunk(choice: ChatCompletionStreamChoice) -> str:
             nonlocal pending_prompt_lps, pending_prompt_ids
@@ -210,8 +241,10 @@ class OpenAIServingChat(OpenAIServing):
                         )
                     for c in out.outputs:
                         has_ids = options.return_token_ids and bool(c.token_ids)
-                        if c.text or c.finish_reason is not None or c.logprobs or has_ids:
-                            yield chunk(self._stream_choice(c, num_top, options))
+                        delta = _delta(c, splits[c.index] if splits else None)
+                        has_text = delta.content is not None or delta.reasoning_content is not None
+                        if has_text or c.finish_reason is not None or c.logprobs or has_ids:
+                            yield chunk(self._stream_choice(c, num_top, options, delta))
             if options.include_usage:
                 usage_chunk = ChatCompletionStreamResponse(
                     id=request_id, model=model, choices=[], usage=tracker.usage()
@@ -251,7 +284,7 @@ class OpenAIServingChat(OpenAIServing):
         choices = [
             ChatCompletionResponseChoice(
                 index=k,
-                message=ChatMessageOut(content="".join(texts[k])),
+                message=_message("".join(texts[k][1:]), options),
                 logprobs=None if num_top is None else chat_logprobs(token_ids[k], logprobs[k], num_top),
                 finish_reason=finish[k] or "abort",
                 stop_reason=stop_reason[k],
@@ -267,3 +300,27 @@ class OpenAIServingChat(OpenAIServing):
             prompt_logprobs=prompt_lps,
             prompt_token_ids=list(prompts[0].token_ids) if options.return_token_ids else None,
         )
+
+
+def _delta(c: CompletionOutput, split: ReasoningStream | None) -> DeltaMessage:
+    """The delta message of a streamed piece of one answer, its reasoning split out by ``split``
+    (the end of the answer releases whatever ``split`` held back)."""
+    if split is None:
+        return DeltaMessage(content=c.text) if c.text else DeltaMessage()
+    reasoning, content = split.feed(c.text)
+    if c.finish_reason is not None:
+        last_reasoning, last_content = split.finish()
+        reasoning, content = reasoning + last_reasoning, content + last_content
+    return DeltaMessage(
+        content=content or None, reasoning_content=reasoning or None, reasoning=reasoning or None
+    )
+
+
+def _message(text: str, options: ChatOptions) -> ChatMessageOut:
+    """The assistant message of a whole answer: ``echo`` text first, reasoning split out."""
+    if options.reasoning is None:
+        return ChatMessageOut(content=options.echo_text + text)
+    reasoning, content = options.reasoning.extract(text)
+    if options.echo_text:
+        content = options.echo_text + (content or "")
+    return ChatMessageOut(content=content, reasoning_content=reasoning, reasoning=reasoning)

@@ -42,6 +42,25 @@ T = TypeVar("T")
 
 SSE_DONE = "data: [DONE]\n\n"
 
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+"""``apply_chat_template``'s own arguments, which ``chat_template_kwargs`` may not set."""
+
 
 def sse(payload: BaseModel | dict[str, Any]) -> str:
     """One server-sent event: ``data: {json}`` and a blank line."""
@@ -339,6 +358,7 @@ class OpenAIServing:
         messages: list[ChatMessage],
         add_generation_prompt: bool = True,
         conversation: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """The chat template applied to ``messages``, as text; 400 if the template rejects them.
 
@@ -346,7 +366,16 @@ class OpenAIServing:
         markers), so it must be encoded with ``add_special_tokens=False``.
         ``conversation`` replaces the messages' own template dicts (the chat
         handler's, with image / video parts rendered as placeholder text).
+        ``template_kwargs`` (a request's ``chat_template_kwargs``, e.g.
+        ``enable_thinking``) become variables of the template; names that are
+        ``apply_chat_template``'s own arguments are a 400.
         """
+        template_kwargs = template_kwargs or {}
+        reserved = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(template_kwargs))
+        if reserved:
+            raise BadRequestError(
+                f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs"
+            )
         if conversation is None:
             conversation = [m.to_template_dict() for m in messages]
         self.check_text_length(_text_chars(conversation), "messages")
@@ -357,7 +386,7 @@ class OpenAIServing:
 
         def render() -> str:
             return self.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt, tokenize=False
+                conversation, add_generation_prompt=add_generation_prompt, tokenize=False, **template_kwargs
             )
 
         try:

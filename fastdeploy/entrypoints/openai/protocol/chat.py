@@ -104,7 +104,8 @@ class ChatCompletionRequest(SamplingRequest):
 
     Every field of OpenAI's chat request is declared (the ignored ones in
     :attr:`IGNORED_FIELDS`), plus vLLM's extensions ``add_generation_prompt``,
-    ``continue_final_message`` (exclusive with it), ``echo`` and ``return_token_ids``.
+    ``continue_final_message`` (exclusive with it), ``chat_template_kwargs``, ``echo`` and
+    ``return_token_ids``.
     """
 
     messages: list[ChatMessage]
@@ -138,6 +139,9 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: bool = False
     """Leave the final message open so that the answer continues it (HF ``apply_chat_template``'s
     option; exclusive with ``add_generation_prompt``)."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra variables of the chat template (e.g. ``{"enable_thinking": false}`` for Qwen3); the
+    reasoning parser reads them too."""
     echo: bool = False
     """Start the answer with the last message's content when that message is the one the answer
     continues (an assistant message, or any with ``add_generation_prompt: false``), as vLLM does."""
@@ -226,9 +230,16 @@ class ChatCompletionLogProbs(ResponseModel):
     content: list[ChatCompletionLogProbsContent] | None = None
 
 
-class ChatMessageOut(ResponseModel):
+class ChatMessageOut(WithExtensions):
+    """The assistant's answer; with ``--reasoning-parser``, its reasoning in ``reasoning_content`` and
+    ``reasoning`` (the newer name, the same text), left out when there is none."""
+
+    OMIT_IF_NULL = ("reasoning_content", "reasoning")
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatCompletionResponseChoice(WithExtensions):
@@ -261,10 +272,15 @@ class DeltaMessage(ResponseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    """A piece of the reasoning (with ``--reasoning-parser``)."""
+    reasoning: str | None = None
+    """The same piece under its newer name."""
 
     @model_serializer(mode="plain")
     def _drop_none(self) -> dict[str, Any]:
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        fields = ("role", "content", "reasoning_content", "reasoning")
+        return {k: getattr(self, k) for k in fields if getattr(self, k) is not None}
 
 
 class ChatCompletionStreamChoice(WithExtensions):
