@@ -273,3 +273,20 @@ def test_serve_whose_engine_cannot_start_names_the_cause(capsys):
     assert "fastdeploy serve: the engine failed to start: " in err
     assert "--attention-backend flashinfer is not available: it runs on CUDA devices only" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--reasoning-parser", "nope"], "unknown parser 'nope'; available: deepseek_r1, qwen3"),
+        (["--tensor-parallel-size", "4", "--device", "cpu"], "cannot split 9 attention heads"),
+        (["--data-parallel-size", "0", "--device", "cpu"], "must be >= 1"),
+    ],
+    ids=["reasoning-parser", "heads", "dp-zero"],
+)
+def test_serve_refuses_bad_options_before_starting(capsys, argv, message):
+    """One line on stderr and exit 2, before any process starts."""
+    code = cli_main.main(["serve", *argv])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err and err.count("\n") == 1, err
