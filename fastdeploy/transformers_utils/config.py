@@ -18,6 +18,8 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
     *QWEN2_VL_ARCHITECTURES,
 )
 
@@ -97,6 +99,20 @@ class ModelArchConfig:
     torch_dtype: str | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    num_experts: int = 0
+    """Mixture-of-experts models: routed experts per sparse layer (0: a dense model)."""
+    num_experts_per_tok: int = 0
+    """Experts each token is routed to (top-k)."""
+    moe_intermediate_size: int = 0
+    """Intermediate size of one routed expert."""
+    norm_topk_prob: bool = False
+    """Renormalise the top-k routing weights to sum to 1."""
+    decoder_sparse_step: int = 1
+    """Layer i is sparse when ``(i + 1) % decoder_sparse_step == 0`` and i is not in ``mlp_only_layers``."""
+    mlp_only_layers: list[int] = field(default_factory=list)
+    """Layers that keep a dense MLP in a mixture-of-experts model."""
+    shared_expert_intermediate_size: int = 0
+    """Qwen2-MoE: intermediate size of the shared expert every token goes through (0: none)."""
     mm: MultimodalArchConfig | None = None
     """Set for vision-language models (Qwen2-VL, Qwen2.5-VL): placeholder tokens and M-RoPE."""
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -140,10 +156,17 @@ class ModelArchConfig:
             rope_scaling=rope_scaling,
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=cfg.get("attention_bias", arch == "Qwen2ForCausalLM" or mm is not None),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+            num_experts=cfg.get("num_experts") or cfg.get("num_local_experts") or 0,
+            num_experts_per_tok=cfg.get("num_experts_per_tok") or 0,
+            moe_intermediate_size=cfg.get("moe_intermediate_size") or 0,
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            decoder_sparse_step=cfg.get("decoder_sparse_step") or 1,
+            mlp_only_layers=list(cfg.get("mlp_only_layers") or []),
+            shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0,
             mm=mm,
             raw=cfg,
         )

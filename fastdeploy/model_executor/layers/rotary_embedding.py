@@ -1,4 +1,5 @@
-"""Rotary position embedding (rotate-half / NeoX layout) with Llama-3 and linear scaling."""
+"""Rotary position embedding (rotate-half / NeoX layout, and the interleaved-pairs / GPT-J layout
+of Ernie-4.5) with Llama-3 and linear scaling."""
 
 from __future__ import annotations
 
@@ -52,3 +53,20 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, num_heads: int) -> None:
         """Rotate the first ``num_heads`` heads of each row of ``x`` ``[T, >= num_heads * head_dim]`` in place."""
         rotary_embedding_(positions, x, self.cos_cache, self.sin_cache, num_heads, self.head_dim)
+
+
+class InterleavedRotaryEmbedding(RotaryEmbedding):
+    """Rotary embedding over interleaved pairs ``(x[2i], x[2i+1])`` of each head (GPT-J layout, Ernie-4.5).
+
+    Frequencies are those of :class:`RotaryEmbedding`; only the pairing of features differs. The
+    rotation is computed in float32 and cast back, as ``transformers`` does. The fused GPU rotary
+    kernels assume the halves layout, so the model takes its unfused path for this class.
+    """
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, num_heads: int) -> None:
+        """Rotate the first ``num_heads`` heads of each row of ``x`` ``[T, >= num_heads * head_dim]`` in place."""
+        heads = x[:, : num_heads * self.head_dim].view(x.shape[0], num_heads, self.head_dim // 2, 2)
+        c = self.cos_cache[positions].unsqueeze(1)  # [T, 1, head_dim / 2], float32
+        s = self.sin_cache[positions].unsqueeze(1)
+        x1, x2 = heads[..., 0].float(), heads[..., 1].float()
+        heads.copy_(torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1))

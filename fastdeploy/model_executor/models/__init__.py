@@ -2,14 +2,23 @@
 
 from fastdeploy.model_executor.models.llama import LlamaForCausalLM
 from fastdeploy.model_executor.models.qwen2_vl import Qwen2VLForConditionalGeneration
+from fastdeploy.model_executor.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 MODEL_REGISTRY = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
     "Qwen2_5_VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
 }
 
-__all__ = ["MODEL_REGISTRY", "LlamaForCausalLM", "Qwen2VLForConditionalGeneration"]
+__all__ = [
+    "MODEL_REGISTRY",
+    "LlamaForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "Qwen2VLForConditionalGeneration",
+]

@@ -15,7 +15,7 @@ own shards from the full checkpoint tensors.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -136,10 +136,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, layer_idx: int):
+    """Attention then MLP; ``mlp`` replaces the dense :class:`LlamaMLP` (a mixture of experts),
+    called like it: ``mlp(x, residual, norm)`` → (output, new residual)."""
+
+    def __init__(self, cfg: ModelArchConfig, layer_idx: int, mlp: nn.Module | None = None):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_idx)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = LlamaMLP(cfg) if mlp is None else mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -149,10 +152,16 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelArchConfig):
+    def __init__(
+        self, cfg: ModelArchConfig, build_mlp: Callable[[ModelArchConfig, int], nn.Module] | None = None
+    ):
+        """``build_mlp(cfg, layer_idx)``: each layer's MLP (default the dense :class:`LlamaMLP`)."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, i, None if build_mlp is None else build_mlp(cfg, i))
+            for i in range(cfg.num_hidden_layers)
+        )
         shared_rotary = self.layers[0].self_attn.rotary_emb  # one cos/sin table for every layer
         for layer in self.layers[1:]:
             layer.self_attn.rotary_emb = shared_rotary
@@ -186,7 +195,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelArchConfig):
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg)
+        self.model = LlamaModel(cfg, self.build_mlp)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -202,6 +211,14 @@ class LlamaForCausalLM(nn.Module):
         tensor-parallel rank), written into ``out`` when given."""
         logits = self.lm_head(hidden)
         return logits.float() if out is None else out.copy_(logits)
+
+    def build_mlp(self, cfg: ModelArchConfig, layer_idx: int) -> nn.Module:
+        """The MLP of layer ``layer_idx``: dense here; mixture-of-experts models override it."""
+        return LlamaMLP(cfg)
+
+    def parameter_of(self, name: str) -> tuple[str, ShardId]:
+        """Our parameter name and its loader's shard id for a checkpoint tensor name."""
+        return _parameter_of(name)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
@@ -220,7 +237,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if self.config.tie_word_embeddings and name == "lm_head.weight":
                 continue
-            target, shard = _parameter_of(name)
+            target, shard = self.parameter_of(name)
             param = params.get(target)
             shapes = checkpoint_shapes(param) if param is not None else {}
             if shard not in shapes:

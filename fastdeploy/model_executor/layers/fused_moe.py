@@ -1,0 +1,139 @@
+"""Mixture-of-experts layer: top-k softmax routing over SwiGLU experts whose weights are stacked.
+
+The experts' weights are two parameters, ``gate_up_proj`` ``[num_experts, 2 * I, H]``
+(each expert's ``[gate | up]``) and ``down_proj`` ``[num_experts, H, I]``; the checkpoint's
+per-expert ``experts.{e}.gate_proj/up_proj/down_proj`` tensors go through per-expert
+loaders (shard ids ``"{e}.gate_proj"``, ``"{e}.up_proj"``, ``"{e}.down_proj"``).
+
+Tensor parallelism splits every expert's intermediate dimension ``I``, like the dense MLP:
+gate_up is column-parallel (rank r holds ``[gate_r | up_r]``), down is row-parallel, and the
+ranks' partial outputs are summed by ONE all-reduce of the combined (routing-weighted) output.
+
+The torch forward (:meth:`FusedMoE.compute_experts_torch`) sorts the (token, slot) pairs by
+expert and runs each expert's two matmuls on its contiguous group of tokens; a fused
+Triton/FP8 kernel will replace it through :meth:`FusedMoE.compute_experts`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fastdeploy.distributed import divide, tp_all_reduce, tp_rank, tp_size
+from fastdeploy.model_executor.layers.weight_loading import ShardId, copy_rows, set_weight_loader
+from fastdeploy.ops.layer_ops import silu_and_mul
+
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+"""Checkpoint names of an expert's three projections (``...experts.{e}.{name}.weight``)."""
+
+
+def select_experts(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k softmax routing: ``[T, E]`` logits → (weights ``[T, k]``, expert ids ``[T, k]``).
+
+    The softmax runs in float32 (as in ``transformers``' Qwen MoE routers); with
+    ``renormalize`` (``norm_topk_prob``) the k weights are rescaled to sum to 1. The weights
+    come back in the logits' dtype.
+    """
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(router_logits.dtype), ids
+
+
+class FusedMoE(nn.Module):
+    """``num_experts`` SwiGLU experts of intermediate size ``intermediate_size`` (the full size; each
+    tensor-parallel rank holds its slice), combined with the routing weights.
+
+    :meth:`forward` takes the normed hidden states ``[T, H]`` and the router logits ``[T, E]``
+    and returns ``[T, H]``: the sum over all ranks when ``reduce_results`` (else this rank's
+    partial sum, for a caller that adds more partials, the shared expert, before one all-reduce).
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        renormalize: bool,
+        reduce_results: bool = True,
+    ):
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.reduce_results = reduce_results
+        self.local_intermediate = divide(intermediate_size, self.tp_size, "expert intermediate features")
+        local = self.local_intermediate
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(num_experts, 2 * local, hidden_size), requires_grad=False
+        )
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, local), requires_grad=False)
+        up_shape = (intermediate_size, hidden_size)
+        gate_up_shapes = {f"{e}.{p}": up_shape for e in range(num_experts) for p in EXPERT_PROJECTIONS[:2]}
+        down_shapes = {f"{e}.down_proj": (hidden_size, intermediate_size) for e in range(num_experts)}
+        set_weight_loader(self.gate_up_proj, self.load_expert_shard, gate_up_shapes)
+        set_weight_loader(self.down_proj, self.load_expert_shard, down_shapes)
+
+    def load_expert_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+        """Copy this rank's slice of one expert's full checkpoint tensor (``shard_id`` =
+        ``"{expert}.{gate_proj|up_proj|down_proj}"``) into its place in the stacked weight."""
+        expert, _, proj = str(shard_id).partition(".")
+        dest = param.data[int(expert)]
+        local = self.local_intermediate
+        if proj == "down_proj":  # [H, I]: this rank's columns
+            copy_rows(dest, loaded, 1, self.tp_rank * local)
+        elif proj in ("gate_proj", "up_proj"):  # [I, H]: this rank's rows, gate first then up
+            region = dest.narrow(0, 0 if proj == "gate_proj" else local, local)
+            copy_rows(region, loaded, 0, self.tp_rank * local)
+        else:
+            raise ValueError(
+                f"expert weights load shards '<e>.gate_proj/up_proj/down_proj', not {shard_id!r}"
+            )
+
+    def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """Route each token to its top-k experts and return their weighted sum ``[T, H]``."""
+        weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
+        out = self.compute_experts(hidden, weights, ids)
+        if self.reduce_results and self.tp_size > 1:
+            out = tp_all_reduce(out)
+        return out
+
+    def compute_experts(
+        self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """This rank's partial expert output for routed tokens (before the all-reduce).
+
+        Extension point: a fused kernel (Triton grouped GEMM, FP8 experts) goes here, taking
+        the same stacked ``gate_up_proj`` / ``down_proj`` shards and returning the same
+        ``[T, H]`` partial sum; today every device runs :meth:`compute_experts_torch`.
+        """
+        return self.compute_experts_torch(hidden, topk_weights, topk_ids)
+
+    def compute_experts_torch(
+        self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """Plain torch: the T*k (token, expert) pairs sorted by expert, each expert's tokens
+        through ``down(silu(gate) * up)`` in one batch, scaled by their routing weights and
+        summed back into their tokens' rows."""
+        num_tokens, top_k = topk_ids.shape
+        flat_ids = topk_ids.reshape(-1)
+        order = torch.argsort(flat_ids, stable=True)
+        token_of = order // top_k  # the token each sorted pair belongs to
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        sorted_hidden = hidden.index_select(0, token_of)
+        sorted_weights = topk_weights.reshape(-1).index_select(0, order).unsqueeze(1)
+        expert_out = torch.empty_like(sorted_hidden)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = slice(start, start + count)
+            gate_up = torch.mm(sorted_hidden[rows], self.gate_up_proj[expert].t())
+            expert_out[rows] = torch.mm(silu_and_mul(gate_up), self.down_proj[expert].t())
+            start += count
+        out = torch.zeros_like(hidden)
+        out.index_add_(0, token_of, expert_out * sorted_weights)
+        return out
