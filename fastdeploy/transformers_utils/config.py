@@ -18,6 +18,7 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Ernie4_5ForCausalLM",
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
     *QWEN2_VL_ARCHITECTURES,
@@ -96,6 +97,10 @@ class ModelArchConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     qk_norm: bool = False
+    proj_bias: bool = False
+    """o_proj and the MLP projections carry biases too (Ernie-4.5 ``use_bias``)."""
+    rope_interleaved: bool = False
+    """Rotary pairs are interleaved features ``(2i, 2i+1)`` (Ernie-4.5), not the two halves."""
     torch_dtype: str | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
@@ -136,6 +141,7 @@ class ModelArchConfig:
         )
         eos = cfg.get("eos_token_id")
         mm = None
+        ernie = arch == "Ernie4_5ForCausalLM"
         if arch in QWEN2_VL_ARCHITECTURES:
             scaling = rope_scaling or {}
             mm = MultimodalArchConfig.from_dict(cfg, {**rope, **scaling}, arch)
@@ -154,9 +160,13 @@ class ModelArchConfig:
             rope_theta=cfg.get("rope_theta", rope.get("rope_theta", 10000.0)),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             rope_scaling=rope_scaling,
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=cfg.get("attention_bias", arch == "Qwen2ForCausalLM" or mm is not None),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", ernie),
+            attention_bias=cfg.get(
+                "use_bias" if ernie else "attention_bias", arch == "Qwen2ForCausalLM" or mm is not None
+            ),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            proj_bias=ernie and bool(cfg.get("use_bias", False)),
+            rope_interleaved=ernie,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),

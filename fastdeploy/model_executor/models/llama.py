@@ -1,9 +1,10 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3), written once.
 
 Differences between the family members are flags of ``ModelArchConfig``:
-``attention_bias`` (Qwen2), ``qk_norm`` (Qwen3), ``tie_word_embeddings`` and
-rope scaling. Inputs are flattened tokens of the whole batch; attention goes
-through the paged-cache ``Attention`` layer.
+``attention_bias`` (Qwen2), ``qk_norm`` (Qwen3), ``tie_word_embeddings``, rope
+scaling, and ``proj_bias`` with ``rope_interleaved`` (Ernie-4.5 dense: biases on every
+projection, rotary over interleaved pairs). Inputs are flattened tokens of the whole
+batch; attention goes through the paged-cache ``Attention`` layer.
 
 Tensor parallelism: the layers are the parallel ones of
 :mod:`~fastdeploy.model_executor.layers.parallel_linear` and
@@ -28,7 +29,7 @@ from fastdeploy.model_executor.layers.parallel_linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from fastdeploy.model_executor.layers.rotary_embedding import RotaryEmbedding
+from fastdeploy.model_executor.layers.rotary_embedding import InterleavedRotaryEmbedding, RotaryEmbedding
 from fastdeploy.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from fastdeploy.model_executor.layers.weight_loading import ShardId, checkpoint_shapes, weight_loader
 from fastdeploy.transformers_utils.config import ModelArchConfig
@@ -57,14 +58,15 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(
             cfg.num_attention_heads * cfg.head_dim,
             cfg.hidden_size,
-            bias=False,
+            bias=cfg.proj_bias,
             input_shard=(self.qkv_proj.heads.head_start * self.head_dim, self.q_size),
         )
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
-        self.rotary_emb = RotaryEmbedding(
+        rotary_cls = InterleavedRotaryEmbedding if cfg.rope_interleaved else RotaryEmbedding
+        self.rotary_emb = rotary_cls(
             self.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         )
         self.attn = Attention(
@@ -123,9 +125,9 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
-            cfg.hidden_size, [cfg.intermediate_size] * 2, bias=False
+            cfg.hidden_size, [cfg.intermediate_size] * 2, bias=cfg.proj_bias
         )
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.proj_bias)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
@@ -190,7 +192,7 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class LlamaForCausalLM(nn.Module):
-    """Decoder plus LM head; also serves Mistral, Qwen2 and Qwen3 checkpoints."""
+    """Decoder plus LM head; also serves Mistral, Qwen2, Qwen3 and Ernie-4.5 (dense) checkpoints."""
 
     def __init__(self, cfg: ModelArchConfig):
         super().__init__()
