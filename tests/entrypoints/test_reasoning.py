@@ -2,7 +2,7 @@
 registry, and the chat handler through ``build_app`` with a scripted engine (streamed and whole
 answers, ``chat_template_kwargs`` reaching the template and the parser).
 
-(The end-to-end side, with the official client against a live server, is tests/e2e/test_reasoning.py.)
+(The end-to-end side, with the official client against a live server, is tests/e2e/test_reasoning_serve.py.)
 """
 
 from __future__ import annotations
