@@ -11,12 +11,17 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from fastdeploy import LLM, SamplingParams
+from fastdeploy import LLM
 from fastdeploy.engine.parallel_layout import ParallelLayoutError
+from tests.greedy_tokens import (
+    TINY_ENGINE,
+    TOKEN_PROMPTS,
+    engine_greedy_tokens,
+    transformers_greedy_tokens,
+)
 
 PROMPTS = ["Hello, my name is", "The capital of France is", "def fibonacci(n):"]
-ENGINE = dict(dtype="float32", num_threads=1, kv_cache_memory=0.1, max_model_len=256)
-GREEDY = SamplingParams(temperature=0, max_tokens=12)
+MAX_TOKENS = 12
 TINY = dict(
     vocab_size=300,
     hidden_size=64,
@@ -32,16 +37,9 @@ TINY = dict(
 )
 
 
-def generate_tokens(model: str | None, prompts: list, tp: int) -> list[list[int]]:
-    llm = LLM(model=model, tensor_parallel_size=tp, **ENGINE)
-    try:
-        return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, GREEDY)]
-    finally:
-        llm.shutdown()
-
-
 def test_default_model_tp2_equals_tp1():
-    assert generate_tokens(None, PROMPTS, 2) == generate_tokens(None, PROMPTS, 1)
+    tp2 = engine_greedy_tokens(None, PROMPTS, MAX_TOKENS, tp=2)
+    assert tp2 == engine_greedy_tokens(None, PROMPTS, MAX_TOKENS, tp=1)
 
 
 @pytest.mark.parametrize(
@@ -58,21 +56,14 @@ def test_tiny_random_models_at_tp2_equal_transformers(tmp_path, config_cls, mode
     config = config_cls(**{**TINY, **extra})
     reference = model_cls(config).eval()
     reference.save_pretrained(tmp_path)
-    prompts = [[5, 17, 42, 99, 3], [250, 1, 7], [11] * 9]
-    expected = []
-    with torch.no_grad():
-        for prompt in prompts:
-            out = reference.generate(
-                torch.tensor([prompt]), max_new_tokens=GREEDY.max_tokens, do_sample=False, eos_token_id=None
-            )
-            expected.append(out[0, len(prompt) :].tolist())
-    assert generate_tokens(str(tmp_path), prompts, 2) == expected
+    expected = transformers_greedy_tokens(reference, TOKEN_PROMPTS, MAX_TOKENS)
+    assert engine_greedy_tokens(str(tmp_path), TOKEN_PROMPTS, MAX_TOKENS, tp=2) == expected
 
 
 def test_layouts_that_cannot_run_are_refused():
     with pytest.raises(ParallelLayoutError, match="cannot split 9 attention heads"):
-        LLM(tensor_parallel_size=4, **ENGINE)
+        LLM(tensor_parallel_size=4, **TINY_ENGINE)
     with pytest.raises(ParallelLayoutError, match="fastdeploy serve"):
-        LLM(data_parallel_size=2, **ENGINE)
+        LLM(data_parallel_size=2, **TINY_ENGINE)
     with pytest.raises(ParallelLayoutError, match="must be >= 1"):
-        LLM(tensor_parallel_size=0, **ENGINE)
+        LLM(tensor_parallel_size=0, **TINY_ENGINE)

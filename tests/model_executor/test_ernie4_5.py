@@ -14,12 +14,10 @@ import torch
 from transformers import Ernie4_5Config, Ernie4_5ForCausalLM
 from transformers.models.ernie4_5.modeling_ernie4_5 import Ernie4_5RotaryEmbedding, apply_rotary_pos_emb
 
-from fastdeploy import LLM, SamplingParams
 from fastdeploy.model_executor.layers.rotary_embedding import InterleavedRotaryEmbedding
+from tests.greedy_tokens import TOKEN_PROMPTS, engine_greedy_tokens, transformers_greedy_tokens
 
-ENGINE = dict(dtype="float32", num_threads=1, kv_cache_memory=0.1, max_model_len=256)
-GREEDY = SamplingParams(temperature=0, max_tokens=12)
-PROMPTS = [[5, 17, 42, 99, 3], [250, 1, 7], [11] * 9]
+MAX_TOKENS = 12
 TINY = dict(
     vocab_size=300,
     hidden_size=64,
@@ -47,22 +45,7 @@ def save_tiny_ernie(folder: Path, use_bias: bool, tie_word_embeddings: bool) -> 
             else:
                 param.normal_(0.0, 0.5 if "embed" in name else 0.2)
     reference.save_pretrained(folder)
-    expected = []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            out = reference.generate(
-                torch.tensor([prompt]), max_new_tokens=GREEDY.max_tokens, do_sample=False, eos_token_id=None
-            )
-            expected.append(out[0, len(prompt) :].tolist())
-    return expected
-
-
-def generate_tokens(model: str, tp: int) -> list[list[int]]:
-    llm = LLM(model=model, tensor_parallel_size=tp, **ENGINE)
-    try:
-        return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, GREEDY)]
-    finally:
-        llm.shutdown()
+    return transformers_greedy_tokens(reference, TOKEN_PROMPTS, MAX_TOKENS)
 
 
 @pytest.mark.parametrize(
@@ -72,7 +55,7 @@ def generate_tokens(model: str, tp: int) -> list[list[int]]:
 )
 def test_tiny_random_ernie_equals_transformers(tmp_path: Path, use_bias: bool, tied: bool, tp: int):
     expected = save_tiny_ernie(tmp_path, use_bias, tied)
-    assert generate_tokens(str(tmp_path), tp) == expected
+    assert engine_greedy_tokens(str(tmp_path), TOKEN_PROMPTS, MAX_TOKENS, tp) == expected
 
 
 def test_interleaved_rotary_matches_transformers():

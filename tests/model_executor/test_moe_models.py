@@ -11,14 +11,12 @@ import pytest
 import torch
 from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from fastdeploy import LLM, SamplingParams
 from fastdeploy.model_executor.layers.fused_moe import FusedMoE, select_experts
 from fastdeploy.model_executor.models.qwen_moe import is_sparse_layer
 from fastdeploy.transformers_utils.config import ModelArchConfig
+from tests.greedy_tokens import TOKEN_PROMPTS, engine_greedy_tokens, transformers_greedy_tokens
 
-ENGINE = dict(dtype="float32", num_threads=1, kv_cache_memory=0.1, max_model_len=256)
-GREEDY = SamplingParams(temperature=0, max_tokens=10)
-PROMPTS = [[5, 17, 42, 99, 3], [250, 1, 7], [11] * 9]
+MAX_TOKENS = 10
 TINY = dict(
     vocab_size=300,
     hidden_size=64,
@@ -99,25 +97,6 @@ def test_sparse_layers_follow_decoder_sparse_step_and_mlp_only_layers():
     assert [is_sparse_layer(arch, i) for i in range(6)] == [False, True, False, False, False, True]
 
 
-def _reference_tokens(model, prompts: list[list[int]]) -> list[list[int]]:
-    expected = []
-    with torch.no_grad():
-        for prompt in prompts:
-            out = model.generate(
-                torch.tensor([prompt]), max_new_tokens=GREEDY.max_tokens, do_sample=False, eos_token_id=None
-            )
-            expected.append(out[0, len(prompt) :].tolist())
-    return expected
-
-
-def _engine_tokens(folder: str, tp: int) -> list[list[int]]:
-    llm = LLM(model=folder, tensor_parallel_size=tp, **ENGINE)
-    try:
-        return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, GREEDY)]
-    finally:
-        llm.shutdown()
-
-
 @pytest.mark.parametrize(
     ("config_cls", "model_cls", "extra"),
     [
@@ -139,6 +118,6 @@ def test_tiny_random_moe_models_equal_transformers(tmp_path, config_cls, model_c
             if name.endswith("mlp.gate.weight"):
                 param.normal_(0, 0.5)
     reference.save_pretrained(tmp_path)
-    expected = _reference_tokens(reference, PROMPTS)
+    expected = transformers_greedy_tokens(reference, TOKEN_PROMPTS, MAX_TOKENS)
     assert len({tuple(t) for t in expected}) > 1  # the prompts' continuations differ
-    assert _engine_tokens(str(tmp_path), tp) == expected
+    assert engine_greedy_tokens(str(tmp_path), TOKEN_PROMPTS, MAX_TOKENS, tp) == expected
