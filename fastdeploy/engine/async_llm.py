@@ -41,6 +41,7 @@ from fastdeploy.engine.ipc import (
     remove_ipc_dir,
 )
 from fastdeploy.engine.output_processor import OutputProcessor, RequestState
+from fastdeploy.engine.parallel_layout import check_parallel_layout
 from fastdeploy.engine.protocol import EngineClient, EngineDeadError
 from fastdeploy.metrics import EngineMetrics
 from fastdeploy.model_executor.model_loader import load_tokenizer, resolve_model
@@ -109,13 +110,12 @@ class AsyncLLM(EngineClient):
     def __init__(self, config: EngineConfig):
         self.config = config
         self.source = resolve_model(config.model)
+        check_parallel_layout(config, self.source.arch)  # before any process starts
         self.tokenizer = load_tokenizer(config.model, self.source)
         self.eos_token_ids = eos_ids_of(self.source.arch.eos_token_ids, self.tokenizer)
         self.vocab_size = self.source.arch.vocab_size
         self.arch = self.source.arch
         num_ranks = config.parallel.data_parallel_size
-        if num_ranks < 1:
-            raise ValueError(f"data_parallel_size must be at least 1, got {num_ranks}")
         self.model_name = config.model.served_model_name or _default_model_name(config, self.source)
         self.metrics = EngineMetrics(self.model_name, num_ranks)
         self._router = Router(
