@@ -166,10 +166,6 @@ class MultiprocExecutor:
                 raise WorkerDiedError(f"the worker process of rank {rank} exited (exit code {proc.exitcode})")
 
     @property
-    def worker_pids(self) -> list[int]:
-        return [proc.pid for proc in self._procs]
-
-    @property
     def worker_pid(self) -> int | None:
         return self._procs[0].pid if self._procs else None
 

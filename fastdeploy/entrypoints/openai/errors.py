@@ -37,17 +37,24 @@ class OpenAIError(Exception):
         }
 
 
+def is_valid_unicode(text: str) -> bool:
+    """Whether ``text`` encodes as UTF-8 (it holds no lone UTF-16 surrogate such as ``"\\ud800"``)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def encodable(text: str) -> str:
     """``text`` with lone surrogates written as ``\\udXXX`` escapes, so that it always encodes as UTF-8.
 
     Error messages quote what the client sent, which may not be valid Unicode;
     the error body must still be sendable.
     """
-    try:
-        text.encode("utf-8")
+    if is_valid_unicode(text):
         return text
-    except UnicodeEncodeError:
-        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class BadRequestError(OpenAIError):

@@ -22,6 +22,7 @@ from fastdeploy.entrypoints.openai.errors import (
     ClientDisconnectedError,
     RequestTooLargeError,
     UnsupportedMediaTypeError,
+    is_valid_unicode,
 )
 
 JSON_MEDIA_TYPES = ("application/json",)
@@ -98,25 +99,17 @@ def lone_surrogate_path(value: Any) -> str | None:
     while stack:
         item, path = stack.pop()
         if isinstance(item, str):
-            if _has_surrogate(item):
+            if not is_valid_unicode(item):
                 return path or "body"
         elif isinstance(item, dict):
             for key, child in item.items():
                 child_path = f"{path}.{key}" if path else str(key)
-                if _has_surrogate(key):
+                if not is_valid_unicode(key):
                     return child_path
                 stack.append((child, child_path))
         elif isinstance(item, list):
             stack.extend((child, f"{path}[{i}]") for i, child in enumerate(item))
     return None
-
-
-def _has_surrogate(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return True
-    return False
 
 
 async def read_json(request: Request) -> Any:
