@@ -9,6 +9,41 @@ MAX_LOGPROBS = 20
 """Most top logprobs a request may ask for, per generated token."""
 
 
+@dataclass
+class StructuredOutputsParams:
+    """The one constraint a request's output must satisfy (grammar-guided decoding).
+
+    Exactly one field is set: ``json`` (a JSON schema, as a dict or its JSON text),
+    ``json_object`` (any JSON object), ``regex``, ``choice`` (one of these strings),
+    ``grammar`` (an EBNF / GBNF grammar) or ``structural_tag`` (xgrammar's structural tag,
+    as JSON text). The front end fills it from ``response_format``, ``structured_outputs``,
+    ``guided_*`` or a forced tool call; the engine compiles it once per distinct value.
+    """
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    structural_tag: str | None = None
+
+    def __post_init__(self) -> None:
+        chosen = [name for name in self.CONSTRAINTS if getattr(self, name) not in (None, False)]
+        if len(chosen) != 1:
+            raise SamplingParamsError(
+                "structured_outputs",
+                f"exactly one structured-output constraint must be given, got {chosen or 'none'}",
+            )
+
+    CONSTRAINTS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+    """The constraint fields, one of which is set."""
+
+    @property
+    def kind(self) -> str:
+        """The name of the field that is set (``"json"``, ``"regex"``, ...)."""
+        return next(name for name in self.CONSTRAINTS if getattr(self, name) not in (None, False))
+
+
 class SamplingParamsError(ValueError):
     """An out-of-range sampling field; ``param`` names the field for the 400 body."""
 
@@ -55,6 +90,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     """Return, for every prompt token after the first, its logprob given the tokens before it plus
     this many top alternatives (None: off). Such a request never reads the prefix cache."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """A grammar the output must follow (JSON schema, regex, choice, ...); None: free text."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
