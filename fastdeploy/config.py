@@ -14,7 +14,7 @@ import functools
 import inspect
 import textwrap
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 
 @functools.cache
@@ -57,6 +57,11 @@ class ModelConfig:
     load_format: str = "auto"
     """How to read weights: auto, safetensors, gguf, or dummy (random weights
     from the config, seeded, for benchmarking large shapes)."""
+    quantization: Literal["fp8"] | None = None
+    """Quantize the weights at load time: fp8 (e4m3 weights in 128x128 blocks, activations
+    quantized per token and 128 columns at run time; GPU of compute capability 8.9 or newer, or the torch path on a
+    CPU). Checkpoints whose config.json has a quantization_config (quant_method fp8) are read
+    quantized without it."""
     seed: int = 0
     """Seed of dummy weights and of unseeded sampling."""
     max_model_len: int | None = None

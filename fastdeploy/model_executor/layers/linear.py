@@ -5,12 +5,17 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from fastdeploy import envs
+from fastdeploy.model_executor.layers.weight_loading import ShardId, copy_rows, set_weight_loader
 from fastdeploy.ops.layer_ops import silu_and_mul, triton_module
+
+if TYPE_CHECKING:
+    from fastdeploy.model_executor.layers.quantization.base import QuantizationConfig
 
 _SMALL_M_DTYPES = (torch.bfloat16, torch.float16)
 _SMALL_M_MAX = 4
@@ -157,13 +162,54 @@ class Linear(nn.Linear):
     The packed copy is read-only: call :meth:`prepack` again after changing
     ``weight``. On a GPU, with ``FD_SMALL_M_GEMV``, decode steps of at most four rows
     run the Triton small-M kernel inside CUDA graphs (:func:`small_m_eligible`).
+
+    With a ``quant_config`` the layer's :attr:`quant_method` owns the weight (its dtype, its
+    scales and the matmul; the small-M kernels, bf16 only, are off). ``weight_shapes`` (the
+    parallel layers) gives the weight and bias loaders that copy :meth:`weight_region` of each
+    full checkpoint tensor, so that quantization scales can be sharded by the same regions.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, **kwargs):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        quant_config: QuantizationConfig | None = None,
+        weight_shapes: dict[ShardId, tuple[int, int]] | None = None,
+        **kwargs,
+    ):
         super().__init__(in_features, out_features, bias=bias, **kwargs)
         self.packed_weight: torch.Tensor | None = None
         self.small_m_gemv = envs.FD_SMALL_M_GEMV
         """``FD_SMALL_M_GEMV`` when the layer was built: off, forward pays one attribute read for it."""
+        if weight_shapes is not None:
+            set_weight_loader(self.weight, self.load_weight, weight_shapes)
+            if self.bias is not None:
+                shapes = {shard: shape[:1] for shard, shape in weight_shapes.items()}
+                set_weight_loader(self.bias, self.load_weight, shapes)
+        self.quant_method = None if quant_config is None else quant_config.linear_method()
+        if self.quant_method is not None:
+            self.small_m_gemv = False
+            self.quant_method.create_weights(self)
+
+    def weight_region(self, shard_id: ShardId = None) -> tuple[int, int, int, int]:
+        """Where checkpoint tensor ``shard_id`` goes: ``(dim, offset in this rank's weight, size,
+        start in the full tensor)`` (dim 0: output rows, dim 1: input columns). Here the whole tensor."""
+        return 0, 0, self.out_features, 0
+
+    def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+        """Copy this rank's :meth:`weight_region` of the full checkpoint tensor into ``param`` (the
+        weight, or the bias: its rows, or all of it when the input columns are split)."""
+        dim, offset, size, start = self.weight_region(shard_id)
+        if param.dim() == 1 and dim == 1:
+            param.data.copy_(loaded)
+        else:
+            copy_rows(param.data.narrow(dim, offset, size), loaded, dim, start)
+
+    def process_weights_after_loading(self) -> None:
+        """The quantization method's post-load step (quantize the loaded weight, ...), if any."""
+        if self.quant_method is not None:
+            self.quant_method.process_weights_after_loading(self)
 
     def prepack(self) -> None:
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 64)
@@ -173,6 +219,8 @@ class Linear(nn.Linear):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x @ weight.T + bias`` on this process's weight (the shard, in a parallel layer)."""
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, bias)
         if self.small_m_gemv and x.is_cuda and small_m_eligible(x, self.weight, bias):
             return load_triton_gemv().small_m_linear(x, self.weight)
         if self.packed_weight is not None:

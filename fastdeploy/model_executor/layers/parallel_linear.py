@@ -20,13 +20,16 @@ when the layer is built, so :func:`~fastdeploy.distributed.init_tensor_parallel`
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from fastdeploy.distributed import divide, tp_all_reduce, tp_rank, tp_size
 from fastdeploy.model_executor.layers.linear import Linear
-from fastdeploy.model_executor.layers.weight_loading import ShardId, copy_rows, set_weight_loader
+from fastdeploy.model_executor.layers.weight_loading import ShardId
+
+if TYPE_CHECKING:
+    from fastdeploy.model_executor.layers.quantization.base import QuantizationConfig
 
 
 @dataclass(frozen=True)
@@ -80,18 +83,27 @@ class ColumnParallelLinear(Linear):
     those output features; the input is the full activation.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        quant_config: QuantizationConfig | None = None,
+        weight_shapes: dict[ShardId, tuple[int, int]] | None = None,
+    ):
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
         self.full_out_features = out_features
-        super().__init__(in_features, divide(out_features, self.tp_size, "output features"), bias=bias)
-        set_weight_loader(self.weight, self.load_column_shard, {None: (out_features, in_features)})
-        if self.bias is not None:
-            set_weight_loader(self.bias, self.load_column_shard, {None: (out_features,)})
+        super().__init__(
+            in_features,
+            divide(out_features, self.tp_size, "output features"),
+            bias=bias,
+            quant_config=quant_config,
+            weight_shapes=weight_shapes or {None: (out_features, in_features)},
+        )
 
-    def load_column_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
-        """Copy this rank's rows of the full ``[out, in]`` weight (or ``[out]`` bias)."""
-        rows = param.shape[0]
-        copy_rows(param.data, loaded, 0, self.tp_rank * rows)
+    def weight_region(self, shard_id: ShardId = None) -> tuple[int, int, int, int]:
+        """This rank's rows of the full ``[out, in]`` weight (or ``[out]`` bias)."""
+        return 0, 0, self.out_features, self.tp_rank * self.out_features
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -102,23 +114,23 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     (shard ids 0, 1, ...).
     """
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = True):
+    def __init__(
+        self,
+        in_features: int,
+        output_sizes: list[int],
+        bias: bool = True,
+        quant_config: QuantizationConfig | None = None,
+    ):
         size = tp_size()
         self.local_sizes = [divide(n, size, "output features") for n in output_sizes]
         self.output_sizes = list(output_sizes)
-        super().__init__(in_features, sum(output_sizes), bias=bias)
         shapes = {i: (n, in_features) for i, n in enumerate(output_sizes)}
-        set_weight_loader(self.weight, self.load_merged_shard, shapes)
-        if self.bias is not None:
-            set_weight_loader(
-                self.bias, self.load_merged_shard, {i: (n,) for i, n in enumerate(output_sizes)}
-            )
+        super().__init__(in_features, sum(output_sizes), bias, quant_config, shapes)
 
-    def load_merged_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
-        """Copy this rank's rows of part ``shard_id`` into that part's region of the fused weight."""
+    def weight_region(self, shard_id: ShardId = None) -> tuple[int, int, int, int]:
+        """This rank's rows of part ``shard_id``, in that part's region of the fused weight."""
         local = self.local_sizes[shard_id]
-        dest = param.data.narrow(0, sum(self.local_sizes[:shard_id]), local)
-        copy_rows(dest, loaded, 0, self.tp_rank * local)
+        return 0, sum(self.local_sizes[:shard_id]), local, self.tp_rank * local
 
 
 class QKVParallelLinear(Linear):
@@ -131,30 +143,31 @@ class QKVParallelLinear(Linear):
     """
 
     def __init__(
-        self, hidden_size: int, head_dim: int, total_num_heads: int, total_num_kv_heads: int, bias: bool
+        self,
+        hidden_size: int,
+        head_dim: int,
+        total_num_heads: int,
+        total_num_kv_heads: int,
+        bias: bool,
+        quant_config: QuantizationConfig | None = None,
     ):
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
         self.head_dim = head_dim
         self.heads = shard_heads(total_num_heads, total_num_kv_heads, self.tp_size, self.tp_rank)
         self.num_heads, self.num_kv_heads = self.heads.num_heads, self.heads.num_kv_heads
         self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
-        super().__init__(hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         full_q, full_kv = total_num_heads * head_dim, total_num_kv_heads * head_dim
         shapes = {"q": (full_q, hidden_size), "k": (full_kv, hidden_size), "v": (full_kv, hidden_size)}
-        set_weight_loader(self.weight, self.load_qkv_shard, shapes)
-        if self.bias is not None:
-            set_weight_loader(self.bias, self.load_qkv_shard, {s: shape[:1] for s, shape in shapes.items()})
+        super().__init__(hidden_size, self.q_size + 2 * self.kv_size, bias, quant_config, shapes)
 
-    def load_qkv_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
-        """Copy this rank's heads of the full q, k or v tensor into their region of the fused weight."""
+    def weight_region(self, shard_id: ShardId = None) -> tuple[int, int, int, int]:
+        """This rank's heads of the full q, k or v tensor, in their region of the fused weight."""
         if shard_id == "q":
-            offset, size, start = 0, self.q_size, self.heads.head_start * self.head_dim
-        elif shard_id in ("k", "v"):
+            return 0, 0, self.q_size, self.heads.head_start * self.head_dim
+        if shard_id in ("k", "v"):
             offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
-            size, start = self.kv_size, self.heads.kv_head_start * self.head_dim
-        else:
-            raise ValueError(f"qkv_proj loads shards 'q', 'k' and 'v', not {shard_id!r}")
-        copy_rows(param.data.narrow(0, offset, size), loaded, 0, start)
+            return 0, offset, self.kv_size, self.heads.kv_head_start * self.head_dim
+        raise ValueError(f"qkv_proj loads shards 'q', 'k' and 'v', not {shard_id!r}")
 
 
 class RowParallelLinear(Linear):
@@ -173,6 +186,7 @@ class RowParallelLinear(Linear):
         out_features: int,
         bias: bool = True,
         input_shard: tuple[int, int] | None = None,
+        quant_config: QuantizationConfig | None = None,
     ):
         """``input_shard`` = (first input feature, count) of this rank, for a split that is not
         even (o_proj over :func:`shard_heads`' uneven heads); default the even split."""
@@ -182,17 +196,12 @@ class RowParallelLinear(Linear):
             local = divide(in_features, self.tp_size, "input features")
             input_shard = (self.tp_rank * local, local)
         self.input_start = input_shard[0]
-        super().__init__(input_shard[1], out_features, bias=bias)
-        set_weight_loader(self.weight, self.load_row_shard, {None: (out_features, in_features)})
-        if self.bias is not None:
-            set_weight_loader(self.bias, self.load_row_shard, {None: (out_features,)})
+        shapes = {None: (out_features, in_features)}
+        super().__init__(input_shard[1], out_features, bias, quant_config, shapes)
 
-    def load_row_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
-        """Copy this rank's columns of the full ``[out, in]`` weight (the bias whole)."""
-        if param.dim() == 1:
-            param.data.copy_(loaded)
-        else:
-            copy_rows(param.data, loaded, 1, self.input_start)
+    def weight_region(self, shard_id: ShardId = None) -> tuple[int, int, int, int]:
+        """This rank's columns of the full ``[out, in]`` weight (the bias is loaded whole)."""
+        return 1, 0, self.in_features, self.input_start
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

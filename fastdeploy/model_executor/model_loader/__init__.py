@@ -15,6 +15,12 @@ import torch
 
 from fastdeploy.config import ModelConfig
 from fastdeploy.distributed import tp_size
+from fastdeploy.model_executor.layers.quantization import (
+    QuantizationConfig,
+    check_quantization_supported,
+    process_weights_after_loading,
+    resolve_quant_config,
+)
 from fastdeploy.model_executor.layers.weight_loading import checkpoint_shapes, weight_loader
 from fastdeploy.model_executor.model_loader.default_model import default_model_path
 from fastdeploy.model_executor.model_loader.gguf_loader import gguf_config_dict, iterate_gguf_weights
@@ -88,18 +94,25 @@ def resolve_dtype(dtype: str, arch: ModelArchConfig, device: torch.device) -> to
 def load_model(
     config: ModelConfig, source: ModelSource, device: torch.device, dtype: torch.dtype
 ) -> torch.nn.Module:
-    """Build the model on ``device`` in ``dtype`` and load (or randomly draw) its weights."""
+    """Build the model on ``device`` in ``dtype`` and load (or randomly draw) its weights; then
+    every module's ``process_weights_after_loading()`` runs (quantized layers quantize there).
+
+    The quantization is the checkpoint's or ``config.quantization``'s (:func:`quant_config_of`);
+    RuntimeError naming the flag on a GPU too old for it.
+    """
     model_cls = MODEL_REGISTRY[source.arch.architecture]
+    load_format = config.load_format
+    if load_format == "auto":
+        load_format = "gguf" if source.is_gguf else "safetensors"
+    quant_config = quant_config_of(config, source)
+    check_quantization_supported(quant_config, device)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = model_cls(source.arch)
+            model = model_cls(source.arch, quant_config=quant_config)
     finally:
         torch.set_default_dtype(previous)
-    load_format = config.load_format
-    if load_format == "auto":
-        load_format = "gguf" if source.is_gguf else "safetensors"
     with torch.no_grad():
         if load_format == "dummy":
             initialize_dummy_weights(model, config.seed)
@@ -111,7 +124,13 @@ def load_model(
             if source.is_gguf:
                 raise ValueError("load_format safetensors cannot read a .gguf file")
             model.load_weights(_progress(iterate_safetensors(source.path), source))
+        process_weights_after_loading(model)
     return model.eval()
+
+
+def quant_config_of(config: ModelConfig, source: ModelSource) -> QuantizationConfig | None:
+    """The model's quantization: its checkpoint's ``quantization_config``, else ``--quantization``."""
+    return resolve_quant_config(config.quantization, source.arch.raw, config.load_format)
 
 
 def _progress(weights, source: ModelSource):

@@ -29,6 +29,7 @@ from fastdeploy.model_executor.layers.parallel_linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
+from fastdeploy.model_executor.layers.quantization import QuantizationConfig
 from fastdeploy.model_executor.layers.rotary_embedding import InterleavedRotaryEmbedding, RotaryEmbedding
 from fastdeploy.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from fastdeploy.model_executor.layers.weight_loading import ShardId, checkpoint_shapes, weight_loader
@@ -43,7 +44,7 @@ class LlamaAttention(nn.Module):
     """Self-attention over this rank's heads (``num_heads`` / ``num_kv_heads`` are the local counts);
     o_proj sums the ranks' outputs."""
 
-    def __init__(self, cfg: ModelArchConfig, layer_idx: int):
+    def __init__(self, cfg: ModelArchConfig, layer_idx: int, quant_config: QuantizationConfig | None = None):
         super().__init__()
         self.head_dim = cfg.head_dim
         self.qkv_proj = QKVParallelLinear(
@@ -52,6 +53,7 @@ class LlamaAttention(nn.Module):
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
             cfg.attention_bias,
+            quant_config=quant_config,
         )
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
@@ -60,6 +62,7 @@ class LlamaAttention(nn.Module):
             cfg.hidden_size,
             bias=cfg.proj_bias,
             input_shard=(self.qkv_proj.heads.head_start * self.head_dim, self.q_size),
+            quant_config=quant_config,
         )
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -121,13 +124,15 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU MLP over this rank's slice of the intermediate features; down_proj sums the ranks'."""
 
-    def __init__(self, cfg: ModelArchConfig):
+    def __init__(self, cfg: ModelArchConfig, quant_config: QuantizationConfig | None = None):
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
-            cfg.hidden_size, [cfg.intermediate_size] * 2, bias=cfg.proj_bias
+            cfg.hidden_size, [cfg.intermediate_size] * 2, bias=cfg.proj_bias, quant_config=quant_config
         )
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.proj_bias)
+        self.down_proj = RowParallelLinear(
+            cfg.intermediate_size, cfg.hidden_size, bias=cfg.proj_bias, quant_config=quant_config
+        )
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
@@ -141,10 +146,16 @@ class LlamaDecoderLayer(nn.Module):
     """Attention then MLP; ``mlp`` replaces the dense :class:`LlamaMLP` (a mixture of experts),
     called like it: ``mlp(x, residual, norm)`` → (output, new residual)."""
 
-    def __init__(self, cfg: ModelArchConfig, layer_idx: int, mlp: nn.Module | None = None):
+    def __init__(
+        self,
+        cfg: ModelArchConfig,
+        layer_idx: int,
+        mlp: nn.Module | None = None,
+        quant_config: QuantizationConfig | None = None,
+    ):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_idx)
-        self.mlp = LlamaMLP(cfg) if mlp is None else mlp
+        self.self_attn = LlamaAttention(cfg, layer_idx, quant_config)
+        self.mlp = LlamaMLP(cfg, quant_config) if mlp is None else mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -155,13 +166,17 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(
-        self, cfg: ModelArchConfig, build_mlp: Callable[[ModelArchConfig, int], nn.Module] | None = None
+        self,
+        cfg: ModelArchConfig,
+        build_mlp: Callable[[ModelArchConfig, int], nn.Module] | None = None,
+        quant_config: QuantizationConfig | None = None,
     ):
-        """``build_mlp(cfg, layer_idx)``: each layer's MLP (default the dense :class:`LlamaMLP`)."""
+        """``build_mlp(cfg, layer_idx)``: each layer's MLP (default the dense :class:`LlamaMLP`);
+        ``quant_config``: the quantization of the attention (and dense MLP) projections."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, None if build_mlp is None else build_mlp(cfg, i))
+            LlamaDecoderLayer(cfg, i, None if build_mlp is None else build_mlp(cfg, i), quant_config)
             for i in range(cfg.num_hidden_layers)
         )
         shared_rotary = self.layers[0].self_attn.rotary_emb  # one cos/sin table for every layer
@@ -192,12 +207,16 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class LlamaForCausalLM(nn.Module):
-    """Decoder plus LM head; also serves Mistral, Qwen2, Qwen3 and Ernie-4.5 (dense) checkpoints."""
+    """Decoder plus LM head; also serves Mistral, Qwen2, Qwen3 and Ernie-4.5 (dense) checkpoints.
 
-    def __init__(self, cfg: ModelArchConfig):
+    ``quant_config`` (e.g. FP8) goes to every projection of the decoder layers and to their
+    MLPs; the embedding, the LM head and the norms stay in the model dtype."""
+
+    def __init__(self, cfg: ModelArchConfig, quant_config: QuantizationConfig | None = None):
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, self.build_mlp)
+        self.quant_config = quant_config
+        self.model = LlamaModel(cfg, self.build_mlp, quant_config)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -215,8 +234,9 @@ class LlamaForCausalLM(nn.Module):
         return logits.float() if out is None else out.copy_(logits)
 
     def build_mlp(self, cfg: ModelArchConfig, layer_idx: int) -> nn.Module:
-        """The MLP of layer ``layer_idx``: dense here; mixture-of-experts models override it."""
-        return LlamaMLP(cfg)
+        """The MLP of layer ``layer_idx``: dense here; mixture-of-experts models override it
+        (:attr:`quant_config` is set before this is called)."""
+        return LlamaMLP(cfg, self.quant_config)
 
     def parameter_of(self, name: str) -> tuple[str, ShardId]:
         """Our parameter name and its loader's shard id for a checkpoint tensor name."""

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from fastdeploy.model_executor.layers.mrope import MRotaryEmbedding
+from fastdeploy.model_executor.layers.quantization import QuantizationConfig
 from fastdeploy.model_executor.models.llama import LlamaForCausalLM
 from fastdeploy.transformers_utils.config import ModelArchConfig
 
@@ -32,10 +33,10 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
     uses_mrope = True
     """The runner passes 3-row M-RoPE positions (and no decode CUDA graphs are captured)."""
 
-    def __init__(self, cfg: ModelArchConfig):
+    def __init__(self, cfg: ModelArchConfig, quant_config: QuantizationConfig | None = None):
         if cfg.mm is None:
             raise ValueError(f"{cfg.architecture} needs the multimodal part of its config")
-        super().__init__(cfg)
+        super().__init__(cfg, quant_config)
         rotary = MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mm.mrope_section)
         for layer in self.model.layers:  # one table, built once per forward pass, for every layer
             layer.self_attn.rotary_emb = rotary

@@ -16,10 +16,12 @@ import re
 import torch
 from torch import nn
 
+from fastdeploy.distributed import tp_all_reduce
 from fastdeploy.model_executor.layers.fused_moe import FusedMoE
 from fastdeploy.model_executor.layers.layernorm import RMSNorm
 from fastdeploy.model_executor.layers.linear import Linear
 from fastdeploy.model_executor.layers.parallel_linear import MergedColumnParallelLinear, RowParallelLinear
+from fastdeploy.model_executor.layers.quantization import QuantizationConfig
 from fastdeploy.model_executor.layers.weight_loading import ShardId
 from fastdeploy.model_executor.models.llama import LlamaForCausalLM, LlamaMLP
 from fastdeploy.transformers_utils.config import ModelArchConfig
@@ -44,7 +46,8 @@ class QwenMoeSparseBlock(nn.Module):
     summed over the ranks by one all-reduce.
     """
 
-    def __init__(self, cfg: ModelArchConfig):
+    def __init__(self, cfg: ModelArchConfig, quant_config: QuantizationConfig | None = None):
+        """``quant_config`` goes to the experts and the shared expert; the routers stay unquantized."""
         super().__init__()
         self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = FusedMoE(
@@ -53,15 +56,19 @@ class QwenMoeSparseBlock(nn.Module):
             cfg.hidden_size,
             cfg.moe_intermediate_size,
             renormalize=cfg.norm_topk_prob,
+            reduce_results=False,
+            quant_config=quant_config,
         )
         self.has_shared_expert = cfg.shared_expert_intermediate_size > 0
         if self.has_shared_expert:
             shared_size = cfg.shared_expert_intermediate_size
             self.shared_expert = nn.Module()
             self.shared_expert.gate_up_proj = MergedColumnParallelLinear(
-                cfg.hidden_size, [shared_size] * 2, bias=False
+                cfg.hidden_size, [shared_size] * 2, bias=False, quant_config=quant_config
             )
-            self.shared_expert.down_proj = RowParallelLinear(shared_size, cfg.hidden_size, bias=False)
+            self.shared_expert.down_proj = RowParallelLinear(
+                shared_size, cfg.hidden_size, bias=False, quant_config=quant_config
+            )
             self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(
@@ -72,13 +79,15 @@ class QwenMoeSparseBlock(nn.Module):
             hidden, residual = norm(x), x
         else:
             hidden, residual = norm(x, residual)
-        shared = None
+        out = self.experts(hidden, self.gate(hidden))
         if self.has_shared_expert:
             shared = self.shared_expert.down_proj.matmul_silu_mul(
                 self.shared_expert.gate_up_proj(hidden), None
-            )  # this rank's partial sum, reduced with the routed experts'
-            shared = torch.sigmoid(self.shared_expert_gate(hidden)) * shared
-        return self.experts(hidden, self.gate(hidden), shared), residual
+            )  # this rank's partial sum, reduced with the routed experts' below
+            out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * shared
+        if self.experts.tp_size > 1:
+            out = tp_all_reduce(out)
+        return out, residual
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
@@ -86,7 +95,9 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
 
     def build_mlp(self, cfg: ModelArchConfig, layer_idx: int) -> nn.Module:
         """A :class:`QwenMoeSparseBlock` on sparse layers, the dense MLP elsewhere."""
-        return QwenMoeSparseBlock(cfg) if is_sparse_layer(cfg, layer_idx) else LlamaMLP(cfg)
+        if is_sparse_layer(cfg, layer_idx):
+            return QwenMoeSparseBlock(cfg, self.quant_config)
+        return LlamaMLP(cfg, self.quant_config)
 
     def parameter_of(self, name: str) -> tuple[str, ShardId]:
         """``...experts.{e}.{proj}.weight`` → the stacked ``...experts.{gate_up|down}_proj``
@@ -102,5 +113,6 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
 class Qwen2MoeForCausalLM(Qwen3MoeForCausalLM):
     """Qwen2-MoE: q/k/v biases (config key ``qkv_bias``), no qk_norm, and a gated shared expert."""
 
-    def __init__(self, cfg: ModelArchConfig):
-        super().__init__(dataclasses.replace(cfg, attention_bias=bool(cfg.raw.get("qkv_bias", True))))
+    def __init__(self, cfg: ModelArchConfig, quant_config: QuantizationConfig | None = None):
+        cfg = dataclasses.replace(cfg, attention_bias=bool(cfg.raw.get("qkv_bias", True)))
+        super().__init__(cfg, quant_config)
