@@ -19,6 +19,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Ernie4_5ForCausalLM",
+    "Ernie4_5_MoeForCausalLM",
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
     *QWEN2_VL_ARCHITECTURES,
@@ -118,6 +119,15 @@ class ModelArchConfig:
     """Layers that keep a dense MLP in a mixture-of-experts model."""
     shared_expert_intermediate_size: int = 0
     """Qwen2-MoE: intermediate size of the shared expert every token goes through (0: none)."""
+    moe_num_shared_experts: int = 0
+    """Ernie-4.5-MoE: shared experts every token goes through, as one MLP of
+    ``moe_num_shared_experts x moe_intermediate_size`` (0: none)."""
+    moe_layer_start_index: int = 0
+    """Ernie-4.5-MoE: layer i is sparse when ``start <= i <= end`` and ``(i + 1) % interval == 0``."""
+    moe_layer_end_index: int = -1
+    """Ernie-4.5-MoE: last sparse layer (-1: the last layer)."""
+    moe_layer_interval: int = 1
+    """Ernie-4.5-MoE: sparse layer interval."""
     mm: MultimodalArchConfig | None = None
     """Set for vision-language models (Qwen2-VL, Qwen2.5-VL): placeholder tokens and M-RoPE."""
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -141,7 +151,7 @@ class ModelArchConfig:
         )
         eos = cfg.get("eos_token_id")
         mm = None
-        ernie = arch == "Ernie4_5ForCausalLM"
+        ernie = arch in ("Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM")
         if arch in QWEN2_VL_ARCHITECTURES:
             scaling = rope_scaling or {}
             mm = MultimodalArchConfig.from_dict(cfg, {**rope, **scaling}, arch)
@@ -170,13 +180,20 @@ class ModelArchConfig:
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
-            num_experts=cfg.get("num_experts") or cfg.get("num_local_experts") or 0,
-            num_experts_per_tok=cfg.get("num_experts_per_tok") or 0,
+            num_experts=cfg.get("num_experts")
+            or cfg.get("num_local_experts")
+            or cfg.get("moe_num_experts")
+            or 0,
+            num_experts_per_tok=cfg.get("num_experts_per_tok") or cfg.get("moe_k") or 0,
             moe_intermediate_size=cfg.get("moe_intermediate_size") or 0,
             norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
             decoder_sparse_step=cfg.get("decoder_sparse_step") or 1,
             mlp_only_layers=list(cfg.get("mlp_only_layers") or []),
             shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0,
+            moe_num_shared_experts=cfg.get("moe_num_shared_experts") or 0,
+            moe_layer_start_index=cfg.get("moe_layer_start_index") or 0,
+            moe_layer_end_index=cfg.get("moe_layer_end_index", -1),
+            moe_layer_interval=cfg.get("moe_layer_interval") or 1,
             mm=mm,
             raw=cfg,
         )

@@ -29,18 +29,27 @@ EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 def select_experts(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    correction_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k softmax routing: ``[T, E]`` logits → (weights ``[T, k]``, expert ids ``[T, k]``).
 
-    The softmax runs in float32 (as in ``transformers``' Qwen MoE routers); with
-    ``renormalize`` (``norm_topk_prob``) the k weights are rescaled to sum to 1. The weights
-    come back in the logits' dtype.
+    The softmax runs in float32 (as in ``transformers``' Qwen and Ernie MoE routers); with
+    ``renormalize`` (``norm_topk_prob``) the k weights are rescaled to sum to 1. With a
+    ``correction_bias`` ``[E]`` (Ernie-4.5's ``e_score_correction_bias``) the experts are
+    chosen by ``probs + bias`` but weighted by their plain probabilities. The weights come
+    back in the logits' dtype.
     """
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if correction_bias is None:
+        weights, ids = torch.topk(probs, top_k, dim=-1)
+    else:
+        _, ids = torch.topk(probs + correction_bias.float().reshape(-1), top_k, dim=-1)
+        weights = probs.gather(-1, ids)
     if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-12)
     return weights.to(router_logits.dtype), ids
 
 
@@ -49,8 +58,8 @@ class FusedMoE(nn.Module):
     tensor-parallel rank holds its slice), combined with the routing weights.
 
     :meth:`forward` takes the normed hidden states ``[T, H]`` and the router logits ``[T, E]``
-    and returns ``[T, H]``: the sum over all ranks when ``reduce_results`` (else this rank's
-    partial sum, for a caller that adds more partials, the shared expert, before one all-reduce).
+    (and the partial output of the block's shared experts) and returns the full ``[T, H]`` on
+    every rank.
     """
 
     def __init__(
@@ -60,7 +69,6 @@ class FusedMoE(nn.Module):
         hidden_size: int,
         intermediate_size: int,
         renormalize: bool,
-        reduce_results: bool = True,
         quant_config: QuantizationConfig | None = None,
     ):
         super().__init__()
@@ -68,7 +76,6 @@ class FusedMoE(nn.Module):
         """The model's quantization (e.g. FP8); the experts' quantized method is defined here."""
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
-        self.reduce_results = reduce_results
         self.local_intermediate = divide(intermediate_size, self.tp_size, "expert intermediate features")
         local = self.local_intermediate
         self.gate_up_proj = nn.Parameter(
@@ -97,11 +104,21 @@ class FusedMoE(nn.Module):
                 f"expert weights load shards '<e>.gate_proj/up_proj/down_proj', not {shard_id!r}"
             )
 
-    def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        """Route each token to its top-k experts and return their weighted sum ``[T, H]``."""
-        weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        router_logits: torch.Tensor,
+        shared: torch.Tensor | None = None,
+        correction_bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Route each token to its top-k experts and return their weighted sum ``[T, H]``, plus
+        ``shared`` (this rank's partial output of the block's shared experts), summed over the
+        tensor-parallel ranks: one all-reduce of routed + shared partials."""
+        weights, ids = select_experts(router_logits, self.top_k, self.renormalize, correction_bias)
         out = self.compute_experts(hidden, weights, ids)
-        if self.reduce_results and self.tp_size > 1:
+        if shared is not None:
+            out = out + shared
+        if self.tp_size > 1:
             out = tp_all_reduce(out)
         return out
 

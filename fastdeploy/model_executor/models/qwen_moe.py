@@ -16,7 +16,6 @@ import re
 import torch
 from torch import nn
 
-from fastdeploy.distributed import tp_all_reduce
 from fastdeploy.model_executor.layers.fused_moe import FusedMoE
 from fastdeploy.model_executor.layers.layernorm import RMSNorm
 from fastdeploy.model_executor.layers.linear import Linear
@@ -56,7 +55,6 @@ class QwenMoeSparseBlock(nn.Module):
             cfg.hidden_size,
             cfg.moe_intermediate_size,
             renormalize=cfg.norm_topk_prob,
-            reduce_results=False,
             quant_config=quant_config,
         )
         self.has_shared_expert = cfg.shared_expert_intermediate_size > 0
@@ -79,15 +77,13 @@ class QwenMoeSparseBlock(nn.Module):
             hidden, residual = norm(x), x
         else:
             hidden, residual = norm(x, residual)
-        out = self.experts(hidden, self.gate(hidden))
+        shared = None
         if self.has_shared_expert:
             shared = self.shared_expert.down_proj.matmul_silu_mul(
                 self.shared_expert.gate_up_proj(hidden), None
-            )  # this rank's partial sum, reduced with the routed experts' below
-            out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * shared
-        if self.experts.tp_size > 1:
-            out = tp_all_reduce(out)
-        return out, residual
+            )  # this rank's partial sum, reduced with the routed experts'
+            shared = torch.sigmoid(self.shared_expert_gate(hidden)) * shared
+        return self.experts(hidden, self.gate(hidden), shared), residual
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):

@@ -1,0 +1,351 @@
+"""Fused mixture-of-experts on a GPU: a route-sorted grouped GEMM in Triton, bf16/fp16 or FP8 w8a8.
+
+The T*k (token, slot) pairs of a batch are sorted by expert and each expert's run is padded to a
+multiple of ``BLOCK_M`` (:func:`align_block_size`), so that every ``BLOCK_M`` block of the sorted
+list belongs to one expert. Then:
+
+1. ``gate_up[pair] = hidden[token] @ w13[e].T`` (kernel :func:`_moe_gemm_kernel`, ``[T*k, 2I]``),
+2. ``act = silu(gate) * up`` (:func:`fastdeploy.ops.layer_ops.silu_and_mul`, ``[T*k, I]``),
+3. ``out[pair] = weight[pair] * act[pair] @ w2[e].T`` (the same kernel, ``[T*k, H]``),
+4. ``out[token] = sum over its k slots`` (one torch reduction, float32 accumulation).
+
+Each program computes a ``BLOCK_M x BLOCK_N`` tile of one expert's rows; the blocks past the
+padded end (the grid is sized from shapes only, so nothing syncs the host) exit at once. A
+tile's weight columns are read once for all its rows, so at decode sizes the kernel is a pass
+over the touched experts' weights and at prefill sizes a tensor-core GEMM per expert.
+
+FP8 (``w13``/``w2`` in ``float8_e4m3fn``): weights carry ``[E, ceil(N/bn), ceil(K/bk)]`` block
+scales (``weight_scale_inv``, default 128 x 128 blocks), the activations are quantized per token
+and ``bk`` columns (dynamic 1 x 128 scales, :mod:`fastdeploy.ops.fp8_quant`) before each GEMM;
+each ``BLOCK_K`` step's fp8 dot is scaled by its row and column scales into a float32
+accumulator, so ``BLOCK_K`` must divide ``bk``.
+
+Meta-parameters come from a small table keyed on the token count (:func:`default_config`:
+latency configurations for decode batches, throughput ones for prefill); any call can pass its
+own :class:`MoEKernelConfig` (tuning, benchmarks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from fastdeploy.ops.fp8_quant import FP8_DTYPE, quantize_activation_per_token_group
+from fastdeploy.ops.layer_ops import silu_and_mul
+from fastdeploy.ops.triton_env import triton_interpreting
+from fastdeploy.ops.triton_pdl import pdl_kwargs, pdl_prologue, pdl_trigger
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+"""Activation dtypes the kernels take (weights in the same dtype, or FP8)."""
+
+
+@dataclass(frozen=True)
+class MoEKernelConfig:
+    """Triton meta-parameters of one grouped GEMM launch.
+
+    ``block_m`` is also the padding unit of each expert's rows; ``group_m`` row blocks share a
+    column block before the next one starts (L2 reuse of weight tiles).
+    """
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# (most tokens, config). Decode sizes (few rows per expert): 16-row tiles, many column blocks so
+# that the touched experts' weights stream through enough programs; prefill sizes: bigger tiles
+# for tensor-core throughput. Starting points in line with published H100/H200 tunings of these
+# shapes; docs/benchmarks.md has what was measured.
+BF16_CONFIGS: tuple[tuple[int, MoEKernelConfig], ...] = (
+    (32, MoEKernelConfig(16, 64, 128, 1, 4, 4)),
+    (128, MoEKernelConfig(16, 128, 128, 1, 4, 3)),
+    (512, MoEKernelConfig(64, 128, 64, 8, 4, 3)),
+    (1 << 62, MoEKernelConfig(128, 256, 64, 16, 8, 4)),
+)
+FP8_CONFIGS: tuple[tuple[int, MoEKernelConfig], ...] = (
+    (128, MoEKernelConfig(16, 128, 128, 1, 4, 4)),
+    (1 << 62, MoEKernelConfig(64, 128, 128, 16, 4, 4)),
+)
+INTERPRETER_CONFIG = MoEKernelConfig(16, 64, 64, 1, 4, 1)
+"""The configuration under ``TRITON_INTERPRET=1`` (CPU tests): small tiles, quick."""
+
+
+def default_config(num_tokens: int, fp8: bool) -> MoEKernelConfig:
+    """The table's configuration for a batch of ``num_tokens`` tokens (the interpreter's under
+    ``TRITON_INTERPRET=1``)."""
+    if triton_interpreting():
+        return INTERPRETER_CONFIG
+    for most, config in FP8_CONFIGS if fp8 else BF16_CONFIGS:
+        if num_tokens <= most:
+            return config
+    raise AssertionError("unreachable: the last row takes every size")
+
+
+def align_block_size(
+    topk_ids: torch.Tensor, block_m: int, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sort the ``P = T*k`` (token, slot) pairs of ``topk_ids [T, k]`` by expert, each expert's run
+    padded to a multiple of ``block_m``.
+
+    Returns ``(sorted_ids [L] int32, expert_ids [L / block_m] int32, num_padded [1] int32)``:
+    ``sorted_ids`` holds pair indices ``token * k + slot`` (stable order within an expert), the
+    value ``P`` marking padding; block ``b`` belongs to expert ``expert_ids[b]``; ``num_padded``
+    is the padded length actually used. ``L`` depends on shapes only (an upper bound), so no
+    step waits for the device (CUDA-graph safe).
+    """
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    pairs = flat.numel()
+    device = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.index_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    count_start = torch.cumsum(counts, 0) - counts
+    order = torch.argsort(flat, stable=True)
+    expert_of = flat[order]
+    rank = torch.arange(pairs, device=device) - count_start[expert_of]
+    dest = padded_end[expert_of] - padded[expert_of] + rank
+    # at most every pair's expert padded, and never more than one block per pair
+    length = min(pairs + num_experts * (block_m - 1), pairs * block_m)
+    length = triton.cdiv(length, block_m) * block_m
+    sorted_ids = torch.full((length,), pairs, dtype=torch.int32, device=device)
+    sorted_ids[dest] = order.to(torch.int32)
+    block_start = torch.arange(0, length, block_m, device=device)
+    expert_ids = torch.searchsorted(padded_end, block_start, right=True).clamp_(max=num_experts - 1)
+    return sorted_ids, expert_ids.to(torch.int32), padded_end[-1:].to(torch.int32)
+
+
+@triton.jit(do_not_specialize=["num_valid"])
+def _moe_gemm_kernel(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    a_scale_ptr,
+    b_scale_ptr,
+    weights_ptr,
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    num_padded_ptr,
+    N,
+    K,
+    EM,
+    num_valid,
+    stride_am,
+    stride_be,
+    stride_bn,
+    stride_cm,
+    stride_asm,
+    stride_bse,
+    stride_bsn,
+    A_DIV: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
+    FP8: tl.constexpr,
+    GROUP_N: tl.constexpr,
+    GROUP_K: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """``c[pair, n] = (w[pair]) * sum_k a[pair // A_DIV, k] * b[expert, n, k]`` for the pairs of one
+    ``BLOCK_M`` block of ``sorted_ids`` (one expert) and ``BLOCK_N`` columns."""
+    pdl_prologue(USE_PDL)
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(EM, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    # grouped launch order: GROUP_M row blocks sweep a column block before the next one
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ids_ptr + offs_m)
+    pair_mask = pair < num_valid
+    row = (pair // A_DIV).to(tl.int64)
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    # clamped columns: the weight loads need no N mask (the tail's duplicates are not stored)
+    cols = tl.minimum(offs_n, N - 1).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + row[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + expert * stride_be + cols[None, :] * stride_bn + offs_k[:, None]
+    if FP8:
+        a_scale_ptrs = a_scale_ptr + row * stride_asm
+        b_scale_ptrs = b_scale_ptr + expert * stride_bse + (cols // GROUP_N) * stride_bsn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=pair_mask[:, None], other=0.0)
+            b = tl.load(b_ptrs)
+        else:
+            k_mask = (k0 + offs_k) < K
+            a = tl.load(a_ptrs, mask=pair_mask[:, None] & k_mask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
+        if DOT_FP32:
+            part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        else:
+            part = tl.dot(a, b)
+        if FP8:
+            a_s = tl.load(a_scale_ptrs + k0 // GROUP_K, mask=pair_mask, other=0.0)
+            b_s = tl.load(b_scale_ptrs + k0 // GROUP_K)
+            acc += part * a_s[:, None] * b_s[None, :]
+        else:
+            acc += part
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    pdl_trigger(USE_PDL)
+    if MUL_WEIGHT:
+        w = tl.load(weights_ptr + pair, mask=pair_mask, other=0.0).to(tl.float32)
+        acc = acc * w[:, None]
+    c_ptrs = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=pair_mask[:, None] & n_mask[None, :])
+
+
+def _launch(
+    a: torch.Tensor,
+    a_scale: torch.Tensor | None,
+    w: torch.Tensor,
+    w_scale: torch.Tensor | None,
+    out: torch.Tensor,
+    routing: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    topk_weights: torch.Tensor | None,
+    a_div: int,
+    block_shape: tuple[int, int],
+    config: MoEKernelConfig,
+) -> None:
+    """One grouped GEMM: ``out [P, N] = a[pair // a_div] @ w[expert].T`` (times ``topk_weights``)."""
+    sorted_ids, expert_ids, num_padded = routing
+    n, k = w.shape[1], w.shape[2]
+    fp8 = w.dtype == FP8_DTYPE
+    interpreting = triton_interpreting()
+    dot_fp32 = a.dtype == torch.float32 or interpreting  # the interpreter's low-precision dot is wrong
+    grid = (triton.cdiv(sorted_ids.numel(), config.block_m) * triton.cdiv(n, config.block_n),)
+    _moe_gemm_kernel[grid](
+        a,
+        w,
+        out,
+        a_scale if fp8 else a,
+        w_scale if fp8 else w,
+        topk_weights if topk_weights is not None else a,
+        sorted_ids,
+        expert_ids,
+        num_padded,
+        n,
+        k,
+        sorted_ids.numel(),
+        out.shape[0],
+        a.stride(0),
+        w.stride(0),
+        w.stride(1),
+        out.stride(0),
+        a_scale.stride(0) if fp8 else 0,
+        w_scale.stride(0) if fp8 else 0,
+        w_scale.stride(1) if fp8 else 0,
+        A_DIV=a_div,
+        MUL_WEIGHT=topk_weights is not None,
+        FP8=fp8,
+        GROUP_N=block_shape[0],
+        GROUP_K=block_shape[1],
+        DOT_FP32=dot_fp32,
+        EVEN_K=k % config.block_k == 0,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        GROUP_M=config.group_m,
+        num_warps=config.num_warps,
+        num_stages=1 if interpreting else config.num_stages,
+        **pdl_kwargs(out),
+    )
+
+
+def _check(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_scale: torch.Tensor | None,
+    w2_scale: torch.Tensor | None,
+    block_shape: tuple[int, int],
+    config: MoEKernelConfig,
+) -> None:
+    if hidden.dim() != 2 or hidden.dtype not in DTYPES:
+        raise ValueError(f"hidden must be 2-D in one of {DTYPES}, got {tuple(hidden.shape)} {hidden.dtype}")
+    e, two_i, h = w13.shape
+    if w2.shape != (e, h, two_i // 2) or two_i % 2 or hidden.shape[1] != h:
+        raise ValueError(
+            f"expected hidden [T, H], w13 [E, 2I, H], w2 [E, H, I]; got {tuple(hidden.shape)}, "
+            f"{tuple(w13.shape)}, {tuple(w2.shape)}"
+        )
+    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != hidden.shape[0]:
+        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights must both be [T, k]")
+    fp8 = w13.dtype == FP8_DTYPE
+    if fp8:
+        if w2.dtype != FP8_DTYPE or w13_scale is None or w2_scale is None:
+            raise ValueError("FP8 experts need both weights in float8_e4m3fn and both block scales")
+        bn, bk = block_shape
+        for name, w, s in (("w13", w13, w13_scale), ("w2", w2, w2_scale)):
+            want = (e, triton.cdiv(w.shape[1], bn), triton.cdiv(w.shape[2], bk))
+            if s.shape != want or s.dtype != torch.float32:
+                raise ValueError(f"{name}_scale must be float32 {want}, got {s.dtype} {tuple(s.shape)}")
+        if bk % config.block_k:
+            raise ValueError(f"block_k ({config.block_k}) must divide the scale block's columns ({bk})")
+    elif w13.dtype != hidden.dtype or w2.dtype != hidden.dtype:
+        raise ValueError(
+            f"weights ({w13.dtype}, {w2.dtype}) must be FP8 or share hidden's dtype {hidden.dtype}"
+        )
+    for name, t in (("w13", w13), ("w2", w2), ("hidden", hidden)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have unit stride in its last dimension, got {t.stride()}")
+
+
+def fused_experts(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    block_shape: tuple[int, int] = (128, 128),
+    config: MoEKernelConfig | None = None,
+) -> torch.Tensor:
+    """``sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` with ``e = topk_ids[t, j]``.
+
+    ``hidden [T, H]``; ``w13 [E, 2I, H]`` (each expert's ``[gate | up]``) and ``w2 [E, H, I]`` in
+    ``hidden.dtype``, or both in ``float8_e4m3fn`` with ``w13_scale [E, ceil(2I/bn), ceil(H/bk)]``
+    and ``w2_scale [E, ceil(H/bn), ceil(I/bk)]`` float32 block scales (``block_shape = (bn, bk)``),
+    in which case the activations are quantized per token and ``bk`` columns. Returns ``[T, H]``
+    in ``hidden.dtype``; float32 accumulation, intermediates rounded to ``hidden.dtype`` as the
+    unfused torch path rounds them. ``config`` overrides the table's meta-parameters.
+    """
+    config = config or default_config(hidden.shape[0], w13.dtype == FP8_DTYPE)
+    _check(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block_shape, config)
+    num_tokens, top_k = topk_ids.shape
+    if num_tokens == 0:
+        return hidden.new_zeros(hidden.shape)
+    fp8 = w13.dtype == FP8_DTYPE
+    routing = align_block_size(topk_ids, config.block_m, w13.shape[0])
+    pairs = num_tokens * top_k
+    a, a_scale = quantize_activation_per_token_group(hidden, block_shape[1]) if fp8 else (hidden, None)
+    gate_up = torch.empty((pairs, w13.shape[1]), dtype=hidden.dtype, device=hidden.device)
+    _launch(a, a_scale, w13, w13_scale, gate_up, routing, None, top_k, block_shape, config)
+    act = silu_and_mul(gate_up)
+    a, a_scale = quantize_activation_per_token_group(act, block_shape[1]) if fp8 else (act, None)
+    out = torch.empty((pairs, w2.shape[1]), dtype=hidden.dtype, device=hidden.device)
+    weights = topk_weights.reshape(-1).contiguous()
+    _launch(a, a_scale, w2, w2_scale, out, routing, weights, 1, block_shape, config)
+    return out.view(num_tokens, top_k, -1).sum(dim=1)

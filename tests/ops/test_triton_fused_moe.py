@@ -1,0 +1,203 @@
+"""The Triton fused-MoE kernels (bf16 / float32 and FP8 w8a8) against float64 torch references on
+random inputs: 8 experts, top-2, token counts 1 and ones not divisible by the block.
+
+Tolerances (norm-relative over the whole output; a wrong expert, row, scale or weight is O(1)):
+
+* float32: 1e-5, accumulation order only.
+* bf16: 2e-2. The output and both intermediates (gate_up, silu * up) are rounded to bf16's 8-bit
+  mantissa (2^-9 relative each) as the unfused path rounds them, and the interpreter truncates
+  instead of rounding (about twice the error, biased).
+* FP8 against the same math on the kernel's own quantization (weights dequantized, activations
+  quantized per 1 x 128 group as :mod:`fastdeploy.ops.fp8_quant` does), float32 activations:
+  1e-5, accumulation order only (with bf16 activations the interpreter's truncated bf16
+  intermediates flip some e4m3 roundings, so that comparison is made in float32).
+* FP8 against the unquantized float64 reference: 0.12. e4m3 keeps 3 mantissa bits: an element is
+  off by at most 2^-4 relative, by 2^-4 / sqrt(3) * E[1/mantissa] ~ 0.026 RMS; the five quantized
+  operands (x, gate and up rows of w13, silu * up, w2) add in quadrature over the dot products,
+  ~0.06; measured 0.05-0.07. 0.12 is twice the estimate (a wrong block scale is O(1)).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+moe = pytest.importorskip("fastdeploy.ops.triton_fused_moe")
+
+from fastdeploy.ops import fp8_quant as fq  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+needs_backend = pytest.mark.skipif(
+    not CUDA and os.environ.get("TRITON_INTERPRET") != "1", reason="no GPU and the Triton interpreter is off"
+)
+EXPERTS, TOP_K = 8, 2
+
+
+def _rand(*shape, seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=torch.float64) * scale
+
+
+def _problem(tokens, hidden, inter, dtype, seed=0, experts=EXPERTS):
+    """Random hidden states, experts and routing (softmax top-k weights, renormalised)."""
+    x = _rand(tokens, hidden, seed=seed).to(dtype)
+    w13 = _rand(experts, 2 * inter, hidden, seed=seed + 1, scale=hidden**-0.5).to(dtype)
+    w2 = _rand(experts, hidden, inter, seed=seed + 2, scale=inter**-0.5).to(dtype)
+    logits = _rand(tokens, experts, seed=seed + 3)
+    weights, ids = torch.topk(torch.softmax(logits, -1), TOP_K, dim=-1)
+    weights = (weights / weights.sum(-1, keepdim=True)).to(dtype)
+    return x, w13, w2, weights, ids
+
+
+def _reference(x, w13, w2, weights, ids, act_quant=None):
+    """float64 ``sum_j w_j * down(silu(gate) * up)``. With ``act_quant`` (the FP8 path's
+    per-group activation quantization) the GEMM inputs are quantized and the intermediates
+    rounded to ``x.dtype`` first, as the kernel path rounds them (else fp8 roundings flip)."""
+    dtype = x.dtype
+
+    def prepare(t):
+        return act_quant(t.to(dtype)) if act_quant else t
+
+    x, w13, w2, weights = x.double(), w13.double(), w2.double(), weights.double()
+    out = torch.zeros_like(x)
+    inter = w2.shape[2]
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gate_up = prepare(x[t : t + 1]) @ w13[e].T
+            if act_quant:
+                gate_up = gate_up.to(dtype).double()
+            gate, up = gate_up[:, :inter], gate_up[:, inter:]
+            act = F.silu(gate) * up if not act_quant else (F.silu(gate).to(dtype).double() * up)
+            out[t] += weights[t, j] * (prepare(act) @ w2[e].T)[0]
+    return out
+
+
+def _rel_err(out, ref):
+    assert not out.isnan().any() and torch.isfinite(out).all()
+    return ((out.cpu().double() - ref).norm() / ref.norm()).item()
+
+
+def _on(device, *tensors):
+    return [t.to(device) for t in tensors]
+
+
+@needs_backend
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("tokens", [1, 5, 33])
+def test_matches_float64_reference(tokens, dtype, tol):
+    x, w13, w2, weights, ids = _problem(tokens, 64, 96, dtype, seed=tokens)
+    out = moe.fused_experts(*_on(DEVICE, x, w13, w2, weights, ids))
+    assert out.shape == x.shape and out.dtype == dtype
+    assert _rel_err(out, _reference(x, w13, w2, weights, ids)) < tol
+
+
+@needs_backend
+def test_matches_fused_moe_torch_path():
+    """Same weights through FusedMoE.compute_experts_torch (the CPU path) and the kernel, float32."""
+    from fastdeploy.model_executor.layers.fused_moe import FusedMoE
+
+    x, w13, w2, weights, ids = _problem(19, 128, 64, torch.float32, seed=7)
+    layer = FusedMoE(EXPERTS, TOP_K, 128, 64, renormalize=True)
+    layer.gate_up_proj.data.copy_(w13)
+    layer.down_proj.data.copy_(w2)
+    ref = layer.compute_experts_torch(x, weights, ids)
+    out = moe.fused_experts(*_on(DEVICE, x, w13, w2, weights, ids))
+    torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5)
+
+
+def _fp8_problem(tokens, hidden, inter, seed):
+    x, w13, w2, weights, ids = _problem(tokens, hidden, inter, torch.bfloat16, seed=seed)
+    q13, s13 = fq.quantize_weight_block(w13.float())
+    q2, s2 = fq.quantize_weight_block(w2.float())
+    return (x, w13, w2, weights, ids), (q13, s13, q2, s2)
+
+
+def _group_quant(t):
+    q, s = fq.quantize_activation_per_token_group(t.float(), 128)
+    return fq.dequantize_activation_per_token_group(q, s, 128).double()
+
+
+@needs_backend
+@pytest.mark.parametrize("tokens", [1, 6, 21])
+@pytest.mark.parametrize("hidden,inter", [(128, 128), (192, 96)])
+def test_fp8_matches_references(tokens, hidden, inter):
+    """FP8 w8a8 with 128 x 128 weight blocks (partial edge blocks when a size is not a multiple)."""
+    (x, w13, w2, weights, ids), (q13, s13, q2, s2) = _fp8_problem(tokens, hidden, inter, seed=tokens)
+    out = moe.fused_experts(*_on(DEVICE, x, q13, q2, weights, ids, s13, s2))
+    assert out.shape == x.shape and out.dtype == torch.bfloat16
+    assert _rel_err(out, _reference(x, w13, w2, weights, ids)) < 0.12
+    # float32 activations: exactly the emulated quantization, up to accumulation order
+    xf, wf = x.float(), weights.float()
+    out = moe.fused_experts(*_on(DEVICE, xf, q13, q2, wf, ids, s13, s2))
+    deq13, deq2 = fq.dequantize_weight_block(q13, s13), fq.dequantize_weight_block(q2, s2)
+    emulated = _reference(xf, deq13, deq2, wf, ids, act_quant=_group_quant)
+    assert _rel_err(out, emulated) < 1e-5
+
+
+@needs_backend
+def test_fp8_extreme_scales_stay_finite():
+    """Weights of 1e-6 and 1e4 magnitude and a token of zeros: finite output, right relative size."""
+    (x, w13, w2, weights, ids), _ = _fp8_problem(4, 128, 128, seed=3)
+    x[1] = 0
+    w13[:4] *= 1e-6
+    w2[4:] *= 1e4
+    q13, s13 = fq.quantize_weight_block(w13.float())
+    q2, s2 = fq.quantize_weight_block(w2.float())
+    out = moe.fused_experts(*_on(DEVICE, x, q13, q2, weights, ids, s13, s2))
+    assert torch.isfinite(out.float()).all() and (out[1] == 0).all()
+    assert _rel_err(out, _reference(x, w13, w2, weights, ids)) < 0.12
+
+
+@needs_backend
+def test_config_override_and_non_even_k():
+    """A caller's configuration (block_k not dividing K) gives the same result."""
+    x, w13, w2, weights, ids = _problem(9, 80, 48, torch.float32, seed=11)
+    ref = _reference(x, w13, w2, weights, ids)
+    config = moe.MoEKernelConfig(block_m=16, block_n=32, block_k=32, group_m=2)
+    out = moe.fused_experts(*_on(DEVICE, x, w13, w2, weights, ids), config=config)
+    assert _rel_err(out, ref) < 1e-5
+
+
+def test_align_block_size():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, EXPERTS, (13, TOP_K), generator=g)
+    ids[0] = torch.tensor([5, 3])
+    block = 4
+    sorted_ids, expert_ids, num_padded = moe.align_block_size(ids, block, EXPERTS)
+    pairs = ids.numel()
+    counts = torch.bincount(ids.reshape(-1), minlength=EXPERTS)
+    padded = (counts + block - 1) // block * block
+    assert int(num_padded) == int(padded.sum())
+    assert sorted_ids.numel() % block == 0 and sorted_ids.numel() >= int(num_padded)
+    used = sorted_ids[: int(num_padded)]
+    valid = used[used < pairs]
+    assert sorted(valid.tolist()) == list(range(pairs))  # every pair exactly once
+    assert (sorted_ids[int(num_padded) :] == pairs).all()
+    for b in range(int(num_padded) // block):
+        members = sorted_ids[b * block : (b + 1) * block]
+        members = members[members < pairs]
+        assert (ids.reshape(-1)[members.long()] == expert_ids[b]).all()
+        assert members.tolist() == sorted(members.tolist())  # stable within an expert
+
+
+def test_default_config_table(monkeypatch):
+    monkeypatch.setattr(moe, "triton_interpreting", lambda: False)
+    small, large = moe.default_config(1, fp8=False), moe.default_config(8192, fp8=False)
+    assert small.block_m == 16 and large.block_m >= 64
+    for tokens in (1, 64, 100000):
+        assert 128 % moe.default_config(tokens, fp8=True).block_k == 0
+
+
+def test_rejects_bad_inputs():
+    x, w13, w2, weights, ids = _problem(3, 64, 32, torch.float32)
+    with pytest.raises(ValueError, match="w13 \\[E, 2I, H\\]"):
+        moe.fused_experts(x, w13, w2[:, :, :16], weights, ids)
+    with pytest.raises(ValueError, match="block scales"):
+        moe.fused_experts(x, w13.to(fq.FP8_DTYPE), w2.to(fq.FP8_DTYPE), weights, ids)
+    with pytest.raises(ValueError, match="share hidden's dtype"):
+        moe.fused_experts(x, w13.bfloat16(), w2.bfloat16(), weights, ids)
