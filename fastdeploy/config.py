@@ -188,6 +188,10 @@ class ServerConfig:
     reasoning_parser: str | None = None
     """Split the model's reasoning (between think tags) out of chat answers into reasoning_content:
     qwen3 or deepseek_r1 (docs/api.md); unset: the answer is all content."""
+    tool_call_parser: str | None = None
+    """How tool calls are read out of chat answers: hermes, llama3_json or mistral (docs/api.md);
+    unset: chosen from the chat template (<tool_call> hermes, [TOOL_CALLS] mistral, <|python_tag|>
+    llama3_json, otherwise hermes)."""
 
 
 @dataclass

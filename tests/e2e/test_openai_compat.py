@@ -144,13 +144,6 @@ def test_openai_request_fields_are_accepted(server, client, model_name):
     wait_for_log(server, "The request field 'store' is accepted but ignored")
 
 
-def test_tools_are_still_refused_as_not_supported_yet(client, model_name):
-    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=model_name, messages=CHAT, tools=[tool], max_tokens=2)
-    assert "not supported" in info.value.message
-
-
 # ---- extensions ---------------------------------------------------------------------------------
 
 

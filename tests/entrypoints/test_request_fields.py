@@ -100,7 +100,6 @@ def test_every_field_of_openais_request_schemas_is_declared():
 
 
 IGNORED_CHAT_FIELDS = {
-    "parallel_tool_calls": True,
     "metadata": {"team": "a"},
     "store": True,
     "service_tier": "flex",
@@ -151,8 +150,6 @@ def test_ignored_fields_keep_their_types():
 @pytest.mark.parametrize(
     "fields",
     [
-        {"tools": [{"type": "function", "function": {"name": "f"}}]},
-        {"tool_choice": "required"},
         {"response_format": {"type": "json_object"}},
         {"functions": [{"name": "f"}]},
     ],

@@ -68,6 +68,20 @@ def check_reasoning_parser(args: argparse.Namespace) -> str | None:
     return f"argument --reasoning-parser: unknown parser {name!r}; available: {', '.join(sorted(REASONING_PARSERS))}"
 
 
+def check_tool_call_parser(args: argparse.Namespace) -> str | None:
+    """Why ``--tool-call-parser`` names no known parser, or None."""
+    name = getattr(args, "tool_call_parser", None)
+    if not name:
+        return None
+    from fastdeploy.entrypoints.openai.tool_parsers import TOOL_PARSERS
+
+    if name in TOOL_PARSERS:
+        return None
+    return (
+        f"argument --tool-call-parser: unknown parser {name!r}; available: {', '.join(sorted(TOOL_PARSERS))}"
+    )
+
+
 def check_layout(args: argparse.Namespace) -> str | None:
     """Why the parallel layout cannot run this model here (heads that do not split, too few GPUs), or None."""
     parallel = (getattr(args, "tensor_parallel_size", 1), getattr(args, "data_parallel_size", 1))
@@ -98,7 +112,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
         if parser is None:
             raise
         parser.error(str(exc))
-    problem = check_model_path(args) or check_reasoning_parser(args) or check_layout(args)
+    problem = (
+        check_model_path(args)
+        or check_reasoning_parser(args)
+        or check_tool_call_parser(args)
+        or check_layout(args)
+    )
     if problem is not None:
         print(f"fastdeploy serve: error: {problem}", file=sys.stderr)
         return 2

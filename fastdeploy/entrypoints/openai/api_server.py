@@ -50,6 +50,7 @@ from fastdeploy.entrypoints.openai.serving_completion import OpenAIServingComple
 from fastdeploy.entrypoints.openai.serving_engine import ClientDisconnectedError, to_openai_error
 from fastdeploy.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
 from fastdeploy.entrypoints.openai.tokenizer_lanes import TokenizerLanes
+from fastdeploy.entrypoints.openai.tool_parsers import get_tool_parser
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +145,7 @@ def build_app(
     """The FastAPI app serving ``engine_client`` under ``served_model_names`` (the first is the default).
 
     ``server`` sets the limits of each request, how unknown request fields are
-    treated (``strict_request_fields``), the reasoning parser of chat answers (an
+    treated (``strict_request_fields``), the reasoning and tool-call parsers of chat answers (an
     unknown name is a ``ValueError`` listing the known ones) and the API key: with a key set,
     every route needs ``Authorization: Bearer <key>`` except ``/health``,
     ``/metrics`` and ``/version`` (what load balancers and Prometheus poll).
@@ -177,8 +178,15 @@ def build_app(
         max_prompts_per_request=server.max_prompts_per_request,
     )
     reasoning_parser = get_reasoning_parser(server.reasoning_parser) if server.reasoning_parser else None
+    if server.tool_call_parser:
+        get_tool_parser(server.tool_call_parser)  # an unknown name fails here, with the list of names
     chat = OpenAIServingChat(
-        engine_client, served_model_names, tokenizers, shutdown_event, reasoning_parser=reasoning_parser
+        engine_client,
+        served_model_names,
+        tokenizers,
+        shutdown_event,
+        reasoning_parser=reasoning_parser,
+        tool_call_parser=server.tool_call_parser,
     )
     tokenization = OpenAIServingTokenization(engine_client, served_model_names, tokenizers, shutdown_event)
 

@@ -11,6 +11,11 @@ first chunk and ``prompt_logprobs`` in the first chunk after they arrive.
 With a reasoning parser (``--reasoning-parser``), the answer's reasoning goes to
 ``reasoning_content`` and ``reasoning`` (message and deltas alike) and the rest to
 ``content``; an answer cut inside its reasoning has ``content: null``.
+
+With tools, the content (after the reasoning split) goes through the request's tool-call
+parser (``tool_calling.py``): calls go to ``tool_calls`` (streamed as OpenAI's deltas: id,
+type and name first, then the arguments in pieces) and the finish reason of an answer that
+called tools and stopped is ``tool_calls``.
 """
 
 from __future__ import annotations
@@ -39,6 +44,12 @@ from fastdeploy.entrypoints.openai.protocol import (
     random_id,
     resolve_max_tokens,
 )
+from fastdeploy.entrypoints.openai.protocol.tools import (
+    DeltaFunctionCall,
+    DeltaToolCall,
+    FunctionCallOut,
+    ToolCallOut,
+)
 from fastdeploy.entrypoints.openai.reasoning import ReasoningParser, ReasoningStream
 from fastdeploy.entrypoints.openai.serving_engine import (
     SSE_DONE,
@@ -53,6 +64,8 @@ from fastdeploy.entrypoints.openai.serving_engine import (
 )
 from fastdeploy.entrypoints.openai.serving_mm import MultimodalChatInputs
 from fastdeploy.entrypoints.openai.tokenizer_lanes import TokenizerLanes
+from fastdeploy.entrypoints.openai.tool_calling import ToolCalling, ToolPlan
+from fastdeploy.entrypoints.openai.tool_parsers import ToolCallDelta, ToolCallStream
 
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 """Marks the end of the final message in the rendered text, for ``continue_final_message``."""
@@ -74,6 +87,8 @@ class ChatOptions:
     """Report ``prompt_token_ids`` and each choice's ``token_ids``."""
     reasoning: ReasoningParser | None = None
     """Splits each answer's reasoning from its content (None: all content)."""
+    tools: ToolPlan | None = None
+    """Reads tool calls out of each answer's content (None: no tools)."""
 
     @classmethod
     def of(cls, request: ChatCompletionRequest) -> ChatOptions:
@@ -90,7 +105,8 @@ class ChatOptions:
 class OpenAIServingChat(OpenAIServing):
     """Handler of the chat completions endpoint (text, and image / video feature parts).
 
-    ``reasoning_parser`` (the class ``--reasoning-parser`` names) splits reasoning out of answers.
+    ``reasoning_parser`` (the class ``--reasoning-parser`` names) splits reasoning out of answers;
+    ``tool_call_parser`` (``--tool-call-parser``; None: the chat template's default) reads tool calls.
     """
 
     def __init__(
@@ -100,9 +116,19 @@ class OpenAIServingChat(OpenAIServing):
         tokenizers: TokenizerLanes | None = None,
         shutdown_event: asyncio.Event | None = None,
         reasoning_parser: type[ReasoningParser] | None = None,
+        tool_call_parser: str | None = None,
     ):
         super().__init__(engine_client, served_model_names, tokenizers, shutdown_event)
         self.reasoning_parser = reasoning_parser
+        self.tool_call_parser = tool_call_parser
+        self._tool_calling: ToolCalling | None = None
+
+    @property
+    def tool_calling(self) -> ToolCalling:
+        """The tool-call set-up of this model (created on first use: it reads the chat template)."""
+        if self._tool_calling is None:
+            self._tool_calling = ToolCalling(self.tokenizer, self.tool_call_parser)
+        return self._tool_calling
 
     @property
     def mm_inputs(self) -> MultimodalChatInputs:
@@ -115,11 +141,17 @@ class OpenAIServingChat(OpenAIServing):
         """Validate, render, tokenize, run and answer one chat request."""
         model = self.resolve_model(request.model)
         params = request.to_sampling_params()
+        tools = self.tool_calling.plan(request)
+        params = tools.sampling_params(params)
         self.check_params(params)
         self.check_healthy()
 
         conversation, items = await self.mm_inputs.split(request.messages, self._run_tokenizer)
-        text = await self._render(request, conversation)
+        conversation = tools.conversation(conversation or request.template_messages())
+        template_kwargs = dict(request.chat_template_kwargs or {})
+        if tools.template_tools:
+            template_kwargs["tools"] = tools.template_tools
+        text = await self._render(request, conversation, template_kwargs)
         token_ids = await self.encode(text, add_special_tokens=False, param="messages")
         if not token_ids:
             raise BadRequestError("The chat template produced an empty prompt", param="messages")
@@ -138,8 +170,10 @@ class OpenAIServingChat(OpenAIServing):
 
         request_id = random_id("chatcmpl")
         options = ChatOptions.of(request)
-        if self.reasoning_parser is not None:
+        if self.reasoning_parser is not None and not tools.forced:
             options.reasoning = self.reasoning_parser(text, request.chat_template_kwargs)
+        if tools.parser is not None:
+            options.tools = tools
         if request.stream:
             return SSEResponse(self._stream(request_id, model, prompts, options))
         response = await run_until_disconnected(
@@ -147,9 +181,15 @@ class OpenAIServingChat(OpenAIServing):
         )
         return JSONResponse(response.model_dump())
 
-    async def _render(self, request: ChatCompletionRequest, conversation: list[dict[str, Any]] | None) -> str:
+    async def _render(
+        self,
+        request: ChatCompletionRequest,
+        conversation: list[dict[str, Any]],
+        template_kwargs: dict[str, Any],
+    ) -> str:
         """The prompt text: the chat template applied with ``add_generation_prompt``, or, with
         ``continue_final_message``, cut right after the final message's content.
+        ``template_kwargs`` are the template's extra variables (``chat_template_kwargs``, ``tools``).
 
         The cut works as ``transformers``' ``apply_chat_template(continue_final_message=True)``: a
         tag appended to the final message marks where its content ends in the rendered text.
@@ -159,9 +199,9 @@ class OpenAIServingChat(OpenAIServing):
                 request.messages,
                 add_generation_prompt=request.add_generation_prompt,
                 conversation=conversation,
-                template_kwargs=request.chat_template_kwargs,
+                template_kwargs=template_kwargs,
             )
-        conversation = [dict(m) for m in (conversation or request.template_messages())]
+        conversation = [dict(m) for m in conversation]
         final = conversation[-1]
         if not isinstance(final.get("content"), str):
             raise BadRequestError(
@@ -172,7 +212,7 @@ class OpenAIServingChat(OpenAIServing):
             request.messages,
             add_generation_prompt=False,
             conversation=conversation,
-            template_kwargs=request.chat_template_kwargs,
+            template_kwargs=template_kwargs,
         )
         tag = _CONTINUE_TAG.strip()
         if tag not in text:
@@ -186,7 +226,12 @@ class OpenAIServingChat(OpenAIServing):
         return text[:at].rstrip()  # the template trimmed the content's trailing space
 
     def _stream_choice(
-        self, c: CompletionOutput, num_top: int | None, options: ChatOptions, delta: DeltaMessage
+        self,
+        c: CompletionOutput,
+        num_top: int | None,
+        options: ChatOptions,
+        delta: DeltaMessage,
+        finish_reason: str | None,
     ) -> ChatCompletionStreamChoice:
         return ChatCompletionStreamChoice(
             index=c.index,
@@ -194,7 +239,7 @@ class OpenAIServingChat(OpenAIServing):
             logprobs=chat_logprobs(c.token_ids, c.logprobs, num_top)
             if c.logprobs and num_top is not None
             else None,
-            finish_reason=c.finish_reason,
+            finish_reason=finish_reason,
             stop_reason=c.stop_reason,
             token_ids=list(c.token_ids) if options.return_token_ids else None,
         )
@@ -208,7 +253,7 @@ class OpenAIServingChat(OpenAIServing):
         exclude = None if options.include_usage else {"usage"}
         pending_prompt_lps = None  # sent with the next chunk after they arrive
         pending_prompt_ids = list(prompts[0].token_ids) if options.return_token_ids else None
-        splits = [options.reasoning.stream() for _ in range(n)] if options.reasoning else None
+        splits = [_ChoiceSplit(options) for _ in range(n)]
 
         def chunk(choice: ChatCompletionStreamChoice) -> str:
             nonlocal pending_prompt_lps, pending_prompt_ids
@@ -241,10 +286,18 @@ class OpenAIServingChat(OpenAIServing):
                         )
                     for c in out.outputs:
                         has_ids = options.return_token_ids and bool(c.token_ids)
-                        delta = _delta(c, splits[c.index] if splits else None)
+                        split = splits[c.index]
+                        delta = split.delta(c)
                         has_text = delta.content is not None or delta.reasoning_content is not None
-                        if has_text or c.finish_reason is not None or c.logprobs or has_ids:
-                            yield chunk(self._stream_choice(c, num_top, options, delta))
+                        if (
+                            has_text
+                            or delta.tool_calls
+                            or c.finish_reason is not None
+                            or c.logprobs
+                            or has_ids
+                        ):
+                            finish_reason = split.finish_reason(c.finish_reason)
+                            yield chunk(self._stream_choice(c, num_top, options, delta, finish_reason))
             if options.include_usage:
                 usage_chunk = ChatCompletionStreamResponse(
                     id=request_id, model=model, choices=[], usage=tracker.usage()
@@ -281,12 +334,13 @@ class OpenAIServingChat(OpenAIServing):
                             finish[c.index], stop_reason[c.index] = c.finish_reason, c.stop_reason
         except Exception as exc:
             raise to_openai_error(exc) from exc
+        messages = [_message("".join(texts[k][1:]), options) for k in range(n)]
         choices = [
             ChatCompletionResponseChoice(
                 index=k,
-                message=_message("".join(texts[k][1:]), options),
+                message=messages[k],
                 logprobs=None if num_top is None else chat_logprobs(token_ids[k], logprobs[k], num_top),
-                finish_reason=finish[k] or "abort",
+                finish_reason=_finish_reason(finish[k] or "abort", bool(messages[k].tool_calls)),
                 stop_reason=stop_reason[k],
                 token_ids=token_ids[k] if options.return_token_ids else None,
             )
@@ -302,25 +356,80 @@ class OpenAIServingChat(OpenAIServing):
         )
 
 
-def _delta(c: CompletionOutput, split: ReasoningStream | None) -> DeltaMessage:
-    """The delta message of a streamed piece of one answer, its reasoning split out by ``split``
-    (the end of the answer releases whatever ``split`` held back)."""
-    if split is None:
-        return DeltaMessage(content=c.text) if c.text else DeltaMessage()
-    reasoning, content = split.feed(c.text)
-    if c.finish_reason is not None:
-        last_reasoning, last_content = split.finish()
-        reasoning, content = reasoning + last_reasoning, content + last_content
-    return DeltaMessage(
-        content=content or None, reasoning_content=reasoning or None, reasoning=reasoning or None
-    )
+def _finish_reason(reason: str | None, called: bool) -> str | None:
+    """``tool_calls`` for an answer that called tools and stopped by itself, else ``reason``."""
+    return "tool_calls" if called and reason == "stop" else reason
+
+
+class _ChoiceSplit:
+    """One streamed answer split into deltas: reasoning first (``--reasoning-parser``), then the
+    content through the tool-call parser (with tools)."""
+
+    def __init__(self, options: ChatOptions):
+        self.reasoning: ReasoningStream | None = options.reasoning.stream() if options.reasoning else None
+        parser = options.tools.parser if options.tools else None
+        self.tools: ToolCallStream | None = parser.stream() if parser else None
+        self.called = False
+
+    def delta(self, c: CompletionOutput) -> DeltaMessage:
+        """The delta message of a streamed piece of the answer (its end releases what was held back)."""
+        reasoning, content = ("", c.text) if self.reasoning is None else self.reasoning.feed(c.text)
+        if c.finish_reason is not None and self.reasoning is not None:
+            last_reasoning, last_content = self.reasoning.finish()
+            reasoning, content = reasoning + last_reasoning, content + last_content
+        calls: list[ToolCallDelta] = []
+        if self.tools is not None:
+            content, calls = self.tools.feed(content)
+            if c.finish_reason is not None:
+                last_content, last_calls = self.tools.finish()
+                content, calls = content + last_content, calls + last_calls
+        self.called = self.called or bool(calls)
+        return DeltaMessage(
+            content=content or None,
+            reasoning_content=reasoning or None,
+            reasoning=reasoning or None,
+            tool_calls=_delta_tool_calls(calls) or None,
+        )
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        return _finish_reason(reason, self.called)
+
+
+def _delta_tool_calls(calls: list[ToolCallDelta]) -> list[DeltaToolCall]:
+    """The parser's call pieces as OpenAI deltas, the argument pieces of one call that follow each
+    other joined into one."""
+    out: list[DeltaToolCall] = []
+    for d in calls:
+        if out and out[-1].index == d.index and d.id is None:
+            out[-1].function.arguments = (out[-1].function.arguments or "") + d.arguments
+            continue
+        out.append(
+            DeltaToolCall(
+                index=d.index,
+                id=d.id,
+                type="function" if d.id else None,
+                function=DeltaFunctionCall(name=d.name, arguments=d.arguments),
+            )
+        )
+    return out
 
 
 def _message(text: str, options: ChatOptions) -> ChatMessageOut:
-    """The assistant message of a whole answer: ``echo`` text first, reasoning split out."""
-    if options.reasoning is None:
+    """The assistant message of a whole answer: ``echo`` text first, reasoning split out, then the
+    tool calls read out of the content."""
+    if options.reasoning is None and options.tools is None:
         return ChatMessageOut(content=options.echo_text + text)
-    reasoning, content = options.reasoning.extract(text)
+    reasoning, content = (None, text) if options.reasoning is None else options.reasoning.extract(text)
+    tool_calls = None
+    if options.tools is not None and options.tools.parser is not None:
+        extracted = options.tools.parser.extract(content or "")
+        content = extracted.content
+        tool_calls = [
+            ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
+            for c in extracted.calls
+        ] or None
     if options.echo_text:
         content = options.echo_text + (content or "")
-    return ChatMessageOut(content=content, reasoning_content=reasoning, reasoning=reasoning)
+    return ChatMessageOut(
+        content=content, reasoning_content=reasoning, reasoning=reasoning, tool_calls=tool_calls
+    )

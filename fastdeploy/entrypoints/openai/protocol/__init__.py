@@ -3,7 +3,7 @@
 Requests are validated strictly (``"max_tokens": "10"`` is a 400, not silently
 coerced). Every field of OpenAI's request schemas is declared: the engine uses
 it, or ignores it with a logged warning where it cannot apply, or (for what is
-not implemented yet and cannot be ignored, such as ``tools``) accepts only its
+not implemented yet and cannot be ignored, such as ``functions``) accepts only its
 "off" value and answers a 400 that says so otherwise. A field outside the
 protocol and its supported extensions is dropped with a warning, as vLLM does,
 or refused with ``--strict-request-fields``.
@@ -14,6 +14,7 @@ The models live in modules by concern, all re-exported here:
 - :mod:`.sampling`: the fields shared by completions and chat, ``SamplingParams``, ``max_tokens``;
 - :mod:`.completion`: ``/v1/completions``;
 - :mod:`.chat`: ``/v1/chat/completions``, messages and their content parts;
+- :mod:`.tools`: tools, ``tool_choice``, tool calls in messages and answers, the forced-call schema;
 - :mod:`.tokenization`: ``/tokenize`` and ``/detokenize``;
 - :mod:`.models`: ``/v1/models``.
 """
@@ -69,8 +70,30 @@ from fastdeploy.entrypoints.openai.protocol.tokenization import (
     TokenizeResponse,
     parse_tokenize_request,
 )
+from fastdeploy.entrypoints.openai.protocol.tools import (
+    ChatCompletionTool,
+    DeltaFunctionCall,
+    DeltaToolCall,
+    FunctionCallOut,
+    FunctionDefinition,
+    ToolCallIn,
+    ToolCallOut,
+    ToolChoice,
+    forced_call_schema,
+    resolve_tool_choice,
+)
 
 __all__ = [
+    "resolve_tool_choice",
+    "forced_call_schema",
+    "ToolChoice",
+    "ToolCallOut",
+    "ToolCallIn",
+    "FunctionDefinition",
+    "FunctionCallOut",
+    "DeltaToolCall",
+    "DeltaFunctionCall",
+    "ChatCompletionTool",
     "MAX_N",
     "ChatCompletionLogProb",
     "ChatCompletionLogProbs",

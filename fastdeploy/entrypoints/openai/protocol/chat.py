@@ -4,6 +4,7 @@ the chat request and its (streamed) responses.
 
 from __future__ import annotations
 
+import json
 from typing import Any, ClassVar, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_serializer
@@ -19,6 +20,14 @@ from fastdeploy.entrypoints.openai.protocol.common import (
     _now,
 )
 from fastdeploy.entrypoints.openai.protocol.sampling import SamplingRequest
+from fastdeploy.entrypoints.openai.protocol.tools import (
+    ChatCompletionTool,
+    DeltaToolCall,
+    ToolCallIn,
+    ToolCallOut,
+    ToolChoice,
+    resolve_tool_choice,
+)
 from fastdeploy.multimodal.parts import is_feature_part
 
 # --------------------------------------------------------------------------- messages
@@ -36,12 +45,16 @@ class ChatMessage(OpenAIModel):
 
     Text parts are joined into a string. Parts carrying precomputed image / video
     features (``image_feature_url``, ``video_feature_url``, ``image_embeds``; see
-    docs/multimodal.md) keep the content a list of parts, in order.
+    docs/multimodal.md) keep the content a list of parts, in order. An assistant
+    message may carry the ``tool_calls`` it made (its content then may be null); a
+    ``tool`` message answers the call ``tool_call_id``.
     """
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -73,14 +86,41 @@ class ChatMessage(OpenAIModel):
 
     def to_template_dict(self) -> dict[str, Any]:
         """The message as chat templates expect it (``developer`` is shown as ``system``); ``content``
-        stays a list of parts when it carries image / video features."""
+        stays a list of parts when it carries image / video features.
+
+        As ``transformers`` templates expect: an assistant message with ``tool_calls`` keeps a null
+        content, and each call's ``arguments`` is given as the object its JSON text encodes.
+        """
         msg: dict[str, Any] = {
             "role": "system" if self.role == "developer" else self.role,
-            "content": self.content or "",
+            "content": None if self.content is None and self.tool_calls else (self.content or ""),
         }
         if self.name is not None:
             msg["name"] = self.name
+        if self.tool_calls:
+            msg["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {
+                        "name": call.function.name,
+                        "arguments": _arguments(call.function.arguments),
+                    },
+                }
+                for call in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
         return msg
+
+
+def _arguments(text: str) -> Any:
+    """A call's arguments as templates render them: the object its JSON encodes, else the text."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
 
 
 def _check_messages(value: list[ChatMessage]) -> list[ChatMessage]:
@@ -89,6 +129,14 @@ def _check_messages(value: list[ChatMessage]) -> list[ChatMessage]:
     for i, msg in enumerate(value):
         if msg.content is None and msg.role != "assistant":
             raise ValueError(f"message {i} ({msg.role}) has no content")
+        if msg.tool_calls is not None and msg.role != "assistant":
+            raise ValueError(f"message {i} ({msg.role}): only assistant messages have tool_calls")
+        if (msg.tool_call_id is None) == (msg.role == "tool"):
+            raise ValueError(
+                f"message {i}: a tool message needs a tool_call_id"
+                if msg.role == "tool"
+                else f"message {i} ({msg.role}): only tool messages have a tool_call_id"
+            )
     return value
 
 
@@ -112,13 +160,15 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: Any = None
+    tools: list[ChatCompletionTool] | None = None
     tool_choice: Any = None
+    """``"none"``, ``"auto"``, ``"required"`` or ``{"type": "function", "function": {"name": ...}}``."""
+    parallel_tool_calls: bool | None = None
+    """False: at most one call per answer (default: any number)."""
     functions: Any = None
     function_call: Any = None
     response_format: Any = None
     # accepted and ignored (IGNORED_FIELDS says why)
-    parallel_tool_calls: bool | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
@@ -148,7 +198,6 @@ class ChatCompletionRequest(SamplingRequest):
 
     IGNORED_FIELDS: ClassVar[dict[str, tuple[str, tuple[Any, ...]]]] = {
         **SamplingRequest.IGNORED_FIELDS,
-        "parallel_tool_calls": ("tool calling is not supported yet", (None,)),
         "metadata": (_NOT_STORED, (None,)),
         "store": (_NOT_STORED, (None, False)),
         "service_tier": ("this server has a single service tier", (None, "auto", "default")),
@@ -188,12 +237,17 @@ class ChatCompletionRequest(SamplingRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
+        self.tool_choice_mode()
         if self.continue_final_message and self.add_generation_prompt:
             raise BadRequestError(
                 "Cannot set both 'continue_final_message' and 'add_generation_prompt' to true "
                 "(set add_generation_prompt to false to continue the final message)",
                 param="continue_final_message",
             )
+
+    def tool_choice_mode(self) -> ToolChoice:
+        """What ``tools`` and ``tool_choice`` ask for (a 400 naming the field if they are wrong)."""
+        return resolve_tool_choice(self.tools, self.tool_choice)
 
     @property
     def echo_text(self) -> str:
@@ -232,12 +286,14 @@ class ChatCompletionLogProbs(ResponseModel):
 
 class ChatMessageOut(WithExtensions):
     """The assistant's answer; with ``--reasoning-parser``, its reasoning in ``reasoning_content`` and
-    ``reasoning`` (the newer name, the same text), left out when there is none."""
+    ``reasoning`` (the newer name, the same text), left out when there is none; the calls it makes in
+    ``tool_calls`` (left out when none)."""
 
-    OMIT_IF_NULL = ("reasoning_content", "reasoning")
+    OMIT_IF_NULL = ("tool_calls", "reasoning_content", "reasoning")
 
     role: Literal["assistant"] = "assistant"
     content: str | None
+    tool_calls: list[ToolCallOut] | None = None
     reasoning_content: str | None = None
     reasoning: str | None = None
 
@@ -276,11 +332,16 @@ class DeltaMessage(ResponseModel):
     """A piece of the reasoning (with ``--reasoning-parser``)."""
     reasoning: str | None = None
     """The same piece under its newer name."""
+    tool_calls: list[DeltaToolCall] | None = None
+    """Pieces of the calls the answer makes."""
 
     @model_serializer(mode="plain")
     def _drop_none(self) -> dict[str, Any]:
         fields = ("role", "content", "reasoning_content", "reasoning")
-        return {k: getattr(self, k) for k in fields if getattr(self, k) is not None}
+        out = {k: getattr(self, k) for k in fields if getattr(self, k) is not None}
+        if self.tool_calls:
+            out["tool_calls"] = [call.to_json() for call in self.tool_calls]
+        return out
 
 
 class ChatCompletionStreamChoice(WithExtensions):

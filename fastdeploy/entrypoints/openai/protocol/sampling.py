@@ -6,7 +6,7 @@ are translated to ``SamplingParams``; those it cannot apply (``user``, ``store``
 ``service_tier``, ...) are accepted and ignored with a warning logged once per
 field name (:attr:`SamplingRequest.IGNORED_FIELDS`). Fields whose meaning the
 engine does not implement yet and that cannot be ignored without changing the
-answer (``tools``, ``response_format``, ...) accept only their "off" value and
+answer (``functions``, ``response_format``, ...) accept only their "off" value and
 are a 400 that says so otherwise.
 """
 
@@ -38,8 +38,6 @@ class StreamOptions(OpenAIModel):
 # OpenAI fields the engine does not implement yet, with the values that mean "off".
 _UNSUPPORTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
     "response_format": (None, {"type": "text"}),

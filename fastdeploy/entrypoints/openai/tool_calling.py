@@ -1,0 +1,98 @@
+"""How one chat request uses tools: what goes into the prompt, the grammar of a forced call, and
+the parser that reads the answer.
+
+The chat handler asks :class:`ToolCalling` (one per server: the configured parser, or the one the
+chat template implies) for a :class:`ToolPlan` per request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from fastdeploy.core.sampling_params import SamplingParams, StructuredOutputsParams
+from fastdeploy.entrypoints.openai.errors import BadRequestError
+from fastdeploy.entrypoints.openai.protocol import ChatCompletionRequest, forced_call_schema
+from fastdeploy.entrypoints.openai.tool_parsers import (
+    NamedToolParser,
+    RequiredToolParser,
+    ToolParser,
+    default_tool_parser_name,
+    get_tool_parser,
+)
+from fastdeploy.entrypoints.openai.tool_template import hermes_conversation, renders_tools, template_text
+
+
+@dataclass
+class ToolPlan:
+    """The tool side of one chat request."""
+
+    parser: ToolParser | None
+    """Reads the calls out of each answer (None: ``tool_choice`` none, or no tools)."""
+    forced: bool = False
+    """The answer is a call generated under a grammar (no reasoning split before parsing it)."""
+    constraint: StructuredOutputsParams | None = None
+    """The grammar of a forced call."""
+    template_tools: list[dict[str, Any]] | None = None
+    """The tools as ``tools=`` of a template that renders them."""
+    prompt_tools: list[dict[str, Any]] | None = None
+    """The tools of a template that does not render them (the server writes them in)."""
+    native: bool = True
+    """The chat template renders tools and tool calls itself."""
+
+    def conversation(self, conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The template dicts to render: as they are for a template that renders tools, else the
+        hermes conversation (tools described, calls and results written as text)."""
+        if self.native:
+            return conversation
+        return hermes_conversation(conversation, self.prompt_tools)
+
+    def sampling_params(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with the forced call's grammar, and special tokens kept when the format's
+        markers are special tokens."""
+        changes: dict[str, Any] = {}
+        if self.constraint is not None:
+            if params.structured_outputs is not None:
+                raise BadRequestError(
+                    "a forced tool call (tool_choice 'required' or a named function) cannot be combined "
+                    "with another output constraint (response_format, structured_outputs, guided_*)",
+                    param="tool_choice",
+                )
+            changes["structured_outputs"] = self.constraint
+        if self.parser is not None and self.parser.needs_special_tokens:
+            changes["skip_special_tokens"] = False
+        return params.clone(**changes) if changes else params
+
+
+class ToolCalling:
+    """The server's tool-call set-up: the parser class (``--tool-call-parser``, else the template's
+    default) and whether the chat template renders tools."""
+
+    def __init__(self, tokenizer: Any, parser_name: str | None = None):
+        template = template_text(tokenizer)
+        self.parser_cls: type[ToolParser] = get_tool_parser(parser_name or default_tool_parser_name(template))
+        self.native = renders_tools(template)
+
+    def plan(self, request: ChatCompletionRequest) -> ToolPlan:
+        """What ``request``'s tools and ``tool_choice`` mean for its prompt, sampling and answer."""
+        choice = request.tool_choice_mode()
+        tools = [t.model_dump(exclude_none=True) for t in request.tools or []]
+        plan = ToolPlan(parser=None, native=self.native)
+        if tools:
+            if self.native:
+                plan.template_tools = tools
+            else:
+                plan.prompt_tools = tools
+        max_calls = 1 if request.parallel_tool_calls is False else None
+        if choice.mode == "auto":
+            plan.parser = self.parser_cls(max_calls=max_calls)
+        elif choice.forced:
+            schema = forced_call_schema(request.tools or [], choice, request.parallel_tool_calls is not False)
+            plan.forced = True
+            plan.constraint = StructuredOutputsParams(json=schema)
+            plan.parser = (
+                NamedToolParser(choice.function or "")
+                if choice.mode == "named"
+                else RequiredToolParser(max_calls=max_calls)
+            )
+        return plan
