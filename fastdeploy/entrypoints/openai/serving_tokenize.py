@@ -13,6 +13,7 @@ from fastdeploy.entrypoints.openai.protocol import (
     TokenizeResponse,
 )
 from fastdeploy.entrypoints.openai.serving_engine import OpenAIServing
+from fastdeploy.entrypoints.openai.tool_template import hermes_conversation, renders_tools, template_text
 
 
 class OpenAIServingTokenization(OpenAIServing):
@@ -22,8 +23,13 @@ class OpenAIServingTokenization(OpenAIServing):
         """Token ids of a prompt, or of chat messages rendered by the chat template."""
         self.resolve_model(request.model)
         if isinstance(request, TokenizeChatRequest):
+            conversation = [m.to_template_dict() for m in request.messages]
+            if not renders_tools(template_text(self.tokenizer)):  # tool calls and results as text
+                conversation = hermes_conversation(conversation, None)
             text = await self.render_chat(
-                request.messages, add_generation_prompt=request.add_generation_prompt
+                request.messages,
+                add_generation_prompt=request.add_generation_prompt,
+                conversation=conversation,
             )
         else:
             text = request.prompt
