@@ -9,9 +9,12 @@ Tensor parallelism splits every expert's intermediate dimension ``I``, like the 
 gate_up is column-parallel (rank r holds ``[gate_r | up_r]``), down is row-parallel, and the
 ranks' partial outputs are summed by ONE all-reduce of the combined (routing-weighted) output.
 
-The torch forward (:meth:`FusedMoE.compute_experts_torch`) sorts the (token, slot) pairs by
-expert and runs each expert's two matmuls on its contiguous group of tokens; a fused
-Triton/FP8 kernel will replace it through :meth:`FusedMoE.compute_experts`.
+On CUDA the experts run in the fused Triton kernel (:mod:`fastdeploy.ops.triton_fused_moe`:
+route-sorted grouped GEMMs, bf16/fp16 or FP8 w8a8); on a CPU, or with ``FD_DISABLE_CUSTOM_OPS=1``,
+the torch forward (:meth:`FusedMoE.compute_experts_torch`) sorts the (token, slot) pairs by
+expert and runs each expert's two matmuls on its contiguous group of tokens. With an FP8
+``quant_config`` the experts are block-scaled float8 (:mod:`.fused_moe_fp8`), quantized at load
+or read from an FP8 checkpoint.
 """
 
 from __future__ import annotations
@@ -19,10 +22,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fastdeploy import envs
 from fastdeploy.distributed import divide, tp_all_reduce, tp_rank, tp_size
+from fastdeploy.model_executor.layers.fused_moe_fp8 import Fp8MoEMethod, expert_matmul
 from fastdeploy.model_executor.layers.quantization.base import QuantizationConfig
 from fastdeploy.model_executor.layers.weight_loading import ShardId, copy_rows, set_weight_loader
-from fastdeploy.ops.layer_ops import silu_and_mul
+from fastdeploy.ops.fp8_quant import DEFAULT_BLOCK, FP8_DTYPE
+from fastdeploy.ops.layer_ops import silu_and_mul, triton_module
 
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 """Checkpoint names of an expert's three projections (``...experts.{e}.{name}.weight``)."""
@@ -71,6 +77,7 @@ class FusedMoE(nn.Module):
         renormalize: bool,
         quant_config: QuantizationConfig | None = None,
     ):
+        """``quant_config``: the model's quantization (an ``Fp8Config``: FP8 block-scaled experts) or None."""
         super().__init__()
         self.quant_config = quant_config
         """The model's quantization (e.g. FP8); the experts' quantized method is defined here."""
@@ -87,6 +94,20 @@ class FusedMoE(nn.Module):
         down_shapes = {f"{e}.down_proj": (hidden_size, intermediate_size) for e in range(num_experts)}
         set_weight_loader(self.gate_up_proj, self.load_expert_shard, gate_up_shapes)
         set_weight_loader(self.down_proj, self.load_expert_shard, down_shapes)
+        self.fp8 = Fp8MoEMethod.from_config(quant_config)
+        if self.fp8 is not None:
+            self.fp8.create_weights(self)
+
+    def process_weights_after_loading(self) -> None:
+        """Called by the model loader once every weight is loaded: FP8 quantization at load."""
+        if self.fp8 is not None:
+            self.fp8.process_weights_after_loading(self)
+
+    def expert_scales(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The FP8 block scales of ``gate_up_proj`` / ``down_proj``, or ``(None, None)`` (not FP8)."""
+        if self.gate_up_proj.dtype != FP8_DTYPE:
+            return None, None
+        return Fp8MoEMethod.scales(self)
 
     def load_expert_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
         """Copy this rank's slice of one expert's full checkpoint tensor (``shard_id`` =
@@ -125,20 +146,28 @@ class FusedMoE(nn.Module):
     def compute_experts(
         self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
-        """This rank's partial expert output for routed tokens (before the all-reduce).
-
-        Extension point: a fused kernel (Triton grouped GEMM, FP8 experts) goes here, taking
-        the same stacked ``gate_up_proj`` / ``down_proj`` shards and returning the same
-        ``[T, H]`` partial sum; today every device runs :meth:`compute_experts_torch`.
-        """
-        return self.compute_experts_torch(hidden, topk_weights, topk_ids)
+        """This rank's partial expert output for routed tokens (before the all-reduce): the fused
+        Triton kernel on CUDA, :meth:`compute_experts_torch` on a CPU or with
+        ``FD_DISABLE_CUSTOM_OPS=1``. Both take the stacked ``gate_up_proj`` / ``down_proj``
+        shards (and their FP8 scales) and return the ``[T, H]`` partial sum."""
+        kernels = None
+        if hidden.is_cuda and not envs.FD_DISABLE_CUSTOM_OPS:
+            kernels = triton_module("triton_fused_moe")
+        if kernels is None:
+            return self.compute_experts_torch(hidden, topk_weights, topk_ids)
+        w13_scale, w2_scale = self.expert_scales()
+        block = self.fp8.block if self.fp8 is not None else DEFAULT_BLOCK
+        return kernels.fused_experts(
+            hidden, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, w13_scale, w2_scale, block
+        )
 
     def compute_experts_torch(
         self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
         """Plain torch: the T*k (token, expert) pairs sorted by expert, each expert's tokens
         through ``down(silu(gate) * up)`` in one batch, scaled by their routing weights and
-        summed back into their tokens' rows."""
+        summed back into their tokens' rows. FP8 experts compute what the kernel computes
+        (activations quantized per 1 x ``bk`` group, both operands dequantized)."""
         num_tokens, top_k = topk_ids.shape
         flat_ids = topk_ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)
@@ -147,13 +176,17 @@ class FusedMoE(nn.Module):
         sorted_hidden = hidden.index_select(0, token_of)
         sorted_weights = topk_weights.reshape(-1).index_select(0, order).unsqueeze(1)
         expert_out = torch.empty_like(sorted_hidden)
+        w13_scale, w2_scale = self.expert_scales()
+        block = self.fp8.block if self.fp8 is not None else DEFAULT_BLOCK
         start = 0
         for expert, count in enumerate(counts):
             if count == 0:
                 continue
             rows = slice(start, start + count)
-            gate_up = torch.mm(sorted_hidden[rows], self.gate_up_proj[expert].t())
-            expert_out[rows] = torch.mm(silu_and_mul(gate_up), self.down_proj[expert].t())
+            s13 = None if w13_scale is None else w13_scale[expert]
+            s2 = None if w2_scale is None else w2_scale[expert]
+            gate_up = expert_matmul(sorted_hidden[rows], self.gate_up_proj[expert], s13, block)
+            expert_out[rows] = expert_matmul(silu_and_mul(gate_up), self.down_proj[expert], s2, block)
             start += count
         out = torch.zeros_like(hidden)
         out.index_add_(0, token_of, expert_out * sorted_weights)
