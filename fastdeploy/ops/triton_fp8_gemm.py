@@ -1,0 +1,192 @@
+"""Block-scaled FP8 (w8a8) GEMM in Triton: ``out [M, N] = dequant(a [M, K]) @ dequant(b [N, K])^T``.
+
+Operands are float8_e4m3fn with float32 dequantization scales: ``a_scale [M, ceil(K/gk)]`` (one
+per token and ``gk`` columns, dynamic) and ``b_scale [ceil(N/gn), ceil(K/gk)]`` (one per
+``gn × gk`` weight block: the ``weight_scale_inv`` of DeepSeek / Qwen3-FP8 checkpoints and of
+``--quantization fp8``). Each ``BLOCK_K`` step (``BLOCK_K`` divides ``gk``) multiplies the fp8
+tiles on the tensor cores into float32 and adds them times their row and column scales; the
+output is cast once. :func:`fp8_block_linear` quantizes the activation (1 × ``gk`` groups) and
+launches it; the configuration comes from a small table by M (:data:`CONFIGS`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from fastdeploy.ops.fp8_quant import FP8_DTYPE, quantize_activation_per_token_group
+from fastdeploy.ops.triton_env import triton_interpreting
+
+
+@dataclass(frozen=True)
+class Fp8GemmConfig:
+    """Triton meta-parameters of one launch; ``group_m`` row blocks share a column block (L2 reuse)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# (largest M, config). Decode sizes stream the weight: narrow column tiles so that enough programs
+# run (N / 64 of them); prefill sizes take bigger tiles for tensor-core throughput. Starting
+# points in line with published Hopper tunings of w8a8 block GEMMs; docs/benchmarks.md has the
+# measurements of benchmarks/gpubench/fp8_gemm_bench.py.
+CONFIGS: tuple[tuple[int, Fp8GemmConfig], ...] = (
+    (16, Fp8GemmConfig(16, 64, 128, 1, 4, 4)),
+    (64, Fp8GemmConfig(32, 64, 128, 8, 4, 4)),
+    (256, Fp8GemmConfig(64, 128, 128, 8, 4, 3)),
+    (1 << 62, Fp8GemmConfig(128, 128, 128, 8, 8, 3)),
+)
+INTERPRETER_CONFIG = Fp8GemmConfig(16, 32, 64, 1, 4, 1)
+"""The configuration under ``TRITON_INTERPRET=1`` (CPU tests): small tiles, quick."""
+
+
+def default_config(m: int) -> Fp8GemmConfig:
+    """The table's configuration for ``m`` rows (the interpreter's under ``TRITON_INTERPRET=1``)."""
+    if triton_interpreting():
+        return INTERPRETER_CONFIG
+    return next(config for most, config in CONFIGS if m <= most)
+
+
+@triton.jit
+def _fp8_block_gemm_kernel(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    a_scale_ptr,
+    b_scale_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_bn,
+    stride_cm,
+    stride_asm,
+    stride_bsn,
+    GROUP_N: tl.constexpr,
+    GROUP_K: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """One ``BLOCK_M × BLOCK_N`` tile of ``c = sum_k (a_k * a_scale) (b_k * b_scale)^T``."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask, n_mask = offs_m < M, offs_n < N
+    # clamped rows and columns: loads need no M/N mask (the duplicates are not stored)
+    rows = tl.minimum(offs_m, M - 1).to(tl.int64)
+    cols = tl.minimum(offs_n, N - 1).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + cols[None, :] * stride_bn + offs_k[:, None]
+    a_scale_ptrs = a_scale_ptr + rows * stride_asm
+    b_scale_ptrs = b_scale_ptr + (cols // GROUP_N) * stride_bsn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_mask = (k0 + offs_k) < K
+            a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
+        if DOT_FP32:
+            part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        else:
+            part = tl.dot(a, b)
+        a_s = tl.load(a_scale_ptrs + k0 // GROUP_K)
+        b_s = tl.load(b_scale_ptrs + k0 // GROUP_K)
+        acc += part * a_s[:, None] * b_s[None, :]
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def fp8_block_gemm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    block: tuple[int, int],
+    out_dtype: torch.dtype,
+    config: Fp8GemmConfig | None = None,
+) -> torch.Tensor:
+    """``[M, N]`` in ``out_dtype`` from fp8 ``a [M, K]`` / ``a_scale [M, ceil(K/gk)]`` and fp8
+    ``b [N, K]`` / ``b_scale [ceil(N/gn), ceil(K/gk)]``, ``block = (gn, gk)`` (see the module)."""
+    m, k = a.shape
+    n = b.shape[0]
+    gn, gk = block
+    if a.dtype != FP8_DTYPE or b.dtype != FP8_DTYPE or b.shape[1] != k:
+        raise ValueError(
+            f"need float8_e4m3fn a [M, K] and b [N, K], got {a.dtype} {tuple(a.shape)}, "
+            f"{b.dtype} {tuple(b.shape)}"
+        )
+    if a_scale.shape != (m, triton.cdiv(k, gk)) or b_scale.shape != (triton.cdiv(n, gn), triton.cdiv(k, gk)):
+        raise ValueError(
+            f"scales {tuple(a_scale.shape)} / {tuple(b_scale.shape)} do not fit {(m, n, k)} in blocks {block}"
+        )
+    if a.stride(1) != 1 or b.stride(1) != 1:
+        raise ValueError("a and b need unit stride along K")
+    config = config or default_config(m)
+    if gk % config.block_k:
+        config = Fp8GemmConfig(
+            config.block_m, config.block_n, gk, config.group_m, config.num_warps, config.num_stages
+        )  # one scale per K step: BLOCK_K must divide gk
+    out = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    if m == 0:
+        return out
+    interpreting = triton_interpreting()
+    grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
+    _fp8_block_gemm_kernel[grid](
+        a,
+        b,
+        out,
+        a_scale,
+        b_scale,
+        m,
+        n,
+        k,
+        a.stride(0),
+        b.stride(0),
+        out.stride(0),
+        a_scale.stride(0),
+        b_scale.stride(0),
+        GROUP_N=gn,
+        GROUP_K=gk,
+        DOT_FP32=interpreting,  # the interpreter's fp8 dot is not exact; float32 is
+        EVEN_K=k % config.block_k == 0,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        GROUP_M=config.group_m,
+        num_warps=config.num_warps,
+        num_stages=1 if interpreting else config.num_stages,
+    )
+    return out
+
+
+def fp8_block_linear(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int]
+) -> torch.Tensor:
+    """``x [M, K] @ dequant(weight)^T`` in ``x``'s dtype: ``x`` quantized per token and ``block[1]``
+    columns, then :func:`fp8_block_gemm`."""
+    xq, xs = quantize_activation_per_token_group(x, block[1])
+    return fp8_block_gemm(xq, xs, weight, weight_scale, block, x.dtype)
