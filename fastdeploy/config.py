@@ -141,6 +141,20 @@ class ParallelConfig:
     data_parallel_rank: int = 0
     """This engine's data-parallel rank (set by the server for each replica; its workers use the
     GPUs from rank x tensor_parallel_size on)."""
+    enable_expert_parallel: bool = False
+    """Mixture-of-experts models: split the experts (whole) over the workers instead of slicing each
+    one: rank r of tensor_parallel_size x data_parallel_size holds experts [r E/n, (r+1) E/n), and
+    tokens travel to their experts' ranks and back by all-to-all. With data parallelism the MoE
+    layers span the replicas, which then run every step together."""
+    data_parallel_init_method: str | None = None
+    """Where the engine cores of data-parallel replicas meet (tcp://host:port) when expert
+    parallelism spans them (set by the server; not a user setting)."""
+
+    @property
+    def expert_parallel_spans_replicas(self) -> bool:
+        """Whether the MoE layers' expert-parallel group spans data-parallel replicas, whose engine
+        cores then run every step together (an idle one runs a dummy forward)."""
+        return self.enable_expert_parallel and self.data_parallel_size > 1
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Process groups and collectives of the parallel layouts (tensor parallelism today).
+"""Process groups and collectives of the parallel layouts (tensor and expert parallelism).
 
 One worker process per rank; :func:`init_tensor_parallel` joins the ranks into
 a ``torch.distributed`` group (NCCL on GPUs, gloo on CPUs), and the parallel
@@ -7,12 +7,16 @@ one rank, so the same model code runs unchanged at every layout.
 """
 
 from fastdeploy.distributed.parallel_state import (
+    ExpertParallelInfo,
     TensorParallelInfo,
     destroy_tensor_parallel,
     divide,
+    ep_all_to_all,
+    ep_info,
     free_port_init_method,
     init_tensor_parallel,
     tp_all_gather,
+    tp_all_gather_rows,
     tp_all_reduce,
     tp_broadcast,
     tp_info,
@@ -21,12 +25,16 @@ from fastdeploy.distributed.parallel_state import (
 )
 
 __all__ = [
+    "ExpertParallelInfo",
     "TensorParallelInfo",
     "destroy_tensor_parallel",
     "divide",
+    "ep_all_to_all",
+    "ep_info",
     "free_port_init_method",
     "init_tensor_parallel",
     "tp_all_gather",
+    "tp_all_gather_rows",
     "tp_all_reduce",
     "tp_broadcast",
     "tp_info",

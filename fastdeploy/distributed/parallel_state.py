@@ -1,8 +1,14 @@
-"""This process's place in the tensor-parallel group, and the collectives the layers use.
+"""This process's place in the tensor- and expert-parallel groups, and the collectives the layers use.
 
 The state is per process (one worker process = one rank), set once by
 :func:`init_tensor_parallel` before the model is built; until then the process
 is rank 0 of 1 and every collective returns its input.
+
+Layouts: the ``torch.distributed`` world is the tensor-parallel group (TP alone, or
+TP + EP, where the expert-parallel group is the same ranks), or, when expert
+parallelism spans data-parallel replicas, all ``dp x tp`` workers of every engine
+core: world rank ``dp_rank * tp + tp_rank``, each replica's ranks a TP subgroup, the
+world the expert-parallel group.
 """
 
 from __future__ import annotations
@@ -22,7 +28,18 @@ class TensorParallelInfo:
     size: int = 1
 
 
+@dataclass(frozen=True)
+class ExpertParallelInfo:
+    """Rank and size of this process's expert-parallel group (size 1: every rank holds every expert)."""
+
+    rank: int = 0
+    size: int = 1
+
+
 _INFO = TensorParallelInfo()
+_EP_INFO = ExpertParallelInfo()
+_TP_GROUP: dist.ProcessGroup | None = None
+"""The tensor-parallel subgroup when the world is larger (expert parallelism over DP replicas); None: the world."""
 
 
 def tp_info() -> TensorParallelInfo:
@@ -36,6 +53,11 @@ def tp_rank() -> int:
 
 def tp_size() -> int:
     return _INFO.size
+
+
+def ep_info() -> ExpertParallelInfo:
+    """This process's expert-parallel rank and group size."""
+    return _EP_INFO
 
 
 def divide(numerator: int, denominator: int, what: str = "value") -> int:
@@ -52,33 +74,54 @@ def free_port_init_method(host: str = "127.0.0.1") -> str:
         return f"tcp://{host}:{sock.getsockname()[1]}"
 
 
-def init_tensor_parallel(size: int, rank: int, init_method: str, device: torch.device) -> None:
+def init_tensor_parallel(
+    size: int,
+    rank: int,
+    init_method: str,
+    device: torch.device,
+    *,
+    expert_parallel: bool = False,
+    dp_size: int = 1,
+    dp_rank: int = 0,
+) -> None:
     """Join the tensor-parallel group of ``size`` ranks as ``rank`` (NCCL on CUDA, gloo on CPU).
 
-    Size 1 sets the state without a process group.
+    ``expert_parallel``: the experts are split over the expert-parallel group: the TP ranks
+    (``dp_size`` 1), or all ``dp_size x size`` workers of every data-parallel replica, which
+    then meet at ``init_method`` in one world, each replica's ranks a TP subgroup. One rank
+    alone sets the state without a process group.
     """
-    global _INFO
+    global _INFO, _EP_INFO, _TP_GROUP
     if not 0 <= rank < size:
         raise ValueError(f"rank {rank} is outside a group of {size}")
-    if size > 1 and not dist.is_initialized():
+    spans_dp = expert_parallel and dp_size > 1
+    world, world_rank = (dp_size * size, dp_rank * size + rank) if spans_dp else (size, rank)
+    if world > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         kwargs = {"device_id": device} if device.type == "cuda" else {}
-        dist.init_process_group(backend, init_method=init_method, world_size=size, rank=rank, **kwargs)
+        dist.init_process_group(backend, init_method=init_method, world_size=world, rank=world_rank, **kwargs)
+    _TP_GROUP = None
+    if spans_dp and size > 1:  # every rank creates every replica's subgroup, in the same order
+        for replica in range(dp_size):
+            group = dist.new_group(list(range(replica * size, (replica + 1) * size)))
+            if replica == dp_rank:
+                _TP_GROUP = group
     _INFO = TensorParallelInfo(rank=rank, size=size)
+    _EP_INFO = ExpertParallelInfo(world_rank, world) if expert_parallel else ExpertParallelInfo()
 
 
 def destroy_tensor_parallel() -> None:
     """Leave the group (if any) and become rank 0 of 1 again."""
-    global _INFO
+    global _INFO, _EP_INFO, _TP_GROUP
     if dist.is_initialized():
         dist.destroy_process_group()
-    _INFO = TensorParallelInfo()
+    _INFO, _EP_INFO, _TP_GROUP = TensorParallelInfo(), ExpertParallelInfo(), None
 
 
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """The sum of ``x`` over the ranks, in place (``x`` itself at one rank)."""
     if _INFO.size > 1:
-        dist.all_reduce(x)
+        dist.all_reduce(x, group=_TP_GROUP)
     return x
 
 
@@ -88,12 +131,32 @@ def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         return x
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(_INFO.size)]
-    dist.all_gather(parts, x)
+    dist.all_gather(parts, x, group=_TP_GROUP)
     return torch.cat(parts, dim=dim)
+
+
+def tp_all_gather_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """Every TP rank's ``x`` (rank r's has ``rows[r]`` rows, possibly 0) concatenated in rank order."""
+    if _INFO.size == 1:
+        return x
+    width = max(rows)
+    padded = x.new_zeros((width, *x.shape[1:]))
+    padded[: x.shape[0]] = x
+    parts = [torch.empty_like(padded) for _ in range(_INFO.size)]
+    dist.all_gather(parts, padded, group=_TP_GROUP)
+    return torch.cat([part[:n] for part, n in zip(parts, rows)])
+
+
+def ep_all_to_all(x: torch.Tensor, send_rows: list[int], recv_rows: list[int]) -> torch.Tensor:
+    """Send ``x``'s first ``send_rows[0]`` rows to EP rank 0, the next ``send_rows[1]`` to rank 1, ...;
+    returns the rows received, ``recv_rows[r]`` from rank r, in rank order (``all_to_all_single``)."""
+    out = x.new_empty((sum(recv_rows), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv_rows, input_split_sizes=send_rows)
+    return out
 
 
 def tp_broadcast(x: torch.Tensor, src: int = 0) -> torch.Tensor:
     """Rank ``src``'s ``x`` on every rank, in place."""
     if _INFO.size > 1:
-        dist.broadcast(x, src=src)
+        dist.broadcast(x, group=_TP_GROUP, group_src=src)
     return x

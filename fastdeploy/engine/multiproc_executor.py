@@ -91,9 +91,20 @@ class MultiprocExecutor:
     the engine core's process group, so the API server can sweep them all at the end.
     """
 
-    def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int, *, ipc_dir: str):
+    def __init__(
+        self,
+        config: EngineConfig,
+        source: ModelSource,
+        max_model_len: int,
+        *,
+        ipc_dir: str,
+        init_method: str | None = None,
+    ):
+        """``init_method``: where the workers meet when their group is wider than this engine core's
+        (expert parallelism over data-parallel replicas); else a free port is taken for TP > 1."""
         size = config.parallel.tensor_parallel_size
-        init_method = free_port_init_method() if size > 1 else None
+        if init_method is None and size > 1:
+            init_method = free_port_init_method()
         dp_rank = config.parallel.data_parallel_rank
         places = [
             WorkerPlace(r, init_method, ipc_address(ipc_dir, f"worker{dp_rank}-{r}")) for r in range(size)

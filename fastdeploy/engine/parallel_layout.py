@@ -39,6 +39,8 @@ def check_parallel_layout(config: EngineConfig, arch: ModelArchConfig) -> None:
                 f"tensor_parallel_size {tp} x data_parallel_size {dp} needs {tp * dp} GPUs, "
                 f"but {visible} {'is' if visible == 1 else 'are'} visible"
             )
+    if parallel.enable_expert_parallel:
+        check_expert_parallel(config, arch)
     if tp == 1:
         return
     try:
@@ -50,4 +52,31 @@ def check_parallel_layout(config: EngineConfig, arch: ModelArchConfig) -> None:
         raise ParallelLayoutError(
             f"the MLP's intermediate size ({arch.intermediate_size}) is not divisible by "
             f"tensor_parallel_size {tp}"
+        )
+
+
+def check_expert_parallel(config: EngineConfig, arch: ModelArchConfig) -> None:
+    """Expert parallelism needs a mixture-of-experts model, more than one worker, an even split of the
+    experts, and (spanning replicas) steps that run one at a time."""
+    parallel = config.parallel
+    size = parallel.tensor_parallel_size * parallel.data_parallel_size
+    if arch.num_experts == 0:
+        raise ParallelLayoutError(
+            f"enable_expert_parallel needs a mixture-of-experts model; {arch.architecture} has no experts"
+        )
+    if size == 1:
+        raise ParallelLayoutError(
+            "enable_expert_parallel needs tensor_parallel_size or data_parallel_size > 1"
+        )
+    if arch.num_experts % size:
+        raise ParallelLayoutError(
+            f"the model's {arch.num_experts} experts cannot be split evenly over "
+            f"tensor_parallel_size x data_parallel_size = {size} expert-parallel ranks"
+        )
+    if parallel.expert_parallel_spans_replicas:  # TODO(ep): lockstep engine cores
+        raise ParallelLayoutError("expert parallelism across data-parallel replicas is not implemented yet")
+    if parallel.expert_parallel_spans_replicas and config.scheduler.async_scheduling:
+        raise ParallelLayoutError(
+            "async_scheduling is not supported when expert parallelism spans data-parallel replicas "
+            "(their steps run in lockstep)"
         )

@@ -94,6 +94,8 @@ class ModelRunner:
         self._pending: StepState | None = None
         self.graphs: DecodeGraphs | None = None
         """Captured decode CUDA graphs (GPU, unless --enforce-eager)."""
+        self.forward_every_step = config.parallel.expert_parallel_spans_replicas
+        """Run a dummy forward in a step with no tokens: the MoE layers' all-to-all needs every replica."""
         self.trace: list[tuple[str, int, float]] | None = [] if envs.FD_STEP_TRACE else None
         """(stage, step id, perf_counter seconds) of every stage when ``FD_STEP_TRACE=1``."""
 
@@ -248,6 +250,11 @@ class ModelRunner:
         device_cfg = self.config.device
         if self.device.type != "cuda" or device_cfg.enforce_eager or self.mm is not None:
             return None  # (M-RoPE models take [3, T] positions, which the captured graphs do not)
+        if self.config.parallel.enable_expert_parallel:
+            logger.info(
+                "expert parallelism: decode steps run eagerly (the all-to-all sizes are read on the host)"
+            )
+            return None
         if not self.attn_backend.supports_cuda_graphs or not has_cuda_ops():
             logger.warning(
                 "CUDA graphs need the triton or flashinfer attention backend and the compiled fastdeploy_ops "
@@ -305,6 +312,8 @@ class ModelRunner:
         self._update_states(so)
         state = StepState(so.step_id)
         if so.total_num_scheduled_tokens == 0:
+            if self.forward_every_step:
+                self._warm_up_prefill(1)  # one token that writes no cache slot
             return state
         inputs = self._prepare_inputs(so)
         hidden, all_logits, greedy_tokens = self._forward(inputs)

@@ -38,14 +38,24 @@ class Worker:
         rank: int = 0,
         init_method: str | None = None,
     ):
-        """Rank ``rank`` of the tensor-parallel group that meets at ``init_method`` (one rank: None)."""
+        """Rank ``rank`` of the tensor-parallel group that meets at ``init_method`` (one rank: None; with
+        expert parallelism over data-parallel replicas, the world of every replica's workers)."""
         self.config = config
         self.rank = rank
         self.device = worker_device(config, rank)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         configure_threads(config, self.device)
-        init_tensor_parallel(config.parallel.tensor_parallel_size, rank, init_method or "", self.device)
+        parallel = config.parallel
+        init_tensor_parallel(
+            parallel.tensor_parallel_size,
+            rank,
+            init_method or "",
+            self.device,
+            expert_parallel=parallel.enable_expert_parallel,
+            dp_size=parallel.data_parallel_size,
+            dp_rank=parallel.data_parallel_rank,
+        )
         torch.manual_seed(config.model.seed)
         self.runner = ModelRunner(config, source, self.device, max_model_len)
         cpu_ops.preload_cpu_ops(self.device, self.runner.dtype)  # compile (or wait) before reporting ready

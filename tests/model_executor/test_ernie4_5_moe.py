@@ -99,6 +99,8 @@ def test_tiny_random_ernie_moe_equals_transformers(tmp_path: Path, tp: int):
 
 
 def test_tiny_random_ernie_moe_with_biases_equals_transformers(tmp_path: Path):
-    """``use_bias``: every projection, the shared experts and the LM head carry biases."""
+    """``use_bias``: every projection, the shared experts and the LM head carry biases (TP=2 with
+    expert parallelism: the shared experts' bias is added once)."""
     expected = save_tiny_ernie_moe(tmp_path, use_bias=True, tie_word_embeddings=False)
-    assert engine_greedy_tokens(str(tmp_path), TOKEN_PROMPTS, MAX_TOKENS, 2) == expected
+    engine = dict(enable_expert_parallel=True)
+    assert engine_greedy_tokens(str(tmp_path), TOKEN_PROMPTS, MAX_TOKENS, 2, **engine) == expected

@@ -14,7 +14,12 @@ from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qw
 from fastdeploy.model_executor.layers.fused_moe import FusedMoE, select_experts
 from fastdeploy.model_executor.models.qwen_moe import is_sparse_layer
 from fastdeploy.transformers_utils.config import ModelArchConfig
-from tests.greedy_tokens import TOKEN_PROMPTS, engine_greedy_tokens, transformers_greedy_tokens
+from tests.greedy_tokens import (
+    CHUNKED_PREFIX_CACHED,
+    TOKEN_PROMPTS,
+    engine_greedy_tokens,
+    transformers_greedy_tokens,
+)
 
 MAX_TOKENS = 10
 TINY = dict(
@@ -109,8 +114,10 @@ def test_sparse_layers_follow_decoder_sparse_step_and_mlp_only_layers():
     ],
     ids=["qwen3-moe", "qwen2-moe"],
 )
-@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
-def test_tiny_random_moe_models_equal_transformers(tmp_path, config_cls, model_cls, extra, tp):
+@pytest.mark.parametrize(("tp", "ep"), [(1, False), (2, False), (2, True)], ids=["tp1", "tp2", "tp2-ep2"])
+def test_tiny_random_moe_models_equal_transformers(tmp_path, config_cls, model_cls, extra, tp, ep):
+    """TP=1, TP=2 and TP=2 with expert parallelism (4 experts per rank, tokens by all-to-all), with
+    chunked prefill and prefix-cache hits."""
     torch.manual_seed(0)
     reference = model_cls(config_cls(**{**TINY, **extra})).eval()
     with torch.no_grad():  # random router weights (transformers starts them at zero): real routing
@@ -120,4 +127,5 @@ def test_tiny_random_moe_models_equal_transformers(tmp_path, config_cls, model_c
     reference.save_pretrained(tmp_path)
     expected = transformers_greedy_tokens(reference, TOKEN_PROMPTS, MAX_TOKENS)
     assert len({tuple(t) for t in expected}) > 1  # the prompts' continuations differ
-    assert engine_greedy_tokens(str(tmp_path), TOKEN_PROMPTS, MAX_TOKENS, tp) == expected
+    engine = dict(CHUNKED_PREFIX_CACHED, enable_expert_parallel=ep)
+    assert engine_greedy_tokens(str(tmp_path), TOKEN_PROMPTS, MAX_TOKENS, tp, passes=2, **engine) == expected

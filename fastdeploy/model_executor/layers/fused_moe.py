@@ -9,6 +9,12 @@ Tensor parallelism splits every expert's intermediate dimension ``I``, like the 
 gate_up is column-parallel (rank r holds ``[gate_r | up_r]``), down is row-parallel, and the
 ranks' partial outputs are summed by ONE all-reduce of the combined (routing-weighted) output.
 
+Expert parallelism (``--enable-expert-parallel``) instead gives EP rank r the whole experts
+``[r * E / ep, (r + 1) * E / ep)`` (it loads only those). Each TP rank takes its share of
+the (replicated) tokens, :mod:`~fastdeploy.model_executor.layers.moe_dispatch` sends their
+(token, expert) pairs to the experts' ranks and back (all-to-all over the EP group), and
+the TP ranks all-gather their shares; with data-parallel replicas the EP group spans them.
+
 On CUDA the experts run in the fused Triton kernel (:mod:`fastdeploy.ops.triton_fused_moe`:
 route-sorted grouped GEMMs, bf16/fp16 or FP8 w8a8); on a CPU, or with ``FD_DISABLE_CUSTOM_OPS=1``,
 the torch forward (:meth:`FusedMoE.compute_experts_torch`) sorts the (token, slot) pairs by
@@ -23,7 +29,8 @@ import torch
 from torch import nn
 
 from fastdeploy import envs
-from fastdeploy.distributed import divide, tp_all_reduce, tp_rank, tp_size
+from fastdeploy.distributed import divide, ep_info, tp_all_gather_rows, tp_all_reduce, tp_rank, tp_size
+from fastdeploy.model_executor.layers import moe_dispatch
 from fastdeploy.model_executor.layers.fused_moe_fp8 import Fp8MoEMethod, expert_matmul
 from fastdeploy.model_executor.layers.quantization.base import QuantizationConfig
 from fastdeploy.model_executor.layers.weight_loading import ShardId, copy_rows, set_weight_loader
@@ -61,7 +68,8 @@ def select_experts(
 
 class FusedMoE(nn.Module):
     """``num_experts`` SwiGLU experts of intermediate size ``intermediate_size`` (the full size; each
-    tensor-parallel rank holds its slice), combined with the routing weights.
+    tensor-parallel rank holds its slice, or each expert-parallel rank its whole experts),
+    combined with the routing weights.
 
     :meth:`forward` takes the normed hidden states ``[T, H]`` and the router logits ``[T, E]``
     (and the partial output of the block's shared experts) and returns the full ``[T, H]`` on
@@ -82,13 +90,22 @@ class FusedMoE(nn.Module):
         self.quant_config = quant_config
         """The model's quantization (e.g. FP8); the experts' quantized method is defined here."""
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.ep_rank, self.ep_size = ep_info().rank, ep_info().size
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
-        self.local_intermediate = divide(intermediate_size, self.tp_size, "expert intermediate features")
-        local = self.local_intermediate
-        self.gate_up_proj = nn.Parameter(
-            torch.empty(num_experts, 2 * local, hidden_size), requires_grad=False
-        )
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, local), requires_grad=False)
+        self.num_local_experts = num_experts
+        """Experts this rank holds: all of them, or ``E / ep`` under expert parallelism."""
+        self.first_local_expert = 0
+        self.weight_tp_rank = self.tp_rank
+        """The TP rank whose slice of each expert's intermediate features this rank holds (0: whole)."""
+        if self.ep_size > 1:
+            self.num_local_experts = divide(num_experts, self.ep_size, "experts (expert-parallel size)")
+            self.first_local_expert = self.ep_rank * self.num_local_experts
+            self.local_intermediate, self.weight_tp_rank = intermediate_size, 0
+        else:
+            self.local_intermediate = divide(intermediate_size, self.tp_size, "expert intermediate features")
+        local, num_local = self.local_intermediate, self.num_local_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(num_local, 2 * local, hidden_size), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_local, hidden_size, local), requires_grad=False)
         up_shape = (intermediate_size, hidden_size)
         gate_up_shapes = {f"{e}.{p}": up_shape for e in range(num_experts) for p in EXPERT_PROJECTIONS[:2]}
         down_shapes = {f"{e}.down_proj": (hidden_size, intermediate_size) for e in range(num_experts)}
@@ -109,21 +126,31 @@ class FusedMoE(nn.Module):
             return None, None
         return Fp8MoEMethod.scales(self)
 
+    def local_expert(self, shard_id: ShardId) -> tuple[int | None, str]:
+        """``"{expert}.{proj}"`` → (the expert's index among this rank's stacked experts, or None when
+        another expert-parallel rank holds it; the projection name)."""
+        expert, _, proj = str(shard_id).partition(".")
+        index = int(expert) - self.first_local_expert
+        return (index if 0 <= index < self.num_local_experts else None), proj
+
     def load_expert_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
         """Copy this rank's slice of one expert's full checkpoint tensor (``shard_id`` =
-        ``"{expert}.{gate_proj|up_proj|down_proj}"``) into its place in the stacked weight."""
-        expert, _, proj = str(shard_id).partition(".")
-        dest = param.data[int(expert)]
-        local = self.local_intermediate
-        if proj == "down_proj":  # [H, I]: this rank's columns
-            copy_rows(dest, loaded, 1, self.tp_rank * local)
-        elif proj in ("gate_proj", "up_proj"):  # [I, H]: this rank's rows, gate first then up
-            region = dest.narrow(0, 0 if proj == "gate_proj" else local, local)
-            copy_rows(region, loaded, 0, self.tp_rank * local)
-        else:
+        ``"{expert}.{gate_proj|up_proj|down_proj}"``) into its place in the stacked weight
+        (nothing for an expert another expert-parallel rank holds)."""
+        index, proj = self.local_expert(shard_id)
+        if proj not in EXPERT_PROJECTIONS:
             raise ValueError(
                 f"expert weights load shards '<e>.gate_proj/up_proj/down_proj', not {shard_id!r}"
             )
+        if index is None:
+            return
+        dest = param.data[index]
+        local, start = self.local_intermediate, self.weight_tp_rank * self.local_intermediate
+        if proj == "down_proj":  # [H, I]: this rank's columns
+            copy_rows(dest, loaded, 1, start)
+        else:  # gate_proj / up_proj [I, H]: this rank's rows, gate first then up
+            region = dest.narrow(0, 0 if proj == "gate_proj" else local, local)
+            copy_rows(region, loaded, 0, start)
 
     def forward(
         self,
@@ -136,6 +163,11 @@ class FusedMoE(nn.Module):
         ``shared`` (this rank's partial output of the block's shared experts), summed over the
         tensor-parallel ranks: one all-reduce of routed + shared partials."""
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize, correction_bias)
+        if self.ep_size > 1:
+            out = self.expert_parallel_experts(hidden, weights, ids)
+            if shared is not None:
+                out = out + (tp_all_reduce(shared) if self.tp_size > 1 else shared)
+            return out
         out = self.compute_experts(hidden, weights, ids)
         if shared is not None:
             out = out + shared
@@ -143,10 +175,26 @@ class FusedMoE(nn.Module):
             out = tp_all_reduce(out)
         return out
 
+    def expert_parallel_experts(
+        self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """The full routed output ``[T, H]`` under expert parallelism: this TP rank's share of the
+        tokens dispatched to the experts' ranks, computed there, combined back, and the TP ranks'
+        shares all-gathered."""
+        shares = [len(part) for part in torch.arange(hidden.shape[0]).tensor_split(self.tp_size)]
+        start = sum(shares[: self.tp_rank])
+        rows = slice(start, start + shares[self.tp_rank])
+        sent = moe_dispatch.dispatch(
+            hidden[rows], topk_weights[rows], topk_ids[rows], self.num_local_experts, self.ep_size
+        )
+        expert_out = self.compute_experts(sent.hidden, sent.weights, sent.local_ids)
+        return tp_all_gather_rows(moe_dispatch.combine(expert_out, sent), shares)
+
     def compute_experts(
         self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
-        """This rank's partial expert output for routed tokens (before the all-reduce): the fused
+        """This rank's partial expert output for routed tokens (before the all-reduce; the ids index
+        this rank's experts, ``[0, num_local_experts)``): the fused
         Triton kernel on CUDA, :meth:`compute_experts_torch` on a CPU or with
         ``FD_DISABLE_CUSTOM_OPS=1``. Both take the stacked ``gate_up_proj`` / ``down_proj``
         shards (and their FP8 scales) and return the ``[T, H]`` partial sum."""
@@ -172,7 +220,7 @@ class FusedMoE(nn.Module):
         flat_ids = topk_ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)
         token_of = order // top_k  # the token each sorted pair belongs to
-        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        counts = torch.bincount(flat_ids, minlength=self.num_local_experts).tolist()
         sorted_hidden = hidden.index_select(0, token_of)
         sorted_weights = topk_weights.reshape(-1).index_select(0, order).unsqueeze(1)
         expert_out = torch.empty_like(sorted_hidden)

@@ -121,17 +121,19 @@ class Fp8MoEMethod:
         rank's blocks of it (shard id ``"{expert}.{gate_proj|up_proj|down_proj}"``)."""
 
         def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
-            expert, _, proj = str(shard_id).partition(".")
-            dest = param.data[int(expert)]
+            index, proj = layer.local_expert(shard_id)
+            if index is None and proj in ("gate_proj", "up_proj", "down_proj"):
+                return  # another expert-parallel rank's expert
+            dest = param.data[index] if index is not None else None
             bn, bk = self.block
             local = layer.local_intermediate
             loaded = loaded.float()
             if proj == "down_proj":  # [ceil(H/bn), I/bk]: this rank's column blocks
-                copy_rows(dest, loaded, 1, layer.tp_rank * local // bk)
+                copy_rows(dest, loaded, 1, layer.weight_tp_rank * local // bk)
             elif proj in ("gate_proj", "up_proj"):  # [I/bn, ceil(H/bk)]: this rank's row blocks
                 blocks = local // bn
                 region = dest.narrow(0, 0 if proj == "gate_proj" else blocks, blocks)
-                copy_rows(region, loaded, 0, layer.tp_rank * blocks)
+                copy_rows(region, loaded, 0, layer.weight_tp_rank * blocks)
             else:
                 raise ValueError(
                     f"expert scales load shards '<e>.gate_proj/up_proj/down_proj', not {shard_id!r}"

@@ -1,0 +1,119 @@
+"""Expert-parallel dispatch / combine and the expert-parallel FusedMoE on two gloo processes.
+
+Each case runs on two CPU processes and compares with a single-process reference: the
+plain FusedMoE holding every expert, on random inputs and random routing. Layouts: DP+EP
+(each rank its own tokens, one rank possibly none) and TP+EP (both ranks the same tokens).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.multiprocessing as mp
+
+from fastdeploy import distributed as fdist
+from fastdeploy.model_executor.layers import moe_dispatch
+from fastdeploy.model_executor.layers.fused_moe import FusedMoE
+
+EXPERTS, HIDDEN, INTER, TOP_K = 8, 16, 12, 2
+CPU = torch.device("cpu")
+
+
+def expert_weights(seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random full checkpoint tensors of every expert (``"{e}.{proj}"`` → tensor)."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = {}
+    for e in range(EXPERTS):
+        weights[f"{e}.gate_proj"] = torch.randn(INTER, HIDDEN, generator=gen) * 0.3
+        weights[f"{e}.up_proj"] = torch.randn(INTER, HIDDEN, generator=gen) * 0.3
+        weights[f"{e}.down_proj"] = torch.randn(HIDDEN, INTER, generator=gen) * 0.3
+    return weights
+
+
+def build_moe() -> FusedMoE:
+    """A FusedMoE for this process's groups, loaded through its per-expert loaders."""
+    layer = FusedMoE(EXPERTS, TOP_K, HIDDEN, INTER, renormalize=True)
+    for shard, tensor in expert_weights().items():
+        param = layer.down_proj if shard.endswith("down_proj") else layer.gate_up_proj
+        param.weight_loader(param, tensor, shard)
+    return layer
+
+
+def inputs(num_tokens: int, seed: int, only_experts: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random hidden states and router logits (``only_experts``: logits that pick among the first n)."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(num_tokens, HIDDEN, generator=gen)
+    logits = torch.randn(num_tokens, EXPERTS, generator=gen)
+    if only_experts is not None:
+        logits[:, only_experts:] -= 100.0
+    return hidden, logits
+
+
+# (tokens of rank 0, tokens of rank 1, route only to the first n experts): one rank sends nothing;
+# everything goes to rank 0's experts (rank 1 receives nothing); a plain random case
+DP_CASES = [(9, 0, None), (5, 7, 4), (13, 6, None)]
+
+
+def _dp_ep(rank: int, init_method: str, results: dict) -> None:
+    fdist.init_tensor_parallel(1, 0, init_method, CPU, expert_parallel=True, dp_size=2, dp_rank=rank)
+    try:
+        layer = build_moe()
+        assert layer.num_local_experts == EXPERTS // 2 and layer.first_local_expert == rank * EXPERTS // 2
+        outs = []
+        for case, (n0, n1, only) in enumerate(DP_CASES):
+            hidden, logits = inputs((n0, n1)[rank], seed=10 * case + rank, only_experts=only)
+            outs.append(layer(hidden, logits))
+        # the bare dispatch: rows received per rank, local ids in range
+        hidden, logits = inputs(6, seed=99 + rank)
+        weights, ids = torch.softmax(logits, -1).topk(TOP_K)
+        sent = moe_dispatch.dispatch(hidden, weights, ids, EXPERTS // 2, 2)
+        local_ok = bool(((sent.local_ids >= 0) & (sent.local_ids < EXPERTS // 2)).all())
+        results[rank] = (outs, sent.send_rows, sent.recv_rows, local_ok)
+    finally:
+        fdist.destroy_tensor_parallel()
+
+
+def test_dispatch_combine_across_data_parallel_ranks_equals_one_process():
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_dp_ep, args=(fdist.free_port_init_method(), results), nprocs=2, join=True)
+        results = dict(results)
+    reference = build_moe()  # one process, every expert
+    for case, (n0, n1, only) in enumerate(DP_CASES):
+        for rank, n in enumerate((n0, n1)):
+            hidden, logits = inputs(n, seed=10 * case + rank, only_experts=only)
+            expected = reference(hidden, logits)
+            got = results[rank][0][case]
+            assert got.shape == (n, HIDDEN)
+            if n:
+                assert expected.abs().max() > 0.05
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    (_, send0, recv0, ok0), (_, send1, recv1, ok1) = results[0], results[1]
+    assert ok0 and ok1
+    assert sum(send0) == sum(send1) == 6 * TOP_K
+    assert recv0 == [send0[0], send1[0]] and recv1 == [send0[1], send1[1]]
+
+
+def _tp_ep(rank: int, init_method: str, results: dict) -> None:
+    fdist.init_tensor_parallel(2, rank, init_method, CPU, expert_parallel=True)
+    try:
+        layer = build_moe()
+        shared = torch.full((5, HIDDEN), float(rank + 1))  # partial sums of shared experts: 1 + 2
+        outs = [layer(*inputs(n, seed=n)) for n in (1, 2, 11)]  # 1 token: one TP rank has no share
+        hidden, logits = inputs(5, seed=5)
+        outs.append(layer(hidden, logits, shared))
+        results[rank] = outs
+    finally:
+        fdist.destroy_tensor_parallel()
+
+
+def test_tensor_parallel_ranks_with_expert_parallel_equal_one_process():
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_tp_ep, args=(fdist.free_port_init_method(), results), nprocs=2, join=True)
+        results = dict(results)
+    reference = build_moe()
+    expected = [reference(*inputs(n, seed=n)) for n in (1, 2, 11)]
+    expected.append(reference(*inputs(5, seed=5)) + 3.0)
+    for rank in range(2):
+        for got, want in zip(results[rank], expected):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
