@@ -93,6 +93,14 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "run the Triton decode kernel instead (one kernel, no host plan, and faster at every batch "
         "measured on an H200; default: every decode step; 0: never).",
     ),
+    "FD_GRAMMAR_CACHE_SIZE": (
+        lambda: int(os.environ.get("FD_GRAMMAR_CACHE_SIZE", "256")),
+        "Compiled structured-output grammars the engine core keeps (an LRU keyed by the constraint).",
+    ),
+    "FD_GRAMMAR_COMPILE_THREADS": (
+        lambda: int(os.environ.get("FD_GRAMMAR_COMPILE_THREADS", "2")),
+        "Threads of the engine core that compile structured-output grammars (off the engine loop).",
+    ),
     "FD_CUDA_ARCHS": (
         lambda: os.environ.get("FD_CUDA_ARCHS", "9.0a;8.0+PTX"),
         "GPU architectures setup_ops.py compiles fastdeploy_ops for, ';'-separated "

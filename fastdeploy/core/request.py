@@ -10,11 +10,11 @@ import dataclasses
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from fastdeploy.core.mm_item import MMItem
 from fastdeploy.core.prompt_logprobs import PromptLogprobsBuffer
-from fastdeploy.core.sampling_params import SamplingParams
+from fastdeploy.core.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class FinishReason(str, enum.Enum):
@@ -52,7 +52,10 @@ class EngineCoreRequest:
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> EngineCoreRequest:
         d = dict(d)
-        d["sampling_params"] = SamplingParams(**d["sampling_params"])
+        sp = dict(d["sampling_params"])
+        if sp.get("structured_outputs") is not None:
+            sp["structured_outputs"] = StructuredOutputsParams(**sp["structured_outputs"])
+        d["sampling_params"] = SamplingParams(**sp)
         return cls(**d)
 
 
@@ -124,6 +127,13 @@ class EngineCoreOutputs:
         )
 
 
+class GrammarState(Protocol):
+    """A request's grammar matcher as the scheduler sees it (``structured_output.RequestGrammar``)."""
+
+    def accept_token(self, token_id: int) -> None:
+        """Advance past an output token."""
+
+
 class Request:
     """One sequence inside the engine core: its tokens, progress and status."""
 
@@ -164,6 +174,9 @@ class Request:
             else PromptLogprobsBuffer(self.num_prompt_tokens)
         )
         """Prompt logprobs gathered over the prefill chunks (None: not asked)."""
+        self.grammar: GrammarState | None = None
+        """The matcher of a structured-output request (set by the engine core once its grammar is
+        compiled, before the request is scheduled); advanced with every output token."""
 
     @property
     def num_tokens(self) -> int:

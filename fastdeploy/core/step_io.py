@@ -112,6 +112,26 @@ class CachedRequestData:
 
 
 @dataclass
+class GrammarBitmask:
+    """The tokens each structured-output request may sample next: one bitmask row per request.
+
+    Bit ``t % 32`` of int32 word ``t // 32`` of a row allows token ``t``; rows are in ``req_ids``
+    order (the worker maps them to its sampled rows). Built by the engine core's grammar matchers.
+    """
+
+    req_ids: list[str]
+    bitmask: bytes
+    """``[len(req_ids), words]`` int32, native byte order."""
+    words: int
+
+    def array(self) -> np.ndarray:
+        """The bitmask as an ``[rows, words]`` int32 array (a view of the bytes)."""
+        import numpy as np
+
+        return np.frombuffer(self.bitmask, dtype=np.int32).reshape(len(self.req_ids), self.words)
+
+
+@dataclass
 class SchedulerOutput:
     """One step: which requests run, how many tokens each, and what changed."""
 
@@ -125,6 +145,12 @@ class SchedulerOutput:
     evicted_mm_hashes: list[str] = field(default_factory=list)
     """Multimodal features evicted from the encoder cache: the worker drops them (before adding
     this step's new requests)."""
+    structured_req_ids: list[str] = field(default_factory=list)
+    """Requests with a grammar that sample a token this step: their rows need a bitmask."""
+    grammar: GrammarBitmask | None = None
+    """Their bitmask, when known at scheduling time (no step in flight). With async scheduling it
+    depends on the token still in flight, so it comes after that step's output, through
+    ``sample_tokens``; the worker waits for it before sampling."""
 
     def to_wire(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -139,6 +165,8 @@ class SchedulerOutput:
             total_num_scheduled_tokens=d["total_num_scheduled_tokens"],
             finished_req_ids=d["finished_req_ids"],
             evicted_mm_hashes=d.get("evicted_mm_hashes", []),
+            structured_req_ids=d.get("structured_req_ids", []),
+            grammar=GrammarBitmask(**d["grammar"]) if d.get("grammar") else None,
         )
 
 

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import logging
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from typing import TYPE_CHECKING
 
 from fastdeploy.config import EngineConfig
-from fastdeploy.core.request import EngineCoreOutputs, EngineCoreRequest, Request
-from fastdeploy.core.step_io import SchedulerOutput
+from fastdeploy.core.request import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, Request
+from fastdeploy.core.step_io import GrammarBitmask, SchedulerOutput
 from fastdeploy.engine.feature_mirror import FeatureMirror
 from fastdeploy.model_executor.model_loader import ModelSource
+
+if TYPE_CHECKING:
+    from fastdeploy.structured_output.manager import StructuredOutputManager
 
 
 class WorkerStepError(RuntimeError):
@@ -46,8 +51,17 @@ class KVCacheTooSmallError(RuntimeError):
 class EngineCore:
     """Schedules, executes and updates; the same loop serves offline and online use."""
 
+    GRAMMAR_WAIT_S = 0.01
+    """How long an idle step waits for a grammar being compiled before returning (no busy loop)."""
+
     def __init__(self, config: EngineConfig, source: ModelSource, executor_cls):
         self.config = config
+        self.source = source
+        self.structured: StructuredOutputManager | None = None
+        """Grammars and matchers of structured-output requests (made with the first such request)."""
+        self._awaiting_grammar: dict[str, tuple[Request, Future]] = {}
+        """Structured-output requests whose grammar is being compiled: not yet in the scheduler."""
+        self._grammar_failures: list[EngineCoreOutput] = []
         self.max_model_len = resolve_max_model_len(config, source)
         self.executor = executor_cls(config, source, self.max_model_len)
         try:
@@ -86,28 +100,96 @@ class EngineCore:
         num_prompt = len(core_request.prompt_token_ids)
         if not 0 < num_prompt < self.max_model_len:
             raise ValueError(f"prompt has {num_prompt} tokens; it must have 1 to {self.max_model_len - 1}")
-        self.scheduler.add_request(Request(core_request, self.config.cache.block_size, mm_items))
+        request = Request(core_request, self.config.cache.block_size, mm_items)
+        constraint = core_request.sampling_params.structured_outputs
+        if constraint is None:
+            self.scheduler.add_request(request)
+            return
+        if self.structured is None:
+            self.structured = self._new_structured_manager()
+        # compiled in a thread; the request joins the scheduler once its grammar is ready
+        self._awaiting_grammar[request.request_id] = (request, self.structured.submit(constraint))
+
+    def _new_structured_manager(self) -> StructuredOutputManager:
+        from fastdeploy.engine.input_processor import eos_ids_of
+        from fastdeploy.model_executor.model_loader import load_tokenizer
+        from fastdeploy.structured_output.manager import StructuredOutputManager
+
+        source, model = self.source, self.config.model
+        return StructuredOutputManager(
+            lambda: load_tokenizer(model, source),
+            source.arch.vocab_size,
+            eos_ids_of(source.arch.eos_token_ids, None),
+        )
+
+    def _admit_compiled(self) -> None:
+        """Move the requests whose grammar is compiled into the scheduler (or fail them)."""
+        for req_id, (request, future) in list(self._awaiting_grammar.items()):
+            if not future.done():
+                continue
+            del self._awaiting_grammar[req_id]
+            error = future.exception()
+            if error is not None:
+                message = f"the structured-output grammar could not be compiled: {error}"
+                self._grammar_failures.append(EngineCoreOutput(req_id, [], "abort", None, 0, error=message))
+                continue
+            request.grammar = self.structured.new_request_grammar(
+                future.result(), sorted(request.eos_token_ids)
+            )
+            self.scheduler.add_request(request)
+
+    def _grammar_bitmask(self, req_ids: list[str]) -> GrammarBitmask:
+        """The bitmask rows of the given requests (those still running with a grammar)."""
+        requests = [self.scheduler.requests.get(r) for r in req_ids]
+        kept = [(r, q.grammar) for r, q in zip(req_ids, requests) if q is not None and q.grammar is not None]
+        return self.structured.bitmask([r for r, _ in kept], [g for _, g in kept])
 
     def abort_requests(self, request_ids: list[str]) -> EngineCoreOutputs:
-        return EngineCoreOutputs(outputs=self.scheduler.abort_requests(request_ids))
+        outputs = []
+        for req_id in request_ids:
+            if self._awaiting_grammar.pop(req_id, None) is not None:
+                outputs.append(EngineCoreOutput(req_id, [], "abort", None, 0))
+        return EngineCoreOutputs(outputs=outputs + self.scheduler.abort_requests(request_ids))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+        return (
+            self.scheduler.has_unfinished_requests()
+            or self._in_flight is not None
+            or bool(self._awaiting_grammar)
+            or bool(self._grammar_failures)
+        )
 
     def step(self) -> EngineCoreOutputs:
         """Schedule one batch, run it, and return the new tokens and a stats snapshot.
 
         With async scheduling the batch is launched and the previous batch's tokens
-        come back instead, so the scheduler works on step N+1 while step N runs.
+        come back instead, so the scheduler works on step N+1 while step N runs. Requests
+        with a grammar get the bitmask of their next token: computed at scheduling time, or,
+        with async scheduling, once step N's tokens have advanced their matchers (the worker
+        runs step N+1's forward meanwhile and samples it when the bitmask arrives).
         """
-        if not self.has_unfinished_requests():
-            return EngineCoreOutputs(stats=self.scheduler.make_stats())
+        if self._awaiting_grammar:
+            self._admit_compiled()
+            if not self.scheduler.has_unfinished_requests() and self._in_flight is None:
+                wait([f for _, f in self._awaiting_grammar.values()], self.GRAMMAR_WAIT_S, FIRST_COMPLETED)
+                self._admit_compiled()
+        failures, self._grammar_failures = self._grammar_failures, []
+        if not self.scheduler.has_unfinished_requests() and self._in_flight is None:
+            return EngineCoreOutputs(outputs=failures, stats=self.scheduler.make_stats())
         scheduler_output = self.scheduler.schedule()
+        outputs: list[EngineCoreOutput] = []
         try:
             if self.async_scheduling:
                 runner_output = self.executor.execute_model_overlap(scheduler_output)
+                if runner_output is not None:
+                    outputs = self.scheduler.update_from_output(runner_output)
+                if scheduler_output.structured_req_ids:
+                    self.executor.sample_tokens(self._grammar_bitmask(scheduler_output.structured_req_ids))
             else:
+                if scheduler_output.structured_req_ids:
+                    scheduler_output.grammar = self._grammar_bitmask(scheduler_output.structured_req_ids)
                 runner_output = self.executor.execute_model(scheduler_output)
+                outputs = self.scheduler.update_from_output(runner_output)
         except WorkerStepError as exc:
             # the steps' requests fail; everyone else carries on
             logger.error("engine step failed: %s", exc)
@@ -115,15 +197,18 @@ class EngineCore:
             if self._in_flight is not None:
                 failed += list(self._in_flight.num_scheduled_tokens)
             self._in_flight = None
-            outputs = self.scheduler.abort_requests(list(dict.fromkeys(failed)))
+            aborted = self.scheduler.abort_requests(list(dict.fromkeys(failed)))
             message = str(exc).strip().splitlines()[-1] if str(exc).strip() else "engine step failed"
-            for output in outputs:
+            for output in aborted:
                 output.error = message
-            return EngineCoreOutputs(outputs=outputs, stats=self.scheduler.make_stats())
+            aborted_ids = {o.request_id for o in aborted}
+            kept = [o for o in outputs if o.request_id not in aborted_ids]
+            return EngineCoreOutputs(outputs=failures + kept + aborted, stats=self.scheduler.make_stats())
         if self.async_scheduling:
             self._in_flight = scheduler_output if scheduler_output.total_num_scheduled_tokens else None
-        outputs = self.scheduler.update_from_output(runner_output) if runner_output is not None else []
-        return EngineCoreOutputs(outputs=outputs, stats=self.scheduler.make_stats())
+        return EngineCoreOutputs(outputs=failures + outputs, stats=self.scheduler.make_stats())
 
     def shutdown(self) -> None:
+        if self.structured is not None:
+            self.structured.shutdown()
         self.executor.shutdown()

@@ -6,6 +6,7 @@ torch.distributed); rank 0's reply is the result.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import traceback
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ import zmq
 
 from fastdeploy import envs
 from fastdeploy.config import EngineConfig
-from fastdeploy.core.step_io import ModelRunnerOutput, SchedulerOutput
+from fastdeploy.core.step_io import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from fastdeploy.distributed import free_port_init_method
 from fastdeploy.engine.core import WorkerStepError
 from fastdeploy.engine.ipc import ChildProcess, decode, encode, ipc_address
@@ -77,6 +78,8 @@ def _serve_calls(
             elif method == "execute_model_overlap":
                 output = worker.execute_model_overlap(SchedulerOutput.from_wire(args[0]))
                 result = None if output is None else output.to_wire()
+            elif method == "sample_tokens":
+                result = worker.sample_tokens(GrammarBitmask(**args[0]))
             else:
                 result = getattr(worker, method)(*args)
             socket.send(encode({"ok": result}))
@@ -169,6 +172,10 @@ class MultiprocExecutor:
         """Launch this step in the workers; the previous step's output comes back (or None)."""
         wire = self._call("execute_model_overlap", scheduler_output.to_wire())[0]
         return None if wire is None else ModelRunnerOutput.from_wire(wire)
+
+    def sample_tokens(self, grammar: GrammarBitmask) -> None:
+        """Sample the step just launched with ``execute_model_overlap``, under ``grammar``."""
+        self._call("sample_tokens", dataclasses.asdict(grammar))
 
     def check_health(self) -> None:
         """Raises :class:`WorkerDiedError` if any worker process has exited."""

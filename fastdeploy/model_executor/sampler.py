@@ -1,6 +1,7 @@
 """Batched token sampling for one step: logit processing, sampling and logprobs, per row.
 
-Order (as vLLM): logprobs of the raw logits are taken first; then logit_bias,
+Order (as vLLM): logprobs of the raw logits are taken first; then the structured-output
+bitmask (tokens a request's grammar forbids become -inf), logit_bias,
 banned tokens (bad words, EOS / stop ids before ``min_tokens``), penalties
 (repetition on prompt+output tokens, presence/frequency on output tokens),
 temperature, top-k / top-p / min-p, and sampling. Every step is a tensor
@@ -60,6 +61,9 @@ class SamplingTensors:
     """Host-side summary: the largest top-k of the batch (0: none). None: read from the device."""
     any_top_p: bool | None = None
     any_min_p: bool | None = None
+    token_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None
+    """Structured outputs: (rows, ``[len(rows), ceil(vocab / 32)]`` int32 bitmasks) of the rows that
+    may sample only the tokens whose bit is set (bit ``t % 32`` of word ``t // 32``)."""
 
 
 @dataclass
@@ -128,6 +132,21 @@ def apply_top_k_top_p_min_p(
     return logits.masked_fill(logits < keep_floor.unsqueeze(-1), float("-inf"))
 
 
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place: ``-inf`` for every token a masked row may not sample (batched, on the device).
+
+    Row ``bitmask[i]`` applies to ``logits[rows[i]]``. Tokens past the bitmask's width (a padded
+    LM head wider than the grammar's vocabulary) are not allowed; bits past the logits' width
+    are ignored.
+    """
+    vocab = logits.shape[-1]
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+
+
 def apply_penalties(logits: torch.Tensor, p: PenaltyTensors) -> torch.Tensor:
     """vLLM's penalty formulas, in place on ``logits``.
 
@@ -174,10 +193,18 @@ class Sampler:
 
     @staticmethod
     def process_logits(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
-        """logit_bias, banned tokens, then penalties; returns the input itself when none apply."""
-        if params.logit_bias is None and params.banned is None and params.penalties is None:
+        """The grammar bitmask, logit_bias, banned tokens, then penalties; returns the input itself
+        when none apply."""
+        if (
+            params.logit_bias is None
+            and params.banned is None
+            and params.penalties is None
+            and params.token_bitmask is None
+        ):
             return logits
         logits = logits.clone()
+        if params.token_bitmask is not None:
+            apply_token_bitmask(logits, *params.token_bitmask)
         if params.logit_bias is not None:
             rows, cols, values = params.logit_bias
             logits.index_put_((rows, cols), values.to(logits.dtype), accumulate=True)

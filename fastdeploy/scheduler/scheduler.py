@@ -183,11 +183,12 @@ class Scheduler:
         for req_id, n in num_scheduled.items():
             request = self.requests[req_id]
             request.num_computed_tokens += n
-            if (
-                self.async_scheduling
-                and request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders
-            ):
-                request.num_output_placeholders += 1  # this step samples a token the host sees later
+            if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
+                # this step samples a token for it (the end of its prefill, or a decode)
+                if request.grammar is not None:
+                    output.structured_req_ids.append(req_id)
+                if self.async_scheduling:
+                    request.num_output_placeholders += 1  # a token the host sees later
         return output
 
     def _keep_items_whole(self, request: Request, start: int, num_new: int) -> int:
@@ -292,6 +293,8 @@ class Scheduler:
                 new_token_ids, logprobs = [], None
             else:
                 request.append_output_token(token_id)
+                if request.grammar is not None:
+                    request.grammar.accept_token(token_id)
                 new_token_ids = [token_id]
             reason = _FINISH_OF_STOP_CODE.get(code)
             stop_reason = token_id if code == StopCode.STOP_TOKEN else None

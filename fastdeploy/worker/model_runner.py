@@ -10,7 +10,7 @@ import torch
 
 from fastdeploy import envs
 from fastdeploy.config import EngineConfig
-from fastdeploy.core.step_io import ModelRunnerOutput, SchedulerOutput, StopCode
+from fastdeploy.core.step_io import GrammarBitmask, ModelRunnerOutput, SchedulerOutput, StopCode
 from fastdeploy.distributed import tp_broadcast, tp_size
 from fastdeploy.model_executor.attention.backend import AttentionMetadata
 from fastdeploy.model_executor.attention.forward_context import set_forward_context
@@ -92,6 +92,8 @@ class ModelRunner:
         self._prev_slots = np.zeros(0, dtype=np.int64)
         """The last sampled ids (on the device) and their slots: inputs of the next step's decodes."""
         self._pending: StepState | None = None
+        self._unsampled: StepState | None = None
+        """A launched step whose grammar bitmask is still to come (:meth:`sample_tokens`)."""
         self.graphs: DecodeGraphs | None = None
         """Captured decode CUDA graphs (GPU, unless --enforce-eager)."""
         self.forward_every_step = config.parallel.expert_parallel_spans_replicas
@@ -204,7 +206,7 @@ class ModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step to the end: inputs and forward, sampling, then its output."""
         state = self._preprocess_and_execute_model(scheduler_output)
-        self._postprocess(state)
+        self._postprocess(state, scheduler_output.grammar)
         return self._save_model_output(state)
 
     @torch.inference_mode()
@@ -214,17 +216,31 @@ class ModelRunner:
         Order: preprocess + execute N (its decode inputs take N-1's sampled ids on the
         device), save N-1 (waits on N-1's event; the device keeps computing N), then
         postprocess N. N-1's tokens are in the host batch before N is sampled, so
-        penalties and stop checks see the same history as the plain path.
+        penalties and stop checks see the same history as the plain path. A step with
+        grammar rows and no bitmask yet is sampled later, by :meth:`sample_tokens`, once the
+        engine has advanced the grammars with N-1's tokens.
         """
         state = self._preprocess_and_execute_model(scheduler_output)
         previous, self._pending = self._pending, None
         output = self._save_model_output(previous) if previous is not None else None
         if previous is not None and self._ended_before(state, previous, scheduler_output):
             self._skip_sampling(state)
-        self._postprocess(state)
+        if scheduler_output.structured_req_ids and scheduler_output.grammar is None:
+            self._unsampled = state
+            return output
+        self._postprocess(state, scheduler_output.grammar)
         if scheduler_output.total_num_scheduled_tokens:
             self._pending = state
         return output
+
+    @torch.inference_mode()
+    def sample_tokens(self, grammar: GrammarBitmask) -> None:
+        """Sample the step launched last by :meth:`execute_model_overlap`, under ``grammar``."""
+        state, self._unsampled = self._unsampled, None
+        if state is None:
+            raise RuntimeError("sample_tokens without a launched step awaiting its grammar")
+        self._postprocess(state, grammar)
+        self._pending = state
 
     def _forward(self, inputs: StepInputs) -> GraphOutput:
         """The model's forward pass: a CUDA graph replay for decode-only steps that fit one.
@@ -332,12 +348,15 @@ class ModelRunner:
         self._trace("execute_end", so.step_id)
         return state
 
-    def _postprocess(self, state: StepState) -> None:
-        """Sample on the device, decide there which requests end, and start copying both to the host."""
+    def _postprocess(self, state: StepState, grammar: GrammarBitmask | None = None) -> None:
+        """Sample on the device (the rows in ``grammar`` under their bitmask), decide there which
+        requests end, and start copying both to the host."""
         if state.logits is None:
             return
         slots = state.sample_slots
         params = build_sampling_tensors(self.batch, slots, state.logits.shape[-1], self._to_device)
+        if grammar is not None and grammar.req_ids:
+            params.token_bitmask = self._token_bitmask(state.req_ids, grammar)
         sampled = self.sampler(state.logits, params, state.greedy_tokens)
         if tp_size() > 1:  # every rank feeds rank 0's ids to its next step (random draws may differ)
             tp_broadcast(sampled.token_ids, src=0)
@@ -357,6 +376,19 @@ class ModelRunner:
             state.event = torch.cuda.Event()
             state.event.record()
         self._trace("postprocess_end", state.step_id)
+
+    def _token_bitmask(
+        self, req_ids: list[str], grammar: GrammarBitmask
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(sampled rows, their bitmask rows) on the device, for the grammar rows this step samples."""
+        row_of = {req_id: row for row, req_id in enumerate(req_ids)}
+        pairs = [(row_of[r], i) for i, r in enumerate(grammar.req_ids) if r in row_of]
+        if not pairs:
+            return None
+        rows = np.array([p[0] for p in pairs], dtype=np.int64)
+        mask = grammar.array()[[p[1] for p in pairs]]
+        rows_dev, mask_dev = upload([rows, np.ascontiguousarray(mask)], self.device)
+        return rows_dev, mask_dev
 
     def _ended_before(self, state: StepState, previous: StepState, so: SchedulerOutput) -> bool:
         """Whether every request ``state`` would sample for already ended with ``previous``'s token.

@@ -150,7 +150,6 @@ def test_ignored_fields_keep_their_types():
 @pytest.mark.parametrize(
     "fields",
     [
-        {"response_format": {"type": "json_object"}},
         {"functions": [{"name": "f"}]},
     ],
 )

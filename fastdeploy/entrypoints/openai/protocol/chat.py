@@ -167,7 +167,6 @@ class ChatCompletionRequest(SamplingRequest):
     """False: at most one call per answer (default: any number)."""
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
     # accepted and ignored (IGNORED_FIELDS says why)
     metadata: dict[str, str] | None = None
     store: bool | None = None

@@ -6,7 +6,7 @@ are translated to ``SamplingParams``; those it cannot apply (``user``, ``store``
 ``service_tier``, ...) are accepted and ignored with a warning logged once per
 field name (:attr:`SamplingRequest.IGNORED_FIELDS`). Fields whose meaning the
 engine does not implement yet and that cannot be ignored without changing the
-answer (``functions``, ``response_format``, ...) accept only their "off" value and
+answer (``functions``, ...) accept only their "off" value and
 are a 400 that says so otherwise.
 """
 
@@ -19,6 +19,7 @@ from pydantic import field_validator
 from fastdeploy.core.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
 from fastdeploy.entrypoints.openai.errors import BadRequestError
 from fastdeploy.entrypoints.openai.protocol.common import OpenAIModel, _check_token_ids, warn_once
+from fastdeploy.entrypoints.openai.protocol.structured import StructuredOutputsRequest
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 MAX_N = 128
@@ -40,7 +41,6 @@ _UNSUPPORTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
 }
 
 
@@ -59,8 +59,8 @@ def _check_stop(value: Any) -> Any:
     raise ValueError("must be a string or a list of strings")
 
 
-class SamplingRequest(OpenAIModel):
-    """Fields shared by completions and chat completions."""
+class SamplingRequest(StructuredOutputsRequest):
+    """Fields shared by completions and chat completions (the structured-output ones included)."""
 
     model: str | None = None
     n: int | None = 1
@@ -207,6 +207,7 @@ class SamplingRequest(OpenAIModel):
             "bad_words": list(self.bad_words or []),
             "logprobs": self._num_logprobs(),
             "prompt_logprobs": self._num_prompt_logprobs(),
+            "structured_outputs": self.structured_output_params(),
         }
         for flag in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if getattr(self, flag) is not None:

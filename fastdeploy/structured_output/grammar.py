@@ -1,0 +1,91 @@
+"""A request's structured-output constraint as an xgrammar grammar: the one mapping, used by the API
+server to validate a request (a 400 before it is submitted) and by the engine core to compile it."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from fastdeploy.core.sampling_params import SamplingParamsError, StructuredOutputsParams
+
+JSON_OBJECT_SCHEMA = {"type": "object"}
+"""``response_format: {"type": "json_object"}``: any JSON object (not any JSON value)."""
+
+_CPP_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")
+"""xgrammar's error messages start with ``[time] /path/file.cc:line:``; clients need only the rest."""
+
+
+def constraint_key(params: StructuredOutputsParams) -> tuple[str, str]:
+    """``(kind, canonical text)``: equal for equal constraints, so the engine compiles each once."""
+    kind = params.kind
+    value = getattr(params, kind)
+    if kind == "json":
+        text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, separators=(",", ":"))
+    elif kind == "json_object":
+        text = ""
+    elif kind == "choice":
+        text = json.dumps(list(value), ensure_ascii=False)
+    else:
+        text = value
+    return kind, text
+
+
+def choice_ebnf(choices: list[str]) -> str:
+    """An EBNF grammar whose only sentences are the given strings."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def build_grammar(kind: str, text: str) -> Any:
+    """The ``xgrammar.Grammar`` of a constraint key; ``ValueError`` saying what is wrong if invalid."""
+    import xgrammar as xgr
+
+    try:
+        if kind == "json":
+            schema = json.loads(text)
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError("a JSON schema must be an object")
+            return xgr.Grammar.from_json_schema(text, any_whitespace=False)
+        if kind == "json_object":
+            return xgr.Grammar.from_json_schema(json.dumps(JSON_OBJECT_SCHEMA), any_whitespace=False)
+        if kind == "regex":
+            return xgr.Grammar.from_regex(text)
+        if kind == "choice":
+            choices = json.loads(text)
+            if not choices or not all(isinstance(c, str) and c for c in choices):
+                raise ValueError("choices must be a non-empty list of non-empty strings")
+            return xgr.Grammar.from_ebnf(choice_ebnf(choices))
+        if kind == "grammar":
+            return xgr.Grammar.from_ebnf(text)
+        if kind == "structural_tag":
+            return xgr.Grammar.from_structural_tag(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"invalid JSON: {exc}") from None
+    except ValueError:
+        raise
+    except Exception as exc:  # xgrammar raises RuntimeError (and its own error types) for bad input
+        raise ValueError(clean_message(str(exc))) from None
+    raise ValueError(f"unknown structured-output kind {kind!r}")
+
+
+def clean_message(message: str) -> str:
+    """An xgrammar error message without its C++ source location."""
+    lines = [_CPP_PREFIX.sub("", line).strip() for line in message.strip().splitlines()]
+    return " ".join(line for line in lines if line) or "invalid grammar"
+
+
+def validate_structured_outputs(params: StructuredOutputsParams, field: str) -> None:
+    """Build the grammar of ``params``; a :class:`SamplingParamsError` naming ``field`` if it is invalid."""
+    kind, text = constraint_key(params)
+    try:
+        build_grammar(kind, text)
+    except ValueError as exc:
+        what = {
+            "json": "JSON schema",
+            "json_object": "JSON object",
+            "regex": "regex",
+            "choice": "choice",
+            "grammar": "grammar",
+            "structural_tag": "structural tag",
+        }[kind]
+        raise SamplingParamsError(field, f"invalid {what} in '{field}': {exc}") from None
