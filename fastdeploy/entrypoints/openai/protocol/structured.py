@@ -91,9 +91,11 @@ class StructuredOutputsRequest(OpenAIModel):
 
     def _candidates(self) -> list[tuple[str, StructuredOutputsParams | None]]:
         """Every structured-output field with the constraint it asks for (None: not given / off)."""
-        out: list[tuple[str, StructuredOutputsParams | None]] = [
-            ("response_format", _from_response_format(self.response_format))
-        ]
+        fmt = self.response_format
+        fmt_field = (
+            "response_format.json_schema.schema" if fmt and fmt.type == "json_schema" else "response_format"
+        )
+        out: list[tuple[str, StructuredOutputsParams | None]] = [(fmt_field, _from_response_format(fmt))]
         so = self.structured_outputs
         if so is not None:
             _check_backend(so.backend, "structured_outputs.backend")

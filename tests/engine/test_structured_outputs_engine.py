@@ -1,0 +1,146 @@
+"""Structured outputs through the offline engine: every answer parses and validates against its JSON
+schema (several schemas and prompts, greedy and sampled, n=2, logprobs, chunked prefill), and async
+scheduling (grammar rows sampled once the previous token advanced their matcher) gives the same
+greedy tokens as the plain path."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from fastdeploy import LLM, SamplingParams
+from fastdeploy.core.sampling_params import StructuredOutputsParams
+
+SCHEMAS = [
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 16},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        },
+        "required": ["name", "age"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+            "sunny": {"type": "boolean"},
+            "temps": {
+                "type": "array",
+                "items": {"type": "integer", "minimum": -50, "maximum": 50},
+                "maxItems": 3,
+            },
+        },
+        "required": ["city", "sunny", "temps"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "title": {"type": "string", "maxLength": 12},
+            "rating": {"type": "integer", "minimum": 0, "maximum": 5},
+            "tags": {"type": "array", "items": {"type": "string", "enum": ["a", "b", "c"]}, "maxItems": 2},
+        },
+        "required": ["title", "rating"],
+    },
+]
+PROMPTS = [
+    "Describe a person as JSON.",
+    "Give me the weather as JSON.",
+    "Review a movie in JSON.",
+]
+
+
+def _requests() -> tuple[list[list[dict]], list[SamplingParams]]:
+    messages, params = [], []
+    for i, (schema, prompt) in enumerate(zip(SCHEMAS, PROMPTS)):
+        for sampled in (False, True):
+            messages.append([{"role": "user", "content": prompt}])
+            params.append(
+                SamplingParams(
+                    temperature=0.9 if sampled else 0,
+                    seed=i if sampled else None,
+                    n=2 if sampled else 1,
+                    max_tokens=120,
+                    logprobs=2 if i == 0 else None,
+                    structured_outputs=StructuredOutputsParams(json=schema),
+                )
+            )
+    return messages, params
+
+
+def _run(async_scheduling: bool) -> list:
+    llm = LLM(dtype="float32", num_threads=1, async_scheduling=async_scheduling, max_num_batched_tokens=32)
+    try:
+        messages, params = _requests()
+        outputs = llm.chat(messages, params)  # one batch: different schemas, greedy and sampled rows
+        core = llm.engine.core
+        assert core.async_scheduling == async_scheduling
+        assert core.structured.num_compiles == len(SCHEMAS)  # one compile per distinct schema
+        assert core.scheduler.kv.usage() == 0
+        return outputs, params
+    finally:
+        llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def sync_run():
+    return _run(False)
+
+
+def _check_valid(outputs, params):
+    for output, sp in zip(outputs, params):
+        assert len(output.outputs) == sp.n
+        for choice in output.outputs:
+            assert choice.finish_reason == "stop", choice.text
+            jsonschema.validate(json.loads(choice.text), sp.structured_outputs.json)
+            if sp.logprobs is not None:
+                assert len(choice.logprobs) == len(choice.token_ids)
+
+
+@pytest.mark.slow
+def test_json_schema_outputs_validate(sync_run):
+    outputs, params = sync_run
+    _check_valid(outputs, params)
+
+
+@pytest.mark.slow
+def test_async_scheduling_gives_the_same_structured_outputs(sync_run):
+    outputs, params = _run(True)
+    _check_valid(outputs, params)
+    sync_outputs, _ = sync_run
+    for mine, theirs, sp in zip(outputs, sync_outputs, params):
+        if sp.temperature == 0:
+            assert mine.outputs[0].token_ids == theirs.outputs[0].token_ids
+
+
+def test_choice_regex_and_grammar():
+    llm = LLM(dtype="float32", num_threads=1)
+    try:
+        prompts = ["The sky is", "My number is", "Answer yes or no:"]
+        params = [
+            SamplingParams(
+                temperature=1.0,
+                seed=3,
+                n=2,
+                max_tokens=8,
+                structured_outputs=StructuredOutputsParams(choice=["blue", "green", "red"]),
+            ),
+            SamplingParams(
+                temperature=0, max_tokens=16, structured_outputs=StructuredOutputsParams(regex=r"\d{3}-\d{4}")
+            ),
+            SamplingParams(
+                temperature=0,
+                max_tokens=8,
+                structured_outputs=StructuredOutputsParams(grammar='root ::= "yes" | "no"'),
+            ),
+        ]
+        outputs = llm.generate(prompts, params)
+    finally:
+        llm.shutdown()
+    assert {c.text for c in outputs[0].outputs} <= {"blue", "green", "red"}
+    assert re.fullmatch(r"\d{3}-\d{4}", outputs[1].outputs[0].text)
+    assert outputs[2].outputs[0].text in ("yes", "no")
+    assert all(c.finish_reason == "stop" for o in outputs for c in o.outputs)

@@ -1,0 +1,191 @@
+"""Constraint → grammar mapping, the compile cache, matchers, and the sampler's bitmask application
+(against a per-token reference and xgrammar's own kernel, on random logits)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import xgrammar as xgr
+
+from fastdeploy.core.sampling_params import SamplingParamsError, StructuredOutputsParams
+from fastdeploy.model_executor.sampler import Sampler, SamplingTensors, apply_token_bitmask
+from fastdeploy.structured_output.grammar import build_grammar, constraint_key, validate_structured_outputs
+from fastdeploy.structured_output.manager import StructuredOutputManager, bitmask_words
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
+    "required": ["a"],
+}
+
+
+def test_equal_constraints_have_one_key():
+    reordered = {
+        "required": ["a"],
+        "properties": {"b": {"type": "string"}, "a": {"type": "integer"}},
+        "type": "object",
+    }
+    assert constraint_key(StructuredOutputsParams(json=SCHEMA)) == constraint_key(
+        StructuredOutputsParams(json=reordered)
+    )
+    assert constraint_key(StructuredOutputsParams(json=SCHEMA)) != constraint_key(
+        StructuredOutputsParams(json={"type": "object"})
+    )
+    assert constraint_key(StructuredOutputsParams(choice=["x", "y"])) == ("choice", '["x", "y"]')
+
+
+@pytest.mark.parametrize(
+    ("params", "field", "says"),
+    [
+        (
+            StructuredOutputsParams(json={"type": "foo"}),
+            "response_format.json_schema.schema",
+            "Unsupported type",
+        ),
+        (StructuredOutputsParams(json="{not json"), "guided_json", "invalid JSON"),
+        (StructuredOutputsParams(regex="[a-"), "guided_regex", "Unclosed"),
+        (StructuredOutputsParams(grammar="root ::= foo"), "guided_grammar", 'Rule "foo" is not defined'),
+    ],
+)
+def test_invalid_constraints_name_the_field_and_the_problem(params, field, says):
+    with pytest.raises(SamplingParamsError) as info:
+        validate_structured_outputs(params, field)
+    assert info.value.param == field
+    assert says in str(info.value)
+    assert ".cc:" not in str(info.value)  # no C++ source location
+
+
+def test_exactly_one_constraint():
+    with pytest.raises(SamplingParamsError):
+        StructuredOutputsParams()
+    with pytest.raises(SamplingParamsError):
+        StructuredOutputsParams(regex="a", choice=["a"])
+
+
+def _string_matches(kind: str, text: str, candidate: str) -> bool:
+    """Whether ``candidate`` is a complete sentence of the constraint (byte-level matcher, no tokenizer)."""
+    info = xgr.TokenizerInfo([chr(i) for i in range(128)])
+    matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_grammar(build_grammar(kind, text)))
+    return matcher.accept_string(candidate) and matcher.is_completed()
+
+
+def test_grammar_mapping():
+    assert _string_matches(*constraint_key(StructuredOutputsParams(choice=["red", 'say "hi"'])), 'say "hi"')
+    assert not _string_matches(*constraint_key(StructuredOutputsParams(choice=["red", "blue"])), "green")
+    assert _string_matches(*constraint_key(StructuredOutputsParams(regex=r"\d{2}-x")), "42-x")
+    assert _string_matches(*constraint_key(StructuredOutputsParams(json_object=True)), '{"k": [1, 2]}')
+    assert not _string_matches(*constraint_key(StructuredOutputsParams(json_object=True)), "[1]")
+    assert _string_matches(
+        *constraint_key(StructuredOutputsParams(json=SCHEMA)), json.dumps({"a": 1, "b": "x"})
+    )
+    assert not _string_matches(*constraint_key(StructuredOutputsParams(json=SCHEMA)), json.dumps({"b": "x"}))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_path):
+    from fastdeploy.config import EngineConfig
+    from fastdeploy.model_executor.model_loader import load_tokenizer, resolve_model
+
+    config = EngineConfig()
+    return load_tokenizer(config.model, resolve_model(config.model))
+
+
+def test_cache_compiles_each_constraint_once(tokenizer, monkeypatch):
+    monkeypatch.setenv("FD_GRAMMAR_CACHE_SIZE", "2")
+    manager = StructuredOutputManager(lambda: tokenizer, 49152 + 64, [tokenizer.eos_token_id])
+    try:
+        first = manager.submit(StructuredOutputsParams(json=SCHEMA))
+        again = manager.submit(StructuredOutputsParams(json=json.loads(json.dumps(SCHEMA))))
+        assert again is first
+        first.result(timeout=60)
+        assert manager.num_compiles == 1
+        manager.submit(StructuredOutputsParams(regex="a+")).result(timeout=60)
+        manager.submit(StructuredOutputsParams(regex="b+")).result(timeout=60)  # evicts SCHEMA (LRU of 2)
+        assert manager.num_compiles == 3
+        assert manager.submit(StructuredOutputsParams(json=SCHEMA)) is not first
+        bad = manager.submit(StructuredOutputsParams(regex="[a-"))
+        with pytest.raises(ValueError):
+            bad.result(timeout=60)
+    finally:
+        manager.shutdown()
+
+
+def test_matchers_and_bitmask_with_a_padded_vocabulary(tokenizer):
+    vocab = len(tokenizer) + 64  # an LM head padded past the tokenizer
+    eos = tokenizer.eos_token_id
+    manager = StructuredOutputManager(lambda: tokenizer, vocab, [eos])
+    try:
+        compiled = manager.submit(StructuredOutputsParams(choice=["yes", "no"])).result(timeout=60)
+        grammars = [manager.new_request_grammar(compiled, [eos]) for _ in range(2)]
+        for token in tokenizer.encode("yes", add_special_tokens=False):
+            grammars[1].accept_token(token)
+        mask = manager.bitmask(["a", "b"], grammars)
+    finally:
+        manager.shutdown()
+    assert mask.words == bitmask_words(vocab)
+    array = mask.array()
+    allowed = [[t for t in range(vocab) if (int(row[t // 32]) >> (t % 32)) & 1] for row in array]
+    assert set(allowed[1]) == {eos}  # "yes" is complete: only EOS
+    texts = {tokenizer.decode([t]) for t in allowed[0]}
+    assert texts and all("yes".startswith(t) or "no".startswith(t) for t in texts)
+    assert all(t < len(tokenizer) for t in allowed[0])  # the padded ids are never allowed
+
+
+def _reference_mask(logits: torch.Tensor, rows: list[int], bitmask: np.ndarray) -> torch.Tensor:
+    out = logits.clone()
+    for i, row in enumerate(rows):
+        for token in range(logits.shape[1]):
+            word = token // 32
+            if word >= bitmask.shape[1] or not (int(bitmask[i, word]) >> (token % 32)) & 1:
+                out[row, token] = float("-inf")
+    return out
+
+
+@pytest.mark.parametrize("vocab", [100, 96, 130])  # narrower than, equal to, wider than the bitmask (3 words)
+def test_apply_token_bitmask_matches_references(vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(5, vocab, generator=gen, dtype=torch.float32)
+    rows = [0, 3, 4]
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (len(rows), 4), generator=gen, dtype=torch.int32).numpy()
+    bitmask[1] = -1  # all allowed
+    expected = _reference_mask(logits, rows, bitmask)
+    got = logits.clone()
+    apply_token_bitmask(got, torch.tensor(rows), torch.from_numpy(bitmask))
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    if vocab <= 4 * 32:  # xgrammar's own CPU kernel, rows expanded to the logits' batch
+        full = np.full((5, 4), -1, dtype=np.int32)
+        full[rows] = bitmask
+        theirs = logits.clone()
+        xgr.apply_token_bitmask_inplace(theirs, torch.from_numpy(full), vocab_size=vocab)
+        torch.testing.assert_close(theirs, expected, rtol=0, atol=0)
+
+
+def test_sampler_samples_only_allowed_tokens():
+    gen = torch.Generator().manual_seed(0)
+    rows, vocab = 6, 200
+    logits = torch.randn(rows, vocab, generator=gen)
+    allowed = torch.zeros(rows, vocab, dtype=torch.bool)
+    for r in range(rows):
+        allowed[r, torch.randperm(vocab, generator=gen)[:3]] = True
+    padded = torch.nn.functional.pad(allowed, (0, 224 - vocab))  # 200 tokens → 7 words of 32 bits
+    words = (padded.view(rows, 7, 32).to(torch.int64) << torch.arange(32)).sum(-1)
+    bitmask = words.to(torch.int64).apply_(lambda w: w - (1 << 32) if w >= 1 << 31 else w).to(torch.int32)
+    for temperature in (0.0, 1.0):
+        params = SamplingTensors(
+            temperature=torch.full((rows,), temperature),
+            top_p=torch.ones(rows),
+            top_k=torch.zeros(rows, dtype=torch.int64),
+            min_p=torch.zeros(rows),
+            generators={},
+            all_greedy=temperature == 0,
+            token_bitmask=(torch.arange(rows), bitmask),
+        )
+        for _ in range(5):
+            tokens = Sampler()(logits, params).token_ids
+            assert allowed[torch.arange(rows), tokens].all()
+        if temperature == 0:
+            expected = logits.masked_fill(~allowed, float("-inf")).argmax(-1)
+            assert torch.equal(tokens, expected)
