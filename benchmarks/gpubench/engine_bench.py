@@ -147,6 +147,7 @@ def prefill_logits(s: Settings, model: str | None, dtype: torch.dtype, ids: list
 
     kwargs = s.dummy_kwargs() if model is not None else {}
     kwargs.pop("skip_tokenizer_init", None)
+    kwargs.pop("quantization", None)  # the logits check compares bf16 with fp32, unquantized
     kwargs["dtype"] = str(dtype).replace("torch.", "")
     config = ModelConfig(model=model, **kwargs)
     net = load_model(config, resolve_model(config), s.device, dtype)
@@ -207,6 +208,16 @@ def measure_itl(llm: Any, prompts: list[list[int]], num_tokens: int) -> dict[str
     }
 
 
+def weight_bytes_per_token(arch: Any, quantization: str | None) -> int:
+    """Weight bytes one decode step reads: bf16 everywhere, or (fp8) one byte per decoder-layer
+    weight with the embedding and LM head in bf16 (the block scales add 1/16384 and are left out)."""
+    params = parameter_count(arch)
+    if quantization != "fp8":
+        return params * 2
+    embeddings = arch.vocab_size * arch.hidden_size * (1 if arch.tie_word_embeddings else 2)
+    return params + embeddings
+
+
 def itl(s: Settings, copy_bytes_per_s: float) -> dict[str, Any]:
     """Decode latency of the 1B and 8B shapes per attention backend, graphs on and off, at batch 1
     against the weight-read floor (and at the other ``--itl-batch-sizes``, for the backends' crossover)."""
@@ -215,7 +226,7 @@ def itl(s: Settings, copy_bytes_per_s: float) -> dict[str, Any]:
     max_seqs = max(8, batches[-1])
     for name, path, target in (("Llama-3.2-1B", s.model_1b, 1.5), ("Llama-3.1-8B", s.model_8b, 1.2)):
         arch = arch_of(s, path)
-        weight_bytes = parameter_count(arch) * 2  # bf16
+        weight_bytes = weight_bytes_per_token(arch, s.quantization)
         floor_ms = weight_bytes / copy_bytes_per_s * 1000.0
         prompts = random_prompts(batches[-1], s.itl_prompt_len, arch.vocab_size, s.seed)
         max_len = -(-(s.itl_prompt_len + s.itl_tokens + 16) // 16) * 16

@@ -69,6 +69,8 @@ class Settings:
     """``hf_config_overrides`` of the dummy models (tiny shapes in smoke runs)."""
     engine_extra: dict[str, Any] = field(default_factory=dict)
     """Extra engine arguments of every engine on the benchmarked device."""
+    quantization: str | None = None
+    """``--quantization`` of the dummy-weight engines (itl, throughput): e.g. fp8."""
     copy_bytes: int = 2 << 30
     matmul_n: int = 8192
     sustained_matmul_s: float = 5.0
@@ -88,6 +90,7 @@ class Settings:
             "hf_config_overrides": dict(self.overrides),
             "dtype": "bfloat16",
             "seed": self.seed,
+            "quantization": self.quantization,
         }
 
 
@@ -135,6 +138,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--quantization", choices=["fp8"], default=None,
+        help="quantize the dummy-weight models of the itl and throughput sections (fp8: 128x128 blocks)",
+    )  # fmt: skip
+    parser.add_argument(
         "--section-timeout", type=int, default=360, help="seconds after which a hung section is abandoned"
     )
 
@@ -171,6 +178,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         itl_tokens=args.itl_tokens,
         itl_batch_sizes=[int(b) for b in _comma_list(args.itl_batch_sizes)],
         attention_backends=_comma_list(args.attention_backends),
+        quantization=args.quantization,
     )
     if args.smoke:
         s.num_prompts, s.input_len, s.output_len = 4, 16, 8
