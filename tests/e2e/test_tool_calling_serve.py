@@ -18,6 +18,7 @@ import openai
 import pytest
 
 GREEDY = {"temperature": 0, "max_tokens": 96}
+SHORT = {"temperature": 0, "max_tokens": 24}
 WEATHER_PARAMS = {
     "type": "object",
     "properties": {
@@ -131,7 +132,7 @@ def test_two_turn_conversation_goes_through_the_chat_template(server, client, mo
         {"role": "tool", "tool_call_id": "call_abc123", "content": "12 degrees and sunny"},
     ]
     reply = client.chat.completions.create(
-        model=model_name, messages=messages, tools=TOOLS, extra_body={"return_token_ids": True}, **GREEDY
+        model=model_name, messages=messages, tools=TOOLS, extra_body={"return_token_ids": True}, **SHORT
     )
     choice = reply.choices[0]
     assert choice.finish_reason in ("stop", "length", "tool_calls")
@@ -148,7 +149,7 @@ def test_two_turn_conversation_goes_through_the_chat_template(server, client, mo
 
 
 def test_none_gives_plain_content_and_auto_streams_as_it_answers(client, model_name):
-    kwargs = dict(model=model_name, messages=QUESTION, tools=TOOLS, **GREEDY)
+    kwargs = dict(model=model_name, messages=QUESTION, tools=TOOLS, **SHORT)
     plain = client.chat.completions.create(tool_choice="none", **kwargs).choices[0]
     assert plain.message.tool_calls is None and plain.message.content
     assert plain.finish_reason in ("stop", "length")
