@@ -279,10 +279,11 @@ def test_serve_whose_engine_cannot_start_names_the_cause(capsys):
     ("argv", "message"),
     [
         (["--reasoning-parser", "nope"], "unknown parser 'nope'; available: deepseek_r1, qwen3"),
+        (["--tool-call-parser", "nope"], "unknown parser 'nope'; available: hermes, llama3_json, mistral"),
         (["--tensor-parallel-size", "4", "--device", "cpu"], "cannot split 9 attention heads"),
         (["--data-parallel-size", "0", "--device", "cpu"], "must be >= 1"),
     ],
-    ids=["reasoning-parser", "heads", "dp-zero"],
+    ids=["reasoning-parser", "tool-call-parser", "heads", "dp-zero"],
 )
 def test_serve_refuses_bad_options_before_starting(capsys, argv, message):
     """One line on stderr and exit 2, before any process starts."""

@@ -166,6 +166,10 @@ def joined_calls(choices: list[dict[str, Any]]) -> list[dict[str, Any]]:
             {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
             "tools[0].function.parameters",
         ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"$schema": 5}}}]},
+            "tools[0].function.parameters",
+        ),
         ({"tools": [WEATHER, WEATHER]}, "tools"),
         ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
         (

@@ -54,6 +54,8 @@ class FunctionDefinition(OpenAIModel):
             jsonschema.validators.validator_for(v).check_schema(v)
         except jsonschema.SchemaError as exc:
             raise ValueError(f"is not a valid JSON schema: {exc.message}") from None
+        except Exception as exc:  # a malformed "$schema" and the like
+            raise ValueError(f"is not a valid JSON schema: {type(exc).__name__}: {exc}") from None
         if v.get("type", "object") != "object":
             raise ValueError(f"must be a schema of an object (type 'object'), got type {v['type']!r}")
         return v
