@@ -87,6 +87,15 @@ CASES: list[tuple[ToolParser, str, str | None, list[tuple[str, str]]]] = [
     (MistralToolParser(), "[TOOL_CALLS] oops", "[TOOL_CALLS] oops", []),
     (MistralToolParser(), "[TOOL_CALLS][1, 2]", "1, 2]", []),
     (MistralToolParser(), "Just text [TOOL", "Just text [TOOL", []),
+    (  # tokenizer v11: [TOOL_CALLS]name[ARGS]{...} per call
+        MistralToolParser(),
+        f"Sure. [TOOL_CALLS]get_weather[ARGS]{W_ARGS}[TOOL_CALLS]get_time[AR" + "GS]" + T_ARGS,
+        "Sure.",
+        [("get_weather", W_ARGS), ("get_time", T_ARGS)],
+    ),
+    (MistralToolParser(), "[TOOL_CALLS]f[ARGS]{}", None, [("f", "{}")]),
+    (MistralToolParser(), "[TOOL_CALLS]f[ARGS]oops", '[TOOL_CALLS]{"name": "f", "arguments": }oops', []),
+    (MistralToolParser(), "[TOOL_CALLS]no_args_marker", "[TOOL_CALLS]no_args_marker", []),
     # forced: tool_choice "required" and a named function
     (
         RequiredToolParser(),
