@@ -26,6 +26,7 @@ from fastdeploy.core.mm_item import MMItem
 from fastdeploy.core.outputs import RequestOutput
 from fastdeploy.core.request import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from fastdeploy.core.sampling_params import SamplingParams
+from fastdeploy.distributed import free_port_init_method
 from fastdeploy.engine.core_proc import engine_core_main, input_socket_name
 from fastdeploy.engine.dp_router import Router
 from fastdeploy.engine.feature_mirror import FeatureMirror
@@ -108,9 +109,12 @@ class AsyncLLM(EngineClient):
     """
 
     def __init__(self, config: EngineConfig):
-        self.config = config
         self.source = resolve_model(config.model)
         check_parallel_layout(config, self.source.arch)  # before any process starts
+        if config.parallel.expert_parallel_spans_replicas and not config.parallel.data_parallel_init_method:
+            parallel = dataclasses.replace(config.parallel, data_parallel_init_method=free_port_init_method())
+            config = dataclasses.replace(config, parallel=parallel)  # where the lockstep engine cores meet
+        self.config = config
         self.tokenizer = load_tokenizer(config.model, self.source)
         self.eos_token_ids = eos_ids_of(self.source.arch.eos_token_ids, self.tokenizer)
         self.vocab_size = self.source.arch.vocab_size

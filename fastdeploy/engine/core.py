@@ -159,7 +159,7 @@ class EngineCore:
             or bool(self._grammar_failures)
         )
 
-    def step(self) -> EngineCoreOutputs:
+    def step(self, even_if_idle: bool = False) -> EngineCoreOutputs:
         """Schedule one batch, run it, and return the new tokens and a stats snapshot.
 
         With async scheduling the batch is launched and the previous batch's tokens
@@ -167,6 +167,8 @@ class EngineCore:
         with a grammar get the bitmask of their next token: computed at scheduling time, or,
         with async scheduling, once step N's tokens have advanced their matchers (the worker
         runs step N+1's forward meanwhile and samples it when the bitmask arrives).
+        ``even_if_idle``: run the step with nothing scheduled too (the workers then run a dummy
+        forward: expert parallelism over data-parallel replicas needs every replica's forward).
         """
         if self._awaiting_grammar:
             self._admit_compiled()
@@ -174,7 +176,7 @@ class EngineCore:
                 wait([f for _, f in self._awaiting_grammar.values()], self.GRAMMAR_WAIT_S, FIRST_COMPLETED)
                 self._admit_compiled()
         failures, self._grammar_failures = self._grammar_failures, []
-        if not self.scheduler.has_unfinished_requests() and self._in_flight is None:
+        if not self.scheduler.has_unfinished_requests() and self._in_flight is None and not even_if_idle:
             return EngineCoreOutputs(outputs=failures, stats=self.scheduler.make_stats())
         scheduler_output = self.scheduler.schedule()
         outputs: list[EngineCoreOutput] = []

@@ -45,6 +45,8 @@ def engine_core_main(config: EngineConfig, ipc_dir: str) -> None:
     from fastdeploy.engine.multiproc_executor import MultiprocExecutor, WorkerDiedError
     from fastdeploy.model_executor.model_loader import resolve_model
 
+    lockstep = config.parallel.expert_parallel_spans_replicas
+    worker_init_method = join_replica_group(config) if lockstep else None
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
     inbox.connect(ipc_address(ipc_dir, input_socket_name(rank)))
@@ -53,7 +55,9 @@ def engine_core_main(config: EngineConfig, ipc_dir: str) -> None:
     core = None
     try:
         try:
-            executor_cls = functools.partial(MultiprocExecutor, ipc_dir=ipc_dir)
+            executor_cls = functools.partial(
+                MultiprocExecutor, ipc_dir=ipc_dir, init_method=worker_init_method
+            )
             core = EngineCore(config, resolve_model(config.model), executor_cls)
         except Exception as exc:
             outbox.send(
@@ -69,7 +73,10 @@ def engine_core_main(config: EngineConfig, ipc_dir: str) -> None:
             return
         ready = {"type": "ready", "max_model_len": core.max_model_len, "num_blocks": core.num_blocks}
         outbox.send(encode({**ready, "rank": rank}))
-        _run_loop(core, inbox, _Outbox(outbox, rank), WorkerDiedError)
+        if lockstep:
+            _run_lockstep_loop(core, inbox, _Outbox(outbox, rank), WorkerDiedError)
+        else:
+            _run_loop(core, inbox, _Outbox(outbox, rank), WorkerDiedError)
     finally:
         if core is not None:
             core.shutdown()
@@ -90,26 +97,32 @@ class _Outbox:
         self.socket.send(encode(message))
 
 
+def _receive(core, inbox, outbox: _Outbox, timeout_ms: int) -> bool:
+    """Apply the messages waiting (the first within ``timeout_ms``); True when one was ``shutdown``."""
+    while inbox.poll(timeout_ms):
+        message = decode(inbox.recv())
+        kind = message["type"]
+        if kind == "add":
+            request = EngineCoreRequest.from_wire(message["request"])
+            try:
+                core.add_request(request)
+            except ValueError as exc:
+                _send_outputs(outbox, [_rejected(request.request_id, str(exc))], None)
+        elif kind == "abort":
+            outputs = core.abort_requests(message["ids"])
+            _send_outputs(outbox, outputs.outputs, None)
+        elif kind == "shutdown":
+            return True
+        timeout_ms = 0
+    return False
+
+
 def _run_loop(core, inbox, outbox: _Outbox, worker_died_error: type[Exception]) -> None:
     idle_poll_ms = int(envs.FD_HEALTH_CHECK_INTERVAL_S * 1000)
     reported_idle = True
     while True:
-        timeout = 0 if core.has_unfinished_requests() else idle_poll_ms
-        while inbox.poll(timeout):
-            message = decode(inbox.recv())
-            kind = message["type"]
-            if kind == "add":
-                request = EngineCoreRequest.from_wire(message["request"])
-                try:
-                    core.add_request(request)
-                except ValueError as exc:
-                    _send_outputs(outbox, [_rejected(request.request_id, str(exc))], None)
-            elif kind == "abort":
-                outputs = core.abort_requests(message["ids"])
-                _send_outputs(outbox, outputs.outputs, None)
-            elif kind == "shutdown":
-                return
-            timeout = 0
+        if _receive(core, inbox, outbox, 0 if core.has_unfinished_requests() else idle_poll_ms):
+            return
         try:
             if core.has_unfinished_requests():
                 outputs = core.step()
@@ -124,6 +137,69 @@ def _run_loop(core, inbox, outbox: _Outbox, worker_died_error: type[Exception]) 
             logger.error("%s", exc)
             outbox.send({"type": "dead", "error": str(exc)})
             return
+
+
+LOCKSTEP_IDLE_POLL_MS = 5
+"""How long an idle engine core of a lockstep group waits for requests before the next "has work" exchange."""
+
+
+def join_replica_group(config: EngineConfig) -> str:
+    """Join the engine cores of every data-parallel replica (gloo, at ``data_parallel_init_method``)
+    and agree on where their workers meet (rank 0 picks a free port): returned as ``tcp://...``."""
+    import torch.distributed as dist
+
+    from fastdeploy.distributed import free_port_init_method
+
+    parallel = config.parallel
+    dist.init_process_group(
+        "gloo",
+        init_method=parallel.data_parallel_init_method,
+        world_size=parallel.data_parallel_size,
+        rank=parallel.data_parallel_rank,
+    )
+    chosen = [free_port_init_method() if parallel.data_parallel_rank == 0 else None]
+    dist.broadcast_object_list(chosen, src=0)
+    return chosen[0]
+
+
+def _run_lockstep_loop(core, inbox, outbox: _Outbox, worker_died_error: type[Exception]) -> None:
+    """The loop of an engine core whose MoE layers span the data-parallel replicas: before every
+    step the engine cores all-reduce (has work, shutting down); while any has work every one
+    steps (an idle one with nothing scheduled: its workers run a dummy forward), so the
+    workers' all-to-alls always meet. A shutdown of one stops all; a dead peer fails this one."""
+    import torch
+    import torch.distributed as dist
+
+    reported_idle = True
+    try:
+        while True:
+            busy = core.has_unfinished_requests()
+            stopping = _receive(core, inbox, outbox, 0 if busy else LOCKSTEP_IDLE_POLL_MS)
+            flags = torch.tensor([int(core.has_unfinished_requests()), int(stopping)])
+            try:
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            except RuntimeError as exc:
+                raise worker_died_error(
+                    f"an engine core of another data-parallel replica stopped: {exc}"
+                ) from None
+            if flags[1]:
+                return
+            if flags[0]:
+                had_work = core.has_unfinished_requests()
+                outputs = core.step(even_if_idle=True)
+                if had_work or outputs.outputs:
+                    _send_outputs(outbox, outputs.outputs, outputs.stats)
+                    reported_idle = False
+                    continue
+            core.executor.check_health()
+            if not reported_idle:
+                _send_outputs(outbox, [], core.scheduler.make_stats())
+                reported_idle = True
+    except worker_died_error as exc:
+        logger.error("%s", exc)
+        outbox.send({"type": "dead", "error": str(exc)})
+    finally:
+        dist.destroy_process_group()
 
 
 def _rejected(request_id: str, message: str) -> EngineCoreOutput:

@@ -30,7 +30,7 @@ def config(**kwargs) -> EngineConfig:
         ),
         ({}, {}, "tensor_parallel_size or data_parallel_size > 1"),
         ({"num_experts": 6}, {"tensor_parallel_size": 2, "data_parallel_size": 2}, "6 experts"),
-        ({}, {"data_parallel_size": 2, "async_scheduling": True}, "not implemented"),
+        ({}, {"data_parallel_size": 2, "async_scheduling": True}, "async_scheduling"),
     ],
     ids=["dense-model", "one-worker", "uneven-experts", "dp-async"],
 )
@@ -43,6 +43,7 @@ def test_possible_layouts_pass_and_replicas_step_synchronously():
     arch = ModelArchConfig.from_dict(MOE)
     check_parallel_layout(config(tensor_parallel_size=2), arch)
     dp = config(data_parallel_size=2)
+    check_parallel_layout(dp, arch)
     assert dp.parallel.expert_parallel_spans_replicas
     assert not config(tensor_parallel_size=2).parallel.expert_parallel_spans_replicas
     assert resolve_async_scheduling(dp) is False
