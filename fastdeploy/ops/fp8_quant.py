@@ -35,6 +35,15 @@ def _to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
+def _triton_quant():
+    """The Triton activation quantization (one kernel, identical bits) for CUDA tensors, or None
+    (no triton, or ``FD_DISABLE_CUSTOM_OPS=1``)."""
+    from fastdeploy import envs
+    from fastdeploy.ops.layer_ops import triton_module
+
+    return None if envs.FD_DISABLE_CUSTOM_OPS else triton_module("triton_fp8_quant")
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -103,10 +112,12 @@ def quantize_activation_per_token_group(
 
     Returns ``(x_fp8 [M, K] float8_e4m3fn, scale [M, ceil(K/group)] float32)`` with
     ``x[m, k] ≈ x_fp8[m, k].float() * scale[m, k // group]`` (the 1 x 128 activation scales
-    that pair with 128 x 128 weight blocks).
+    that pair with 128 x 128 weight blocks). On CUDA one Triton kernel computes the same bits.
     """
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D [M, K], got shape {tuple(x.shape)}")
+    if x.is_cuda and x.stride(-1) == 1 and (kernels := _triton_quant()) is not None:
+        return kernels.quantize_activation_per_token_group(x, group)
     m, k = x.shape
     groups = _cdiv(k, group)
     padded = torch.nn.functional.pad(x.float(), (0, groups * group - k)).view(m, groups, group)
