@@ -16,6 +16,10 @@ class PromptTooLongError(ValueError):
     """The prompt (plus requested output) does not fit the model's context."""
 
 
+class PromptTokenError(ValueError):
+    """A prompt token id outside the model's vocabulary (a client's ids, or a mismatched tokenizer)."""
+
+
 class InputProcessor:
     """Turns user prompts into engine-core requests."""
 
@@ -56,6 +60,14 @@ class InputProcessor:
                 f"the prompt has {len(prompt_token_ids)} tokens, but this model's maximum context length is "
                 f"{self.max_model_len} tokens (prompt plus at least one generated token)"
             )
+        if self.vocab_size is not None:
+            low, high = min(prompt_token_ids), max(prompt_token_ids)
+            if low < 0 or high >= self.vocab_size:
+                bad = low if low < 0 else high
+                raise PromptTokenError(
+                    f"prompt token id {bad} is out of range (vocabulary size {self.vocab_size}); "
+                    "does the tokenizer belong to this model?"
+                )
 
     def make_core_requests(
         self,

@@ -116,6 +116,16 @@ def test_too_many_prompts_is_400(server, model_name):
     assert error["param"] == "prompt" and "256" in error["message"]
 
 
+@pytest.mark.parametrize("token_id", [49152, 10**9])
+def test_prompt_token_id_outside_the_vocabulary_is_400(server, model_name, token_id):
+    with server.http() as client:
+        response = client.post(
+            COMPLETIONS_PATH, json={"model": model_name, "prompt": [1, token_id], "max_tokens": 1}
+        )
+    error = server.check_error(response, 400)
+    assert error["param"] == "prompt" and str(token_id) in error["message"], error
+
+
 @pytest.mark.parametrize("path", [COMPLETIONS_PATH, "/tokenize"])
 def test_prompt_far_over_the_context_is_refused_without_tokenizing(server, model_name, path):
     body = {"model": model_name, "prompt": "hello " * 1_000_000}  # 6 MB: under the body limit

@@ -24,7 +24,7 @@ from starlette.types import Receive, Scope, Send
 
 from fastdeploy.core.outputs import RequestOutput
 from fastdeploy.core.sampling_params import SamplingParams, SamplingParamsError
-from fastdeploy.engine.input_processor import PromptTooLongError
+from fastdeploy.engine.input_processor import PromptTokenError, PromptTooLongError
 from fastdeploy.engine.protocol import EngineClient, EngineDeadError
 from fastdeploy.entrypoints.openai.errors import (
     BadRequestError,
@@ -80,6 +80,8 @@ def to_openai_error(exc: BaseException) -> OpenAIError:
         return BadRequestError(str(exc), param=exc.param)
     if isinstance(exc, PromptTooLongError):  # the engine's own length check
         return BadRequestError(str(exc), param="prompt", code="context_length_exceeded")
+    if isinstance(exc, PromptTokenError):
+        return BadRequestError(str(exc), param="prompt")
     logger.exception("error while serving a request", exc_info=exc)
     return InternalServerError(f"Internal server error: {type(exc).__name__}: {exc}")
 

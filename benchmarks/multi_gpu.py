@@ -1,0 +1,388 @@
+"""Multi-GPU benchmark of issue #22: tensor and data parallelism on one host, with correctness.
+
+One run writes ``results.json`` and prints a markdown summary; every section is independent
+(a failure is recorded and the run goes on)::
+
+    python benchmarks/multi_gpu.py --out /tmp/mgpu                       # every section, 2 GPUs
+    python benchmarks/multi_gpu.py --sections correctness --default-model /tmp/SmolLM2.gguf
+    python benchmarks/multi_gpu.py --sections dp --tokenizer /path/to/tokenizer_dir
+    python benchmarks/multi_gpu.py --device cpu --smoke --out /tmp/smoke   # checks the script (gloo)
+
+Sections:
+
+* ``correctness``: greedy tokens in float32 at TP=1 and TP=N on the same device kind: a tiny
+  random Llama and a tiny random Qwen3-MoE (saved with ``transformers`` in a temporary folder,
+  whose ``generate`` is the reference too) and, with ``--default-model``, the default model.
+* ``tp``: the Llama-3.1-8B shape with dummy bf16 weights at TP=1 and TP=N: batch-1 inter-token
+  latency (CUDA graphs on) and offline output tokens/s for ``--num-prompts`` x ``--input-len``
+  / ``--output-len`` (greedy, EOS ignored).
+* ``dp``: ``fastdeploy serve`` at DP=1 and DP=N on the same model, each driven by
+  ``fastdeploy bench serve`` (random prompts, all sent at once): online output tokens/s and
+  the DP=N / DP=1 ratio (issue target: >= 1.9x at N=2). Needs ``--tokenizer``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")):
+    os.environ.setdefault(_name, _value)  # NVLink multicast stays off (device tool's rule)
+os.environ.setdefault("PYTHONUNBUFFERED", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from gpubench.engine_bench import greedy, measure_itl  # noqa: E402
+from gpubench.measure import error_text, free_memory, random_prompts  # noqa: E402
+from gpubench.settings import MODEL_8B, TINY_OVERRIDES  # noqa: E402
+
+SECTIONS = ("correctness", "tp", "dp")
+ITL_PROMPT_LEN = 32
+"""Prompt tokens of the batch-1 latency request."""
+
+
+def log(message: str) -> None:
+    """One timestamped progress line on stderr."""
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+# ---- correctness ---------------------------------------------------------------------------------
+
+
+def save_tiny_models(folder: Path) -> dict[str, Path]:
+    """A tiny random Llama and Qwen3-MoE saved with ``transformers`` (float32, fixed seeds)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    common = dict(vocab_size=512, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=False)  # fmt: skip
+    specs = {
+        "tiny-llama": (LlamaForCausalLM, LlamaConfig(intermediate_size=128, **common)),
+        "tiny-qwen3-moe": (
+            Qwen3MoeForCausalLM,
+            Qwen3MoeConfig(
+                intermediate_size=128,
+                moe_intermediate_size=32,
+                num_experts=8,
+                num_experts_per_tok=2,
+                norm_topk_prob=True,
+                decoder_sparse_step=1,
+                **common,
+            ),
+        ),  # fmt: skip
+    }
+    paths = {}
+    for name, (cls, config) in specs.items():
+        torch.manual_seed(0)
+        model = cls(config).float().eval()
+        paths[name] = folder / name
+        model.save_pretrained(paths[name])
+    return paths
+
+
+def engine_tokens(
+    model: str, prompts: list[list[int]], tp: int, device: str, max_tokens: int
+) -> list[list[int]]:
+    """The offline engine's greedy tokens in float32 at tensor-parallel size ``tp``."""
+    from fastdeploy import LLM
+
+    llm = LLM(model=model, tensor_parallel_size=tp, dtype="float32", device=device, max_model_len=256,
+              kv_cache_memory=0.05, num_threads=1 if device == "cpu" else None)  # fmt: skip
+    try:
+        outs = llm.generate(prompts, greedy(max_tokens))
+        return [list(o.outputs[0].token_ids) for o in outs]
+    finally:
+        llm.shutdown()
+        free_memory(torch.device(device))
+
+
+def reference_tokens(model: str, prompts: list[list[int]], device: str, max_tokens: int) -> list[list[int]]:
+    """``transformers`` ``generate`` (greedy, EOS ignored) on the same float32 checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).to(device).eval()
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = ref.generate(torch.tensor([p], device=device), max_new_tokens=max_tokens, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)  # fmt: skip
+            out.append(ids[0, len(p) :].tolist())
+    del ref
+    return out
+
+
+def correctness(args: argparse.Namespace) -> dict[str, Any]:
+    """TP=1 and TP=N greedy tokens (and transformers' for the tiny models) on each model."""
+    rows = []
+    prompts = [[5, 17, 42, 99, 3], [250, 1, 7], [11] * 9, list(range(30, 70))]
+    with tempfile.TemporaryDirectory() as tmp:
+        models: dict[str, tuple[str, bool]] = {
+            n: (str(p), True) for n, p in save_tiny_models(Path(tmp)).items()
+        }
+        if args.default_model:
+            models["default (SmolLM2-135M GGUF)"] = (args.default_model, False)
+        for name, (path, has_reference) in models.items():
+            row: dict[str, Any] = {"model": name, "tp": args.tp}
+            try:
+                one = engine_tokens(path, prompts, 1, args.device, args.correctness_tokens)
+                many = engine_tokens(path, prompts, args.tp, args.device, args.correctness_tokens)
+                row["tp1_equals_tpn"] = one == many
+                if has_reference:
+                    row["tp1_equals_transformers"] = one == reference_tokens(
+                        path, prompts, args.device, args.correctness_tokens
+                    )
+                row["tokens_tp1"], row["tokens_tpn"] = one, many
+            except Exception:
+                row["error"] = error_text()
+            log(f"correctness {name}: { ({k: v for k, v in row.items() if not k.startswith('tokens')}) }")
+            rows.append(row)
+    return {"rows": rows}
+
+
+# ---- tensor parallelism: latency and offline throughput -------------------------------------------
+
+
+def dummy_engine(args: argparse.Namespace, tp: int, **kwargs: Any) -> Any:
+    """The dummy-weight bf16 engine of ``--model`` at tensor-parallel size ``tp``."""
+    from fastdeploy import LLM
+
+    extra: dict[str, Any] = {"hf_config_overrides": dict(TINY_OVERRIDES)} if args.smoke else {}
+    if args.device == "cpu":
+        extra.update(num_threads=1, kv_cache_memory=0.05)
+    return LLM(model=args.model, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+               seed=0, device=args.device, tensor_parallel_size=tp, **extra, **kwargs)  # fmt: skip
+
+
+def tp_run(args: argparse.Namespace, tp: int) -> dict[str, Any]:
+    """Batch-1 ITL and offline throughput at tensor-parallel size ``tp`` (one engine for both)."""
+    from fastdeploy.config import ModelConfig
+    from fastdeploy.model_executor.model_loader import resolve_model
+
+    overrides = dict(TINY_OVERRIDES) if args.smoke else {}
+    vocab = resolve_model(ModelConfig(model=args.model, hf_config_overrides=overrides)).arch.vocab_size
+    max_len = -(-(max(args.input_len + args.output_len, ITL_PROMPT_LEN + args.itl_tokens) + 1) // 16) * 16
+    llm = dummy_engine(args, tp, max_model_len=max_len, max_num_seqs=args.num_prompts,
+                       max_num_batched_tokens=args.max_num_batched_tokens)  # fmt: skip
+    try:
+        row: dict[str, Any] = {"tp": tp}
+        itl_prompts = random_prompts(1, ITL_PROMPT_LEN, vocab, 1)
+        row |= {f"batch1_{k}": v for k, v in measure_itl(llm, itl_prompts, args.itl_tokens).items()}
+        prompts = random_prompts(args.num_prompts, args.input_len, vocab, 0)
+        llm.generate(random_prompts(min(32, args.num_prompts), args.input_len, vocab, 2), greedy(4))
+        start = time.perf_counter()
+        outs = llm.generate(prompts, greedy(args.output_len))
+        elapsed = time.perf_counter() - start
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        row |= {"elapsed_s": elapsed, "output_tokens": tokens, "output_tok_per_s": tokens / elapsed}
+        return row
+    finally:
+        llm.shutdown()
+        free_memory(torch.device(args.device))
+
+
+def tensor_parallel(args: argparse.Namespace) -> dict[str, Any]:
+    """:func:`tp_run` at TP=1 and TP=N."""
+    rows = []
+    for tp in (1, args.tp):
+        try:
+            rows.append(tp_run(args, tp))
+        except Exception:
+            rows.append({"tp": tp, "error": error_text()})
+        log(f"tp={tp}: {rows[-1]}")
+    return {"rows": rows}
+
+
+# ---- data parallelism: online throughput through fastdeploy serve ---------------------------------
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    """Poll ``/health`` until it answers 200; raise if the server exits or the time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"server not healthy after {timeout_s} s")
+
+
+def serve_and_bench(args: argparse.Namespace, dp: int, out: Path) -> dict[str, Any]:
+    """Start ``fastdeploy serve`` at data-parallel size ``dp``, run ``fastdeploy bench serve``, stop it."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    serve = [sys.executable, "-m", "fastdeploy.entrypoints.cli.main", "serve", "--model", args.model,
+             "--load-format", "dummy", "--tokenizer", args.tokenizer, "--dtype", "bfloat16",
+             "--device", args.device, "--data-parallel-size", str(dp), "--port", str(port),
+             "--max-model-len", str(-(-(args.input_len + args.output_len + 1) // 16) * 16)]  # fmt: skip
+    if args.smoke:
+        serve += [
+            "--hf-config-overrides",
+            json.dumps(TINY_OVERRIDES),
+            "--num-threads",
+            "1",
+            "--kv-cache-memory",
+            "0.05",
+        ]
+    log_file = open(out / f"serve_dp{dp}.log", "w")
+    proc = subprocess.Popen(serve, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_healthy(url, proc, args.server_timeout_s)
+        result = out / f"bench_dp{dp}.json"
+        bench = [sys.executable, "-m", "fastdeploy.entrypoints.cli.main", "bench", "serve", "--base-url", url,
+                 "--dataset-name", "random", "--num-prompts", str(args.num_prompts), "--input-len",
+                 str(args.input_len), "--output-len", str(args.output_len), "--ignore-eos", "--disable-tqdm",
+                 "--tokenizer", args.tokenizer, "--save-result", str(result)]  # fmt: skip
+        done = subprocess.run(bench, capture_output=True, text=True, timeout=args.server_timeout_s)
+        if done.returncode != 0:
+            raise RuntimeError(
+                f"bench serve failed ({done.returncode}): {(done.stdout + done.stderr)[-2000:]}"
+            )
+        data = json.loads(result.read_text())
+        keys = ("output_throughput", "request_throughput", "median_ttft_ms", "median_tpot_ms", "p99_itl_ms",
+                "completed", "total_output_tokens", "duration")  # fmt: skip
+        return {"dp": dp} | {k: data.get(k) for k in keys}
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log_file.close()
+
+
+def data_parallel(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """:func:`serve_and_bench` at DP=1 and DP=N, and the throughput ratio."""
+    if not args.tokenizer:
+        return {"error": "--tokenizer is needed for the dp section"}
+    rows = []
+    for dp in (1, args.tp):
+        try:
+            rows.append(serve_and_bench(args, dp, out))
+        except Exception:
+            rows.append({"dp": dp, "error": error_text()})
+        log(f"dp={dp}: {rows[-1]}")
+    result: dict[str, Any] = {"rows": rows}
+    if all(r.get("output_throughput") for r in rows):
+        result["dp_speedup"] = rows[1]["output_throughput"] / rows[0]["output_throughput"]
+    return result
+
+
+# ---- report ---------------------------------------------------------------------------------------
+
+
+def render(results: dict[str, Any]) -> str:
+    """Markdown tables of the measured numbers (for docs/benchmarks.md)."""
+    lines = [f"device: {results.get('device')}", ""]
+    corr = results.get("correctness", {}).get("rows", [])
+    if corr:
+        lines += ["| model | TP=1 == TP=N | TP=1 == transformers |", "| --- | --- | --- |"]
+        lines += [f"| {r['model']} | {r.get('tp1_equals_tpn', r.get('error', '')[-80:])} | "
+                  f"{r.get('tp1_equals_transformers', '-')} |" for r in corr]  # fmt: skip
+        lines.append("")
+    tp_rows = results.get("tp", {}).get("rows", [])
+    if tp_rows:
+        lines += [
+            "| TP | batch-1 ITL mean (ms) | p50 (ms) | offline output tok/s |",
+            "| ---: | ---: | ---: | ---: |",
+        ]
+        for r in tp_rows:
+            if "error" in r:
+                lines.append(f"| {r['tp']} | error: {r['error'][-120:]} | | |")
+            else:
+                lines.append(f"| {r['tp']} | {r['batch1_itl_ms_mean']:.2f} | {r['batch1_itl_ms_p50']:.2f} | "
+                             f"{r['output_tok_per_s']:,.0f} |")  # fmt: skip
+        lines.append("")
+    dp = results.get("dp", {})
+    if dp.get("rows"):
+        lines += ["| DP | online output tok/s | median TTFT (ms) | median TPOT (ms) | P99 ITL (ms) |",
+                  "| ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+        for r in dp["rows"]:
+            if "error" in r:
+                lines.append(f"| {r['dp']} | error: {r['error'][-120:]} | | | |")
+            else:
+                lines.append(f"| {r['dp']} | {r['output_throughput']:,.0f} | {r['median_ttft_ms']:.0f} | "
+                             f"{r['median_tpot_ms']:.1f} | {r['p99_itl_ms']:.0f} |")  # fmt: skip
+        if "dp_speedup" in dp:
+            lines.append(f"\nDP speed-up: {dp['dp_speedup']:.2f}x")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the chosen sections, saving results.json after each."""
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--sections", default=",".join(SECTIONS))
+    parser.add_argument("--out", default="multi_gpu_results")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tp", type=int, default=2, help="the parallel size compared with 1 (TP and DP)")
+    parser.add_argument(
+        "--model", default=MODEL_8B, help="dummy-weight config folder of the tp and dp sections"
+    )
+    parser.add_argument("--tokenizer", default=None, help="tokenizer folder for the dp section")
+    parser.add_argument("--default-model", default=None, help="path of the default model's GGUF file")
+    parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--input-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--itl-tokens", type=int, default=128)
+    parser.add_argument("--correctness-tokens", type=int, default=24)
+    parser.add_argument("--server-timeout-s", type=float, default=400)
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes: checks the script only")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.num_prompts, args.input_len, args.output_len, args.itl_tokens = 4, 16, 8, 8
+        args.max_num_batched_tokens, args.correctness_tokens = 64, 4
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = (
+        torch.cuda.get_device_name(0) + f" x{torch.cuda.device_count()}" if args.device == "cuda" else "cpu"
+    )
+    results: dict[str, Any] = {"device": device, "args": vars(args)}
+    sections = [s for s in args.sections.split(",") if s]
+    for name in sections:
+        start = time.perf_counter()
+        log(f"section {name}")
+        try:
+            if name == "correctness":
+                results[name] = correctness(args)
+            elif name == "tp":
+                results[name] = tensor_parallel(args)
+            elif name == "dp":
+                results[name] = data_parallel(args, out)
+            else:
+                raise SystemExit(f"unknown section {name}; choose from {', '.join(SECTIONS)}")
+        except Exception:
+            results[name] = {"error": error_text()}
+        results[name]["wall_s"] = time.perf_counter() - start
+        (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    print(render(results), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
