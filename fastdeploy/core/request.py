@@ -95,11 +95,16 @@ class SchedulerStats:
     """Multimodal items whose features the worker already held (not sent again)."""
     encoder_cache_misses: int = 0
     """Multimodal items whose features were sent to the worker."""
+    moe_load_imbalance: float | None = None
+    """Mixture-of-experts models: the last step's max / mean routed tokens per expert-parallel rank
+    (per expert without expert parallelism); None for dense models or before any step."""
 
     def accumulate(self, newer: SchedulerStats) -> None:
         """Take ``newer``'s gauges and add its per-interval counters to ours."""
         self.num_running, self.num_waiting = newer.num_running, newer.num_waiting
         self.kv_cache_usage = newer.kv_cache_usage
+        if newer.moe_load_imbalance is not None:
+            self.moe_load_imbalance = newer.moe_load_imbalance
         self.prefix_cache_queries += newer.prefix_cache_queries
         self.prefix_cache_hits += newer.prefix_cache_hits
         self.num_preemptions += newer.num_preemptions

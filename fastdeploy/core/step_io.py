@@ -187,6 +187,9 @@ class ModelRunnerOutput:
     """Requests that asked for prompt logprobs and prefilled this step → ``[first prompt index,
     entries]``: one entry ``[top ids, top logprobs, token logprob, token rank]`` per prompt token
     that this step's positions predict (index 1 is the second prompt token)."""
+    moe_load_imbalance: float | None = None
+    """Mixture-of-experts models: max / mean of the (token, expert) pairs routed per expert-parallel
+    rank (per expert without expert parallelism) in this step, over all MoE layers."""
 
     def to_wire(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

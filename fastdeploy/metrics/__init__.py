@@ -53,7 +53,16 @@ class _SchedulerGauges(Collector):
         ("fastdeploy:num_requests_running", "Requests in the running batch.", "num_running"),
         ("fastdeploy:num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting"),
         ("fastdeploy:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1).", "kv_cache_usage"),
+        (
+            "fastdeploy:moe_load_imbalance",
+            "Mixture-of-experts models: max / mean of the tokens routed per expert-parallel rank (per "
+            "expert without expert parallelism) in the last step, over all MoE layers (1 = balanced).",
+            "moe_load_imbalance",
+        ),
     )
+
+    OPTIONAL = frozenset({"moe_load_imbalance"})
+    """Fields whose family is exported only once an engine core reports a value (MoE models)."""
 
     def __init__(self) -> None:
         self.snapshots: dict[tuple[tuple[str, str], ...], SchedulerStats] = {}
@@ -64,8 +73,11 @@ class _SchedulerGauges(Collector):
         for name, doc, field in self.FAMILIES:
             family = Metric(name, doc, "gauge")
             for labels, stats in snapshots:
-                family.add_sample(name, dict(labels), float(getattr(stats, field)))
-            yield family
+                value = getattr(stats, field)
+                if value is not None:
+                    family.add_sample(name, dict(labels), float(value))
+            if family.samples or field not in self.OPTIONAL:
+                yield family
 
 
 _scheduler_gauges = _SchedulerGauges()

@@ -86,6 +86,8 @@ class Scheduler:
         self._dropped_req_ids: list[str] = []
         self._step_id = 0
         self._num_preemptions = 0
+        self.moe_load_imbalance: float | None = None
+        """The worker's MoE load-balance figure of the last step that routed tokens (metrics)."""
 
     # ---- requests in and out -------------------------------------------------------
 
@@ -276,6 +278,8 @@ class Scheduler:
         0`` ends right after its prefill (reason ``length``): the token sampled there is dropped.
         """
         outputs = []
+        if runner_output.moe_load_imbalance is not None:
+            self.moe_load_imbalance = runner_output.moe_load_imbalance
         for req_id, (first_index, entries) in (runner_output.prompt_logprobs or {}).items():
             request = self.requests.get(req_id)
             if request is not None and request.prompt_logprobs is not None:
@@ -323,6 +327,7 @@ class Scheduler:
             prefix_cache_queries=self.kv.prefix_cache_queries,
             prefix_cache_hits=self.kv.prefix_cache_hits,
             num_preemptions=self._num_preemptions,
+            moe_load_imbalance=self.moe_load_imbalance,
         )
         stats.encoder_cache_hits, stats.encoder_cache_misses = self.encoder_cache.take_stats()
         self.kv.prefix_cache_queries = self.kv.prefix_cache_hits = 0

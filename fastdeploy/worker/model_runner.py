@@ -15,6 +15,7 @@ from fastdeploy.distributed import tp_broadcast, tp_size
 from fastdeploy.model_executor.attention.backend import AttentionMetadata
 from fastdeploy.model_executor.attention.forward_context import set_forward_context
 from fastdeploy.model_executor.attention.metadata import CommonAttentionMetadata
+from fastdeploy.model_executor.layers.fused_moe import FusedMoE, take_load_imbalance
 from fastdeploy.model_executor.layers.linear import prepack_linear_weights
 from fastdeploy.model_executor.layers.parallel_linear import local_heads
 from fastdeploy.model_executor.model_loader import ModelSource, load_model, resolve_dtype
@@ -78,6 +79,8 @@ class ModelRunner:
             bidirectional = config.model.mm_bidirectional_attention
             self.mm = MultimodalBatchState(source.arch.mm, device, self.dtype, bidirectional)
         self.model: torch.nn.Module | None = None
+        self.moe_layers: list[FusedMoE] = []
+        """The model's mixture-of-experts layers (their routed-token counts feed the load-balance metric)."""
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         pinned = device.type == "cuda"
         rows = config.scheduler.max_num_seqs
@@ -105,6 +108,7 @@ class ModelRunner:
 
     def load_model(self) -> None:
         self.model = load_model(self.config.model, self.source, self.device, self.dtype)
+        self.moe_layers = [m for m in self.model.modules() if isinstance(m, FusedMoE)]
         if self.device.type == "cpu":
             prepack_linear_weights(self.model)
 
@@ -429,7 +433,13 @@ class ModelRunner:
             self.any_running = get_stop(self._stop_flag_host)
         self._trace("save_end", state.step_id)
         return ModelRunnerOutput(
-            state.step_id, state.req_ids, tokens, stopped, logprobs, state.prompt_logprobs
+            state.step_id,
+            state.req_ids,
+            tokens,
+            stopped,
+            logprobs,
+            state.prompt_logprobs,
+            moe_load_imbalance=take_load_imbalance(self.moe_layers),
         )
 
     def _trace(self, stage: str, step_id: int) -> None:

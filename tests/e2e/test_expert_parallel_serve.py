@@ -85,7 +85,10 @@ def test_greedy_tokens_equal_transformers_on_both_ranks_and_with_one_idle(dp_ep_
     for prompt, tokens in zip(TOKEN_PROMPTS, expected):  # one request: the other rank runs dummy steps
         assert asyncio.run(completions(dp_ep_server, [prompt])) == [tokens]
     assert asyncio.run(completions(dp_ep_server, TOKEN_PROMPTS)) == expected  # again: prefix-cache hits
-    assert dp_ep_server.metrics()["fastdeploy:prefix_cache_hits_total"] > 0
+    metrics = dp_ep_server.metrics()
+    assert metrics["fastdeploy:prefix_cache_hits_total"] > 0
+    for rank in (0, 1):  # tokens per EP rank, max / mean: between balanced (1) and all on one rank (2)
+        assert 1.0 <= metrics[f"fastdeploy:moe_load_imbalance{{engine={rank}}}"] <= 2.0
 
 
 def test_a_dead_engine_core_fails_health_and_sigterm_stops_all(dp_ep_server):

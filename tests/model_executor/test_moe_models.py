@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from fastdeploy.model_executor.layers.fused_moe import FusedMoE, select_experts
+from fastdeploy.model_executor.layers.fused_moe import FusedMoE, select_experts, take_load_imbalance
 from fastdeploy.model_executor.models.qwen_moe import is_sparse_layer
 from fastdeploy.transformers_utils.config import ModelArchConfig
 from tests.greedy_tokens import (
@@ -129,3 +129,17 @@ def test_tiny_random_moe_models_equal_transformers(tmp_path, config_cls, model_c
     assert len({tuple(t) for t in expected}) > 1  # the prompts' continuations differ
     engine = dict(CHUNKED_PREFIX_CACHED, enable_expert_parallel=ep)
     assert engine_greedy_tokens(str(tmp_path), TOKEN_PROMPTS, MAX_TOKENS, tp, passes=2, **engine) == expected
+
+
+def test_load_imbalance_is_max_over_mean_routed_pairs_and_resets():
+    torch.manual_seed(3)
+    layers = [FusedMoE(4, 2, 8, 6, renormalize=True) for _ in range(2)]
+    for layer in layers:
+        torch.nn.init.normal_(layer.gate_up_proj)
+        torch.nn.init.normal_(layer.down_proj)
+    logits = torch.tensor([[9.0, 8.0, 0.0, 0.0]] * 3)  # 3 tokens → experts 0 and 1
+    layers[0](torch.randn(3, 8), logits)
+    layers[1](torch.randn(1, 8), torch.tensor([[0.0, 0.0, 9.0, 8.0]]))  # 1 token → experts 2 and 3
+    assert take_load_imbalance(layers) == pytest.approx(3 * 4 / 8)  # counts [3, 3, 1, 1]: max 3, mean 2
+    assert take_load_imbalance(layers) is None  # read once: nothing routed since
+    assert take_load_imbalance([]) is None

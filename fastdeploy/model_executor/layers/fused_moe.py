@@ -111,6 +111,8 @@ class FusedMoE(nn.Module):
         down_shapes = {f"{e}.down_proj": (hidden_size, intermediate_size) for e in range(num_experts)}
         set_weight_loader(self.gate_up_proj, self.load_expert_shard, gate_up_shapes)
         set_weight_loader(self.down_proj, self.load_expert_shard, down_shapes)
+        self.register_buffer("routed_tokens", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
+        """(token, expert) pairs routed to each expert since :func:`take_load_imbalance` last read them."""
         self.fp8 = Fp8MoEMethod.from_config(quant_config)
         if self.fp8 is not None:
             self.fp8.create_weights(self)
@@ -163,6 +165,8 @@ class FusedMoE(nn.Module):
         ``shared`` (this rank's partial output of the block's shared experts), summed over the
         tensor-parallel ranks: one all-reduce of routed + shared partials."""
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize, correction_bias)
+        flat_ids = ids.reshape(-1)
+        self.routed_tokens.index_add_(0, flat_ids, torch.ones_like(flat_ids))  # on the device, no sync
         if self.ep_size > 1:
             out = self.expert_parallel_experts(hidden, weights, ids)
             if shared is not None:
@@ -239,3 +243,17 @@ class FusedMoE(nn.Module):
         out = torch.zeros_like(hidden)
         out.index_add_(0, token_of, expert_out * sorted_weights)
         return out
+
+
+def take_load_imbalance(layers: list[FusedMoE]) -> float | None:
+    """Max / mean of the (token, expert) pairs routed per expert-parallel rank (per expert without
+    expert parallelism), summed over ``layers`` since the last call, which resets them; None when
+    nothing was routed. Read once per step by the worker, for the metrics."""
+    if not layers:
+        return None
+    counts = torch.stack([layer.routed_tokens for layer in layers]).sum(0)
+    for layer in layers:
+        layer.routed_tokens.zero_()
+    per_rank = counts.view(layers[0].ep_size, -1).sum(1) if layers[0].ep_size > 1 else counts
+    total = int(per_rank.sum())
+    return None if total == 0 else float(per_rank.max()) * len(per_rank) / total
