@@ -2,6 +2,10 @@
 
 __version__ = "0.1.0"
 
+from fastdeploy.platforms.backend import activate_from_env  # noqa: E402
+
+activate_from_env()  # FD_BACKEND=paddle: bind `import torch` to Paddle before any module imports it
+
 from fastdeploy.core.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from fastdeploy.core.sampling_params import SamplingParams  # noqa: E402
 

@@ -16,6 +16,11 @@ def _bool(name: str, default: str) -> Callable[[], bool]:
 
 
 _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
+    "FD_BACKEND": (
+        lambda: os.environ.get("FD_BACKEND", "auto").strip().lower() or "auto",
+        "Tensor backend: torch, paddle (PaddlePaddle 3.x through its torch-compat proxy, docs/paddle.md) "
+        "or auto (torch when installed, else paddle). Set by --backend; child processes inherit it.",
+    ),
     "FD_LOG_LEVEL": (lambda: os.environ.get("FD_LOG_LEVEL", "INFO").upper(), "Log level of all processes."),
     "FD_CACHE_DIR": (
         lambda: os.path.expanduser(os.environ.get("FD_CACHE_DIR", "~/.cache/fastdeploy")),
