@@ -69,6 +69,7 @@ def _module_attributes() -> dict[str, Any]:
         # the proxy's torch.device is the module paddle.device, not callable through the proxy
         "device": paddle.device.Device,
         "where": _where,
+        "narrow": lambda input, dim, start, length: input.narrow(dim, start, length),
         "eye": _eye,
         "set_num_threads": _set_num_threads,
         "get_num_threads": _get_num_threads,
@@ -115,7 +116,14 @@ def _torch_semantics_methods() -> dict[str, Callable[..., Any]]:
             return self.reshape(list(shape[0]) if isinstance(shape[0], (list, tuple)) else list(shape))
         return original_view(self, *shape, **kwargs)  # Paddle cannot view a 0-d tensor
 
-    methods = {"split": split, "view": view}
+    def narrow(self, dim: int, start: int, length: int):
+        """Paddle's narrow of a view drops the view's offset (it writes at the base's start); a
+        basic slice is a view that keeps it."""
+        dim = dim % self.ndim
+        start = int(start) % self.shape[dim] if int(start) < 0 else int(start)
+        return self[(slice(None),) * dim + (slice(start, start + int(length)),)]
+
+    methods = {"split": split, "view": view, "narrow": narrow}
     for name in _INT_PROMOTING_OPERATORS:
         methods[name] = _promoting_ints(getattr(paddle.Tensor, name))
     return methods
