@@ -2,6 +2,8 @@
 
 Example (the figure in docs/benchmarks.md):
     python benchmarks/offline_throughput.py --num-prompts 64 --input-len 128 --output-len 128 --dtype bfloat16
+
+``--backend paddle`` runs the same engine on PaddlePaddle (docs/paddle.md).
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ import json
 import random
 import time
 
-from fastdeploy import LLM, SamplingParams
+from fastdeploy import SamplingParams
+from fastdeploy.platforms.backend import activate, backend_version
 
 
 def random_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -37,7 +40,11 @@ def main() -> None:
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="also print the result as one JSON line")
+    parser.add_argument("--backend", default="auto", choices=["auto", "torch", "paddle"])
+    parser.add_argument("--num-threads", type=int, default=None, help="CPU threads; default: all cores")
     args = parser.parse_args()
+    activate(args.backend)  # before the engine imports torch
+    from fastdeploy import LLM
 
     llm = LLM(
         model=args.model,
@@ -46,6 +53,7 @@ def main() -> None:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
+        num_threads=args.num_threads,
     )
     vocab = llm.engine.source.arch.vocab_size
     prompts = random_prompts(args.num_prompts, args.input_len, vocab, args.seed)
@@ -62,6 +70,7 @@ def main() -> None:
         "input_len": args.input_len,
         "output_len": args.output_len,
         "dtype": args.dtype,
+        "backend": backend_version(),
         "elapsed_s": round(elapsed, 3),
         "requests_per_s": round(args.num_prompts / elapsed, 3),
         "output_tokens_per_s": round(out_tokens / elapsed, 1),

@@ -4,7 +4,7 @@ __version__ = "0.1.0"
 
 from fastdeploy.platforms.backend import activate_from_env  # noqa: E402
 
-activate_from_env()  # FD_BACKEND=paddle: bind `import torch` to Paddle before any module imports it
+activate_from_env()  # FD_BACKEND=paddle: `import torch` gives Paddle from here on, in every process
 
 from fastdeploy.core.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from fastdeploy.core.sampling_params import SamplingParams  # noqa: E402

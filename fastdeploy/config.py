@@ -163,6 +163,9 @@ class DeviceConfig:
 
     device: str = "auto"
     """cpu, cuda, or auto (cuda when available)."""
+    backend: Literal["auto", "torch", "paddle"] = "auto"
+    """Tensor backend: torch, or paddle (PaddlePaddle 3.3 through its torch-compat proxy; CPU
+    verified, docs/paddle.md). auto: FD_BACKEND, else torch when installed, else paddle."""
     attention_backend: str = "auto"
     """Attention implementation: auto, torch, triton or flashinfer (auto on CUDA: flashinfer
     when installed and able to serve the model, else triton; on a CPU: torch)."""

@@ -12,6 +12,7 @@ from fastdeploy.core.outputs import RequestOutput
 from fastdeploy.core.sampling_params import SamplingParams
 from fastdeploy.engine.llm_engine import LLMEngine
 from fastdeploy.multimodal.prompt import items_from_mm_data
+from fastdeploy.platforms.backend import activate
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -21,11 +22,13 @@ class LLM:
 
     Keyword arguments are the engine's config fields (``max_num_seqs=8``,
     ``enable_prefix_caching=False``, ``dtype="float32"``, ...). With no
-    ``model``, the embedded SmolLM2-135M-Instruct is used.
+    ``model``, the embedded SmolLM2-135M-Instruct is used. ``backend="paddle"``
+    needs Paddle bound before torch was imported (``FD_BACKEND=paddle``, docs/paddle.md).
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any):
         self.config = EngineConfig.from_kwargs(model=model, **kwargs)
+        activate(self.config.device.backend)  # paddle: only if chosen before torch was imported
         self.engine = LLMEngine(self.config)
         self._counter = itertools.count()
 

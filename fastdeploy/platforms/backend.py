@@ -2,14 +2,16 @@
 
 The engine is written once against torch. With ``FD_BACKEND=paddle`` (``--backend
 paddle``) :func:`activate` calls ``paddle.enable_compat()`` before any engine module
-imports torch, so that ``import torch`` resolves to Paddle, and closes the few gaps of
-the proxy (:mod:`fastdeploy.platforms.paddle_shim`). ``fastdeploy/__init__.py`` calls
+imports torch, so that ``import torch`` resolves to Paddle, and closes the proxy's gaps
+(:mod:`fastdeploy.platforms.paddle_shim`). ``fastdeploy/__init__.py`` calls
 :func:`activate_from_env`, so every process (API server, engine core, workers) binds
-the same backend before its first ``import torch``.
+the same backend before its first ``import torch``; :func:`activate` exports the choice
+to ``FD_BACKEND`` for the child processes.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 import sys
@@ -17,7 +19,7 @@ import sys
 BACKENDS = ("torch", "paddle")
 """The tensor backends the engine runs on (``auto``: torch when installed, else paddle)."""
 
-_active: str | None = None
+_paddle_active = False
 
 
 class BackendError(RuntimeError):
@@ -28,65 +30,72 @@ def _installed(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
-def _resolve(name: str) -> str:
+def resolve_backend(name: str | None) -> str:
+    """``torch`` or ``paddle`` for ``name`` (``auto``/None: torch when installed, else paddle)."""
     name = (name or "auto").strip().lower()
     if name == "auto":
-        if "torch" in sys.modules or _installed("torch"):
+        if _paddle_active:
+            return "paddle"
+        if "torch" in sys.modules or _installed("torch") or not _installed("paddle"):
             return "torch"
-        return "paddle" if _installed("paddle") else "torch"
+        return "paddle"
     if name not in BACKENDS:
         raise BackendError(f"unknown backend {name!r}; choose one of: auto, {', '.join(BACKENDS)}")
     return name
 
 
-def activate(name: str = "auto") -> str:
+def activate(name: str | None = "auto") -> str:
     """Bind ``import torch`` to backend ``name`` in this process and its children; returns it.
 
-    Must run before torch is imported. Calling it again with the active backend is a
-    no-op; asking for another one once torch is bound raises :class:`BackendError`.
+    Paddle must be chosen before anything imports torch. Asking again for the active
+    backend is a no-op; asking for the other one once torch is bound raises
+    :class:`BackendError`.
     """
-    global _active
-    resolved = _resolve(name)
-    if _active is not None:
-        if resolved != _active:
-            raise BackendError(f"backend {_active!r} is already active in this process; cannot switch to {resolved!r}")
-        return _active
-    if resolved == "paddle":
-        torch_module = sys.modules.get("torch")
-        if torch_module is not None and not _is_paddle_proxy(torch_module):
+    global _paddle_active
+    resolved = resolve_backend(name)
+    if resolved == "paddle" and not _paddle_active:
+        if "torch" in sys.modules:
             raise BackendError(
-                "--backend paddle must be chosen before torch is imported "
-                "(set FD_BACKEND=paddle in the environment, or choose it before importing fastdeploy.LLM)"
+                "the paddle backend must be chosen before torch is imported: set FD_BACKEND=paddle in "
+                "the environment (or call fastdeploy.platforms.backend.activate('paddle') before "
+                "importing fastdeploy.LLM)"
             )
         if not _installed("paddle"):
-            raise BackendError("--backend paddle needs PaddlePaddle 3.x: pip install -e '.[paddle]'")
+            raise BackendError("the paddle backend needs PaddlePaddle 3.3: pip install -e '.[paddle]'")
         from fastdeploy.platforms import paddle_shim
 
         paddle_shim.install()
-    _active = resolved
+        _paddle_active = True
+        os.environ["FD_DISABLE_CUSTOM_OPS"] = "1"  # the compiled ops are torch's: use the tensor fallbacks
+    elif resolved == "torch" and _paddle_active:
+        raise BackendError("the paddle backend is active in this process; torch cannot be chosen now")
     os.environ["FD_BACKEND"] = resolved  # child processes (engine core, workers) follow
     return resolved
 
 
 def activate_from_env() -> str | None:
-    """Bind the backend ``FD_BACKEND`` names when it names one explicitly (else leave it to first use)."""
+    """At ``import fastdeploy``: bind Paddle when ``FD_BACKEND`` says so, or when it is ``auto``
+    and only Paddle is installed; torch needs nothing done."""
     from fastdeploy import envs
 
     name = envs.FD_BACKEND
-    return activate(name) if name != "auto" else None
+    if name == "auto" and resolve_backend(name) == "torch":
+        return None
+    return activate(name)
 
 
 def active_backend() -> str:
-    """The backend ``import torch`` gives in this process (binding ``auto`` if nothing was chosen yet)."""
-    return _active or activate("auto")
+    """The backend ``import torch`` gives in this process: ``paddle`` once bound, else ``torch``."""
+    return "paddle" if _paddle_active else "torch"
+
+
+def backend_info() -> dict[str, str]:
+    """``{"backend": "paddle", "backend_version": "3.3.1"}``: the active backend, for /version."""
+    name = active_backend()
+    return {"backend": name, "backend_version": str(importlib.import_module(name).__version__)}
 
 
 def backend_version() -> str:
-    """``"torch 2.13.0"`` / ``"paddle 3.3.1"``: the active backend and its version, for /version and the logs."""
-    name = active_backend()
-    module = importlib.import_module("paddle" if name == "paddle" else "torch")
-    return f"{name} {module.__version__}"
-
-
-def _is_paddle_proxy(module: object) -> bool:
-    return type(module).__name__ == "ProxyModule" or getattr(module, "__name__", "") == "paddle"
+    """``"torch 2.13.0"`` / ``"paddle 3.3.1"``: the active backend and its version, for the logs."""
+    info = backend_info()
+    return f"{info['backend']} {info['backend_version']}"

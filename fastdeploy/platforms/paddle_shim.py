@@ -142,7 +142,12 @@ def _promoting_ints(operator: Callable[..., Any]) -> Callable[..., Any]:
     wide = {paddle.int32: 1, paddle.int64: 2, paddle.int16: 0, paddle.uint8: 0, paddle.int8: 0}
 
     def promoted(self, other):
-        if isinstance(other, paddle.Tensor) and self.dtype != other.dtype and self.dtype in wide and other.dtype in wide:
+        if (
+            isinstance(other, paddle.Tensor)
+            and self.dtype != other.dtype
+            and self.dtype in wide
+            and other.dtype in wide
+        ):
             if wide[self.dtype] < wide[other.dtype]:
                 self = self.astype(other.dtype)
             else:

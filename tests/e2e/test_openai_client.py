@@ -358,7 +358,13 @@ def test_tokenize_token_strs_and_model(server, model_name):
 def test_version(server):
     response = httpx.get(server.url + "/version")
     assert response.status_code == 200
-    assert response.json() == {"version": fastdeploy.__version__}
+    import torch
+
+    assert response.json() == {
+        "version": fastdeploy.__version__,
+        "backend": "torch",
+        "backend_version": torch.__version__,
+    }
 
 
 def test_health(server):

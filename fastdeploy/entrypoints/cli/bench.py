@@ -159,6 +159,9 @@ def _engine_parser_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_throughput(args: argparse.Namespace) -> int:
+    from fastdeploy.platforms.backend import activate
+
+    activate(getattr(args, "backend", "auto"))  # before the engine imports torch
     from fastdeploy import LLM
     from fastdeploy.benchmarks.datasets import HFTokenizer, make_dataset
     from fastdeploy.benchmarks.throughput import run_throughput as measure
@@ -181,6 +184,9 @@ def run_throughput(args: argparse.Namespace) -> int:
 
 
 def run_latency(args: argparse.Namespace) -> int:
+    from fastdeploy.platforms.backend import activate
+
+    activate(getattr(args, "backend", "auto"))  # before the engine imports torch
     from fastdeploy.benchmarks.latency import run_latency as measure
     from fastdeploy.engine.llm_engine import LLMEngine
     from fastdeploy.entrypoints.cli.args import engine_config_from_args, resolve_args

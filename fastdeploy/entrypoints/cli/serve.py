@@ -82,6 +82,17 @@ def check_tool_call_parser(args: argparse.Namespace) -> str | None:
     )
 
 
+def check_backend(args: argparse.Namespace) -> str | None:
+    """Bind ``--backend`` (before anything imports torch); why it cannot be, or None."""
+    from fastdeploy.platforms.backend import BackendError, activate
+
+    try:
+        activate(getattr(args, "backend", "auto"))
+    except BackendError as exc:
+        return f"argument --backend: {exc}"
+    return None
+
+
 def check_layout(args: argparse.Namespace) -> str | None:
     """Why the parallel layout cannot run this model here (heads that do not split, too few GPUs), or None."""
     parallel = (getattr(args, "tensor_parallel_size", 1), getattr(args, "data_parallel_size", 1))
@@ -116,6 +127,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
         check_model_path(args)
         or check_reasoning_parser(args)
         or check_tool_call_parser(args)
+        or check_backend(args)
         or check_layout(args)
     )
     if problem is not None:

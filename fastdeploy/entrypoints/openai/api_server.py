@@ -51,6 +51,7 @@ from fastdeploy.entrypoints.openai.serving_engine import ClientDisconnectedError
 from fastdeploy.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
 from fastdeploy.entrypoints.openai.tokenizer_lanes import TokenizerLanes
 from fastdeploy.entrypoints.openai.tool_parsers import get_tool_parser
+from fastdeploy.platforms.backend import backend_info
 
 logger = logging.getLogger(__name__)
 
@@ -226,7 +227,7 @@ def build_app(
 
     @app.get("/version")
     async def version() -> Response:
-        return JSONResponse({"version": fastdeploy.__version__})
+        return JSONResponse({"version": fastdeploy.__version__, **backend_info()})
 
     @app.post(
         "/tokenize",

@@ -26,6 +26,7 @@ from fastdeploy.config import EngineConfig
 from fastdeploy.engine.ipc import STOP_SIGNALS
 from fastdeploy.engine.protocol import EngineClient
 from fastdeploy.entrypoints.openai.api_server import build_app
+from fastdeploy.platforms.backend import backend_version
 
 logger = logging.getLogger(__name__)
 
@@ -220,6 +221,7 @@ async def run_server(args: argparse.Namespace) -> int:
     served_model_names = default_served_model_names(config)
     sock = bind_socket(args.host, args.port)
     engine: Any = None
+    logger.info("tensor backend: %s", backend_version())
     try:
         from fastdeploy.engine.async_llm import AsyncLLM
 
