@@ -9,6 +9,25 @@ Usage (on a machine with nvcc and a CUDA build of torch)::
 GPU architectures; ``MAX_JOBS`` caps the parallel compile jobs (ninja is
 required: it is what honours MAX_JOBS). The CPU kernels in ``custom_ops/cpu``
 are not built here: fastdeploy/ops/cpu_ops.py compiles them on first use.
+
+Second target, PaddlePaddle (documented, not built or verified here: no GPU, and
+``paddlepaddle-gpu`` on PyPI stops at 2.6.2, which has no torch-compat proxy; see
+docs/paddle.md). Under ``--backend paddle`` the engine uses every op's tensor
+fallback (the backend sets ``FD_DISABLE_CUSTOM_OPS=1``), because this extension links
+against libtorch. A Paddle build of the same kernels would be::
+
+    # custom_ops/gpu/paddle_ops.cc (to write): PD_BUILD_OP(reshape_and_cache_flash)
+    # .Inputs({...}).SetKernelFn(PD_KERNEL(...)) wrappers that take paddle::Tensor and launch
+    # the kernels of cache_kernels.cu / stop_flag.cu, whose launch code is to be split from their
+    # ATen/c10 bindings (TORCH_LIBRARY, at::Tensor, c10::cuda streams and guards)
+    from paddle.utils.cpp_extension import CUDAExtension, setup
+    setup(name="fastdeploy_ops_paddle",
+          ext_modules=CUDAExtension(sources=["custom_ops/gpu/paddle_ops.cc", <the split .cu files>],
+                                    extra_compile_args={"nvcc": nvcc_flags(archs)}))
+
+after which ``import fastdeploy_ops_paddle`` exposes the ops as Python functions, and
+fastdeploy/ops/_ext.py would load it in place of ``torch.ops.fastdeploy_ops`` when the
+paddle backend is active.
 """
 
 from __future__ import annotations

@@ -5,6 +5,10 @@ from __future__ import annotations
 import os
 
 import pytest
+
+import fastdeploy  # noqa: F401  (first: under FD_BACKEND=paddle it binds `import torch` to Paddle)
+
+# isort: split
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
