@@ -19,6 +19,10 @@ Sections:
 * ``dp``: ``fastdeploy serve`` at DP=1 and DP=N on the same model, each driven by
   ``fastdeploy bench serve`` (random prompts, all sent at once): online output tokens/s and
   the DP=N / DP=1 ratio (issue target: >= 1.9x at N=2). Needs ``--tokenizer``.
+* ``moe``: as ``tp`` on the Qwen3-30B-A3B shape (``--moe-model``), on one GPU and at TP=N with
+  expert parallelism, in bf16 and (on CUDA) with ``quantization="fp8"``.
+* ``moe_dp``: as ``dp`` on the MoE shape, DP=N with ``--enable-expert-parallel`` (attention
+  data-parallel, experts expert-parallel) against one GPU.
 """
 
 from __future__ import annotations
@@ -46,9 +50,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from gpubench.engine_bench import greedy, measure_itl  # noqa: E402
 from gpubench.measure import error_text, free_memory, random_prompts  # noqa: E402
-from gpubench.settings import MODEL_8B, TINY_OVERRIDES  # noqa: E402
+from gpubench.settings import CONFIGS, MODEL_8B, TINY_OVERRIDES  # noqa: E402
 
-SECTIONS = ("correctness", "tp", "dp")
+MODEL_MOE = str(CONFIGS / "qwen3-30b-a3b")
+
+SECTIONS = ("correctness", "tp", "dp", "moe", "moe_dp")
 ITL_PROMPT_LEN = 32
 """Prompt tokens of the batch-1 latency request."""
 
@@ -153,29 +159,39 @@ def correctness(args: argparse.Namespace) -> dict[str, Any]:
 # ---- tensor parallelism: latency and offline throughput -------------------------------------------
 
 
-def dummy_engine(args: argparse.Namespace, tp: int, **kwargs: Any) -> Any:
-    """The dummy-weight bf16 engine of ``--model`` at tensor-parallel size ``tp``."""
+def smoke_overrides(args: argparse.Namespace, model: str) -> dict[str, Any]:
+    """``hf_config_overrides`` of a ``--smoke`` run (tiny shapes; MoE configs keep 8 experts, top-2)."""
+    if not args.smoke:
+        return {}
+    if "qwen3" in Path(model).name:
+        return {**TINY_OVERRIDES, "moe_intermediate_size": 64, "num_experts": 8, "num_experts_per_tok": 2}
+    return dict(TINY_OVERRIDES)
+
+
+def dummy_engine(args: argparse.Namespace, model: str, tp: int, **kwargs: Any) -> Any:
+    """The dummy-weight bf16 engine of ``model`` at tensor-parallel size ``tp``."""
     from fastdeploy import LLM
 
-    extra: dict[str, Any] = {"hf_config_overrides": dict(TINY_OVERRIDES)} if args.smoke else {}
+    extra: dict[str, Any] = {"hf_config_overrides": smoke_overrides(args, model)}
     if args.device == "cpu":
         extra.update(num_threads=1, kv_cache_memory=0.05)
-    return LLM(model=args.model, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+    return LLM(model=model, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
                seed=0, device=args.device, tensor_parallel_size=tp, **extra, **kwargs)  # fmt: skip
 
 
-def tp_run(args: argparse.Namespace, tp: int) -> dict[str, Any]:
-    """Batch-1 ITL and offline throughput at tensor-parallel size ``tp`` (one engine for both)."""
+def tp_run(args: argparse.Namespace, model: str, tp: int, **engine: Any) -> dict[str, Any]:
+    """Batch-1 ITL and offline throughput of ``model`` at tensor-parallel size ``tp`` (one engine
+    for both; ``engine``: more engine arguments, e.g. ``quantization``, ``enable_expert_parallel``)."""
     from fastdeploy.config import ModelConfig
     from fastdeploy.model_executor.model_loader import resolve_model
 
-    overrides = dict(TINY_OVERRIDES) if args.smoke else {}
-    vocab = resolve_model(ModelConfig(model=args.model, hf_config_overrides=overrides)).arch.vocab_size
+    overrides = smoke_overrides(args, model)
+    vocab = resolve_model(ModelConfig(model=model, hf_config_overrides=overrides)).arch.vocab_size
     max_len = -(-(max(args.input_len + args.output_len, ITL_PROMPT_LEN + args.itl_tokens) + 1) // 16) * 16
-    llm = dummy_engine(args, tp, max_model_len=max_len, max_num_seqs=args.num_prompts,
-                       max_num_batched_tokens=args.max_num_batched_tokens)  # fmt: skip
+    llm = dummy_engine(args, model, tp, max_model_len=max_len, max_num_seqs=args.num_prompts,
+                       max_num_batched_tokens=args.max_num_batched_tokens, **engine)  # fmt: skip
     try:
-        row: dict[str, Any] = {"tp": tp}
+        row: dict[str, Any] = {"model": Path(model).name, "tp": tp, **engine}
         itl_prompts = random_prompts(1, ITL_PROMPT_LEN, vocab, 1)
         row |= {f"batch1_{k}": v for k, v in measure_itl(llm, itl_prompts, args.itl_tokens).items()}
         prompts = random_prompts(args.num_prompts, args.input_len, vocab, 0)
@@ -191,16 +207,30 @@ def tp_run(args: argparse.Namespace, tp: int) -> dict[str, Any]:
         free_memory(torch.device(args.device))
 
 
-def tensor_parallel(args: argparse.Namespace) -> dict[str, Any]:
-    """:func:`tp_run` at TP=1 and TP=N."""
+def engine_runs(args: argparse.Namespace, model: str, layouts: list[dict[str, Any]]) -> dict[str, Any]:
+    """:func:`tp_run` of ``model`` for each layout (``tp`` plus engine arguments)."""
     rows = []
-    for tp in (1, args.tp):
+    for layout in layouts:
         try:
-            rows.append(tp_run(args, tp))
+            rows.append(tp_run(args, model, **layout))
         except Exception:
-            rows.append({"tp": tp, "error": error_text()})
-        log(f"tp={tp}: {rows[-1]}")
+            rows.append({"model": Path(model).name, **layout, "error": error_text()})
+        log(f"{Path(model).name} {layout}: {rows[-1]}")
     return {"rows": rows}
+
+
+def moe_layouts(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The MoE section's layouts: one GPU and TP=N with expert parallelism, in bf16 and FP8."""
+    quants = [None, "fp8"] if args.device == "cuda" else [None]  # FP8 GEMMs need a GPU
+    return [
+        {
+            "tp": tp,
+            **({"enable_expert_parallel": True} if tp > 1 else {}),
+            **({"quantization": q} if q else {}),
+        }
+        for q in quants
+        for tp in (1, args.tp)
+    ]
 
 
 # ---- data parallelism: online throughput through fastdeploy serve ---------------------------------
@@ -229,28 +259,32 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
     raise TimeoutError(f"server not healthy after {timeout_s} s")
 
 
-def serve_and_bench(args: argparse.Namespace, dp: int, out: Path) -> dict[str, Any]:
-    """Start ``fastdeploy serve`` at data-parallel size ``dp``, run ``fastdeploy bench serve``, stop it."""
+def serve_and_bench(args: argparse.Namespace, model: str, dp: int, out: Path, *extra: str) -> dict[str, Any]:
+    """Start ``fastdeploy serve`` of ``model`` at data-parallel size ``dp`` (plus ``extra`` serve
+    arguments), run ``fastdeploy bench serve`` against it, stop it."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    serve = [sys.executable, "-m", "fastdeploy.entrypoints.cli.main", "serve", "--model", args.model,
+    tag = f"{Path(model).name}_dp{dp}{''.join(extra).replace('-', '_')}"
+    serve = [sys.executable, "-m", "fastdeploy.entrypoints.cli.main", "serve", "--model", model,
              "--load-format", "dummy", "--tokenizer", args.tokenizer, "--dtype", "bfloat16",
              "--device", args.device, "--data-parallel-size", str(dp), "--port", str(port),
              "--max-model-len", str(-(-(args.input_len + args.output_len + 1) // 16) * 16)]  # fmt: skip
+    serve += list(extra)
     if args.smoke:
+        tiny = {**smoke_overrides(args, model), "vocab_size": 49152}  # the tokenizer's ids must fit
         serve += [
             "--hf-config-overrides",
-            json.dumps(TINY_OVERRIDES),
+            json.dumps(tiny),
             "--num-threads",
             "1",
             "--kv-cache-memory",
             "0.05",
         ]
-    log_file = open(out / f"serve_dp{dp}.log", "w")
+    log_file = open(out / f"serve_{tag}.log", "w")
     proc = subprocess.Popen(serve, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_healthy(url, proc, args.server_timeout_s)
-        result = out / f"bench_dp{dp}.json"
+        result = out / f"bench_{tag}.json"
         bench = [sys.executable, "-m", "fastdeploy.entrypoints.cli.main", "bench", "serve", "--base-url", url,
                  "--dataset-name", "random", "--num-prompts", str(args.num_prompts), "--input-len",
                  str(args.input_len), "--output-len", str(args.output_len), "--ignore-eos", "--disable-tqdm",
@@ -261,9 +295,19 @@ def serve_and_bench(args: argparse.Namespace, dp: int, out: Path) -> dict[str, A
                 f"bench serve failed ({done.returncode}): {(done.stdout + done.stderr)[-2000:]}"
             )
         data = json.loads(result.read_text())
-        keys = ("output_throughput", "request_throughput", "median_ttft_ms", "median_tpot_ms", "p99_itl_ms",
-                "completed", "total_output_tokens", "duration")  # fmt: skip
-        return {"dp": dp} | {k: data.get(k) for k in keys}
+        keys = (
+            "output_throughput",
+            "request_throughput",
+            "completed",
+            "failed",
+            "total_output_tokens",
+            "duration",
+        )
+        row = {"model": Path(model).name, "dp": dp, "serve_args": " ".join(extra)} | {
+            k: data.get(k) for k in keys
+        }
+        return row | {"median_ttft_ms": data["ttft_ms"]["median"], "median_tpot_ms": data["tpot_ms"]["median"],
+                      "p99_itl_ms": data["itl_ms"]["p99"]}  # fmt: skip
     finally:
         os.killpg(proc.pid, signal.SIGINT)
         try:
@@ -274,17 +318,17 @@ def serve_and_bench(args: argparse.Namespace, dp: int, out: Path) -> dict[str, A
         log_file.close()
 
 
-def data_parallel(args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    """:func:`serve_and_bench` at DP=1 and DP=N, and the throughput ratio."""
+def data_parallel(args: argparse.Namespace, model: str, out: Path, *extra: str) -> dict[str, Any]:
+    """:func:`serve_and_bench` at DP=1 and DP=N (``extra`` serve arguments at DP=N), and the ratio."""
     if not args.tokenizer:
-        return {"error": "--tokenizer is needed for the dp section"}
+        return {"error": "--tokenizer is needed for the dp sections"}
     rows = []
-    for dp in (1, args.tp):
+    for dp, more in ((1, ()), (args.tp, extra)):
         try:
-            rows.append(serve_and_bench(args, dp, out))
+            rows.append(serve_and_bench(args, model, dp, out, *more))
         except Exception:
-            rows.append({"dp": dp, "error": error_text()})
-        log(f"dp={dp}: {rows[-1]}")
+            rows.append({"model": Path(model).name, "dp": dp, "error": error_text()})
+        log(f"{Path(model).name} dp={dp} {' '.join(more)}: {rows[-1]}")
     result: dict[str, Any] = {"rows": rows}
     if all(r.get("output_throughput") for r in rows):
         result["dp_speedup"] = rows[1]["output_throughput"] / rows[0]["output_throughput"]
@@ -303,31 +347,37 @@ def render(results: dict[str, Any]) -> str:
         lines += [f"| {r['model']} | {r.get('tp1_equals_tpn', r.get('error', '')[-80:])} | "
                   f"{r.get('tp1_equals_transformers', '-')} |" for r in corr]  # fmt: skip
         lines.append("")
-    tp_rows = results.get("tp", {}).get("rows", [])
-    if tp_rows:
-        lines += [
-            "| TP | batch-1 ITL mean (ms) | p50 (ms) | offline output tok/s |",
-            "| ---: | ---: | ---: | ---: |",
-        ]
-        for r in tp_rows:
+    for section in ("tp", "moe"):
+        rows = results.get(section, {}).get("rows", [])
+        if not rows:
+            continue
+        lines += ["| model | layout | batch-1 ITL mean (ms) | p50 (ms) | offline output tok/s |",
+                  "| --- | --- | ---: | ---: | ---: |"]  # fmt: skip
+        for r in rows:
+            layout = ", ".join(
+                f"{k}={v}" for k, v in r.items() if k in ("tp", "enable_expert_parallel", "quantization")
+            )
             if "error" in r:
-                lines.append(f"| {r['tp']} | error: {r['error'][-120:]} | | |")
+                lines.append(f"| {r['model']} | {layout} | error: {r['error'][-120:]} | | |")
             else:
-                lines.append(f"| {r['tp']} | {r['batch1_itl_ms_mean']:.2f} | {r['batch1_itl_ms_p50']:.2f} | "
-                             f"{r['output_tok_per_s']:,.0f} |")  # fmt: skip
+                lines.append(f"| {r['model']} | {layout} | {r['batch1_itl_ms_mean']:.2f} | "
+                             f"{r['batch1_itl_ms_p50']:.2f} | {r['output_tok_per_s']:,.0f} |")  # fmt: skip
         lines.append("")
-    dp = results.get("dp", {})
-    if dp.get("rows"):
-        lines += ["| DP | online output tok/s | median TTFT (ms) | median TPOT (ms) | P99 ITL (ms) |",
-                  "| ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    for section in ("dp", "moe_dp"):
+        dp = results.get(section, {})
+        if not dp.get("rows"):
+            continue
+        lines += ["| model | DP | serve args | online output tok/s | median TTFT (ms) | median TPOT (ms) | P99 ITL (ms) |",
+                  "| --- | ---: | --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
         for r in dp["rows"]:
             if "error" in r:
-                lines.append(f"| {r['dp']} | error: {r['error'][-120:]} | | | |")
+                lines.append(f"| {r['model']} | {r['dp']} | | error: {r['error'][-120:]} | | | |")
             else:
-                lines.append(f"| {r['dp']} | {r['output_throughput']:,.0f} | {r['median_ttft_ms']:.0f} | "
-                             f"{r['median_tpot_ms']:.1f} | {r['p99_itl_ms']:.0f} |")  # fmt: skip
+                lines.append(f"| {r['model']} | {r['dp']} | {r['serve_args']} | {r['output_throughput']:,.0f} | "
+                             f"{r['median_ttft_ms']:.0f} | {r['median_tpot_ms']:.1f} | {r['p99_itl_ms']:.0f} |")  # fmt: skip
         if "dp_speedup" in dp:
             lines.append(f"\nDP speed-up: {dp['dp_speedup']:.2f}x")
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -343,7 +393,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--model", default=MODEL_8B, help="dummy-weight config folder of the tp and dp sections"
     )
-    parser.add_argument("--tokenizer", default=None, help="tokenizer folder for the dp section")
+    parser.add_argument(
+        "--moe-model", default=MODEL_MOE, help="dummy-weight MoE config folder (moe sections)"
+    )
+    parser.add_argument("--tokenizer", default=None, help="tokenizer folder for the dp sections")
     parser.add_argument("--default-model", default=None, help="path of the default model's GGUF file")
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--input-len", type=int, default=512)
@@ -371,9 +424,13 @@ def main(argv: list[str] | None = None) -> int:
             if name == "correctness":
                 results[name] = correctness(args)
             elif name == "tp":
-                results[name] = tensor_parallel(args)
+                results[name] = engine_runs(args, args.model, [{"tp": 1}, {"tp": args.tp}])
             elif name == "dp":
-                results[name] = data_parallel(args, out)
+                results[name] = data_parallel(args, args.model, out)
+            elif name == "moe":
+                results[name] = engine_runs(args, args.moe_model, moe_layouts(args))
+            elif name == "moe_dp":
+                results[name] = data_parallel(args, args.moe_model, out, "--enable-expert-parallel")
             else:
                 raise SystemExit(f"unknown section {name}; choose from {', '.join(SECTIONS)}")
         except Exception:
