@@ -181,3 +181,14 @@ def test_invalid_constraint_is_400_naming_the_field(server, model_name, kwargs, 
         )
     assert info.value.status_code == 400
     assert info.value.body["param"] == param
+
+
+def test_langchain_with_structured_output(server, model_name):
+    langchain_openai = pytest.importorskip("langchain_openai")
+    llm = langchain_openai.ChatOpenAI(
+        base_url=server.url + "/v1", api_key=server.api_key, model=model_name, temperature=0, max_tokens=80
+    )
+    for method in ("json_schema", "function_calling"):  # response_format, then a forced tool call
+        structured = llm.with_structured_output(Person, method=method)
+        person = structured.invoke("Describe a person as JSON with name, age and mood.")
+        assert isinstance(person, Person), method

@@ -189,3 +189,24 @@ def test_sampler_samples_only_allowed_tokens():
         if temperature == 0:
             expected = logits.masked_fill(~allowed, float("-inf")).argmax(-1)
             assert torch.equal(tokens, expected)
+
+
+def test_bitmask_travels_in_the_scheduler_output():
+    from fastdeploy.core.step_io import CachedRequestData, GrammarBitmask, SchedulerOutput
+    from fastdeploy.engine.ipc import decode, encode
+
+    mask = np.arange(-6, 6, dtype=np.int32).reshape(2, 6)
+    out = SchedulerOutput(
+        1,
+        [],
+        CachedRequestData(),
+        {"a": 1, "b": 1},
+        2,
+        [],
+        structured_req_ids=["a", "b"],
+        grammar=GrammarBitmask(["b", "a"], mask.tobytes(), 6),
+    )
+    back = SchedulerOutput.from_wire(decode(encode(out.to_wire())))
+    assert back.structured_req_ids == ["a", "b"]
+    assert back.grammar.req_ids == ["b", "a"]
+    np.testing.assert_array_equal(back.grammar.array(), mask)
