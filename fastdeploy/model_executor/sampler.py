@@ -61,8 +61,8 @@ class SamplingTensors:
     """Host-side summary: the largest top-k of the batch (0: none). None: read from the device."""
     any_top_p: bool | None = None
     any_min_p: bool | None = None
-    token_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None
-    """Structured outputs: (rows, ``[len(rows), ceil(vocab / 32)]`` int32 bitmasks) of the rows that
+    token_bitmask: tuple[torch.Tensor, list[int]] | None = None
+    """Structured outputs: (``[rows, ceil(vocab / 32)]`` int32 bitmask, the rows it masks): those rows
     may sample only the tokens whose bit is set (bit ``t % 32`` of word ``t // 32``)."""
 
 
@@ -132,19 +132,21 @@ def apply_top_k_top_p_min_p(
     return logits.masked_fill(logits < keep_floor.unsqueeze(-1), float("-inf"))
 
 
-def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """In place: ``-inf`` for every token a masked row may not sample (batched, on the device).
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """In place: ``-inf`` for every token the rows ``rows`` may not sample (xgrammar's batched kernel:
+    C++ on a CPU, CUDA / Triton on a GPU).
 
-    Row ``bitmask[i]`` applies to ``logits[rows[i]]``. Tokens past the bitmask's width (a padded
-    LM head wider than the grammar's vocabulary) are not allowed; bits past the logits' width
-    are ignored.
+    ``bitmask`` is ``[len(logits), words]`` int32 (bit ``t % 32`` of word ``t // 32`` allows token t);
+    only the listed rows are masked. Tokens past the bitmask's width (an LM head padded past the
+    grammar's vocabulary) are never allowed.
     """
+    import xgrammar as xgr
+
+    width = bitmask.shape[-1] * 32
     vocab = logits.shape[-1]
-    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]
-    if allowed.shape[1] < vocab:
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
-    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=min(vocab, width), indices=rows)
+    if vocab > width:
+        logits[rows, width:] = float("-inf")
 
 
 def apply_penalties(logits: torch.Tensor, p: PenaltyTensors) -> torch.Tensor:

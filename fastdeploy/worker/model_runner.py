@@ -383,16 +383,17 @@ class ModelRunner:
 
     def _token_bitmask(
         self, req_ids: list[str], grammar: GrammarBitmask
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(sampled rows, their bitmask rows) on the device, for the grammar rows this step samples."""
+    ) -> tuple[torch.Tensor, list[int]] | None:
+        """The step's bitmask on the device, one row per sampled row (all ones where no grammar
+        applies), and the rows a grammar masks."""
         row_of = {req_id: row for row, req_id in enumerate(req_ids)}
         pairs = [(row_of[r], i) for i, r in enumerate(grammar.req_ids) if r in row_of]
         if not pairs:
             return None
-        rows = np.array([p[0] for p in pairs], dtype=np.int64)
-        mask = grammar.array()[[p[1] for p in pairs]]
-        rows_dev, mask_dev = upload([rows, np.ascontiguousarray(mask)], self.device)
-        return rows_dev, mask_dev
+        rows = [row for row, _ in pairs]
+        mask = np.full((len(req_ids), grammar.words), -1, dtype=np.int32)
+        mask[rows] = grammar.array()[[i for _, i in pairs]]
+        return upload([mask], self.device)[0], rows
 
     def _ended_before(self, state: StepState, previous: StepState, so: SchedulerOutput) -> bool:
         """Whether every request ``state`` would sample for already ended with ``previous``'s token.
