@@ -98,13 +98,14 @@ def save_tiny_models(folder: Path) -> dict[str, Path]:
 
 
 def engine_tokens(
-    model: str, prompts: list[list[int]], tp: int, device: str, max_tokens: int
+    model: str, prompts: list[list[int]], tp: int, device: str, max_tokens: int, **engine: Any
 ) -> list[list[int]]:
-    """The offline engine's greedy tokens in float32 at tensor-parallel size ``tp``."""
+    """The offline engine's greedy tokens in float32 at tensor-parallel size ``tp`` (plus ``engine``
+    arguments, e.g. ``enable_expert_parallel``)."""
     from fastdeploy import LLM
 
     llm = LLM(model=model, tensor_parallel_size=tp, dtype="float32", device=device, max_model_len=256,
-              kv_cache_memory=0.05, num_threads=1 if device == "cpu" else None)  # fmt: skip
+              kv_cache_memory=0.05, num_threads=1 if device == "cpu" else None, **engine)  # fmt: skip
     try:
         outs = llm.generate(prompts, greedy(max_tokens))
         return [list(o.outputs[0].token_ids) for o in outs]
@@ -144,6 +145,10 @@ def correctness(args: argparse.Namespace) -> dict[str, Any]:
                 one = engine_tokens(path, prompts, 1, args.device, args.correctness_tokens)
                 many = engine_tokens(path, prompts, args.tp, args.device, args.correctness_tokens)
                 row["tp1_equals_tpn"] = one == many
+                if "moe" in name:
+                    with_ep = engine_tokens(path, prompts, args.tp, args.device, args.correctness_tokens,
+                                            enable_expert_parallel=True)  # fmt: skip
+                    row["tp1_equals_tpn_ep"] = one == with_ep
                 if has_reference:
                     row["tp1_equals_transformers"] = one == reference_tokens(
                         path, prompts, args.device, args.correctness_tokens
@@ -343,9 +348,12 @@ def render(results: dict[str, Any]) -> str:
     lines = [f"device: {results.get('device')}", ""]
     corr = results.get("correctness", {}).get("rows", [])
     if corr:
-        lines += ["| model | TP=1 == TP=N | TP=1 == transformers |", "| --- | --- | --- |"]
+        lines += [
+            "| model | TP=1 == TP=N | TP=1 == TP=N+EP | TP=1 == transformers |",
+            "| --- | --- | --- | --- |",
+        ]
         lines += [f"| {r['model']} | {r.get('tp1_equals_tpn', r.get('error', '')[-80:])} | "
-                  f"{r.get('tp1_equals_transformers', '-')} |" for r in corr]  # fmt: skip
+                  f"{r.get('tp1_equals_tpn_ep', '-')} | {r.get('tp1_equals_transformers', '-')} |" for r in corr]  # fmt: skip
         lines.append("")
     for section in ("tp", "moe"):
         rows = results.get(section, {}).get("rows", [])
