@@ -77,8 +77,17 @@ class HFTokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 
+class TokenizerUnavailableError(RuntimeError):
+    """The server offers no usable ``/tokenize`` / ``/detokenize`` (llama.cpp's, OpenAI's): the user
+    must name a local tokenizer (``--tokenizer``)."""
+
+
 class ServerTokenizer:
-    """The server's ``/tokenize`` and ``/detokenize`` endpoints (synchronous; used before the run)."""
+    """The server's ``/tokenize`` and ``/detokenize`` endpoints (synchronous; used before the run).
+
+    Raises :class:`TokenizerUnavailableError` when the server cannot be reached, lacks the
+    endpoints, or answers them in another shape.
+    """
 
     def __init__(self, base_url: str, model: str | None = None, headers: dict[str, str] | None = None):
         import httpx
@@ -86,18 +95,28 @@ class ServerTokenizer:
         self.model = model
         self.client = httpx.Client(base_url=base_url.rstrip("/"), headers=headers or {}, timeout=60)
 
-    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    def _post(self, path: str, body: dict[str, Any], key: str) -> Any:
+        import httpx
+
         if self.model:
             body = {"model": self.model, **body}
-        response = self.client.post(path, json=body)
-        response.raise_for_status()
-        return response.json()
+        where = f"{self.client.base_url}{path}"
+        try:
+            response = self.client.post(path, json=body)
+        except httpx.HTTPError as exc:
+            raise TokenizerUnavailableError(f"cannot reach {where} ({type(exc).__name__}: {exc})") from None
+        if response.status_code != 200:
+            raise TokenizerUnavailableError(f"{where} answered HTTP {response.status_code}")
+        try:
+            return response.json()[key]
+        except (ValueError, KeyError, TypeError):
+            raise TokenizerUnavailableError(f"{where} answered without a {key!r} field") from None
 
     def encode(self, text: str) -> list[int]:
-        return list(self._post("/tokenize", {"prompt": text, "add_special_tokens": False})["tokens"])
+        return list(self._post("/tokenize", {"prompt": text, "add_special_tokens": False}, "tokens"))
 
     def decode(self, ids: list[int]) -> str:
-        return str(self._post("/detokenize", {"tokens": ids})["prompt"])
+        return str(self._post("/detokenize", {"tokens": ids}, "prompt"))
 
     def close(self) -> None:
         self.client.close()

@@ -3,9 +3,12 @@
 Requests arrive as a Poisson process of ``request_rate`` per second (``inf``:
 all at once), at most ``max_concurrency`` in flight. Every request streams
 (``stream_options.include_usage``) so that TTFT and ITL are measured on the
-wire and token counts come from the server's ``usage``. A request that fails
-(HTTP error, connection error, an error event in the stream, no token at all)
-is recorded as failed with its error; nothing is dropped.
+wire and token counts come from the server's ``usage``. A chunk counts as a token
+chunk when it carries text or token ids: the request also asks for
+``return_token_ids`` (vLLM's extension, which ours and vLLM's servers honour), so a
+token that decodes to no text (a partial UTF-8 character, a special token) still
+counts. A request that fails (HTTP error, connection error, an error event in the
+stream, no token at all) is recorded as failed with its error; nothing is dropped.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from fastdeploy.benchmarks.datasets import SampleRequest
 from fastdeploy.benchmarks.metrics import BenchmarkMetrics, RequestResult, compute_metrics
 
 ENDPOINTS: tuple[str, ...] = ("/v1/completions", "/v1/chat/completions")
+BACKENDS: dict[str, str] = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
+"""``--backend`` names (vLLM's client's) and the endpoint each defaults to."""
 
 
 @dataclass
@@ -42,6 +47,8 @@ class ServeConfig:
     num_warmups: int = 0
     disable_tqdm: bool = False
     timeout_s: float = 6 * 3600
+    return_token_ids: bool = True
+    """Ask for ``return_token_ids`` (off for servers that refuse unknown fields)."""
     extra_body: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -64,19 +71,25 @@ def request_body(cfg: ServeConfig, sample: SampleRequest) -> dict[str, Any]:
         body["prompt"] = sample.prompt
     if cfg.ignore_eos:
         body["ignore_eos"] = True
+    if cfg.return_token_ids:
+        body["return_token_ids"] = True
     return {**body, **cfg.extra_body}
 
 
-def _chunk_text(event: dict[str, Any]) -> str:
-    """The generated text of one stream event (completions ``text`` or chat ``delta.content``)."""
+def chunk_tokens(event: dict[str, Any]) -> tuple[str, int | None]:
+    """The generated text of one stream event (completions ``text``, chat ``delta.content`` /
+    ``reasoning_content``) and its number of token ids (None when the event carries no ``token_ids``)."""
     choices = event.get("choices") or []
     if not choices:
-        return ""
+        return "", None
     choice = choices[0]
+    ids = choice.get("token_ids")
+    num_ids = len(ids) if isinstance(ids, list) else None
     if "text" in choice:
-        return choice.get("text") or ""
+        return choice.get("text") or "", num_ids
     delta = choice.get("delta") or {}
-    return (delta.get("content") or "") + (delta.get("reasoning_content") or "")
+    reasoning = delta.get("reasoning_content") or delta.get("reasoning") or ""
+    return (delta.get("content") or "") + reasoning, num_ids
 
 
 async def send_request(
@@ -86,6 +99,8 @@ async def send_request(
     result = RequestResult(prompt_len=sample.prompt_len)
     url = cfg.base_url.rstrip("/") + cfg.endpoint
     chunks = 0
+    ids_seen: int | None = None
+    """Token ids the chunks carried (None: the server sent no ``token_ids``)."""
     usage: dict[str, Any] | None = None
     text_parts: list[str] = []
     start = time.perf_counter()
@@ -111,8 +126,10 @@ async def send_request(
                     return result
                 if event.get("usage"):
                     usage = event["usage"]
-                text = _chunk_text(event)
-                if text:
+                text, num_ids = chunk_tokens(event)
+                if num_ids is not None:
+                    ids_seen = (ids_seen or 0) + num_ids
+                if text or num_ids:
                     now = time.perf_counter()
                     if chunks == 0:
                         result.ttft = now - start
@@ -130,7 +147,9 @@ async def send_request(
     if usage is not None:
         result.output_tokens = int(usage.get("completion_tokens") or 0)
         result.prompt_len = int(usage.get("prompt_tokens") or sample.prompt_len)
-    else:  # a server without usage in the stream: one token per chunk (a lower bound)
+    elif ids_seen is not None:  # no usage in the stream: the token ids the chunks carried
+        result.output_tokens = ids_seen
+    else:  # neither: one token per chunk (a lower bound)
         result.output_tokens = chunks
     if chunks == 0:
         result.error = "no token received"

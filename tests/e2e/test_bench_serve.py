@@ -53,6 +53,7 @@ def test_chat_endpoint_prefix_repetition(server, tmp_path):
     )  # fmt: skip
     assert code == 0 and (r["completed"], r["failed"]) == (4, 0)
     assert r["total_output_tokens"] == 16 and r["total_input_tokens"] > 4 * 40  # chat template adds tokens
+    assert r["itl_ms"]["count"] == 4 * 3  # the role chunk is not a token; every token is one chunk
 
 
 def test_wrong_model_requests_are_counted_as_failed(server, tmp_path):

@@ -33,13 +33,20 @@ def _save_json(path: str | None, data: dict[str, Any]) -> None:
 
 
 def _add_serve_args(parser: argparse.ArgumentParser) -> None:
-    from fastdeploy.benchmarks.serve import ENDPOINTS
+    from fastdeploy.benchmarks.serve import BACKENDS, ENDPOINTS
 
     parser.add_argument(
         "--base-url", default="http://127.0.0.1:8000", help="Server URL. [default: %(default)s]"
     )
     parser.add_argument(
-        "--endpoint", choices=ENDPOINTS, default="/v1/completions", help="[default: %(default)s]"
+        "--backend",
+        choices=tuple(BACKENDS),
+        default="openai",
+        help="API flavour, as vLLM's client names them: openai (/v1/completions) or openai-chat "
+        "(/v1/chat/completions); sets the default --endpoint. [default: %(default)s]",
+    )
+    parser.add_argument(
+        "--endpoint", choices=ENDPOINTS, default=None, help="[default: the --backend's endpoint]"
     )
     parser.add_argument(
         "--model", default=None, help="Model name to request. [default: the first of /v1/models]"
@@ -77,19 +84,31 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--save-detailed", action="store_true", help="Also save per-request timings and errors."
     )
     parser.add_argument("--disable-tqdm", action="store_true", help="No progress bar.")
+    parser.add_argument(
+        "--no-return-token-ids",
+        action="store_true",
+        help="Do not ask for return_token_ids (for servers that refuse unknown fields); chunks "
+        "whose tokens decode to no text then go uncounted.",
+    )
 
 
 def run_serve(args: argparse.Namespace) -> int:
     """Build the dataset, run the load, print the table; exit code 1 if no request succeeded."""
-    from fastdeploy.benchmarks.datasets import HFTokenizer, ServerTokenizer, make_dataset
+    from fastdeploy.benchmarks.datasets import (
+        HFTokenizer,
+        ServerTokenizer,
+        TokenizerUnavailableError,
+        make_dataset,
+    )
     from fastdeploy.benchmarks.metrics import format_table, parse_goodput
-    from fastdeploy.benchmarks.serve import ServeConfig, first_model, run_benchmark
+    from fastdeploy.benchmarks.serve import BACKENDS, ServeConfig, first_model, run_benchmark
 
     try:
         slos = parse_goodput(args.goodput)
     except ValueError as exc:
         print(f"fastdeploy bench serve: error: {exc}", file=sys.stderr)
         return 2
+    args.endpoint = args.endpoint or BACKENDS[args.backend]
     model = args.model or asyncio.run(first_model(args.base_url, args.api_key))
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     tokenizer = (
@@ -99,6 +118,13 @@ def run_serve(args: argparse.Namespace) -> int:
     args.num_prompts += args.num_warmups  # warm-ups get their own prompts, drawn from the same dataset
     try:
         samples = make_dataset(args, tokenizer)
+    except TokenizerUnavailableError as exc:
+        print(
+            f"fastdeploy bench serve: error: cannot size prompts with the server's tokenizer ({exc}); "
+            "pass --tokenizer (an HF name or folder, a .gguf file, or 'default')",
+            file=sys.stderr,
+        )
+        return 2
     finally:
         args.num_prompts = num_prompts
         if isinstance(tokenizer, ServerTokenizer):
@@ -115,12 +141,13 @@ def run_serve(args: argparse.Namespace) -> int:
         seed=args.seed,
         num_warmups=args.num_warmups,
         disable_tqdm=args.disable_tqdm,
+        return_token_ids=not args.no_return_token_ids,
     )
     warmups, samples = samples[: args.num_warmups], samples[args.num_warmups :]
     metrics, results = asyncio.run(run_benchmark(cfg, samples, slos, warmups))
     print(format_table(metrics))
     data: dict[str, Any] = {
-        "backend": "openai",
+        "backend": args.backend,
         "base_url": args.base_url,
         "endpoint": args.endpoint,
         "model": model,
