@@ -111,6 +111,7 @@ def engine_tokens(
         return [list(o.outputs[0].token_ids) for o in outs]
     finally:
         llm.shutdown()
+        del llm  # the in-process engine's KV cache lives as long as the object
         free_memory(torch.device(device))
 
 
@@ -209,6 +210,7 @@ def tp_run(args: argparse.Namespace, model: str, tp: int, **engine: Any) -> dict
         return row
     finally:
         llm.shutdown()
+        del llm
         free_memory(torch.device(args.device))
 
 
