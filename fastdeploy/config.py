@@ -118,8 +118,10 @@ class SchedulerConfig:
 
     max_num_seqs: int = 256
     """Most requests running at once."""
-    max_num_batched_tokens: int = 2048
-    """Token budget of one engine step, shared by prefills and decodes."""
+    max_num_batched_tokens: int | None = None
+    """Token budget of one engine step, shared by prefills and decodes. Default: 8192 on a GPU
+    with at least 70 GiB of memory (H100, H200), else 2048 (smaller GPUs, CPUs), as vLLM
+    chooses; the effective value is logged at start-up."""
     enable_chunked_prefill: bool = True
     """Split long prompts over several steps to fit the token budget."""
     async_scheduling: bool | None = None

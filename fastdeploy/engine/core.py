@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import TYPE_CHECKING
@@ -44,6 +45,19 @@ def resolve_async_scheduling(config: EngineConfig) -> bool:
     return resolve_device(config).type == "cuda"
 
 
+def resolve_scheduler_limits(config: EngineConfig) -> EngineConfig:
+    """``config`` with the platform's defaults filled in for the limits left unset
+    (``max_num_batched_tokens``: :func:`~fastdeploy.platforms.device.default_max_num_batched_tokens`)."""
+    if config.scheduler.max_num_batched_tokens is not None:
+        return config
+    from fastdeploy.platforms import resolve_device
+    from fastdeploy.platforms.device import default_max_num_batched_tokens
+
+    budget = default_max_num_batched_tokens(resolve_device(config))
+    scheduler = dataclasses.replace(config.scheduler, max_num_batched_tokens=budget)
+    return dataclasses.replace(config, scheduler=scheduler)
+
+
 class KVCacheTooSmallError(RuntimeError):
     """The KV cache memory cannot hold even one sequence of max_model_len tokens."""
 
@@ -55,6 +69,7 @@ class EngineCore:
     """How long an idle step waits for a grammar being compiled before returning (no busy loop)."""
 
     def __init__(self, config: EngineConfig, source: ModelSource, executor_cls):
+        config = resolve_scheduler_limits(config)  # before the workers start: they size warm-ups by it
         self.config = config
         self.source = source
         self.structured: StructuredOutputManager | None = None
@@ -90,9 +105,13 @@ class EngineCore:
         self.scheduler.async_scheduling = self.async_scheduling
         self._in_flight: SchedulerOutput | None = None
         """The step the worker holds (async scheduling): its output comes back with the next call."""
+        sched = config.scheduler
         logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens)", num_blocks, block_size, num_blocks * block_size
-        )
+            "engine limits: max_num_batched_tokens=%d, max_num_seqs=%d, max_model_len=%d, "
+            "async_scheduling=%s, KV cache %d blocks of %d tokens (%d tokens)",
+            sched.max_num_batched_tokens, sched.max_num_seqs, self.max_model_len, self.async_scheduling,
+            num_blocks, block_size, num_blocks * block_size,
+        )  # fmt: skip
 
     def add_request(self, core_request: EngineCoreRequest) -> None:
         # first, so that the front end's mirror and ours see the same items even if this request is refused

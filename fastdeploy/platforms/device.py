@@ -61,6 +61,22 @@ def get_attention_backend(
     return choose_attention_backend(config.device.attention_backend, spec)
 
 
+LARGE_GPU_BYTES = 70 * (1 << 30)
+"""A GPU with at least this much memory (H100, H200, MI300) gets the larger default token budget."""
+
+
+def default_max_num_batched_tokens(device: torch.device) -> int:
+    """The step token budget when ``--max-num-batched-tokens`` is not given: 8192 on a large GPU
+    (long prompts prefill in fewer steps; the card has room for the activations), else 2048.
+
+    Reads the card's total memory only (``get_device_properties``, no allocation)."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else 0
+        if torch.cuda.get_device_properties(index).total_memory >= LARGE_GPU_BYTES:
+            return 8192
+    return 2048
+
+
 def kv_cache_budget_bytes(config: EngineConfig, device: torch.device, peak_torch_bytes: int = 0) -> int:
     """Bytes the KV cache may take. CPU: ``--kv-cache-memory`` GiB. GPU: the
     ``--gpu-memory-utilization`` share of the card, less what other processes and the CUDA
