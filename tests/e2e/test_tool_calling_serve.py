@@ -4,13 +4,11 @@ a live ``fastdeploy serve`` on the default model.
 The default model (SmolLM2) has a chat template that does not render tools, so the server writes
 them into the prompt in the hermes format and reads answers with the hermes parser. Forced calls
 (``tool_choice`` ``"required"`` or a named function) are generated under a JSON-schema grammar,
-so even this small model returns arguments that validate against the function's schema; those
-tests need the structured-outputs engine (``fastdeploy.structured_output``).
+so even this small model returns arguments that validate against the function's schema.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import jsonschema
@@ -52,11 +50,6 @@ TOOLS = [
 SCHEMAS = {"get_weather": WEATHER_PARAMS, "get_time": TIME_PARAMS}
 QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 
-needs_grammar = pytest.mark.skipif(
-    importlib.util.find_spec("fastdeploy.structured_output") is None,
-    reason="forced tool calls need the structured-outputs engine (fastdeploy.structured_output), not merged yet",
-)
-
 
 @pytest.fixture(scope="module")
 def client(server):
@@ -85,7 +78,6 @@ def check_call(name: str, arguments: str) -> dict:
     return args
 
 
-@needs_grammar
 @pytest.mark.parametrize("parallel", [True, False])
 def test_required_returns_calls_that_validate(client, model_name, parallel):
     kwargs = dict(model=model_name, messages=QUESTION, tools=TOOLS, tool_choice="required", **GREEDY)
@@ -107,7 +99,6 @@ def test_required_returns_calls_that_validate(client, model_name, parallel):
     ]
 
 
-@needs_grammar
 def test_named_function_returns_its_call(client, model_name):
     choice_field = {"type": "function", "function": {"name": "get_time"}}
     kwargs = dict(model=model_name, messages=QUESTION, tools=TOOLS, tool_choice=choice_field, **GREEDY)
@@ -182,7 +173,6 @@ def test_bad_tool_requests_are_400s(client, model_name):
     assert err.value.body["param"] == "tools[0].function.parameters"
 
 
-@needs_grammar
 def test_langchain_bind_tools_round_trip(server, model_name):
     langchain_openai = pytest.importorskip("langchain_openai")
     from langchain_core.messages import HumanMessage, ToolMessage
