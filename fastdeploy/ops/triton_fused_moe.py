@@ -1,7 +1,8 @@
 """Fused mixture-of-experts on a GPU: a route-sorted grouped GEMM in Triton, bf16/fp16 or FP8 w8a8.
 
 The T*k (token, slot) pairs of a batch are sorted by expert and each expert's run is padded to a
-multiple of ``BLOCK_M`` (:func:`align_block_size`), so that every ``BLOCK_M`` block of the sorted
+multiple of ``BLOCK_M`` (:func:`fastdeploy.ops.triton_moe_routing.moe_align_block_size`, one or two
+kernels), so that every ``BLOCK_M`` block of the sorted
 list belongs to one expert. Then:
 
 1. ``gate_up[pair] = hidden[token] @ w13[e].T`` (kernel :func:`_moe_gemm_kernel`, ``[T*k, 2I]``),
@@ -36,6 +37,7 @@ import triton.language as tl
 from fastdeploy.ops.fp8_quant import FP8_DTYPE, quantize_activation_per_token_group
 from fastdeploy.ops.layer_ops import silu_and_mul
 from fastdeploy.ops.triton_env import triton_interpreting
+from fastdeploy.ops.triton_moe_routing import moe_align_block_size, padded_length
 from fastdeploy.ops.triton_pdl import pdl_kwargs, pdl_prologue, pdl_trigger
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -87,17 +89,18 @@ def default_config(num_tokens: int, fp8: bool) -> MoEKernelConfig:
     raise AssertionError("unreachable: the last row takes every size")
 
 
-def align_block_size(
+def align_block_size_torch(
     topk_ids: torch.Tensor, block_m: int, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sort the ``P = T*k`` (token, slot) pairs of ``topk_ids [T, k]`` by expert, each expert's run
-    padded to a multiple of ``block_m``.
+    """The torch reference of :func:`fastdeploy.ops.triton_moe_routing.moe_align_block_size` (the
+    layout the kernels read; the tests' oracle): the ``P = T*k`` (token, slot) pairs of
+    ``topk_ids [T, k]`` sorted stably by expert, each expert's run padded to a multiple of
+    ``block_m``.
 
     Returns ``(sorted_ids [L] int32, expert_ids [L / block_m] int32, num_padded [1] int32)``:
-    ``sorted_ids`` holds pair indices ``token * k + slot`` (stable order within an expert), the
-    value ``P`` marking padding; block ``b`` belongs to expert ``expert_ids[b]``; ``num_padded``
-    is the padded length actually used. ``L`` depends on shapes only (an upper bound), so no
-    step waits for the device (CUDA-graph safe).
+    ``sorted_ids`` holds pair indices ``token * k + slot``, the value ``P`` marking padding (here
+    also past ``num_padded``); block ``b`` belongs to expert ``expert_ids[b]``; ``num_padded`` is
+    the padded length actually used; ``L = padded_length(P, block_m, num_experts)``.
     """
     flat = topk_ids.reshape(-1).to(torch.int64)
     pairs = flat.numel()
@@ -111,9 +114,7 @@ def align_block_size(
     expert_of = flat[order]
     rank = torch.arange(pairs, device=device) - count_start[expert_of]
     dest = padded_end[expert_of] - padded[expert_of] + rank
-    # at most every pair's expert padded, and never more than one block per pair
-    length = min(pairs + num_experts * (block_m - 1), pairs * block_m)
-    length = triton.cdiv(length, block_m) * block_m
+    length = padded_length(pairs, block_m, num_experts)
     sorted_ids = torch.full((length,), pairs, dtype=torch.int32, device=device)
     sorted_ids[dest] = order.to(torch.int32)
     block_start = torch.arange(0, length, block_m, device=device)
@@ -322,6 +323,7 @@ def fused_experts(
     w2_scale: torch.Tensor | None = None,
     block_shape: tuple[int, int] = (128, 128),
     config: MoEKernelConfig | None = None,
+    expert_counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` with ``e = topk_ids[t, j]``.
 
@@ -330,7 +332,9 @@ def fused_experts(
     and ``w2_scale [E, ceil(H/bn), ceil(I/bk)]`` float32 block scales (``block_shape = (bn, bk)``),
     in which case the activations are quantized per token and ``bk`` columns. Returns ``[T, H]``
     in ``hidden.dtype``; float32 accumulation, intermediates rounded to ``hidden.dtype`` as the
-    unfused torch path rounds them. ``config`` overrides the table's meta-parameters.
+    unfused torch path rounds them. ``config`` overrides the table's meta-parameters;
+    ``expert_counts [E]`` (int64), when given, gets each expert's routed pairs added (the load
+    statistic, counted by the align kernel).
     """
     config = config or default_config(hidden.shape[0], w13.dtype == FP8_DTYPE)
     _check(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block_shape, config)
@@ -338,7 +342,7 @@ def fused_experts(
     if num_tokens == 0:
         return hidden.new_zeros(hidden.shape)
     fp8 = w13.dtype == FP8_DTYPE
-    routing = align_block_size(topk_ids, config.block_m, w13.shape[0])
+    routing = moe_align_block_size(topk_ids, config.block_m, w13.shape[0], expert_counts)
     pairs = num_tokens * top_k
     a, a_scale = quantize_activation_per_token_group(hidden, block_shape[1]) if fp8 else (hidden, None)
     gate_up = torch.empty((pairs, w13.shape[1]), dtype=hidden.dtype, device=hidden.device)

@@ -168,7 +168,7 @@ def test_align_block_size():
     ids = torch.randint(0, EXPERTS, (13, TOP_K), generator=g)
     ids[0] = torch.tensor([5, 3])
     block = 4
-    sorted_ids, expert_ids, num_padded = moe.align_block_size(ids, block, EXPERTS)
+    sorted_ids, expert_ids, num_padded = moe.align_block_size_torch(ids, block, EXPERTS)
     pairs = ids.numel()
     counts = torch.bincount(ids.reshape(-1), minlength=EXPERTS)
     padded = (counts + block - 1) // block * block

@@ -41,13 +41,13 @@ EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 """Checkpoint names of an expert's three projections (``...experts.{e}.{name}.weight``)."""
 
 
-def select_experts(
+def select_experts_torch(
     router_logits: torch.Tensor,
     top_k: int,
     renormalize: bool,
     correction_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k softmax routing: ``[T, E]`` logits → (weights ``[T, k]``, expert ids ``[T, k]``).
+    """Top-k softmax routing in torch: ``[T, E]`` logits → (weights ``[T, k]``, expert ids ``[T, k]``).
 
     The softmax runs in float32 (as in ``transformers``' Qwen and Ernie MoE routers); with
     ``renormalize`` (``norm_topk_prob``) the k weights are rescaled to sum to 1. With a
@@ -64,6 +64,28 @@ def select_experts(
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-12)
     return weights.to(router_logits.dtype), ids
+
+
+def _triton_kernels(name: str, x: torch.Tensor):
+    """The Triton module ``fastdeploy.ops.<name>`` for CUDA tensors (None on a CPU, without triton,
+    or with ``FD_DISABLE_CUSTOM_OPS=1``)."""
+    if not x.is_cuda or envs.FD_DISABLE_CUSTOM_OPS:
+        return None
+    return triton_module(name)
+
+
+def select_experts(
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    correction_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k softmax routing (:func:`select_experts_torch`'s result): one Triton kernel on CUDA
+    (:func:`fastdeploy.ops.triton_moe_routing.topk_softmax`), torch elsewhere."""
+    kernels = _triton_kernels("triton_moe_routing", router_logits)
+    if kernels is not None and router_logits.dim() == 2 and router_logits.stride(-1) == 1:
+        return kernels.topk_softmax(router_logits, top_k, renormalize, correction_bias)
+    return select_experts_torch(router_logits, top_k, renormalize, correction_bias)
 
 
 class FusedMoE(nn.Module):
@@ -165,14 +187,14 @@ class FusedMoE(nn.Module):
         ``shared`` (this rank's partial output of the block's shared experts), summed over the
         tensor-parallel ranks: one all-reduce of routed + shared partials."""
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize, correction_bias)
-        flat_ids = ids.reshape(-1)
-        self.routed_tokens.index_add_(0, flat_ids, torch.ones_like(flat_ids))  # on the device, no sync
         if self.ep_size > 1:
+            flat_ids = ids.reshape(-1)
+            self.routed_tokens.index_add_(0, flat_ids, torch.ones_like(flat_ids))  # on the device, no sync
             out = self.expert_parallel_experts(hidden, weights, ids)
             if shared is not None:
                 out = out + (tp_all_reduce(shared) if self.tp_size > 1 else shared)
             return out
-        out = self.compute_experts(hidden, weights, ids)
+        out = self.compute_experts(hidden, weights, ids, self.routed_tokens)
         if shared is not None:
             out = out + shared
         if self.tp_size > 1:
@@ -195,23 +217,30 @@ class FusedMoE(nn.Module):
         return tp_all_gather_rows(moe_dispatch.combine(expert_out, sent), shares)
 
     def compute_experts(
-        self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+        self,
+        hidden: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        expert_counts: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """This rank's partial expert output for routed tokens (before the all-reduce; the ids index
         this rank's experts, ``[0, num_local_experts)``): the fused
         Triton kernel on CUDA, :meth:`compute_experts_torch` on a CPU or with
         ``FD_DISABLE_CUSTOM_OPS=1``. Both take the stacked ``gate_up_proj`` / ``down_proj``
-        shards (and their FP8 scales) and return the ``[T, H]`` partial sum."""
-        kernels = None
-        if hidden.is_cuda and not envs.FD_DISABLE_CUSTOM_OPS:
-            kernels = triton_module("triton_fused_moe")
+        shards (and their FP8 scales) and return the ``[T, H]`` partial sum. ``expert_counts``
+        (the load statistic, ``[num_local_experts]`` int64) gets each expert's pairs added."""
+        kernels = _triton_kernels("triton_fused_moe", hidden)
         if kernels is None:
+            if expert_counts is not None:
+                flat_ids = topk_ids.reshape(-1)
+                expert_counts.index_add_(0, flat_ids, torch.ones_like(flat_ids))
             return self.compute_experts_torch(hidden, topk_weights, topk_ids)
         w13_scale, w2_scale = self.expert_scales()
         block = self.fp8.block if self.fp8 is not None else DEFAULT_BLOCK
         return kernels.fused_experts(
-            hidden, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, w13_scale, w2_scale, block
-        )
+            hidden, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, w13_scale, w2_scale, block,
+            expert_counts=expert_counts,
+        )  # fmt: skip
 
     def compute_experts_torch(
         self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor

@@ -1,0 +1,254 @@
+"""MoE routing on a GPU in Triton: top-k softmax in one kernel, the expert sort/pad in one or two.
+
+A decode step of a 48-layer MoE model routes 48 times; the torch versions of these steps
+(softmax, topk, the renormalising sum and divide, the casts; then a bincount, cumsums, a
+stable argsort, gathers, scatters and a searchsorted for the sort) are about twenty small
+kernels per layer, each costing a launch even inside a CUDA graph. Here:
+
+* :func:`topk_softmax` — one program per token: the float32 softmax of its ``E`` logits, the
+  ``k`` largest (by ``probs + correction_bias`` when a bias is given, weighted by the plain
+  probabilities), optionally renormalised to sum to 1. It computes what
+  :func:`fastdeploy.model_executor.layers.fused_moe.select_experts_torch` computes (same
+  order of slots: descending score, the lower expert first on a tie).
+* :func:`moe_align_block_size` — the layout :func:`fastdeploy.ops.triton_fused_moe.align_block_size_torch`
+  builds (the (token, slot) pairs sorted stably by expert, each expert's run padded to a
+  multiple of ``block_m``, the expert of every block, the padded length). Up to
+  :data:`ALIGN_CHUNK` pairs (a decode step) it is one program of one kernel; beyond that one
+  program per chunk of pairs counts its chunk's experts (:func:`_count_kernel`), then one
+  program per chunk places its pairs after the earlier chunks' (:func:`_align_kernel`), so the
+  order within an expert is the pairs' order, with no atomics. Every size comes from shapes, so
+  nothing waits for the device (CUDA-graph safe).
+
+Both optionally add the step's per-expert pair counts into a load statistic (``expert_counts``),
+which the torch path does with one more ``index_add_``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fastdeploy.ops.triton_pdl import pdl_kwargs, pdl_prologue
+
+ALIGN_CHUNK = 1024
+"""Pairs one program of the align kernels sorts; at most this many (128 tokens x top-8) → one kernel."""
+_SUB = 32
+"""Pairs per step inside a chunk (a ``[_SUB, experts]`` one-hot tile in registers)."""
+
+
+@triton.jit
+def _topk_softmax_kernel(
+    logits_ptr,
+    bias_ptr,
+    weights_ptr,
+    ids_ptr,
+    E,
+    stride_lm,
+    TOP_K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """One token: ``probs = softmax(logits)``; the ``TOP_K`` best by ``probs (+ bias)``; their probs."""
+    pdl_prologue(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_E)
+    mask = offs < E
+    x = tl.load(logits_ptr + row * stride_lm + offs, mask=mask, other=-float("inf")).to(tl.float32)
+    ex = tl.exp(x - tl.max(x, axis=0))
+    probs = ex / tl.sum(ex, axis=0)
+    score = probs
+    if HAS_BIAS:
+        score = probs + tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    score = tl.where(mask, score, -float("inf"))
+    slots = tl.arange(0, BLOCK_K)
+    chosen_w = tl.zeros([BLOCK_K], dtype=tl.float32)
+    chosen_id = tl.zeros([BLOCK_K], dtype=tl.int64)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(score, axis=0)
+        idx = tl.min(tl.where(score == best, offs, BLOCK_E), axis=0)  # the lowest expert on a tie
+        w = tl.sum(tl.where(offs == idx, probs, 0.0), axis=0)
+        chosen_w = tl.where(slots == j, w, chosen_w)
+        chosen_id = tl.where(slots == j, idx.to(tl.int64), chosen_id)
+        score = tl.where(offs == idx, -float("inf"), score)
+    if RENORMALIZE:
+        chosen_w = chosen_w / tl.maximum(tl.sum(chosen_w, axis=0), 1e-12)
+    out = row * TOP_K + slots
+    tl.store(weights_ptr + out, chosen_w.to(weights_ptr.dtype.element_ty), mask=slots < TOP_K)
+    tl.store(ids_ptr + out, chosen_id, mask=slots < TOP_K)
+
+
+def topk_softmax(
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    correction_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[T, E]`` logits → (weights ``[T, k]`` in the logits' dtype, expert ids ``[T, k]`` int64),
+    as ``select_experts_torch`` (softmax in float32; ``correction_bias [E]`` chooses by
+    ``probs + bias`` and weights by ``probs``; ``renormalize`` rescales the k weights to sum to 1)."""
+    if router_logits.dim() != 2 or router_logits.stride(-1) != 1:
+        raise ValueError(f"router_logits must be 2-D with unit column stride, got {tuple(router_logits.shape)}")
+    tokens, experts = router_logits.shape
+    if not 0 < top_k <= experts:
+        raise ValueError(f"top_k must be in [1, {experts}], got {top_k}")
+    weights = torch.empty((tokens, top_k), dtype=router_logits.dtype, device=router_logits.device)
+    ids = torch.empty((tokens, top_k), dtype=torch.int64, device=router_logits.device)
+    if tokens == 0:
+        return weights, ids
+    bias = None if correction_bias is None else correction_bias.reshape(-1)
+    if bias is not None and bias.numel() != experts:
+        raise ValueError(f"correction_bias must have {experts} entries, got {bias.numel()}")
+    _topk_softmax_kernel[(tokens,)](
+        router_logits, bias if bias is not None else router_logits, weights, ids, experts,
+        router_logits.stride(0), TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k),
+        BLOCK_E=triton.next_power_of_2(experts), HAS_BIAS=bias is not None, RENORMALIZE=renormalize,
+        num_warps=1 if experts <= 256 else 4, **pdl_kwargs(weights),
+    )  # fmt: skip
+    return weights, ids
+
+
+@triton.jit
+def _chunk_counts(ids_ptr, first, P, offs_e, CHUNK: tl.constexpr, SUB: tl.constexpr):
+    """Pairs per expert (``offs_e``) among the pairs ``[first, first + CHUNK)`` below ``P``."""
+    counts = tl.zeros(offs_e.shape, dtype=tl.int32)
+    for s in range(0, CHUNK, SUB):
+        p = first + s + tl.arange(0, SUB)
+        e = tl.load(ids_ptr + p, mask=p < P, other=-1).to(tl.int32)
+        counts += tl.sum((e[:, None] == offs_e[None, :]).to(tl.int32), axis=0)
+    return counts
+
+
+@triton.jit
+def _count_kernel(ids_ptr, counts_ptr, P, CHUNK: tl.constexpr, SUB: tl.constexpr, BLOCK_E: tl.constexpr):
+    """``counts[c, e]``: the pairs of chunk ``c`` routed to expert ``e``."""
+    c = tl.program_id(0)
+    offs_e = tl.arange(0, BLOCK_E)
+    counts = _chunk_counts(ids_ptr, c * CHUNK, P, offs_e, CHUNK, SUB)
+    tl.store(counts_ptr + c * BLOCK_E + offs_e, counts)
+
+
+@triton.jit
+def _align_kernel(
+    ids_ptr,
+    counts_ptr,
+    sorted_ptr,
+    expert_ids_ptr,
+    num_padded_ptr,
+    stats_ptr,
+    P,
+    E,
+    num_chunks,
+    CHUNK: tl.constexpr,
+    SUB: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    SINGLE: tl.constexpr,
+    HAS_STATS: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """Chunk ``c``'s pairs into their slots; program 0 also writes the padding, the block → expert
+    map, the padded length (and adds the counts into the statistic)."""
+    pdl_prologue(USE_PDL)
+    c = tl.program_id(0)
+    offs_e = tl.arange(0, BLOCK_E)
+    e_mask = offs_e < E
+    if SINGLE:  # one chunk: count it here
+        totals = _chunk_counts(ids_ptr, 0, P, offs_e, CHUNK, SUB)
+        before = tl.zeros([BLOCK_E], dtype=tl.int32)
+    else:  # every chunk's counts: the totals, and the pairs of earlier chunks per expert
+        totals = tl.zeros([BLOCK_E], dtype=tl.int32)
+        before = tl.zeros([BLOCK_E], dtype=tl.int32)
+        for c0 in range(0, num_chunks, BLOCK_C):
+            rows = c0 + tl.arange(0, BLOCK_C)
+            cnt = tl.load(counts_ptr + rows[:, None] * BLOCK_E + offs_e[None, :], mask=rows[:, None] < num_chunks, other=0)
+            totals += tl.sum(cnt, axis=0)
+            before += tl.sum(tl.where(rows[:, None] < c, cnt, 0), axis=0)
+    padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    end = tl.cumsum(padded, axis=0)
+    start = end - padded
+    slot = start + before  # the next free slot of each expert for this chunk's pairs
+    for s in range(0, CHUNK, SUB):
+        p = c * CHUNK + s + tl.arange(0, SUB)
+        valid = p < P
+        e = tl.load(ids_ptr + p, mask=valid, other=-1).to(tl.int32)
+        onehot = (e[:, None] == offs_e[None, :]).to(tl.int32)
+        rank = tl.cumsum(onehot, axis=0) - onehot  # earlier pairs of the same expert in this step
+        dest = tl.sum(onehot * (rank + slot[None, :]), axis=1)
+        tl.store(sorted_ptr + dest, p.to(tl.int32), mask=valid)
+        slot += tl.sum(onehot, axis=0)
+    if c == 0:
+        num_padded = tl.sum(padded, axis=0)
+        tl.store(num_padded_ptr, num_padded)
+        # each expert's padding: slots [start + count, end) hold P
+        fill = start + totals
+        for j0 in tl.static_range(0, BLOCK_M, 16):
+            j = j0 + tl.arange(0, 16)
+            pos = fill[:, None] + j[None, :]
+            tl.store(sorted_ptr + pos, tl.zeros_like(pos) + P, mask=pos < end[:, None])
+        # block b belongs to the first expert whose padded run ends past b * BLOCK_M
+        for b0 in range(0, num_padded // BLOCK_M, 64):
+            b = b0 + tl.arange(0, 64)
+            ended = (end[None, :] <= b[:, None] * BLOCK_M) & e_mask[None, :]
+            expert = tl.minimum(tl.sum(ended.to(tl.int32), axis=1), E - 1)
+            tl.store(expert_ids_ptr + b, expert, mask=b * BLOCK_M < num_padded)
+        if HAS_STATS:
+            old = tl.load(stats_ptr + offs_e, mask=e_mask, other=0)
+            tl.store(stats_ptr + offs_e, old + totals.to(old.dtype), mask=e_mask)
+
+
+def padded_length(pairs: int, block_m: int, num_experts: int) -> int:
+    """Entries of ``sorted_ids`` for ``pairs`` pairs: every expert's run padded, never more than one
+    block per pair, rounded up to whole blocks (an upper bound from shapes only)."""
+    length = min(pairs + num_experts * (block_m - 1), pairs * block_m)
+    return triton.cdiv(length, block_m) * block_m
+
+
+def moe_align_block_size(
+    topk_ids: torch.Tensor,
+    block_m: int,
+    num_experts: int,
+    expert_counts: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sort the ``P = T*k`` (token, slot) pairs of ``topk_ids [T, k]`` by expert, each expert's run
+    padded to a multiple of ``block_m`` (a power of two of at least 16).
+
+    Returns ``(sorted_ids [L] int32, expert_ids [L / block_m] int32, num_padded [1] int32)`` with
+    ``L = padded_length(P, block_m, num_experts)``: ``sorted_ids[:num_padded]`` holds the pair
+    indices ``token * k + slot`` (stable within an expert) and ``P`` for padding, block ``b <
+    num_padded / block_m`` belongs to expert ``expert_ids[b]``; the entries past ``num_padded``
+    are left unwritten (the GEMM reads none of them). ``expert_counts [E]`` (int64), when given,
+    gets each expert's pair count added."""
+    if block_m < 16 or block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of two >= 16, got {block_m}")
+    flat = topk_ids.reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    pairs, device = flat.numel(), flat.device
+    length = padded_length(pairs, block_m, num_experts)
+    sorted_ids = torch.empty((length,), dtype=torch.int32, device=device)
+    expert_ids = torch.empty((length // block_m,), dtype=torch.int32, device=device)
+    num_padded = torch.empty((1,), dtype=torch.int32, device=device)
+    if pairs == 0:
+        num_padded.zero_()
+        return sorted_ids, expert_ids, num_padded
+    block_e = triton.next_power_of_2(num_experts)
+    chunks = triton.cdiv(pairs, ALIGN_CHUNK)
+    single = chunks == 1
+    chunk = triton.next_power_of_2(max(pairs, _SUB)) if single else ALIGN_CHUNK
+    counts = sorted_ids  # unused with one chunk
+    if not single:
+        counts = torch.empty((chunks, block_e), dtype=torch.int32, device=device)
+        _count_kernel[(chunks,)](flat, counts, pairs, CHUNK=chunk, SUB=_SUB, BLOCK_E=block_e, num_warps=4)
+    _align_kernel[(chunks,)](
+        flat, counts, sorted_ids, expert_ids, num_padded,
+        expert_counts if expert_counts is not None else num_padded, pairs, num_experts, chunks,
+        CHUNK=chunk, SUB=_SUB, BLOCK_E=block_e, BLOCK_M=block_m, BLOCK_C=16, SINGLE=single,
+        HAS_STATS=expert_counts is not None, num_warps=4,
+        **(pdl_kwargs(sorted_ids) if single else {"USE_PDL": False}),
+    )  # fmt: skip
+    return sorted_ids, expert_ids, num_padded

@@ -1,0 +1,113 @@
+"""The Triton MoE routing kernels against their torch references on random inputs.
+
+* :func:`topk_softmax` against ``select_experts_torch``: identical expert ids (same slot order;
+  with bf16 logits, which tie often, the same scores slot by slot, as a tie may go either way),
+  weights equal up to a few float32 ulps (the exp and the sums are computed in another order;
+  a wrong expert or a missing renormalisation is O(1)); with and without renormalisation and
+  with Ernie-4.5's correction bias.
+* :func:`moe_align_block_size` against ``align_block_size_torch``: the same padded length and
+  the same ``sorted_ids`` / ``expert_ids`` up to it, entry for entry; batch 1, one chunk, several
+  chunks (more pairs than ``ALIGN_CHUNK``), experts receiving no pair, all pairs to one expert,
+  and the load statistic.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+routing = pytest.importorskip("fastdeploy.ops.triton_moe_routing")
+
+from fastdeploy.model_executor.layers.fused_moe import select_experts_torch  # noqa: E402
+from fastdeploy.ops.triton_fused_moe import align_block_size_torch  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+pytestmark = pytest.mark.skipif(
+    not CUDA and os.environ.get("TRITON_INTERPRET") != "1", reason="no GPU and the Triton interpreter is off"
+)
+
+
+def _logits(tokens, experts, seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(tokens, experts, generator=g) * 2).to(dtype)
+
+
+@pytest.mark.parametrize(
+    "tokens,experts,top_k,renormalize,bias,dtype",
+    [
+        (1, 128, 8, True, False, torch.float32),
+        (7, 60, 4, False, False, torch.float32),  # experts not a power of two
+        (33, 64, 6, True, True, torch.float32),  # Ernie-4.5: bias-corrected choice
+        (5, 8, 2, False, True, torch.bfloat16),
+        (16, 128, 8, True, False, torch.bfloat16),
+    ],
+)
+def test_topk_softmax_matches_torch(tokens, experts, top_k, renormalize, bias, dtype):
+    logits = _logits(tokens, experts, seed=tokens + experts, dtype=dtype)
+    correction = _logits(1, experts, seed=99)[0] * 0.05 if bias else None
+    ref_w, ref_ids = select_experts_torch(logits, top_k, renormalize, correction)
+    args = [t.to(DEVICE) if t is not None else None for t in (logits, correction)]
+    w, ids = routing.topk_softmax(args[0], top_k, renormalize, args[1])
+    assert ids.dtype == torch.int64 and w.dtype == dtype and w.shape == (tokens, top_k)
+    ids = ids.cpu()
+    if dtype == torch.float32:
+        assert torch.equal(ids, ref_ids)
+    else:  # bf16 logits tie often (8-bit mantissa): the same scores chosen, slot by slot
+        score = torch.softmax(logits.float(), -1) + (0 if correction is None else correction)
+        assert torch.equal(score.gather(1, ids), score.gather(1, ref_ids))
+        assert all(len(set(row)) == top_k for row in ids.tolist())
+    if dtype == torch.float32:
+        torch.testing.assert_close(w.cpu(), ref_w, rtol=4e-7, atol=1e-8)
+    else:  # one bf16 ulp: the interpreter truncates float32 -> bf16 where torch (and the GPU) round
+        torch.testing.assert_close(w.cpu(), ref_w, rtol=2**-7, atol=0)
+    if renormalize:
+        torch.testing.assert_close(w.float().sum(-1).cpu(), torch.ones(tokens), rtol=1e-2, atol=0)
+
+
+def test_topk_softmax_rejects_bad_input():
+    with pytest.raises(ValueError, match="top_k"):
+        routing.topk_softmax(_logits(2, 4, 0).to(DEVICE), 5, True)
+    with pytest.raises(ValueError, match="correction_bias"):
+        routing.topk_softmax(_logits(2, 4, 0).to(DEVICE), 2, True, torch.zeros(3, device=DEVICE))
+
+
+def _check_layout(ids, block_m, experts):
+    ref_sorted, ref_experts, ref_padded = align_block_size_torch(ids, block_m, experts)
+    stats = torch.arange(experts, dtype=torch.int64)  # the statistic adds to what was there
+    sorted_ids, expert_ids, num_padded = routing.moe_align_block_size(
+        ids.to(DEVICE), block_m, experts, stats_dev := stats.clone().to(DEVICE)
+    )
+    n = int(ref_padded)
+    assert int(num_padded) == n and sorted_ids.numel() == ref_sorted.numel()
+    assert torch.equal(sorted_ids[:n].cpu(), ref_sorted[:n])
+    assert torch.equal(expert_ids[: n // block_m].cpu(), ref_experts[: n // block_m])
+    counts = torch.bincount(ids.reshape(-1), minlength=experts)
+    assert torch.equal(stats_dev.cpu(), stats + counts)
+
+
+@pytest.mark.parametrize(
+    "tokens,top_k,experts,block_m",
+    [
+        (1, 8, 128, 16),  # batch-1 decode: 8 experts touched, 120 empty
+        (3, 2, 8, 16),
+        (13, 4, 60, 32),  # experts not a power of two
+        (128, 8, 128, 64),  # exactly one chunk
+        (300, 8, 128, 128),  # three chunks, prefill tiles
+        (700, 2, 16, 16),  # two chunks, every expert busy
+    ],
+)
+def test_align_matches_torch(tokens, top_k, experts, block_m):
+    g = torch.Generator().manual_seed(tokens)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    _check_layout(ids, block_m, experts)
+
+
+def test_align_skewed_and_empty_experts():
+    """Every pair on two experts (the rest receive none), across chunk boundaries."""
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 2, (600, 2), generator=g) * 7 + 3  # experts 3 and 10 of 16
+    _check_layout(ids, 16, 16)
+    _check_layout(torch.full((1, 1), 15), 16, 16)  # one pair on the last expert
