@@ -91,7 +91,9 @@ def topk_softmax(
     as ``select_experts_torch`` (softmax in float32; ``correction_bias [E]`` chooses by
     ``probs + bias`` and weights by ``probs``; ``renormalize`` rescales the k weights to sum to 1)."""
     if router_logits.dim() != 2 or router_logits.stride(-1) != 1:
-        raise ValueError(f"router_logits must be 2-D with unit column stride, got {tuple(router_logits.shape)}")
+        raise ValueError(
+            f"router_logits must be 2-D with unit column stride, got {tuple(router_logits.shape)}"
+        )
     tokens, experts = router_logits.shape
     if not 0 < top_k <= experts:
         raise ValueError(f"top_k must be in [1, {experts}], got {top_k}")
@@ -165,7 +167,11 @@ def _align_kernel(
         before = tl.zeros([BLOCK_E], dtype=tl.int32)
         for c0 in range(0, num_chunks, BLOCK_C):
             rows = c0 + tl.arange(0, BLOCK_C)
-            cnt = tl.load(counts_ptr + rows[:, None] * BLOCK_E + offs_e[None, :], mask=rows[:, None] < num_chunks, other=0)
+            cnt = tl.load(
+                counts_ptr + rows[:, None] * BLOCK_E + offs_e[None, :],
+                mask=rows[:, None] < num_chunks,
+                other=0,
+            )
             totals += tl.sum(cnt, axis=0)
             before += tl.sum(tl.where(rows[:, None] < c, cnt, 0), axis=0)
     padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
