@@ -10,6 +10,8 @@ one is compiled during the run, off the engine loop.
 Examples:
     python benchmarks/structured_outputs.py                         # GPU: 256 requests, bfloat16
     python benchmarks/structured_outputs.py --num-requests 16 --output-len 48 --dtype float32   # CPU
+    python benchmarks/structured_outputs.py --model benchmarks/configs/llama-3.1-8b --load-format dummy \
+        --tokenizer TOKENIZER_DIR                                   # GPU: the 8B shape, random weights
 """
 
 from __future__ import annotations
@@ -71,6 +73,13 @@ def main() -> None:
     parser.add_argument(
         "--model", default=None, help="model path; default: the embedded SmolLM2-135M-Instruct"
     )
+    parser.add_argument(
+        "--tokenizer", default=None, help="tokenizer folder (for a --load-format dummy model)"
+    )
+    parser.add_argument(
+        "--load-format", default="auto", help="auto, or dummy: random weights of --model's config"
+    )
+    parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=256, help="max_tokens of every request")
     parser.add_argument("--dtype", default="bfloat16")
@@ -80,7 +89,17 @@ def main() -> None:
     args = parser.parse_args()
 
     kwargs = {} if args.async_scheduling == "auto" else {"async_scheduling": args.async_scheduling == "on"}
-    llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, **kwargs)
+    if args.tokenizer:
+        kwargs["tokenizer"] = args.tokenizer
+    if args.max_model_len:
+        kwargs["max_model_len"] = args.max_model_len
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        load_format=args.load_format,
+        **kwargs,
+    )
     n = args.num_requests
     messages = [chat_messages(i) for i in range(n)]
     structured = [
