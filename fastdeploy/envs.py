@@ -67,6 +67,11 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         _bool("FD_STEP_TRACE", "0"),
         "Record (stage, step id, time) of every model-runner stage in ModelRunner.trace (benchmarks).",
     ),
+    "FD_REQUEST_TIMELINE_FILE": (
+        lambda: os.environ.get("FD_REQUEST_TIMELINE_FILE", ""),
+        "Append one JSON line per finished streamed request to this file: its timeline through the "
+        "serving path (core/timeline.py; benchmarks/serving_breakdown.py reads it). Unset: not written.",
+    ),
     "FD_DISABLE_CUSTOM_OPS": (
         _bool("FD_DISABLE_CUSTOM_OPS", "0"),
         "Use the torch fallbacks even when fastdeploy_ops is built.",

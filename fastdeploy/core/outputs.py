@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from fastdeploy.core.timeline import RequestTimeline
+
 
 @dataclass
 class Logprob:
@@ -52,3 +54,7 @@ class RequestOutput:
     """With ``prompt_logprobs`` asked: aligned with ``prompt_token_ids``, None for the first token,
     else the token itself and the top-k by id. In streaming use only the first output carries it."""
     metrics: dict[str, float] = field(default_factory=dict)
+    timeline: RequestTimeline | None = None
+    """The request's timeline (the same object in every output of the request; API server only)."""
+    sent_at: float | None = None
+    """``time.monotonic()`` when the engine core sent the step output this delta came from."""

@@ -54,6 +54,10 @@ ENGINE_STOP_GRACE_S = 2.0
 between steps), and again after SIGTERM, before it is killed."""
 
 
+def _has_tokens(output: RequestOutput) -> bool:
+    return any(c.token_ids for c in output.outputs)
+
+
 class EngineStartupError(RuntimeError):
     """The engine core failed to start (bad model, too little memory, ...)."""
 
@@ -228,8 +232,9 @@ class AsyncLLM(EngineClient):
             while True:
                 message = decode(await self._from_core.recv())
                 if message["type"] == "outputs":
+                    received = time.monotonic()
                     outputs = EngineCoreOutputs.from_wire({**message, "timestamp": time.time()})
-                    self._handle_outputs(outputs, message["rank"])
+                    self._handle_outputs(outputs, message["rank"], message.get("sent"), received)
                 elif message["type"] == "dead":
                     which = self._which(message["rank"])
                     self._mark_dead(f"{message['error']} (engine core{which})" if which else message["error"])
@@ -244,8 +249,11 @@ class AsyncLLM(EngineClient):
         while self.is_healthy:
             await asyncio.sleep(envs.FD_HEALTH_CHECK_INTERVAL_S)
 
-    def _handle_outputs(self, core: EngineCoreOutputs, rank: int) -> None:
-        """Deliver one message of outputs from the engine core of ``rank``."""
+    def _handle_outputs(
+        self, core: EngineCoreOutputs, rank: int, sent: float | None = None, received: float | None = None
+    ) -> None:
+        """Deliver one message of outputs from the engine core of ``rank`` (``sent``: when the engine
+        core sent it, ``received``: when it was read; ``time.monotonic()``, for the timelines)."""
         if core.stats is not None:
             self.metrics.on_scheduler_stats(core.stats, rank)
             self._router.on_kv_cache_usage(rank, core.stats.kv_cache_usage)
@@ -259,7 +267,14 @@ class AsyncLLM(EngineClient):
                 self.output_processor.remove_request(parent)
                 self._put(parent, EngineGenerateError(out.error))
         outputs, to_abort, _ = self.output_processor.process(good, delta=True, now=core.timestamp)
+        detokenized = time.monotonic()
         for output in outputs:
+            output.sent_at = sent
+            timeline = output.timeline
+            if timeline is not None and timeline.first_token_sent is None and _has_tokens(output):
+                timeline.first_token_sent = sent
+                timeline.first_token_received = received
+                timeline.first_token_detokenized = detokenized
             self._put(output.request_id, output)
         if to_abort:  # choices a stop string ended, all of this rank
             self._cores[rank].send({"type": "abort", "ids": to_abort})
@@ -330,6 +345,7 @@ class AsyncLLM(EngineClient):
                 wire = core_request.to_wire()
                 wire["mm_items"] = core.feature_mirror.strip(wire["mm_items"])
                 core.send({"type": "add", "request": wire})
+            state.timeline.queued = time.monotonic()
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):

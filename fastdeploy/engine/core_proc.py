@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import time
 import traceback
 
 import zmq
@@ -212,5 +213,6 @@ def _send_outputs(outbox: _Outbox, outputs: list[EngineCoreOutput], stats: Sched
             "type": "outputs",
             "outputs": [dataclasses.asdict(o) for o in outputs],
             "stats": dataclasses.asdict(stats) if stats is not None else None,
+            "sent": time.monotonic(),
         }
     )

@@ -14,6 +14,7 @@ from fastdeploy.core.outputs import CompletionOutput, Logprob, RequestOutput
 from fastdeploy.core.prompt_logprobs import to_prompt_logprobs
 from fastdeploy.core.request import EngineCoreOutput
 from fastdeploy.core.sampling_params import SamplingParams
+from fastdeploy.core.timeline import RequestTimeline
 from fastdeploy.engine.detokenizer import IncrementalDetokenizer
 
 
@@ -66,6 +67,7 @@ class RequestState:
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.times = RequestTimes(arrival=arrival_time)
+        self.timeline = RequestTimeline(arrival=time.monotonic())
         self.num_cached_tokens = 0
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
         """Set from the first engine output that carries them (every choice computes the same)."""
@@ -188,6 +190,8 @@ class OutputProcessor:
         metrics = self.metrics
         if out.queue_time is not None:
             state.times.queue_time = out.queue_time
+            if state.timeline.arrival is not None:
+                state.timeline.scheduled = state.timeline.arrival + out.queue_time
         if out.new_token_ids:
             if state.times.first_token is None:
                 state.times.first_token = now
@@ -293,4 +297,5 @@ class OutputProcessor:
             finished=state.finished,
             num_cached_tokens=state.num_cached_tokens,
             prompt_logprobs=prompt_logprobs,
+            timeline=state.timeline,
         )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -195,11 +196,13 @@ def build_app(
 
     @v1.post("/completions", openapi_extra=json_body(CompletionRequest))
     async def create_completion(raw_request: Request) -> Response:
+        raw_request.state.received = time.monotonic()  # the request timeline's start
         request = parse_request(CompletionRequest, await read_json(raw_request), strict_fields=strict)
         return await completions.create_completion(request, raw_request)
 
     @v1.post("/chat/completions", openapi_extra=json_body(ChatCompletionRequest))
     async def create_chat_completion(raw_request: Request) -> Response:
+        raw_request.state.received = time.monotonic()
         request = parse_request(ChatCompletionRequest, await read_json(raw_request), strict_fields=strict)
         return await chat.create_chat_completion(request, raw_request)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -63,6 +64,7 @@ from fastdeploy.entrypoints.openai.serving_engine import (
     to_openai_error,
 )
 from fastdeploy.entrypoints.openai.serving_mm import MultimodalChatInputs
+from fastdeploy.entrypoints.openai.timeline_log import TimelineRecorder
 from fastdeploy.entrypoints.openai.tokenizer_lanes import TokenizerLanes
 from fastdeploy.entrypoints.openai.tool_calling import ToolCalling, ToolPlan
 from fastdeploy.entrypoints.openai.tool_parsers import ToolCallDelta, ToolCallStream
@@ -156,6 +158,7 @@ class OpenAIServingChat(OpenAIServing):
         if not token_ids:
             raise BadRequestError("The chat template produced an empty prompt", param="messages")
         token_ids, mm_items = await self.mm_inputs.place(token_ids, items)
+        tokenized = time.monotonic()
         max_tokens = resolve_max_tokens(
             len(token_ids), params.max_tokens, self.engine.max_model_len, prompt_kind="messages"
         )
@@ -175,7 +178,8 @@ class OpenAIServingChat(OpenAIServing):
         if tools.parser is not None:
             options.tools = tools
         if request.stream:
-            return SSEResponse(self._stream(request_id, model, prompts, options))
+            recorder = TimelineRecorder(getattr(raw_request.state, "received", None), tokenized)
+            return SSEResponse(self._stream(request_id, model, prompts, options, recorder))
         response = await run_until_disconnected(
             raw_request, self._collect(request_id, model, prompts, options)
         )
@@ -245,7 +249,12 @@ class OpenAIServingChat(OpenAIServing):
         )
 
     async def _stream(
-        self, request_id: str, model: str, prompts: list[EnginePrompt], options: ChatOptions
+        self,
+        request_id: str,
+        model: str,
+        prompts: list[EnginePrompt],
+        options: ChatOptions,
+        recorder: TimelineRecorder | None = None,
     ) -> AsyncIterator[str]:
         n = prompts[0].params.n
         num_top = prompts[0].params.logprobs
@@ -298,6 +307,8 @@ class OpenAIServingChat(OpenAIServing):
                         ):
                             finish_reason = split.finish_reason(c.finish_reason)
                             yield chunk(self._stream_choice(c, num_top, options, delta, finish_reason))
+                            if recorder is not None and c.token_ids:
+                                recorder.written(out)
             if options.include_usage:
                 usage_chunk = ChatCompletionStreamResponse(
                     id=request_id, model=model, choices=[], usage=tracker.usage()
@@ -306,6 +317,8 @@ class OpenAIServingChat(OpenAIServing):
         except Exception as exc:
             yield error_event(exc)
         yield SSE_DONE
+        if recorder is not None:
+            recorder.finish()
 
     async def _collect(
         self, request_id: str, model: str, prompts: list[EnginePrompt], options: ChatOptions

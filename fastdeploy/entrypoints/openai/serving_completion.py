@@ -8,6 +8,7 @@ one choice per chunk, as OpenAI does.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +40,7 @@ from fastdeploy.entrypoints.openai.serving_engine import (
     sub_request_ids,
     to_openai_error,
 )
+from fastdeploy.entrypoints.openai.timeline_log import TimelineRecorder
 
 
 @dataclass
@@ -103,6 +105,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 EnginePrompt(token_ids=token_ids, params=params.clone(max_tokens=max_tokens), text=text)
             )
 
+        tokenized = time.monotonic()
         extras = CompletionExtras(
             num_prompt_logprobs=request.prompt_logprobs,
             return_token_ids=bool(request.return_token_ids),
@@ -115,8 +118,9 @@ class OpenAIServingCompletion(OpenAIServing):
         request_id = random_id("cmpl")
         request_ids = sub_request_ids(request_id, len(prompts))
         if request.stream:
+            recorder = TimelineRecorder(getattr(raw_request.state, "received", None), tokenized)
             return SSEResponse(
-                self._stream(request_id, model, request_ids, prompts, request.include_usage, extras)
+                self._stream(request_id, model, request_ids, prompts, request.include_usage, extras, recorder)
             )
         response = await run_until_disconnected(
             raw_request, self._collect(request_id, model, request_ids, prompts, extras)
@@ -157,6 +161,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts: list[EnginePrompt],
         include_usage: bool,
         extras: CompletionExtras,
+        recorder: TimelineRecorder | None = None,
     ) -> AsyncIterator[str]:
         n = prompts[0].params.n
         num_top = prompts[0].params.logprobs
@@ -221,6 +226,8 @@ class OpenAIServingCompletion(OpenAIServing):
                             usage=tracker.usage() if extras.continuous_usage else None,
                         )
                         yield f"data: {chunk.model_dump_json(exclude=exclude)}\n\n"
+                        if recorder is not None and c.token_ids:
+                            recorder.written(out)
             if include_usage:
                 yield sse(
                     CompletionStreamResponse(id=request_id, model=model, choices=[], usage=tracker.usage())
@@ -228,6 +235,8 @@ class OpenAIServingCompletion(OpenAIServing):
         except Exception as exc:
             yield error_event(exc)
         yield SSE_DONE
+        if recorder is not None:
+            recorder.finish()
 
     async def _collect(
         self,
