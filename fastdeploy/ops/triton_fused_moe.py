@@ -323,7 +323,6 @@ def fused_experts(
     w2_scale: torch.Tensor | None = None,
     block_shape: tuple[int, int] = (128, 128),
     config: MoEKernelConfig | None = None,
-    expert_counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` with ``e = topk_ids[t, j]``.
 
@@ -332,9 +331,7 @@ def fused_experts(
     and ``w2_scale [E, ceil(H/bn), ceil(I/bk)]`` float32 block scales (``block_shape = (bn, bk)``),
     in which case the activations are quantized per token and ``bk`` columns. Returns ``[T, H]``
     in ``hidden.dtype``; float32 accumulation, intermediates rounded to ``hidden.dtype`` as the
-    unfused torch path rounds them. ``config`` overrides the table's meta-parameters;
-    ``expert_counts [E]`` (int64), when given, gets each expert's routed pairs added (the load
-    statistic, counted by the align kernel).
+    unfused torch path rounds them. ``config`` overrides the table's meta-parameters.
     """
     config = config or default_config(hidden.shape[0], w13.dtype == FP8_DTYPE)
     _check(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block_shape, config)
@@ -342,7 +339,7 @@ def fused_experts(
     if num_tokens == 0:
         return hidden.new_zeros(hidden.shape)
     fp8 = w13.dtype == FP8_DTYPE
-    routing = moe_align_block_size(topk_ids, config.block_m, w13.shape[0], expert_counts)
+    routing = moe_align_block_size(topk_ids, config.block_m, w13.shape[0])
     pairs = num_tokens * top_k
     a, a_scale = quantize_activation_per_token_group(hidden, block_shape[1]) if fp8 else (hidden, None)
     gate_up = torch.empty((pairs, w13.shape[1]), dtype=hidden.dtype, device=hidden.device)

@@ -19,8 +19,8 @@ kernels per layer, each costing a launch even inside a CUDA graph. Here:
   order within an expert is the pairs' order, with no atomics. Every size comes from shapes, so
   nothing waits for the device (CUDA-graph safe).
 
-Both optionally add the step's per-expert pair counts into a load statistic (``expert_counts``),
-which the torch path does with one more ``index_add_``.
+The routing kernel also adds the step's per-expert pair counts into the load statistic
+(``expert_counts``, atomically), which the torch path does with one more ``index_add_``.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ def _topk_softmax_kernel(
     bias_ptr,
     weights_ptr,
     ids_ptr,
+    counts_ptr,
     E,
     stride_lm,
     TOP_K: tl.constexpr,
@@ -50,6 +51,7 @@ def _topk_softmax_kernel(
     BLOCK_E: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     RENORMALIZE: tl.constexpr,
+    HAS_COUNTS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """One token: ``probs = softmax(logits)``; the ``TOP_K`` best by ``probs (+ bias)``; their probs."""
@@ -79,6 +81,10 @@ def _topk_softmax_kernel(
     out = row * TOP_K + slots
     tl.store(weights_ptr + out, chosen_w.to(weights_ptr.dtype.element_ty), mask=slots < TOP_K)
     tl.store(ids_ptr + out, chosen_id, mask=slots < TOP_K)
+    if HAS_COUNTS:  # integer adds: the same totals in any order
+        tl.atomic_add(
+            counts_ptr + chosen_id, tl.full([BLOCK_K], 1, tl.int64), mask=slots < TOP_K, sem="relaxed"
+        )
 
 
 def topk_softmax(
@@ -86,10 +92,13 @@ def topk_softmax(
     top_k: int,
     renormalize: bool,
     correction_bias: torch.Tensor | None = None,
+    expert_counts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``[T, E]`` logits → (weights ``[T, k]`` in the logits' dtype, expert ids ``[T, k]`` int64),
     as ``select_experts_torch`` (softmax in float32; ``correction_bias [E]`` chooses by
-    ``probs + bias`` and weights by ``probs``; ``renormalize`` rescales the k weights to sum to 1)."""
+    ``probs + bias`` and weights by ``probs``; ``renormalize`` rescales the k weights to sum to 1).
+    ``expert_counts [E]`` (int64), when given, gets each expert's chosen (token, slot) pairs added
+    (the load statistic)."""
     if router_logits.dim() != 2 or router_logits.stride(-1) != 1:
         raise ValueError(
             f"router_logits must be 2-D with unit column stride, got {tuple(router_logits.shape)}"
@@ -105,9 +114,10 @@ def topk_softmax(
     if bias is not None and bias.numel() != experts:
         raise ValueError(f"correction_bias must have {experts} entries, got {bias.numel()}")
     _topk_softmax_kernel[(tokens,)](
-        router_logits, bias if bias is not None else router_logits, weights, ids, experts,
-        router_logits.stride(0), TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k),
-        BLOCK_E=triton.next_power_of_2(experts), HAS_BIAS=bias is not None, RENORMALIZE=renormalize,
+        router_logits, bias if bias is not None else router_logits, weights, ids,
+        expert_counts if expert_counts is not None else ids, experts, router_logits.stride(0),
+        TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(experts),
+        HAS_BIAS=bias is not None, RENORMALIZE=renormalize, HAS_COUNTS=expert_counts is not None,
         num_warps=1 if experts <= 256 else 4, **pdl_kwargs(weights),
     )  # fmt: skip
     return weights, ids
@@ -140,7 +150,6 @@ def _align_kernel(
     sorted_ptr,
     expert_ids_ptr,
     num_padded_ptr,
-    stats_ptr,
     P,
     E,
     num_chunks,
@@ -150,11 +159,10 @@ def _align_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_C: tl.constexpr,
     SINGLE: tl.constexpr,
-    HAS_STATS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """Chunk ``c``'s pairs into their slots; program 0 also writes the padding, the block → expert
-    map, the padded length (and adds the counts into the statistic)."""
+    map and the padded length."""
     pdl_prologue(USE_PDL)
     c = tl.program_id(0)
     offs_e = tl.arange(0, BLOCK_E)
@@ -202,9 +210,6 @@ def _align_kernel(
             ended = (end[None, :] <= b[:, None] * BLOCK_M) & e_mask[None, :]
             expert = tl.minimum(tl.sum(ended.to(tl.int32), axis=1), E - 1)
             tl.store(expert_ids_ptr + b, expert, mask=b * BLOCK_M < num_padded)
-        if HAS_STATS:
-            old = tl.load(stats_ptr + offs_e, mask=e_mask, other=0)
-            tl.store(stats_ptr + offs_e, old + totals.to(old.dtype), mask=e_mask)
 
 
 def padded_length(pairs: int, block_m: int, num_experts: int) -> int:
@@ -218,7 +223,6 @@ def moe_align_block_size(
     topk_ids: torch.Tensor,
     block_m: int,
     num_experts: int,
-    expert_counts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sort the ``P = T*k`` (token, slot) pairs of ``topk_ids [T, k]`` by expert, each expert's run
     padded to a multiple of ``block_m`` (a power of two of at least 16).
@@ -227,8 +231,7 @@ def moe_align_block_size(
     ``L = padded_length(P, block_m, num_experts)``: ``sorted_ids[:num_padded]`` holds the pair
     indices ``token * k + slot`` (stable within an expert) and ``P`` for padding, block ``b <
     num_padded / block_m`` belongs to expert ``expert_ids[b]``; the entries past ``num_padded``
-    are left unwritten (the GEMM reads none of them). ``expert_counts [E]`` (int64), when given,
-    gets each expert's pair count added."""
+    are left unwritten (the GEMM reads none of them)."""
     if block_m < 16 or block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of two >= 16, got {block_m}")
     flat = topk_ids.reshape(-1)
@@ -251,10 +254,9 @@ def moe_align_block_size(
         counts = torch.empty((chunks, block_e), dtype=torch.int32, device=device)
         _count_kernel[(chunks,)](flat, counts, pairs, CHUNK=chunk, SUB=_SUB, BLOCK_E=block_e, num_warps=4)
     _align_kernel[(chunks,)](
-        flat, counts, sorted_ids, expert_ids, num_padded,
-        expert_counts if expert_counts is not None else num_padded, pairs, num_experts, chunks,
+        flat, counts, sorted_ids, expert_ids, num_padded, pairs, num_experts, chunks,
         CHUNK=chunk, SUB=_SUB, BLOCK_E=block_e, BLOCK_M=block_m, BLOCK_C=16, SINGLE=single,
-        HAS_STATS=expert_counts is not None, num_warps=4,
+        num_warps=4,
         **(pdl_kwargs(sorted_ids) if single else {"USE_PDL": False}),
     )  # fmt: skip
     return sorted_ids, expert_ids, num_padded

@@ -7,8 +7,8 @@
   with Ernie-4.5's correction bias.
 * :func:`moe_align_block_size` against ``align_block_size_torch``: the same padded length and
   the same ``sorted_ids`` / ``expert_ids`` up to it, entry for entry; batch 1, one chunk, several
-  chunks (more pairs than ``ALIGN_CHUNK``), experts receiving no pair, all pairs to one expert,
-  and the load statistic.
+  chunks (more pairs than ``ALIGN_CHUNK``), experts receiving no pair, all pairs to one expert.
+  The routing kernel's load statistic equals a bincount of the ids.
 """
 
 from __future__ import annotations
@@ -50,9 +50,13 @@ def test_topk_softmax_matches_torch(tokens, experts, top_k, renormalize, bias, d
     correction = _logits(1, experts, seed=99)[0] * 0.05 if bias else None
     ref_w, ref_ids = select_experts_torch(logits, top_k, renormalize, correction)
     args = [t.to(DEVICE) if t is not None else None for t in (logits, correction)]
-    w, ids = routing.topk_softmax(args[0], top_k, renormalize, args[1])
+    counts = torch.arange(experts, dtype=torch.int64, device=DEVICE)  # the statistic adds to it
+    w, ids = routing.topk_softmax(args[0], top_k, renormalize, args[1], counts)
     assert ids.dtype == torch.int64 and w.dtype == dtype and w.shape == (tokens, top_k)
     ids = ids.cpu()
+    assert torch.equal(
+        counts.cpu(), torch.arange(experts) + torch.bincount(ids.reshape(-1), minlength=experts)
+    )
     if dtype == torch.float32:
         assert torch.equal(ids, ref_ids)
     else:  # bf16 logits tie often (8-bit mantissa): the same scores chosen, slot by slot
@@ -76,16 +80,11 @@ def test_topk_softmax_rejects_bad_input():
 
 def _check_layout(ids, block_m, experts):
     ref_sorted, ref_experts, ref_padded = align_block_size_torch(ids, block_m, experts)
-    stats = torch.arange(experts, dtype=torch.int64)  # the statistic adds to what was there
-    sorted_ids, expert_ids, num_padded = routing.moe_align_block_size(
-        ids.to(DEVICE), block_m, experts, stats_dev := stats.clone().to(DEVICE)
-    )
+    sorted_ids, expert_ids, num_padded = routing.moe_align_block_size(ids.to(DEVICE), block_m, experts)
     n = int(ref_padded)
     assert int(num_padded) == n and sorted_ids.numel() == ref_sorted.numel()
     assert torch.equal(sorted_ids[:n].cpu(), ref_sorted[:n])
     assert torch.equal(expert_ids[: n // block_m].cpu(), ref_experts[: n // block_m])
-    counts = torch.bincount(ids.reshape(-1), minlength=experts)
-    assert torch.equal(stats_dev.cpu(), stats + counts)
 
 
 @pytest.mark.parametrize(

@@ -79,13 +79,19 @@ def select_experts(
     top_k: int,
     renormalize: bool,
     correction_bias: torch.Tensor | None = None,
+    expert_counts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k softmax routing (:func:`select_experts_torch`'s result): one Triton kernel on CUDA
-    (:func:`fastdeploy.ops.triton_moe_routing.topk_softmax`), torch elsewhere."""
+    (:func:`fastdeploy.ops.triton_moe_routing.topk_softmax`), torch elsewhere. ``expert_counts
+    [E]`` (int64), when given, gets each expert's chosen pairs added, on the device (no sync)."""
     kernels = _triton_kernels("triton_moe_routing", router_logits)
     if kernels is not None and router_logits.dim() == 2 and router_logits.stride(-1) == 1:
-        return kernels.topk_softmax(router_logits, top_k, renormalize, correction_bias)
-    return select_experts_torch(router_logits, top_k, renormalize, correction_bias)
+        return kernels.topk_softmax(router_logits, top_k, renormalize, correction_bias, expert_counts)
+    weights, ids = select_experts_torch(router_logits, top_k, renormalize, correction_bias)
+    if expert_counts is not None:
+        flat_ids = ids.reshape(-1)
+        expert_counts.index_add_(0, flat_ids, torch.ones_like(flat_ids))
+    return weights, ids
 
 
 class FusedMoE(nn.Module):
@@ -186,15 +192,15 @@ class FusedMoE(nn.Module):
         """Route each token to its top-k experts and return their weighted sum ``[T, H]``, plus
         ``shared`` (this rank's partial output of the block's shared experts), summed over the
         tensor-parallel ranks: one all-reduce of routed + shared partials."""
-        weights, ids = select_experts(router_logits, self.top_k, self.renormalize, correction_bias)
+        weights, ids = select_experts(
+            router_logits, self.top_k, self.renormalize, correction_bias, self.routed_tokens
+        )
         if self.ep_size > 1:
-            flat_ids = ids.reshape(-1)
-            self.routed_tokens.index_add_(0, flat_ids, torch.ones_like(flat_ids))  # on the device, no sync
             out = self.expert_parallel_experts(hidden, weights, ids)
             if shared is not None:
                 out = out + (tp_all_reduce(shared) if self.tp_size > 1 else shared)
             return out
-        out = self.compute_experts(hidden, weights, ids, self.routed_tokens)
+        out = self.compute_experts(hidden, weights, ids)
         if shared is not None:
             out = out + shared
         if self.tp_size > 1:
@@ -217,30 +223,21 @@ class FusedMoE(nn.Module):
         return tp_all_gather_rows(moe_dispatch.combine(expert_out, sent), shares)
 
     def compute_experts(
-        self,
-        hidden: torch.Tensor,
-        topk_weights: torch.Tensor,
-        topk_ids: torch.Tensor,
-        expert_counts: torch.Tensor | None = None,
+        self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
         """This rank's partial expert output for routed tokens (before the all-reduce; the ids index
         this rank's experts, ``[0, num_local_experts)``): the fused
         Triton kernel on CUDA, :meth:`compute_experts_torch` on a CPU or with
         ``FD_DISABLE_CUSTOM_OPS=1``. Both take the stacked ``gate_up_proj`` / ``down_proj``
-        shards (and their FP8 scales) and return the ``[T, H]`` partial sum. ``expert_counts``
-        (the load statistic, ``[num_local_experts]`` int64) gets each expert's pairs added."""
+        shards (and their FP8 scales) and return the ``[T, H]`` partial sum."""
         kernels = _triton_kernels("triton_fused_moe", hidden)
         if kernels is None:
-            if expert_counts is not None:
-                flat_ids = topk_ids.reshape(-1)
-                expert_counts.index_add_(0, flat_ids, torch.ones_like(flat_ids))
             return self.compute_experts_torch(hidden, topk_weights, topk_ids)
         w13_scale, w2_scale = self.expert_scales()
         block = self.fp8.block if self.fp8 is not None else DEFAULT_BLOCK
         return kernels.fused_experts(
-            hidden, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, w13_scale, w2_scale, block,
-            expert_counts=expert_counts,
-        )  # fmt: skip
+            hidden, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, w13_scale, w2_scale, block
+        )
 
     def compute_experts_torch(
         self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
