@@ -92,6 +92,12 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "rotary embedding and KV-cache write inside qkv_proj, for decode steps of 1-2 rows "
         "(0: separate kernels).",
     ),
+    "FD_MOE_GEMV_MAX_TOKENS": (
+        lambda: int(os.environ.get("FD_MOE_GEMV_MAX_TOKENS", "4")),
+        "Fused-MoE calls of at most this many tokens run the two GEMV-like expert kernels (no expert "
+        "sort, SiLU-and-multiply and the top-k sum fused) instead of the sorted grouped GEMM; "
+        "0: always the grouped GEMM.",
+    ),
     "FD_TRITON_PDL": (
         _bool("FD_TRITON_PDL", "1"),
         "Launch the decode step's Triton kernels with programmatic dependent launch on sm_90+ "

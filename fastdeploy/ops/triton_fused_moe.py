@@ -37,6 +37,7 @@ import triton.language as tl
 from fastdeploy.ops.fp8_quant import FP8_DTYPE, quantize_activation_per_token_group
 from fastdeploy.ops.layer_ops import silu_and_mul
 from fastdeploy.ops.triton_env import triton_interpreting
+from fastdeploy.ops.triton_moe_gemv import fused_experts_gemv, small_batch_max_tokens
 from fastdeploy.ops.triton_moe_routing import moe_align_block_size, padded_length
 from fastdeploy.ops.triton_pdl import pdl_kwargs, pdl_prologue, pdl_trigger
 
@@ -332,13 +333,20 @@ def fused_experts(
     in which case the activations are quantized per token and ``bk`` columns. Returns ``[T, H]``
     in ``hidden.dtype``; float32 accumulation, intermediates rounded to ``hidden.dtype`` as the
     unfused torch path rounds them. ``config`` overrides the table's meta-parameters.
+
+    Up to :func:`~fastdeploy.ops.triton_moe_gemv.small_batch_max_tokens` tokens (and with no
+    ``config``) the two GEMV-like kernels of :mod:`fastdeploy.ops.triton_moe_gemv` run instead
+    (FP8 weights against unquantized activations there).
     """
+    explicit_config = config
     config = config or default_config(hidden.shape[0], w13.dtype == FP8_DTYPE)
     _check(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block_shape, config)
     num_tokens, top_k = topk_ids.shape
     if num_tokens == 0:
         return hidden.new_zeros(hidden.shape)
     fp8 = w13.dtype == FP8_DTYPE
+    if explicit_config is None and num_tokens <= small_batch_max_tokens():
+        return fused_experts_gemv(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block_shape)
     routing = moe_align_block_size(topk_ids, config.block_m, w13.shape[0])
     pairs = num_tokens * top_k
     a, a_scale = quantize_activation_per_token_group(hidden, block_shape[1]) if fp8 else (hidden, None)

@@ -1,5 +1,5 @@
-"""The Triton fused-MoE kernels (bf16 / float32 and FP8 w8a8) against float64 torch references on
-random inputs: 8 experts, top-2, token counts 1 and ones not divisible by the block.
+"""The Triton fused-MoE kernels (bf16 / float32 and FP8 w8a8, the sorted grouped GEMM) against float64
+torch references on random inputs: 8 experts, top-2, token counts 1 and ones not divisible by the block.
 
 Tolerances (norm-relative over the whole output; a wrong expert, row, scale or weight is O(1)):
 
@@ -35,6 +35,13 @@ needs_backend = pytest.mark.skipif(
     not CUDA and os.environ.get("TRITON_INTERPRET") != "1", reason="no GPU and the Triton interpreter is off"
 )
 EXPERTS, TOP_K = 8, 2
+
+
+@pytest.fixture(autouse=True)
+def grouped_gemm_only(monkeypatch):
+    """Every size through the sorted grouped GEMM (the few-token GEMV path has its own tests,
+    tests/ops/test_triton_moe_gemv.py)."""
+    monkeypatch.setenv("FD_MOE_GEMV_MAX_TOKENS", "0")
 
 
 def _rand(*shape, seed, scale=1.0):
