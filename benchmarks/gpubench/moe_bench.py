@@ -1,33 +1,43 @@
-"""Fused-MoE kernel benchmark (:mod:`fastdeploy.ops.triton_fused_moe`) on Qwen3-30B-A3B's expert shapes.
+"""Fused-MoE layer benchmark on Qwen3-30B-A3B's expert shapes: the whole layer, against its floor.
 
 One MoE layer: 128 experts, top-8, hidden 2048, moe_intermediate 768, bf16 and FP8 (128 x 128
-block-scaled weights, 1 x 128 dynamic activation scales). For each token count it reports the
-time per call of the whole ``fused_experts`` (routing sort, both grouped GEMMs, SiLU-and-multiply,
-activation quantization, the top-k sum), eager and replayed from a CUDA graph (what decode
-steps run), and:
+block-scaled weights). Each row times ``FusedMoE.forward`` from the router logits: the top-k
+softmax routing (and the load statistic), the expert sort/pad, both expert GEMMs with
+SiLU-and-multiply (and FP8 activation quantization), the weighted top-k combine; eager and
+replayed from a CUDA graph (what decode steps run). For each token count and path:
 
-* small batches: the touched experts' weight bytes / time, also as a fraction of the measured
-  copy bandwidth (read + written, as ``measure.copy_bandwidth`` counts it);
-* large batches: TFLOP/s (``2 * tokens * top_k * 3 * I * H`` per call);
-* the error against the torch path (``FusedMoE.compute_experts_torch``, which for FP8 computes
-  the same quantized math), and the bf16 torch path's eager time for comparison.
+* ``floor``: the touched experts' weight bytes (with their scales) over the measured copy
+  bandwidth (bytes read + written per second, as ``measure.copy_bandwidth`` counts them) — the
+  time a layer that only streamed the weights it needs would take; ``x floor`` = graph / floor;
+* weight GB/s and TFLOP/s (``2 * tokens * top_k * 3 * I * H`` per call);
+* ``route+align``: the routing and the expert sort alone in a CUDA graph, Triton
+  (``topk_softmax`` + ``moe_align_block_size``) against the torch versions
+  (``select_experts_torch`` + ``align_block_size_torch``) they replace;
+* the error against the torch path (``compute_experts_torch`` on the same routing; for FP8 it
+  computes w8a8, which the grouped GEMM matches, the w8a16 GEMV path only to FP8 precision).
 
-Routing is uniform at random (each token's k experts distinct). Weights rotate over several
-layers' worth of sets at small batches so that the touched experts are read from HBM, not L2.
+Paths: ``gemv`` (the few-token kernels of :mod:`fastdeploy.ops.triton_moe_gemv`) and ``grouped``
+(the sorted grouped GEMM), both timed up to 16 tokens so that ``FD_MOE_GEMV_MAX_TOKENS`` can be
+set where they cross; ``grouped`` beyond. Routing is random (each token's k experts distinct).
+Weights rotate over several layers' worth of sets at small batches so that the touched experts
+are read from HBM, not L2.
 
     python -m benchmarks.gpubench.moe_bench --out /tmp/moe                  # H100 / H200
     python -m benchmarks.gpubench.moe_bench --out /tmp/moe --sweep          # + a config sweep per size
     TRITON_INTERPRET=1 python -m benchmarks.gpubench.moe_bench --smoke --device cpu --out /tmp/s
 
-``--sweep`` times a short list of candidate configurations per (dtype, tokens) and reports the
-best next to the table's; its winners are what ``BF16_CONFIGS`` / ``FP8_CONFIGS`` should hold.
+``--sweep`` times a short list of candidate grouped-GEMM configurations per (dtype, tokens) and
+reports the best next to the table's; its winners are what ``BF16_CONFIGS`` / ``FP8_CONFIGS``
+should hold.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,9 +46,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastdeploy.model_executor.layers.fused_moe import FusedMoE, select_experts
+from fastdeploy.model_executor.layers.fused_moe import FusedMoE, select_experts, select_experts_torch
 from fastdeploy.model_executor.layers.quantization import Fp8Config
 from fastdeploy.ops import triton_fused_moe as moe
+from fastdeploy.ops.triton_moe_routing import moe_align_block_size
 
 from .measure import copy_bandwidth, device_description, error_text, free_memory, time_per_call
 
@@ -55,8 +66,10 @@ class MoeShape:
 
 QWEN3_30B_A3B = MoeShape(128, 8, 2048, 768)
 SMOKE_SHAPE = MoeShape(8, 2, 128, 128)
-TOKENS = (1, 2, 4, 8, 16, 32, 64, 256, 1024, 4096, 8192, 16384)
+TOKENS = (1, 2, 4, 8, 16, 64, 512, 4096)
 SMOKE_TOKENS = (1, 5)
+GEMV_COMPARE_MAX = 16
+"""Up to this many tokens both paths are timed."""
 ROTATE_BYTES = 256 << 20
 """Weight bytes touched per pass over the rotated sets at small batches (H100/H200 L2: 50 MiB)."""
 MAX_SETS = 4
@@ -98,6 +111,7 @@ def make_layer(shape: MoeShape, fp8: bool, device: torch.device, seed: int) -> L
     w2 = torch.randn(e, h, i, device=device, dtype=torch.bfloat16, generator=g) * i**-0.5
     layer.gate_up_proj = nn.Parameter(w13, requires_grad=False)
     layer.down_proj = nn.Parameter(w2, requires_grad=False)
+    layer.routed_tokens = torch.zeros(shape.experts, dtype=torch.int64, device=device)
     if fp8:
         layer.process_weights_after_loading()  # 128 x 128 block quantization, expert by expert
     per_expert = sum(
@@ -106,16 +120,34 @@ def make_layer(shape: MoeShape, fp8: bool, device: torch.device, seed: int) -> L
     return Layer(layer, per_expert)
 
 
-def _routing(shape: MoeShape, tokens: int, device: torch.device, seed: int):
+def _inputs(shape: MoeShape, tokens: int, device: torch.device, seed: int):
+    """Hidden states and router logits (bf16, as the model's router gives them)."""
     g = torch.Generator(device=device).manual_seed(seed)
-    logits = torch.randn(tokens, shape.experts, device=device, generator=g)
-    weights, ids = select_experts(logits.to(torch.bfloat16), shape.top_k, renormalize=True)
+    logits = torch.randn(tokens, shape.experts, device=device, generator=g).to(torch.bfloat16)
     x = torch.randn(tokens, shape.hidden, device=device, dtype=torch.bfloat16, generator=g)
-    return x, weights, ids
+    return x, logits
 
 
-def _fused(layer: Layer, x, weights, ids, config: moe.MoEKernelConfig | None) -> torch.Tensor:
+@contextlib.contextmanager
+def _path(path: str):
+    """``FD_MOE_GEMV_MAX_TOKENS`` for one path (read at each call, so also at graph capture)."""
+    old = os.environ.get("FD_MOE_GEMV_MAX_TOKENS")
+    os.environ["FD_MOE_GEMV_MAX_TOKENS"] = str(1 << 30 if path == "gemv" else 0)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("FD_MOE_GEMV_MAX_TOKENS")
+        else:
+            os.environ["FD_MOE_GEMV_MAX_TOKENS"] = old
+
+
+def _forward(layer: Layer, x, logits, config: moe.MoEKernelConfig | None) -> torch.Tensor:
+    """The whole layer from its router logits (FusedMoE.forward; with ``config``, its two steps)."""
     m = layer.module
+    if config is None:
+        return m(x, logits)
+    weights, ids = select_experts(logits, m.top_k, m.renormalize, None, m.routed_tokens)
     s13, s2 = m.expert_scales()
     return moe.fused_experts(x, m.gate_up_proj, m.down_proj, weights, ids, s13, s2, config=config)
 
@@ -137,43 +169,67 @@ def _graph_time(calls: list, device: torch.device, iters: int) -> float:
     return time_per_call(lambda i: graphs[i % len(graphs)].replay(), device, iters)
 
 
+def _time(calls: list, device: torch.device, iters: int, repeats: int) -> tuple[float, float | None]:
+    """(eager, CUDA-graph or None off CUDA) seconds per call."""
+    eager = time_per_call(lambda i: calls[i % len(calls)](), device, iters, 1, repeats)
+    return eager, (_graph_time(calls, device, iters) if device.type == "cuda" else None)
+
+
+def route_align_times(shape: MoeShape, tokens: int, block_m: int, device: torch.device) -> dict[str, Any]:
+    """Routing + expert sort alone: the Triton kernels against the torch versions (graph, else eager)."""
+    _, logits = _inputs(shape, tokens, device, seed=7)
+    k, e = shape.top_k, shape.experts
+
+    def triton_call(_=0):
+        _, ids = select_experts(logits, k, True)
+        return moe_align_block_size(ids, block_m, e)
+
+    def torch_call(_=0):
+        _, ids = select_experts_torch(logits, k, True)
+        return moe.align_block_size_torch(ids, block_m, e)
+
+    iters, repeats = (20, 5) if device.type == "cuda" else (1, 1)
+    row = {}
+    for name, call in (("triton", triton_call), ("torch", torch_call)):
+        eager, graph = _time([call], device, iters, repeats)
+        row[f"route_align_{name}_seconds"] = graph if graph is not None else eager
+    return row
+
+
 def bench_row(
-    shape: MoeShape, layers: list[Layer], fp8: bool, tokens: int, device: torch.device,
-    config: moe.MoEKernelConfig | None = None, torch_baseline: bool = True,
+    shape: MoeShape, layers: list[Layer], fp8: bool, tokens: int, device: torch.device, path: str,
+    config: moe.MoEKernelConfig | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """Time ``fused_experts`` on ``tokens`` tokens, rotating over ``layers``; rates and error."""
-    inputs = [_routing(shape, tokens, device, seed=100 + j) for j in range(len(layers))]
+    """Time the whole layer on ``tokens`` tokens along ``path``, rotating over ``layers``; rates and error."""
+    inputs = [_inputs(shape, tokens, device, seed=100 + j) for j in range(len(layers))]
     calls = [
-        (lambda layer=layer, inp=inp: _fused(layer, *inp, config))
+        (lambda layer=layer, inp=inp: _forward(layer, *inp, config))
         for layer, inp in zip(layers, inputs, strict=True)
     ]
-    chosen = config or moe.default_config(tokens, fp8)
     iters = 20 if tokens <= 1024 else 5
     repeats = 5
     if device.type != "cuda":  # the interpreter: a script check, one timed call
         iters = repeats = 1
-    row: dict[str, Any] = {
-        "dtype": "fp8" if fp8 else "bf16", "tokens": tokens, "config": asdict(chosen),
-    }  # fmt: skip
-    row["eager_seconds"] = time_per_call(lambda i: calls[i % len(calls)](), device, iters, 1, repeats)
-    seconds = row["eager_seconds"]
-    if device.type == "cuda":
-        row["graph_seconds"] = _graph_time(calls, device, iters)
-        seconds = row["graph_seconds"]
-    touched = sum(torch.unique(ids).numel() for _, _, ids in inputs) / len(inputs)
-    row["touched_experts"] = touched
-    row["weight_bytes"] = touched * layers[0].weight_bytes_per_expert
+    row: dict[str, Any] = {"dtype": "fp8" if fp8 else "bf16", "tokens": tokens, "path": path}
+    if path == "grouped":
+        row["config"] = asdict(config or moe.default_config(tokens, fp8))
+    with _path(path):
+        row["eager_seconds"], row["graph_seconds"] = _time(calls, device, iters, repeats)
+        out = calls[0]().double()
+    seconds = row["graph_seconds"] or row["eager_seconds"]
+    m = layers[0].module
+    touched = []
+    for j, (_, logits) in enumerate(inputs):
+        weights, ids = select_experts(logits, m.top_k, m.renormalize)
+        touched.append(torch.unique(ids).numel())
+        if j == 0:
+            ref = m.compute_experts_torch(inputs[0][0], weights, ids).double()
+    row["touched_experts"] = sum(touched) / len(touched)
+    row["weight_bytes"] = row["touched_experts"] * layers[0].weight_bytes_per_expert
     row["weight_bytes_per_s"] = row["weight_bytes"] / seconds
     flops = 2 * tokens * shape.top_k * 3 * shape.intermediate * shape.hidden
     row["tflop_per_s"] = flops / seconds / 1e12
-    out = calls[0]().double()
-    ref = layers[0].module.compute_experts_torch(*inputs[0]).double()
     row["rel_err_vs_torch"] = ((out - ref).norm() / ref.norm()).item()
-    if torch_baseline and not fp8:
-        module, inp = layers[0].module, inputs[0]
-        row["torch_eager_seconds"] = time_per_call(
-            lambda i: module.compute_experts_torch(*inp), device, 3, 1, repeats
-        )
     return row
 
 
@@ -185,12 +241,12 @@ def sweep(
     tried = 0
     for config in _candidates(tokens, fp8):
         try:
-            row = bench_row(shape, layers, fp8, tokens, device, config, torch_baseline=False)
+            row = bench_row(shape, layers, fp8, tokens, device, "grouped", config)
         except Exception:  # a configuration the compiler refuses (shared memory): skip it
             continue
         tried += 1
-        key = row.get("graph_seconds", row["eager_seconds"])
-        if best is None or key < best.get("graph_seconds", best["eager_seconds"]):
+        key = row["graph_seconds"] or row["eager_seconds"]
+        if best is None or key < (best["graph_seconds"] or best["eager_seconds"]):
             best = row
     return {"tried": tried, "best": best}
 
@@ -213,16 +269,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         layers = [make_layer(shape, fp8, device, seed=j) for j in range(sets)]
         for tokens in tokens_list:
+            use = layers if tokens <= 64 else layers[:1]
+            paths = ("gemv", "grouped") if tokens <= GEMV_COMPARE_MAX else ("grouped",)
+            route = {}
             try:
-                row = bench_row(shape, layers if tokens <= 64 else layers[:1], fp8, tokens, device)
-                if copy_bw:
-                    row["fraction_of_copy"] = row["weight_bytes_per_s"] / copy_bw
-                if args.sweep:
-                    row["sweep"] = sweep(shape, layers if tokens <= 64 else layers[:1], fp8, tokens, device)
+                route = route_align_times(shape, tokens, moe.default_config(tokens, fp8).block_m, device)
             except Exception:
-                row = {"dtype": dtype, "tokens": tokens, "error": error_text()}
-            print(json.dumps(row, default=str), flush=True)
-            results["rows"].append(row)
+                route = {"route_align_error": error_text()}
+            for path in paths:
+                try:
+                    row = bench_row(shape, use, fp8, tokens, device, path)
+                    row.update(route)
+                    if copy_bw:
+                        row["floor_seconds"] = row["weight_bytes"] / copy_bw
+                        row["x_floor"] = (row["graph_seconds"] or row["eager_seconds"]) / row["floor_seconds"]
+                    if args.sweep and path == "grouped":
+                        row["sweep"] = sweep(shape, use, fp8, tokens, device)
+                except Exception:
+                    row = {"dtype": dtype, "tokens": tokens, "path": path, "error": error_text()}
+                print(json.dumps(row, default=str), flush=True)
+                results["rows"].append(row)
         del layers
         free_memory(device)
     return results
@@ -232,33 +298,43 @@ def render(results: dict[str, Any]) -> str:
     """Markdown table of the rows (for docs/benchmarks.md)."""
     s = results["shape"]
     lines = [
-        f"Fused MoE, {s['experts']} experts top-{s['top_k']}, H={s['hidden']}, I={s['intermediate']} "
-        f"({results['device'].get('gpu', results['device'])}; copy bandwidth "
-        f"{(results['copy_bytes_per_s'] or 0) / 1e12:.2f} TB/s)",
+        f"Fused-MoE layer (routing + sort + experts + combine), {s['experts']} experts top-{s['top_k']}, "
+        f"H={s['hidden']}, I={s['intermediate']} ({results['device'].get('gpu', results['device'])}; "
+        f"copy bandwidth {(results['copy_bytes_per_s'] or 0) / 1e12:.2f} TB/s)",
         "",
-        "| dtype | tokens | graph µs | eager µs | weight GB/s | % of copy | TFLOP/s | err vs torch | torch µs | config | sweep best |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
+        "| dtype | tokens | path | graph µs | eager µs | floor µs | x floor | weight GB/s | TFLOP/s "
+        "| route+align µs (Triton / torch) | err vs torch | config | sweep best |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
     ]
+
+    def fmt(v, scale=1e6, digits=1):
+        return "" if v is None else f"{v * scale:.{digits}f}"
+
     for r in results["rows"]:
         if "error" in r:
-            lines.append(f"| {r['dtype']} | {r['tokens']} | error: {r['error'].splitlines()[-1][:80]} |")
+            lines.append(
+                f"| {r['dtype']} | {r['tokens']} | {r['path']} | error: {r['error'].splitlines()[-1][:80]} |"
+            )
             continue
-        c = r["config"]
+        c = r.get("config")
+        conf = (
+            ""
+            if not c
+            else f"M{c['block_m']} N{c['block_n']} K{c['block_k']} G{c['group_m']} w{c['num_warps']} s{c['num_stages']}"
+        )
         best = (r.get("sweep") or {}).get("best")
         best_text = ""
         if best:
             b = best["config"]
             best_text = (
-                f"{best.get('graph_seconds', best['eager_seconds']) * 1e6:.1f} µs: M{b['block_m']} N{b['block_n']} "
+                f"{(best['graph_seconds'] or best['eager_seconds']) * 1e6:.1f} µs: M{b['block_m']} N{b['block_n']} "
                 f"K{b['block_k']} G{b['group_m']} w{b['num_warps']} s{b['num_stages']}"
             )
-        fmt = lambda v, scale=1e6: "" if v is None else f"{v * scale:.1f}"  # noqa: E731
+        route = f"{fmt(r.get('route_align_triton_seconds'))} / {fmt(r.get('route_align_torch_seconds'))}"
         lines.append(
-            f"| {r['dtype']} | {r['tokens']} | {fmt(r.get('graph_seconds'))} | {fmt(r['eager_seconds'])} "
-            f"| {r['weight_bytes_per_s'] / 1e9:.0f} | {fmt(r.get('fraction_of_copy'), 100)} "
-            f"| {r['tflop_per_s']:.1f} | {r['rel_err_vs_torch']:.1e} | {fmt(r.get('torch_eager_seconds'))} "
-            f"| M{c['block_m']} N{c['block_n']} K{c['block_k']} G{c['group_m']} w{c['num_warps']} "
-            f"s{c['num_stages']} | {best_text} |"
+            f"| {r['dtype']} | {r['tokens']} | {r['path']} | {fmt(r.get('graph_seconds'))} | {fmt(r['eager_seconds'])} "
+            f"| {fmt(r.get('floor_seconds'))} | {fmt(r.get('x_floor'), 1, 2)} | {r['weight_bytes_per_s'] / 1e9:.0f} "
+            f"| {r['tflop_per_s']:.1f} | {route} | {r['rel_err_vs_torch']:.1e} | {conf} | {best_text} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -270,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="folder for results.json and results.md")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtypes", default="bf16,fp8", help="comma-separated: bf16, fp8")
-    parser.add_argument("--tokens", default="", help="comma-separated token counts (default: 1 to 16384)")
+    parser.add_argument("--tokens", default="", help="comma-separated token counts (default: 1 to 4096)")
     parser.add_argument("--sweep", action="store_true", help="also time candidate configurations per size")
     parser.add_argument(
         "--smoke", action="store_true", help="tiny shapes (script check, CPU + TRITON_INTERPRET=1)"
