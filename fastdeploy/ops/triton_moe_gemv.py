@@ -193,7 +193,8 @@ def _down_kernel(
     tl.store(out_ptr + token * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
-def _configs(fp8: bool) -> tuple[GemvConfig, GemvConfig]:
+def default_configs(fp8: bool) -> tuple[GemvConfig, GemvConfig]:
+    """The (gate_up, down) configurations used when the caller gives none."""
     if triton_interpreting():
         return INTERPRETER, INTERPRETER
     return (FP8_GATE_UP, FP8_DOWN) if fp8 else (BF16_GATE_UP, BF16_DOWN)
@@ -217,7 +218,7 @@ def fused_experts_gemv(
     e, two_i, h = w13.shape
     inter = two_i // 2
     fp8 = w13.dtype == FP8_DTYPE
-    gate_up_cfg, down_cfg = configs or _configs(fp8)
+    gate_up_cfg, down_cfg = configs or default_configs(fp8)
     if fp8:
         for cfg in (gate_up_cfg, down_cfg):
             if block_shape[1] % cfg.block_k:
