@@ -144,10 +144,10 @@ def _path(path: str):
 
 
 def _forward(layer: Layer, x, logits, config: moe.MoEKernelConfig | None) -> torch.Tensor:
-    """The whole layer from its router logits (FusedMoE.forward; with ``config``, its two steps)."""
+    """The whole layer from its router logits: what ``FusedMoE.forward`` runs on CUDA (routing with
+    the load statistic, then ``fused_experts``), called directly so that the interpreter's CPU
+    smoke run takes the kernels too."""
     m = layer.module
-    if config is None:
-        return m(x, logits)
     weights, ids = select_experts(logits, m.top_k, m.renormalize, None, m.routed_tokens)
     s13, s2 = m.expert_scales()
     return moe.fused_experts(x, m.gate_up_proj, m.down_proj, weights, ids, s13, s2, config=config)

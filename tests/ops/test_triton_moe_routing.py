@@ -2,7 +2,8 @@
 
 * :func:`topk_softmax` against ``select_experts_torch``: identical expert ids (same slot order;
   with bf16 logits, which tie often, the same scores slot by slot, as a tie may go either way),
-  weights equal up to a few float32 ulps (the exp and the sums are computed in another order;
+  weights equal to 2e-6 relative (the exp and the sums are computed in another order, and on a
+  GPU ``tl.exp`` is ``ex2.approx`` of a rounded ``x * log2(e)``: ~1e-6 for arguments near -10;
   a wrong expert or a missing renormalisation is O(1)); with and without renormalisation and
   with Ernie-4.5's correction bias.
 * :func:`moe_align_block_size` against ``align_block_size_torch``: the same padded length and
@@ -64,7 +65,7 @@ def test_topk_softmax_matches_torch(tokens, experts, top_k, renormalize, bias, d
         assert torch.equal(score.gather(1, ids), score.gather(1, ref_ids))
         assert all(len(set(row)) == top_k for row in ids.tolist())
     if dtype == torch.float32:
-        torch.testing.assert_close(w.cpu(), ref_w, rtol=4e-7, atol=1e-8)
+        torch.testing.assert_close(w.cpu(), ref_w, rtol=2e-6, atol=1e-8)
     else:  # one bf16 ulp: the interpreter truncates float32 -> bf16 where torch (and the GPU) round
         torch.testing.assert_close(w.cpu(), ref_w, rtol=2**-7, atol=0)
     if renormalize:
