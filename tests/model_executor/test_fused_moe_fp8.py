@@ -159,7 +159,11 @@ def test_torch_path_matches_the_kernel(fp8):
     layer = FusedMoE(E, K, H, INTER, renormalize=True, quant_config=_Fp8() if fp8 else None)
     _load(layer, _checkpoint(seed=3))
     layer.process_weights_after_loading()
-    x, w, ids = _inputs(tokens=21, seed=13)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    layer.to(device)
+    x, w, ids = (t.to(device) for t in _inputs(tokens=21, seed=13))
     s13, s2 = layer.expert_scales()
     out = kernel.fused_experts(x, layer.gate_up_proj, layer.down_proj, w, ids, s13, s2, BLOCK)
-    torch.testing.assert_close(out, layer.compute_experts_torch(x, w, ids), rtol=1e-5, atol=1e-5)
+    # on a GPU the kernel's float32 dots run in TF32 (10-bit mantissa): ~1e-3 relative
+    tol = 2e-3 if device == "cuda" else 1e-5
+    torch.testing.assert_close(out, layer.compute_experts_torch(x, w, ids), rtol=tol, atol=tol)
