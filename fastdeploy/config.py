@@ -82,6 +82,15 @@ class ModelConfig:
     unspecified addresses (e.g. an object store on the local network). Off: such addresses
     are refused after DNS resolution and at every redirect, so a request cannot make the
     server fetch from inside its network."""
+    runner: Literal["auto", "generate", "pooling"] = "auto"
+    """What the model serves: generate (completions and chat) or pooling (embeddings: /v1/embeddings
+    and LLM.embed; prefill only, one pooled vector per input). auto: pooling for a bare decoder
+    checkpoint (LlamaModel, Qwen2Model, Qwen3Model, MistralModel: no LM head) or a sentence-transformers
+    folder (modules.json naming a Pooling module), else generate."""
+    pooler_config: dict[str, Any] = field(default_factory=dict)
+    """Pooling runner: overrides of how inputs are pooled, as a JSON object with pooling_type (LAST or
+    MEAN) and normalize (true or false). Default: the sentence-transformers config of the folder
+    (1_Pooling/config.json and a Normalize module), else LAST with normalize."""
     mm_bidirectional_attention: bool = False
     """Let the tokens of one image or video attend to each other bidirectionally
     (text stays causal), for vision-language models trained that way. Off for

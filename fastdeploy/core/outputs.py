@@ -53,8 +53,28 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     """With ``prompt_logprobs`` asked: aligned with ``prompt_token_ids``, None for the first token,
     else the token itself and the top-k by id. In streaming use only the first output carries it."""
+    embedding: list[float] | None = None
+    """An embedding request's pooled vector (pooling runner), in the finished output; ``outputs``
+    then holds one choice with no tokens."""
     metrics: dict[str, float] = field(default_factory=dict)
     timeline: RequestTimeline | None = None
     """The request's timeline (the same object in every output of the request; API server only)."""
     sent_at: float | None = None
     """``time.monotonic()`` when the engine core sent the step output this delta came from."""
+
+
+@dataclass
+class EmbeddingOutput:
+    """The pooled vector of one input."""
+
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """The result of one input of ``LLM.embed`` (as vLLM's)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True

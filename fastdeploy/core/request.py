@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from fastdeploy.core.mm_item import MMItem
+from fastdeploy.core.pooling_params import PoolingParams
 from fastdeploy.core.prompt_logprobs import PromptLogprobsBuffer
 from fastdeploy.core.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -44,6 +45,8 @@ class EngineCoreRequest:
     mm_items: list[dict[str, Any]] | None = None
     """Multimodal items in wire form (:meth:`fastdeploy.core.mm_item.MMItem.to_wire`); over IPC an
     item the engine core already holds comes without features (see ``engine/feature_mirror.py``)."""
+    pooling_params: PoolingParams | None = None
+    """Set for an embedding request (pooling runner): pool the prompt, sample nothing."""
 
     def to_wire(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -56,6 +59,8 @@ class EngineCoreRequest:
         if sp.get("structured_outputs") is not None:
             sp["structured_outputs"] = StructuredOutputsParams(**sp["structured_outputs"])
         d["sampling_params"] = SamplingParams(**sp)
+        if d.get("pooling_params") is not None:
+            d["pooling_params"] = PoolingParams(**d["pooling_params"])
         return cls(**d)
 
 
@@ -77,6 +82,8 @@ class EngineCoreOutput:
     prompt_logprobs: list[list] | None = None
     """Sent once, with the first output: per prompt token after the first, ``[top ids, top
     logprobs, token logprob, token rank]`` (when ``prompt_logprobs`` was asked)."""
+    pooled: bytes | None = None
+    """An embedding request's pooled vector (float32, native byte order), sent with its finish."""
 
 
 @dataclass
@@ -179,6 +186,8 @@ class Request:
             else PromptLogprobsBuffer(self.num_prompt_tokens)
         )
         """Prompt logprobs gathered over the prefill chunks (None: not asked)."""
+        self.pooling_params = core_request.pooling_params
+        """Set for an embedding request: finished after its prefill, with the pooled vector."""
         self.grammar: GrammarState | None = None
         """The matcher of a structured-output request (set by the engine core once its grammar is
         compiled, before the request is scheduled); advanced with every output token."""
@@ -209,6 +218,14 @@ class Request:
     def needs_prompt_logprobs(self) -> bool:
         """Prompt logprobs are asked and not all computed yet: the prompt must be computed, not cached."""
         return self.prompt_logprobs is not None and self.prompt_logprobs.needed
+
+    @property
+    def needs_every_prompt_position(self) -> bool:
+        """Every prompt position must go through the model (prompt logprobs still to compute, or
+        mean pooling): the request reads nothing from the prefix cache."""
+        if self.pooling_params is not None and self.pooling_params.needs_every_position:
+            return True
+        return self.needs_prompt_logprobs
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -7,6 +7,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from fastdeploy.core.pooling_params import PoolingParams
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -95,11 +97,14 @@ class NewRequestData:
     mm_items: list[dict[str, Any]] | None = None
     """Multimodal items in wire form; ``features`` only where the worker lacks them, ``cached``
     whether the worker keeps them after the request (see ``scheduler/encoder_sync.py``)."""
+    pooling: PoolingParams | None = None
+    """An embedding request's pooling (pooling runner): its prompt is pooled, not sampled."""
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> NewRequestData:
         """Rebuild from ``dataclasses.asdict`` form (as decoded from msgpack)."""
-        return cls(**{**d, "sampling": WorkerSamplingParams(**d["sampling"])})
+        pooling = PoolingParams(**d["pooling"]) if d.get("pooling") else None
+        return cls(**{**d, "sampling": WorkerSamplingParams(**d["sampling"]), "pooling": pooling})
 
 
 @dataclass
@@ -190,6 +195,9 @@ class ModelRunnerOutput:
     moe_load_imbalance: float | None = None
     """Mixture-of-experts models: max / mean of the (token, expert) pairs routed per expert-parallel
     rank (per expert without expert parallelism) in this step, over all MoE layers."""
+    pooled: dict[str, bytes] | None = None
+    """Pooling runner: the embedding requests whose prefill ended this step → their pooled vector
+    (float32, native byte order); those requests are finished by it."""
 
     def to_wire(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -24,6 +24,7 @@ from fastdeploy import envs
 from fastdeploy.config import EngineConfig
 from fastdeploy.core.mm_item import MMItem
 from fastdeploy.core.outputs import RequestOutput
+from fastdeploy.core.pooling_params import PoolingParams
 from fastdeploy.core.request import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from fastdeploy.core.sampling_params import SamplingParams
 from fastdeploy.distributed import free_port_init_method
@@ -123,6 +124,7 @@ class AsyncLLM(EngineClient):
         self.eos_token_ids = eos_ids_of(self.source.arch.eos_token_ids, self.tokenizer)
         self.vocab_size = self.source.arch.vocab_size
         self.arch = self.source.arch
+        self.pooler = self.source.pooler
         num_ranks = config.parallel.data_parallel_size
         self.model_name = config.model.served_model_name or _default_model_name(config, self.source)
         self.metrics = EngineMetrics(self.model_name, num_ranks)
@@ -323,6 +325,7 @@ class AsyncLLM(EngineClient):
         request_id: str,
         prompt: str | None = None,
         mm_items: list[MMItem] | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> AsyncIterator[RequestOutput]:
         if self._dead_reason is not None:
             raise EngineDeadError(self._dead_reason)
@@ -331,7 +334,12 @@ class AsyncLLM(EngineClient):
             raise ValueError(f"request id {request_id!r} is already in use")
         arrival = time.time()
         core_requests = self.input_processor.make_core_requests(
-            request_id, prompt_token_ids, sampling_params, arrival, mm_items=mm_items
+            request_id,
+            prompt_token_ids,
+            sampling_params,
+            arrival,
+            mm_items=mm_items,
+            pooling_params=pooling_params,
         )
         state = RequestState(request_id, prompt, prompt_token_ids, sampling_params, self.tokenizer, arrival)
         queue: asyncio.Queue = asyncio.Queue()

@@ -117,8 +117,16 @@ class EngineCore:
         # first, so that the front end's mirror and ours see the same items even if this request is refused
         mm_items = self.feature_mirror.resolve(core_request.mm_items)
         num_prompt = len(core_request.prompt_token_ids)
-        if not 0 < num_prompt < self.max_model_len:
-            raise ValueError(f"prompt has {num_prompt} tokens; it must have 1 to {self.max_model_len - 1}")
+        pooling = core_request.pooling_params is not None
+        if pooling != (self.source.pooler is not None):
+            raise ValueError(
+                "this model serves embeddings only (--runner pooling)"
+                if self.source.pooler is not None
+                else "this model serves generation only; embeddings need --runner pooling"
+            )
+        longest = self.max_model_len if pooling else self.max_model_len - 1  # (room for one output token)
+        if not 0 < num_prompt <= longest:
+            raise ValueError(f"prompt has {num_prompt} tokens; it must have 1 to {longest}")
         request = Request(core_request, self.config.cache.block_size, mm_items)
         constraint = core_request.sampling_params.structured_outputs
         if constraint is None:

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from fastdeploy.core.mm_item import MMItem
+from fastdeploy.core.pooling_params import PoolingParams
 from fastdeploy.core.request import EngineCoreRequest
 from fastdeploy.core.sampling_params import SamplingParams, SamplingParamsError
 from fastdeploy.engine.output_processor import child_request_id
@@ -52,13 +53,16 @@ class InputProcessor:
             )
         return self.tokenizer.encode(prompt)
 
-    def validate(self, prompt_token_ids: list[int]) -> None:
+    def validate(self, prompt_token_ids: list[int], pooling: bool = False) -> None:
+        """Refuse an empty prompt, one too long for the context (a generated prompt needs room for
+        one output token, an embedded one does not) and token ids outside the vocabulary."""
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
-        if len(prompt_token_ids) >= self.max_model_len:
+        if len(prompt_token_ids) >= self.max_model_len + pooling:
+            room = "" if pooling else " (prompt plus at least one generated token)"
             raise PromptTooLongError(
                 f"the prompt has {len(prompt_token_ids)} tokens, but this model's maximum context length is "
-                f"{self.max_model_len} tokens (prompt plus at least one generated token)"
+                f"{self.max_model_len} tokens{room}"
             )
         if self.vocab_size is not None:
             low, high = min(prompt_token_ids), max(prompt_token_ids)
@@ -76,13 +80,15 @@ class InputProcessor:
         params: SamplingParams,
         arrival_time: float | None = None,
         mm_items: Sequence[MMItem] | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> list[EngineCoreRequest]:
         """One engine-core request per choice; seeded choices get distinct seeds.
 
         ``mm_items`` (placed by :func:`fastdeploy.multimodal.items.expand_placeholders`)
-        travel with every choice, features included.
+        travel with every choice, features included. ``pooling_params``: an embedding request
+        (pooled after its prefill, never sampled; ``params.n`` must be 1).
         """
-        self.validate(prompt_token_ids)
+        self.validate(prompt_token_ids, pooling=pooling_params is not None)
         mm_wire = validate_mm_items(mm_items, len(prompt_token_ids)) if mm_items else None
         params = self.prepare_params(params)
         arrival_time = time.time() if arrival_time is None else arrival_time
@@ -97,6 +103,7 @@ class InputProcessor:
                     eos_token_ids=list(self.eos_token_ids),
                     arrival_time=arrival_time,
                     mm_items=mm_wire,
+                    pooling_params=pooling_params,
                 )
             )
         return requests

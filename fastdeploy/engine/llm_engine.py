@@ -9,6 +9,7 @@ from typing import Any
 from fastdeploy.config import EngineConfig
 from fastdeploy.core.mm_item import MMItem
 from fastdeploy.core.outputs import RequestOutput
+from fastdeploy.core.pooling_params import PoolingParams
 from fastdeploy.core.request import SchedulerStats
 from fastdeploy.core.sampling_params import SamplingParams
 from fastdeploy.engine.core import EngineCore
@@ -72,15 +73,23 @@ class LLMEngine:
         params: SamplingParams,
         prompt_text: str | None = None,
         mm_items: list[MMItem] | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
-        """Queue a prompt; ``mm_items`` are its placed multimodal items (see ``MultimodalPromptBuilder``)."""
+        """Queue a prompt; ``mm_items`` are its placed multimodal items (see ``MultimodalPromptBuilder``);
+        ``pooling_params`` makes it an embedding request (pooling runner)."""
+        if (pooling_params is not None) != (self.source.pooler is not None):
+            raise ValueError(
+                "this model serves embeddings only (runner='pooling'): use LLM.embed"
+                if self.source.pooler is not None
+                else "this model serves generation; embeddings need an embedding model (runner='pooling')"
+            )
         if isinstance(prompt, str):
             prompt_text, prompt_ids = prompt, self.input_processor.tokenize(prompt)
         else:
             prompt_ids = list(prompt)
         arrival = time.time()
         core_requests = self.input_processor.make_core_requests(
-            request_id, prompt_ids, params, arrival, mm_items=mm_items
+            request_id, prompt_ids, params, arrival, mm_items=mm_items, pooling_params=pooling_params
         )
         state = RequestState(request_id, prompt_text, prompt_ids, params, self.tokenizer, arrival)
         self.output_processor.add_request(state)

@@ -6,6 +6,7 @@ so the engine core only ever deals in token ids.
 
 from __future__ import annotations
 
+import array
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,6 +73,8 @@ class RequestState:
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
         """Set from the first engine output that carries them (every choice computes the same)."""
         self.prompt_logprobs_sent = False
+        self.pooled: bytes | None = None
+        """An embedding request's pooled vector (float32 bytes), once the engine sent it."""
         self.max_stop_len = max((len(s) for s in params.stop), default=0)
         self.choices = [
             ChoiceState(
@@ -203,6 +206,8 @@ class OutputProcessor:
             if metrics:
                 metrics.on_generation_tokens(len(out.new_token_ids))
         state.num_cached_tokens = out.num_cached_tokens
+        if out.pooled is not None:
+            state.pooled = out.pooled
         if out.prompt_logprobs is not None and state.prompt_logprobs is None:
             state.prompt_logprobs = to_prompt_logprobs(
                 state.prompt_token_ids, out.prompt_logprobs, self.tokenizer
@@ -298,4 +303,5 @@ class OutputProcessor:
             num_cached_tokens=state.num_cached_tokens,
             prompt_logprobs=prompt_logprobs,
             timeline=state.timeline,
+            embedding=None if state.pooled is None else array.array("f", state.pooled).tolist(),
         )

@@ -12,6 +12,7 @@ from typing import Any
 
 from fastdeploy.config import EngineConfig
 from fastdeploy.core.outputs import RequestOutput
+from fastdeploy.core.pooling_params import PoolingParams
 from fastdeploy.core.sampling_params import SamplingParams
 
 
@@ -29,6 +30,8 @@ class EngineClient(ABC):
     eos_token_ids: list[int]
     arch: Any = None
     """The model's ``ModelArchConfig`` (hidden size, multimodal token ids), or None if unknown."""
+    pooler: Any = None
+    """The ``PoolerConfig`` when the model is served for embeddings (pooling runner), else None."""
 
     @abstractmethod
     def generate(
@@ -38,10 +41,13 @@ class EngineClient(ABC):
         request_id: str,
         prompt: str | None = None,
         mm_items: list[Any] | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the request's progress.
 
         ``mm_items`` are the prompt's placed multimodal items (``MMItem``, features included).
+        ``pooling_params`` makes it an embedding request (pooling runner only): one finished
+        output carries the pooled vector in ``embedding``.
 
         Each yielded ``RequestOutput`` carries the *delta* since the previous one
         (new text and token ids per choice); the last one has ``finished=True``

@@ -8,7 +8,8 @@ from typing import Any
 
 from fastdeploy.config import EngineConfig
 from fastdeploy.core.mm_item import MMItem
-from fastdeploy.core.outputs import RequestOutput
+from fastdeploy.core.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from fastdeploy.core.pooling_params import PoolingParams
 from fastdeploy.core.sampling_params import SamplingParams
 from fastdeploy.engine.llm_engine import LLMEngine
 from fastdeploy.multimodal.prompt import items_from_mm_data
@@ -71,6 +72,38 @@ class LLM:
             self.engine.add_request(request_id, prompt, params, mm_items=mm_items or None)
             request_ids.append(request_id)
         return self._run(request_ids, use_tqdm)
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = False,
+    ) -> list[EmbeddingRequestOutput]:
+        """The pooled vector of every prompt (text, token ids, or ``{"prompt": ...}`` /
+        ``{"prompt_token_ids": ...}``), in prompt order; an embedding model only (pooling runner).
+
+        ``pooling_params`` overrides the model's pooling (``--pooler-config`` / its
+        sentence-transformers config) for these prompts.
+        """
+        pooler = self.engine.source.pooler
+        if pooler is None:
+            raise ValueError(
+                "this model serves generation; embed needs an embedding model (runner='pooling')"
+            )
+        params = pooling_params or pooler.params()
+        request_ids, prompt_ids = [], []
+        for prompt in self._as_prompt_list(prompts):
+            if isinstance(prompt, dict):
+                prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt["prompt"]
+            ids = self.engine.input_processor.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+            request_id = str(next(self._counter))
+            self.engine.add_request(request_id, ids, SamplingParams(), pooling_params=params)
+            request_ids.append(request_id)
+            prompt_ids.append(ids)
+        return [
+            EmbeddingRequestOutput(out.request_id, ids, EmbeddingOutput(out.embedding))
+            for out, ids in zip(self._run(request_ids, use_tqdm), prompt_ids)
+        ]
 
     def _place_mm(self, prompt: PromptType) -> tuple[str | list[int], list[MMItem]]:
         """The prompt (text or ids) and its placed multimodal items (fetched, placeholders expanded)."""

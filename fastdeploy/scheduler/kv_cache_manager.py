@@ -38,11 +38,11 @@ class KVCacheManager:
         """Longest cached prefix of the request: (blocks, number of tokens they hold).
 
         At least one token is always left to compute, so the step still produces
-        logits for the next token. A request that still needs prompt logprobs gets
-        no hits (as in vLLM): every prompt position must go through the model.
-        Its full blocks are still cached for others.
+        logits for the next token. A request that still needs prompt logprobs, or
+        mean-pools its prompt, gets no hits (as in vLLM): every prompt position must
+        go through the model. Its full blocks are still cached for others.
         """
-        if not self.enable_caching or request.needs_prompt_logprobs:
+        if not self.enable_caching or request.needs_every_prompt_position:
             return [], 0
         self._update_hashes(request, request.num_tokens)
         max_blocks = (request.num_tokens - 1) // self.block_size

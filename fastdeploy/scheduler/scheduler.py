@@ -185,6 +185,8 @@ class Scheduler:
         for req_id, n in num_scheduled.items():
             request = self.requests[req_id]
             request.num_computed_tokens += n
+            if request.pooling_params is not None:
+                continue  # an embedding request samples nothing: its prefill's pooled vector ends it
             if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
                 # this step samples a token for it (the end of its prefill, or a decode)
                 if request.grammar is not None:
@@ -246,6 +248,7 @@ class Scheduler:
                     block_ids=self.kv.block_ids(request.request_id),
                     num_computed_tokens=request.num_computed_tokens,
                     mm_items=self.encoder_cache.items_for_worker(request),
+                    pooling=request.pooling_params,
                 )
             )
         cached = CachedRequestData()
@@ -276,8 +279,9 @@ class Scheduler:
         step's token, with async scheduling) is dropped. Prompt logprobs of prefill chunks are
         gathered per request and sent with its first output. A request with ``max_tokens ==
         0`` ends right after its prefill (reason ``length``): the token sampled there is dropped.
+        An embedding request ends (reason ``stop``) with the pooled vector of its prefill.
         """
-        outputs = []
+        outputs = self._finish_pooled(runner_output.pooled) if runner_output.pooled else []
         if runner_output.moe_load_imbalance is not None:
             self.moe_load_imbalance = runner_output.moe_load_imbalance
         for req_id, (first_index, entries) in (runner_output.prompt_logprobs or {}).items():
@@ -314,6 +318,27 @@ class Scheduler:
                     queue_time=request.queue_time if request.num_output_tokens <= 1 else None,
                     logprobs=None if logprobs is None else [logprobs],
                     prompt_logprobs=prompt_logprobs,
+                )
+            )
+        return outputs
+
+    def _finish_pooled(self, pooled: dict[str, bytes]) -> list[EngineCoreOutput]:
+        """Finish the embedding requests whose pooled vectors came back (unless aborted or
+        preempted meanwhile) and report the vectors."""
+        outputs = []
+        for req_id, vector in pooled.items():
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            self._finish(request, FinishReason.STOP)
+            outputs.append(
+                EngineCoreOutput(
+                    req_id,
+                    [],
+                    FinishReason.STOP.value,
+                    num_cached_tokens=request.num_cached_tokens,
+                    queue_time=request.queue_time,
+                    pooled=vector,
                 )
             )
         return outputs

@@ -24,6 +24,14 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3MoeForCausalLM",
     *QWEN2_VL_ARCHITECTURES,
 )
+HEADLESS_ARCHITECTURES = {
+    "LlamaModel": "LlamaForCausalLM",
+    "MistralModel": "MistralForCausalLM",
+    "Qwen2Model": "Qwen2ForCausalLM",
+    "Qwen3Model": "Qwen3ForCausalLM",
+}
+"""Bare decoders (``*Model``: no LM head, tensor names without the ``model.`` prefix), as embedding
+models are saved → the causal-LM architecture whose decoder they are. Served by the pooling runner."""
 
 
 @dataclass
@@ -130,6 +138,9 @@ class ModelArchConfig:
     """Ernie-4.5-MoE: sparse layer interval."""
     mm: MultimodalArchConfig | None = None
     """Set for vision-language models (Qwen2-VL, Qwen2.5-VL): placeholder tokens and M-RoPE."""
+    headless: bool = False
+    """A bare decoder checkpoint (:data:`HEADLESS_ARCHITECTURES`): no LM head (the embedding is
+    tied to it) and tensor names without the ``model.`` prefix; an embedding model."""
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
     """The config.json dict it came from (for reference models in tests)."""
 
@@ -139,10 +150,13 @@ class ModelArchConfig:
         cfg = flatten_text_config(cfg)
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        headless = arch is None and any(a in HEADLESS_ARCHITECTURES for a in archs)
+        if headless:
+            arch = HEADLESS_ARCHITECTURES[next(a for a in archs if a in HEADLESS_ARCHITECTURES)]
         if arch is None:
             raise ArchConfigError(
                 f"unsupported model architecture {archs or cfg.get('model_type')!r}; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"supported: {', '.join([*SUPPORTED_ARCHITECTURES, *HEADLESS_ARCHITECTURES])}"
             )
         heads = cfg["num_attention_heads"]
         rope = dict(cfg.get("rope_parameters") or {})
@@ -170,7 +184,7 @@ class ModelArchConfig:
             rope_theta=cfg.get("rope_theta", rope.get("rope_theta", 10000.0)),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             rope_scaling=rope_scaling,
-            tie_word_embeddings=cfg.get("tie_word_embeddings", ernie),
+            tie_word_embeddings=headless or cfg.get("tie_word_embeddings", ernie),
             attention_bias=cfg.get(
                 "use_bias" if ernie else "attention_bias", arch == "Qwen2ForCausalLM" or mm is not None
             ),
@@ -195,6 +209,7 @@ class ModelArchConfig:
             moe_layer_end_index=cfg.get("moe_layer_end_index", -1),
             moe_layer_interval=cfg.get("moe_layer_interval") or 1,
             mm=mm,
+            headless=headless,
             raw=cfg,
         )
 

@@ -28,6 +28,7 @@ from fastdeploy.platforms import get_attention_backend
 from fastdeploy.worker.cuda_graph import DecodeGraphs, GraphOutput
 from fastdeploy.worker.input_batch import InputBatch
 from fastdeploy.worker.mm_state import MultimodalBatchState
+from fastdeploy.worker.pooler import Pooler
 from fastdeploy.worker.prompt_logprobs import compute_prompt_logprobs
 from fastdeploy.worker.sampling_metadata import build_sampling_tensors
 from fastdeploy.worker.step_state import (
@@ -73,6 +74,8 @@ class ModelRunner:
         if self.kv_cache_dtype == "fp8_e4m3":  # (the backend's supports_fp8_kv_cache was checked when chosen)
             check_fp8_supported(device)
         self.sampler = Sampler()
+        self.pooler: Pooler | None = Pooler() if source.pooler is not None else None
+        """Pooling runner (embedding models): every request is pooled after its prefill, none sampled."""
         self.mm: MultimodalBatchState | None = None
         """Features, M-RoPE positions and mask offsets of multimodal requests (vision-language models)."""
         if source.arch.mm is not None:
@@ -270,6 +273,8 @@ class ModelRunner:
         device_cfg = self.config.device
         if self.device.type != "cuda" or device_cfg.enforce_eager or self.mm is not None:
             return None  # (M-RoPE models take [3, T] positions, which the captured graphs do not)
+        if self.pooler is not None:
+            return None  # a pooling runner never decodes
         if self.config.parallel.enable_expert_parallel:
             logger.info(
                 "expert parallelism: decode steps run eagerly (the all-to-all sizes are read on the host)"
@@ -337,6 +342,12 @@ class ModelRunner:
             return state
         inputs = self._prepare_inputs(so)
         hidden, all_logits, greedy_tokens = self._forward(inputs)
+        if self.pooler is not None:  # embedding requests: pooled, never sampled
+            state.pooled = self.pooler.pool(
+                hidden, self.batch, inputs.scheduled_slots, inputs.query_start_loc_cpu
+            )
+            self._trace("execute_end", so.step_id)
+            return state
         state.prompt_logprobs = compute_prompt_logprobs(
             self.model, hidden, self.batch, inputs.scheduled_slots, inputs.query_start_loc_cpu
         )
@@ -441,6 +452,7 @@ class ModelRunner:
             logprobs,
             state.prompt_logprobs,
             moe_load_imbalance=take_load_imbalance(self.moe_layers),
+            pooled=state.pooled,
         )
 
     def _trace(self, stage: str, step_id: int) -> None:
@@ -462,12 +474,16 @@ class ModelRunner:
             batch.remove_request(req_id)
             if self.mm is not None:
                 self.mm.remove_request(req_id)
+            if self.pooler is not None:
+                self.pooler.remove_request(req_id)
         if self.mm is not None:
             self.mm.evict(so.evicted_mm_hashes)  # before this step's new requests re-add any of them
         for new in so.new_reqs:
             batch.add_request(new)
             if self.mm is not None:
                 self.mm.add_request(new)
+            if self.pooler is not None:
+                self.pooler.add_request(new.req_id, new.pooling)
         cached = so.cached_reqs
         for req_id, block_ids, num_computed in zip(
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens

@@ -97,6 +97,8 @@ class StepState:
     greedy_tokens: torch.Tensor | None = None
     """[rows] argmax of ``logits`` when the decode graph computed it, until sampled."""
     prompt_logprobs: dict[str, list] | None = None
+    pooled: dict[str, bytes] | None = None
+    """Pooling runner: the pooled vectors of the requests whose prompt ended this step."""
     token_ids_host: torch.Tensor | None = None
     """Pinned host copy of the sampled ids; valid once ``event`` has completed."""
     logprobs: LogprobsTensors | None = None

@@ -32,6 +32,7 @@ from fastdeploy.transformers_utils.config import (
     read_config_json,
     read_generation_eos,
 )
+from fastdeploy.transformers_utils.pooling import PoolerConfig, resolve_pooler
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -45,6 +46,8 @@ class ModelSource:
     """The .gguf file or the model folder."""
     is_gguf: bool
     arch: ModelArchConfig
+    pooler: PoolerConfig | None = None
+    """Set when the model is served by the pooling runner (embeddings; ``--runner``), else None."""
 
     @property
     def folder(self) -> str:
@@ -74,7 +77,8 @@ def resolve_model(config: ModelConfig) -> ModelSource:
     arch = ModelArchConfig.from_dict(cfg)
     if not is_gguf:
         arch.eos_token_ids = sorted(set(arch.eos_token_ids) | set(read_generation_eos(path)))
-    return ModelSource(path=path, is_gguf=is_gguf, arch=arch)
+    folder = os.path.dirname(path) if is_gguf else path
+    return ModelSource(path=path, is_gguf=is_gguf, arch=arch, pooler=resolve_pooler(config, folder, arch))
 
 
 def resolve_dtype(dtype: str, arch: ModelArchConfig, device: torch.device) -> torch.dtype:
@@ -123,7 +127,10 @@ def load_model(
         else:
             if source.is_gguf:
                 raise ValueError("load_format safetensors cannot read a .gguf file")
-            model.load_weights(_progress(iterate_safetensors(source.path), source))
+            weights = iterate_safetensors(source.path)
+            if source.arch.headless:
+                weights = _under_model_prefix(weights)
+            model.load_weights(_progress(weights, source))
         process_weights_after_loading(model)
     return model.eval()
 
@@ -131,6 +138,12 @@ def load_model(
 def quant_config_of(config: ModelConfig, source: ModelSource) -> QuantizationConfig | None:
     """The model's quantization: its checkpoint's ``quantization_config``, else ``--quantization``."""
     return resolve_quant_config(config.quantization, source.arch.raw, config.load_format)
+
+
+def _under_model_prefix(weights):
+    """A bare decoder's tensors (``layers.0...``, ``norm.weight``) under the causal-LM names (``model.``)."""
+    for name, tensor in weights:
+        yield (name if name.startswith("model.") else f"model.{name}"), tensor
 
 
 def _progress(weights, source: ModelSource):
