@@ -39,6 +39,7 @@ from fastdeploy.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     parse_request,
@@ -48,6 +49,7 @@ from fastdeploy.entrypoints.openai.reasoning import get_reasoning_parser
 from fastdeploy.entrypoints.openai.request_body import BodySizeLimitMiddleware, read_json
 from fastdeploy.entrypoints.openai.serving_chat import OpenAIServingChat
 from fastdeploy.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from fastdeploy.entrypoints.openai.serving_embedding import OpenAIServingEmbedding, check_generation_model
 from fastdeploy.entrypoints.openai.serving_engine import ClientDisconnectedError, to_openai_error
 from fastdeploy.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
 from fastdeploy.entrypoints.openai.tokenizer_lanes import TokenizerLanes
@@ -191,6 +193,13 @@ def build_app(
         tool_call_parser=server.tool_call_parser,
     )
     tokenization = OpenAIServingTokenization(engine_client, served_model_names, tokenizers, shutdown_event)
+    embeddings = OpenAIServingEmbedding(
+        engine_client,
+        served_model_names,
+        tokenizers,
+        shutdown_event,
+        max_prompts_per_request=server.max_prompts_per_request,
+    )
 
     v1 = APIRouter(prefix="/v1", route_class=OpenAIRoute, dependencies=auth)
 
@@ -198,13 +207,20 @@ def build_app(
     async def create_completion(raw_request: Request) -> Response:
         raw_request.state.received = time.monotonic()  # the request timeline's start
         request = parse_request(CompletionRequest, await read_json(raw_request), strict_fields=strict)
+        check_generation_model(engine_client)
         return await completions.create_completion(request, raw_request)
 
     @v1.post("/chat/completions", openapi_extra=json_body(ChatCompletionRequest))
     async def create_chat_completion(raw_request: Request) -> Response:
         raw_request.state.received = time.monotonic()
         request = parse_request(ChatCompletionRequest, await read_json(raw_request), strict_fields=strict)
+        check_generation_model(engine_client)
         return await chat.create_chat_completion(request, raw_request)
+
+    @v1.post("/embeddings", openapi_extra=json_body(EmbeddingRequest))
+    async def create_embedding(raw_request: Request) -> Response:
+        request = parse_request(EmbeddingRequest, await read_json(raw_request), strict_fields=strict)
+        return await embeddings.create_embedding(request, raw_request)
 
     @v1.get("/models")
     async def list_models() -> Response:

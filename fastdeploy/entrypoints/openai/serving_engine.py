@@ -23,6 +23,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from fastdeploy.core.outputs import RequestOutput
+from fastdeploy.core.pooling_params import PoolingParams
 from fastdeploy.core.sampling_params import SamplingParams, SamplingParamsError
 from fastdeploy.engine.input_processor import PromptTokenError, PromptTooLongError
 from fastdeploy.engine.protocol import EngineClient, EngineDeadError
@@ -222,6 +223,8 @@ class EnginePrompt:
     text: str | None = None
     mm_items: list[Any] | None = None
     """Placed multimodal items (``MMItem``) of the prompt, features included."""
+    pooling: PoolingParams | None = None
+    """Set for an embedding request (pooling runner): the prompt is pooled, not sampled."""
 
 
 class UsageTracker:
@@ -417,6 +420,7 @@ class OpenAIServing:
                     rid,
                     prompt=p.text,
                     **({"mm_items": p.mm_items} if p.mm_items else {}),
+                    **({"pooling_params": p.pooling} if p.pooling else {}),
                 )
                 for rid, p in zip(request_ids, prompts)
             ]

@@ -15,6 +15,7 @@ The models live in modules by concern, all re-exported here:
 - :mod:`.completion`: ``/v1/completions``;
 - :mod:`.chat`: ``/v1/chat/completions``, messages and their content parts;
 - :mod:`.tools`: tools, ``tool_choice``, tool calls in messages and answers, the forced-call schema;
+- :mod:`.embeddings`: ``/v1/embeddings``;
 - :mod:`.tokenization`: ``/tokenize`` and ``/detokenize``;
 - :mod:`.models`: ``/v1/models``.
 """
@@ -54,6 +55,12 @@ from fastdeploy.entrypoints.openai.protocol.completion import (
     CompletionResponse,
     CompletionResponseChoice,
     CompletionStreamResponse,
+)
+from fastdeploy.entrypoints.openai.protocol.embeddings import (
+    EmbeddingData,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    EmbeddingUsage,
 )
 from fastdeploy.entrypoints.openai.protocol.models import ModelCard, ModelList
 from fastdeploy.entrypoints.openai.protocol.sampling import (
@@ -111,6 +118,10 @@ __all__ = [
     "CompletionResponseChoice",
     "CompletionStreamResponse",
     "DeltaMessage",
+    "EmbeddingData",
+    "EmbeddingRequest",
+    "EmbeddingResponse",
+    "EmbeddingUsage",
     "DetokenizeRequest",
     "DetokenizeResponse",
     "ErrorInfo",

@@ -12,6 +12,20 @@ from fastdeploy.entrypoints.openai.protocol.sampling import SamplingRequest
 
 # --------------------------------------------------------------------------- request
 
+PROMPT_FORMS_SCHEMA = {
+    "anyOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+        {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+        {
+            "type": "array",
+            "items": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+            "minItems": 1,
+        },
+    ]
+}
+"""The JSON schema of the OpenAI prompt forms (completions' ``prompt``, embeddings' ``input``)."""
+
 
 class CompletionRequest(SamplingRequest):
     """``POST /v1/completions``.
@@ -24,23 +38,7 @@ class CompletionRequest(SamplingRequest):
     DEFAULT_MAX_TOKENS: ClassVar[int] = 16
     """OpenAI's default ``max_tokens`` for the legacy completions endpoint."""
 
-    prompt: Annotated[
-        list[str | list[int]],
-        WithJsonSchema(
-            {
-                "anyOf": [
-                    {"type": "string", "minLength": 1},
-                    {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
-                    {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
-                    {
-                        "type": "array",
-                        "items": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
-                        "minItems": 1,
-                    },
-                ]
-            }
-        ),
-    ]
+    prompt: Annotated[list[str | list[int]], WithJsonSchema(PROMPT_FORMS_SCHEMA)]
     """A string, a list of strings, a list of token ids or a list of token-id lists."""
     logprobs: int | None = None
     """Legacy form: how many top logprobs per token (0 still returns the sampled token's)."""
@@ -52,33 +50,7 @@ class CompletionRequest(SamplingRequest):
     @field_validator("prompt", mode="before")
     @classmethod
     def _normalize_prompt(cls, value: Any) -> list[str | list[int]]:
-        def is_token(t: Any) -> bool:
-            return isinstance(t, int) and not isinstance(t, bool)
-
-        if isinstance(value, str):
-            prompts: list[Any] = [value]
-        elif isinstance(value, list) and value and all(is_token(t) for t in value):
-            prompts = [value]
-        elif isinstance(value, list) and value and all(isinstance(p, str) for p in value):
-            prompts = value
-        elif (
-            isinstance(value, list)
-            and value
-            and all(isinstance(p, list) and all(is_token(t) for t in p) for p in value)
-        ):
-            prompts = value
-        elif isinstance(value, list) and not value:
-            raise ValueError("must not be empty")
-        else:
-            raise ValueError(
-                "must be a string, a list of strings, a list of token ids or a list of token-id lists"
-            )
-        for p in prompts:
-            if len(p) == 0:
-                raise ValueError("must not be empty")
-            if isinstance(p, list) and any(t < 0 for t in p):
-                raise ValueError("token ids must not be negative")
-        return prompts
+        return normalize_prompts(value)
 
     def _num_logprobs(self) -> int | None:
         return self.logprobs
@@ -142,3 +114,36 @@ class CompletionStreamResponse(ResponseModel):
     model: str
     choices: list[CompletionResponseChoice]
     usage: UsageInfo | None = None
+
+
+def normalize_prompts(value: Any) -> list[str | list[int]]:
+    """The OpenAI prompt forms (a string, a list of strings, token ids, a list of token-id lists) as
+    a list of prompts; ValueError for anything else, an empty prompt or a negative id."""
+
+    def is_token(t: Any) -> bool:
+        return isinstance(t, int) and not isinstance(t, bool)
+
+    if isinstance(value, str):
+        prompts: list[Any] = [value]
+    elif isinstance(value, list) and value and all(is_token(t) for t in value):
+        prompts = [value]
+    elif isinstance(value, list) and value and all(isinstance(p, str) for p in value):
+        prompts = value
+    elif (
+        isinstance(value, list)
+        and value
+        and all(isinstance(p, list) and all(is_token(t) for t in p) for p in value)
+    ):
+        prompts = value
+    elif isinstance(value, list) and not value:
+        raise ValueError("must not be empty")
+    else:
+        raise ValueError(
+            "must be a string, a list of strings, a list of token ids or a list of token-id lists"
+        )
+    for p in prompts:
+        if len(p) == 0:
+            raise ValueError("must not be empty")
+        if isinstance(p, list) and any(t < 0 for t in p):
+            raise ValueError("token ids must not be negative")
+    return prompts
