@@ -79,6 +79,12 @@ def validate_structured_outputs(params: StructuredOutputsParams, field: str) -> 
     kind, text = constraint_key(params)
     try:
         build_grammar(kind, text)
+    except ImportError:
+        raise SamplingParamsError(
+            field,
+            "structured outputs need the xgrammar package, which is not installed here "
+            "(pip install xgrammar; it needs torch, so the Paddle backend has none)",
+        ) from None
     except ValueError as exc:
         what = {
             "json": "JSON schema",

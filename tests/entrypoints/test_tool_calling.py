@@ -276,6 +276,20 @@ def test_named_function_is_generated_under_its_parameters_schema(client_for):
     assert choices[-1]["finish_reason"] == "tool_calls"
 
 
+def test_forced_call_schema_the_grammar_engine_refuses_is_a_400(client_for):
+    # jsonschema accepts this parameters schema, but xgrammar has no lookbehind: once an engine-side
+    # failure of the request, now a 400 before anything runs
+    engine = ScriptedEngine(['{"city": "x"}'])
+    client = client_for(engine)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "pattern": "(?<=a)b"}}}}}  # fmt: skip
+    response = chat(client, tools=[tool], tool_choice="required")
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "tools" and "Lookbehind" in error["message"], error
+    assert engine.params == []
+
+
 def test_forced_call_and_another_constraint_is_a_400(client_for):
     from fastdeploy.core.sampling_params import StructuredOutputsParams
     from fastdeploy.entrypoints.openai.errors import BadRequestError

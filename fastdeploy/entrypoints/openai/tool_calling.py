@@ -21,6 +21,7 @@ from fastdeploy.entrypoints.openai.tool_parsers import (
     get_tool_parser,
 )
 from fastdeploy.entrypoints.openai.tool_template import hermes_conversation, renders_tools, template_text
+from fastdeploy.structured_output.grammar import validate_structured_outputs
 
 
 @dataclass
@@ -90,6 +91,8 @@ class ToolCalling:
             schema = forced_call_schema(request.tools or [], choice, request.parallel_tool_calls is not False)
             plan.forced = True
             plan.constraint = StructuredOutputsParams(json=schema)
+            # a parameters schema the grammar engine cannot take is the client's 400, not an engine error
+            validate_structured_outputs(plan.constraint, "tools")
             plan.parser = (
                 NamedToolParser(choice.function or "")
                 if choice.mode == "named"
