@@ -12,8 +12,9 @@ Here, for each (token, slot) pair straight from ``topk_ids``:
    those columns of the expert's gate and up rows and writes ``silu(gate) * up`` (the
    SiLU-and-multiply fused; rounded as the unfused path rounds it);
 2. :func:`_down_kernel` — one program per (token, ``BLOCK_N`` output columns) reads those
-   rows of its k experts' ``w2`` and writes ``sum_j weight_j * act_j @ w2[e_j].T`` (the
-   routing weights and the top-k sum fused; float32 accumulation, rounded once).
+   rows of its k experts' ``w2`` (one pipelined loop over the k x I columns, as if the k
+   experts' rows were one row of a GEMV) and writes ``sum_j weight_j * act_j @ w2[e_j].T``
+   (the routing weights and the top-k sum fused; float32 accumulation, rounded once).
 
 Each weight element is read once per pair that chose its expert: the same bytes as the grouped
 GEMM while the tokens' experts are distinct (always at batch 1), more when tokens share experts
@@ -172,23 +173,26 @@ def _down_kernel(
     n_mask = offs_n < H
     rows = tl.minimum(offs_n, H - 1).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
-    out = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for j in range(TOP_K):
+    # one pipelined loop over (slot, K step), so that the loads stream across the k experts'
+    # rows without a pipeline drain between experts; the routing weight scales the activations
+    k_steps = tl.cdiv(INTER, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for step in tl.range(0, TOP_K * k_steps, num_stages=STAGES):
+        j = step // k_steps
+        k0 = (step - j * k_steps) * BLOCK_K
         pair = token * TOP_K + j
         expert = tl.load(ids_ptr + pair).to(tl.int64)
         weight = tl.load(topk_w_ptr + pair).to(tl.float32)
-        w_ptrs = w_ptr + expert * stride_we + rows[:, None] * stride_wn + offs_k[None, :]
-        s_ptrs = s_ptr + expert * stride_se + (rows // GROUP_N) * stride_sn
-        a_ptrs = act_ptr + pair * stride_am + offs_k
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in tl.range(0, INTER, BLOCK_K, num_stages=STAGES):
-            k_mask = (k0 + offs_k) < INTER
-            if EVEN_K:
-                a = tl.load(a_ptrs + k0).to(tl.float32)
-            else:
-                a = tl.load(a_ptrs + k0, mask=k_mask, other=0.0).to(tl.float32)
-            acc += _weight_tile(w_ptrs + k0, s_ptrs + k0 // GROUP_K, k_mask, FP8, EVEN_K) * a[None, :]
-        out += weight * tl.sum(acc, axis=1)
+        k_mask = (k0 + offs_k) < INTER
+        a_ptrs = act_ptr + pair * stride_am + k0 + offs_k
+        if EVEN_K:
+            a = tl.load(a_ptrs).to(tl.float32)
+        else:
+            a = tl.load(a_ptrs, mask=k_mask, other=0.0).to(tl.float32)
+        w_ptrs = w_ptr + expert * stride_we + rows[:, None] * stride_wn + (k0 + offs_k)[None, :]
+        s_ptrs = s_ptr + expert * stride_se + (rows // GROUP_N) * stride_sn + k0 // GROUP_K
+        acc += _weight_tile(w_ptrs, s_ptrs, k_mask, FP8, EVEN_K) * (a * weight)[None, :]
+    out = tl.sum(acc, axis=1)
     pdl_trigger(USE_PDL)
     tl.store(out_ptr + token * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
 
