@@ -13,8 +13,8 @@ kernels per layer, each costing a launch even inside a CUDA graph. Here:
 * :func:`moe_align_block_size` — the layout :func:`fastdeploy.ops.triton_fused_moe.align_block_size_torch`
   builds (the (token, slot) pairs sorted stably by expert, each expert's run padded to a
   multiple of ``block_m``, the expert of every block, the padded length). Up to
-  :data:`ALIGN_CHUNK` pairs (a decode step) it is one program of one kernel; beyond that one
-  program per chunk of pairs counts its chunk's experts (:func:`_count_kernel`), then one
+  :data:`ALIGN_SINGLE_MAX` pairs (a decode step) it is one program of one kernel; beyond that
+  one program per chunk of pairs counts its chunk's experts (:func:`_count_kernel`), then one
   program per chunk places its pairs after the earlier chunks' (:func:`_align_kernel`), so the
   order within an expert is the pairs' order, with no atomics. Every size comes from shapes, so
   nothing waits for the device (CUDA-graph safe).
@@ -31,8 +31,11 @@ import triton.language as tl
 
 from fastdeploy.ops.triton_pdl import pdl_kwargs, pdl_prologue
 
-ALIGN_CHUNK = 1024
-"""Pairs one program of the align kernels sorts; at most this many (128 tokens x top-8) → one kernel."""
+ALIGN_SINGLE_MAX = 256
+"""At most this many pairs (32 tokens x top-8) are sorted by one program of one kernel."""
+ALIGN_MAX_CHUNKS = 128
+"""Beyond it the pairs are cut into chunks of at least ``ALIGN_SINGLE_MAX`` (a power of two), at most
+this many (one wave of programs; each reads every chunk's counts)."""
 _SUB = 32
 """Pairs per step inside a chunk (a ``[_SUB, experts]`` one-hot tile in registers)."""
 
@@ -246,9 +249,12 @@ def moe_align_block_size(
         num_padded.zero_()
         return sorted_ids, expert_ids, num_padded
     block_e = triton.next_power_of_2(num_experts)
-    chunks = triton.cdiv(pairs, ALIGN_CHUNK)
-    single = chunks == 1
-    chunk = triton.next_power_of_2(max(pairs, _SUB)) if single else ALIGN_CHUNK
+    single = pairs <= ALIGN_SINGLE_MAX
+    if single:
+        chunk, chunks = triton.next_power_of_2(max(pairs, _SUB)), 1
+    else:
+        chunk = max(ALIGN_SINGLE_MAX, triton.next_power_of_2(triton.cdiv(pairs, ALIGN_MAX_CHUNKS)))
+        chunks = triton.cdiv(pairs, chunk)
     counts = sorted_ids  # unused with one chunk
     if not single:
         counts = torch.empty((chunks, block_e), dtype=torch.int32, device=device)
