@@ -15,10 +15,12 @@ the (replicated) tokens, :mod:`~fastdeploy.model_executor.layers.moe_dispatch` s
 (token, expert) pairs to the experts' ranks and back (all-to-all over the EP group), and
 the TP ranks all-gather their shares; with data-parallel replicas the EP group spans them.
 
-On CUDA the experts run in the fused Triton kernel (:mod:`fastdeploy.ops.triton_fused_moe`:
-route-sorted grouped GEMMs, bf16/fp16 or FP8 w8a8); on a CPU, or with ``FD_DISABLE_CUSTOM_OPS=1``,
-the torch forward (:meth:`FusedMoE.compute_experts_torch`) sorts the (token, slot) pairs by
-expert and runs each expert's two matmuls on its contiguous group of tokens. With an FP8
+On CUDA the routing is one Triton kernel (:mod:`fastdeploy.ops.triton_moe_routing`) and the
+experts run in the fused Triton kernels (:mod:`fastdeploy.ops.triton_fused_moe`: route-sorted
+grouped GEMMs, bf16/fp16 or FP8 w8a8; for a few tokens the two GEMV-like kernels of
+:mod:`fastdeploy.ops.triton_moe_gemv`); on a CPU, or with ``FD_DISABLE_CUSTOM_OPS=1``, the torch
+forward (:func:`select_experts_torch`, :meth:`FusedMoE.compute_experts_torch`) sorts the
+(token, slot) pairs by expert and runs each expert's two matmuls on its contiguous group of tokens. With an FP8
 ``quant_config`` the experts are block-scaled float8 (:mod:`.fused_moe_fp8`), quantized at load
 or read from an FP8 checkpoint.
 """
