@@ -67,7 +67,7 @@ class MoeShape:
 
 QWEN3_30B_A3B = MoeShape(128, 8, 2048, 768)
 SMOKE_SHAPE = MoeShape(8, 2, 128, 128)
-TOKENS = (1, 2, 4, 8, 16, 64, 512, 4096)
+TOKENS = (1, 2, 4, 8, 16, 64, 256, 512, 4096, 8192)
 SMOKE_TOKENS = (1, 5)
 GEMV_COMPARE_MAX = 16
 """Up to this many tokens both paths are timed."""
@@ -406,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="folder for results.json and results.md")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtypes", default="bf16,fp8", help="comma-separated: bf16, fp8")
-    parser.add_argument("--tokens", default="", help="comma-separated token counts (default: 1 to 4096)")
+    parser.add_argument("--tokens", default="", help="comma-separated token counts (default: 1 to 8192)")
     parser.add_argument("--sweep", action="store_true", help="also time candidate configurations per size")
     parser.add_argument(
         "--smoke", action="store_true", help="tiny shapes (script check, CPU + TRITON_INTERPRET=1)"
