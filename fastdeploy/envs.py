@@ -86,6 +86,18 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "Use the Triton small-batch linear kernel (and fuse SiLU-and-multiply into down_proj) "
         "for decode steps of at most 4 rows inside CUDA graphs (0: cuBLAS everywhere).",
     ),
+    "FD_FP8_SMALL_M_MAX": (
+        lambda: int(os.environ.get("FD_FP8_SMALL_M_MAX", "16")),
+        "FP8 linear layers of at most this many rows (decode steps) run the w8a16 Triton GEMV "
+        "(the fp8 weight dequantized in registers, the activation not quantized, one kernel); "
+        "larger ones quantize the activation and run an FP8 GEMM (0: always the latter).",
+    ),
+    "FD_FP8_BLOCK_GEMM": (
+        lambda: os.environ.get("FD_FP8_BLOCK_GEMM", "auto").strip().lower() or "auto",
+        "GEMM of 128x128 block-scaled FP8 linears above FD_FP8_SMALL_M_MAX rows: scaled_mm "
+        "(torch._scaled_mm block-wise, cuBLASLt), triton (the Triton block GEMM, any block size), "
+        "or auto (scaled_mm where a start-up probe finds it working on the GPU, else triton).",
+    ),
     "FD_SMALL_M_NORM_FUSION": (
         _bool("FD_SMALL_M_NORM_FUSION", "1"),
         "With FD_SMALL_M_GEMV, run the residual add + RMSNorm inside the next linear, and the "

@@ -144,9 +144,12 @@ def quantize_activation_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.
     """Quantize ``x [M, K]`` with one dynamic scale per token (row).
 
     Returns ``(x_fp8 [M, K] float8_e4m3fn, scale [M, 1] float32)`` with ``x ≈ x_fp8.float() * scale``
-    (``[M, 1]`` is the row-wise ``scale_a`` shape of ``torch._scaled_mm``).
+    (``[M, 1]`` is the row-wise ``scale_a`` shape of ``torch._scaled_mm``). On CUDA one Triton
+    kernel computes the same bits.
     """
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D [M, K], got shape {tuple(x.shape)}")
+    if x.is_cuda and x.stride(-1) == 1 and (kernels := _triton_quant()) is not None:
+        return kernels.quantize_activation_per_token(x)
     scale = _scale_of(x.abs().amax(dim=-1, keepdim=True))
     return _to_fp8(x, scale), scale

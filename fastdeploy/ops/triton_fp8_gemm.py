@@ -61,6 +61,7 @@ def _fp8_block_gemm_kernel(
     c_ptr,
     a_scale_ptr,
     b_scale_ptr,
+    bias_ptr,
     M,
     N,
     K,
@@ -68,9 +69,11 @@ def _fp8_block_gemm_kernel(
     stride_bn,
     stride_cm,
     stride_asm,
+    stride_ask,
     stride_bsn,
     GROUP_N: tl.constexpr,
     GROUP_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     DOT_FP32: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -78,7 +81,7 @@ def _fp8_block_gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    """One ``BLOCK_M × BLOCK_N`` tile of ``c = sum_k (a_k * a_scale) (b_k * b_scale)^T``."""
+    """One ``BLOCK_M × BLOCK_N`` tile of ``c = sum_k (a_k * a_scale) (b_k * b_scale)^T (+ bias)``."""
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -111,11 +114,13 @@ def _fp8_block_gemm_kernel(
             part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
         else:
             part = tl.dot(a, b)
-        a_s = tl.load(a_scale_ptrs + k0 // GROUP_K)
+        a_s = tl.load(a_scale_ptrs + (k0 // GROUP_K) * stride_ask)
         b_s = tl.load(b_scale_ptrs + k0 // GROUP_K)
         acc += part * a_s[:, None] * b_s[None, :]
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
     c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -128,9 +133,11 @@ def fp8_block_gemm(
     block: tuple[int, int],
     out_dtype: torch.dtype,
     config: Fp8GemmConfig | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``[M, N]`` in ``out_dtype`` from fp8 ``a [M, K]`` / ``a_scale [M, ceil(K/gk)]`` and fp8
-    ``b [N, K]`` / ``b_scale [ceil(N/gn), ceil(K/gk)]``, ``block = (gn, gk)`` (see the module)."""
+    """``[M, N]`` in ``out_dtype`` from fp8 ``a [M, K]`` / ``a_scale [M, ceil(K/gk)]`` (any strides)
+    and fp8 ``b [N, K]`` / ``b_scale [ceil(N/gn), ceil(K/gk)]``, ``block = (gn, gk)``, plus an
+    optional ``bias [N]`` added in the epilogue (see the module)."""
     m, k = a.shape
     n = b.shape[0]
     gn, gk = block
@@ -143,8 +150,10 @@ def fp8_block_gemm(
         raise ValueError(
             f"scales {tuple(a_scale.shape)} / {tuple(b_scale.shape)} do not fit {(m, n, k)} in blocks {block}"
         )
-    if a.stride(1) != 1 or b.stride(1) != 1:
-        raise ValueError("a and b need unit stride along K")
+    if a.stride(1) != 1 or b.stride(1) != 1 or b_scale.stride(1) != 1:
+        raise ValueError("a, b and b_scale need unit stride along K")
+    if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
+        raise ValueError(f"bias must be a contiguous [{n}], got {tuple(bias.shape)}")
     config = config or default_config(m)
     if gk % config.block_k:
         config = Fp8GemmConfig(
@@ -156,21 +165,11 @@ def fp8_block_gemm(
     interpreting = triton_interpreting()
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
     _fp8_block_gemm_kernel[grid](
-        a,
-        b,
-        out,
-        a_scale,
-        b_scale,
-        m,
-        n,
-        k,
-        a.stride(0),
-        b.stride(0),
-        out.stride(0),
-        a_scale.stride(0),
-        b_scale.stride(0),
+        a, b, out, a_scale, b_scale, out if bias is None else bias, m, n, k,
+        a.stride(0), b.stride(0), out.stride(0), a_scale.stride(0), a_scale.stride(1), b_scale.stride(0),
         GROUP_N=gn,
         GROUP_K=gk,
+        HAS_BIAS=bias is not None,
         DOT_FP32=interpreting,  # the interpreter's fp8 dot is not exact; float32 is
         EVEN_K=k % config.block_k == 0,
         BLOCK_M=config.block_m,
@@ -179,14 +178,19 @@ def fp8_block_gemm(
         GROUP_M=config.group_m,
         num_warps=config.num_warps,
         num_stages=1 if interpreting else config.num_stages,
-    )
+    )  # fmt: skip
     return out
 
 
 def fp8_block_linear(
-    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int]
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    block: tuple[int, int],
+    bias: torch.Tensor | None = None,
+    config: Fp8GemmConfig | None = None,
 ) -> torch.Tensor:
-    """``x [M, K] @ dequant(weight)^T`` in ``x``'s dtype: ``x`` quantized per token and ``block[1]``
-    columns, then :func:`fp8_block_gemm`."""
+    """``x [M, K] @ dequant(weight)^T + bias`` in ``x``'s dtype, two kernels: ``x`` quantized per
+    token and ``block[1]`` columns, then :func:`fp8_block_gemm`."""
     xq, xs = quantize_activation_per_token_group(x, block[1])
-    return fp8_block_gemm(xq, xs, weight, weight_scale, block, x.dtype)
+    return fp8_block_gemm(xq, xs, weight, weight_scale, block, x.dtype, config, bias)

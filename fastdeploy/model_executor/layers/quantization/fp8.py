@@ -34,6 +34,7 @@ from fastdeploy.model_executor.layers.weight_loading import (
 
 if TYPE_CHECKING:
     from fastdeploy.model_executor.layers.linear import Linear
+    from fastdeploy.ops.fp8_linear import Fp8LinearBackend
 
 DEFAULT_WEIGHT_BLOCK = (128, 128)
 """Block size of ``--quantization fp8`` (the checkpoints' block; see docs/models.md for why)."""
@@ -118,6 +119,8 @@ class Fp8LinearMethod(LinearMethod):
     def __init__(self, config: Fp8Config):
         self.config = config
         self.block = config.weight_block_size
+        self.backend: Fp8LinearBackend | None = None
+        """The kernels of this layer's device, set after loading (None: the device's default)."""
 
     @property
     def scale_name(self) -> str:
@@ -173,20 +176,29 @@ class Fp8LinearMethod(LinearMethod):
         return load
 
     def process_weights_after_loading(self, layer: Linear) -> None:
-        """Online: quantize this rank's weight (block or per channel). Checkpoint: nothing to do."""
-        if self.config.is_checkpoint_fp8:
-            return
+        """Online: quantize this rank's weight (block or per channel). Both: the weight and a
+        contiguous float32 scale in the layout the kernels read them in (so that no call copies
+        them), and the device's kernel choice (:class:`~fastdeploy.ops.fp8_linear.Fp8LinearBackend`)."""
+        from fastdeploy.ops.fp8_linear import Fp8LinearBackend
         from fastdeploy.ops.fp8_quant import quantize_weight_block, quantize_weight_per_channel
 
-        weight = layer.weight.data
-        if self.block is None:
-            q, scale = quantize_weight_per_channel(weight)
-        else:
-            q, scale = quantize_weight_block(weight, self.block)
-        replace_parameter(layer, "weight", q)
-        replace_parameter(layer, self.scale_name, scale)
+        if not self.config.is_checkpoint_fp8:
+            weight = layer.weight.data
+            if self.block is None:
+                q, scale = quantize_weight_per_channel(weight)
+            else:
+                q, scale = quantize_weight_block(weight, self.block)
+            replace_parameter(layer, "weight", q)
+            replace_parameter(layer, self.scale_name, scale)
+        scale = getattr(layer, self.scale_name).data
+        if not scale.is_contiguous() or scale.dtype != torch.float32:
+            replace_parameter(layer, self.scale_name, scale.float().contiguous())
+        if not layer.weight.data.is_contiguous():
+            replace_parameter(layer, "weight", layer.weight.data.contiguous())
+        self.backend = Fp8LinearBackend.for_device(layer.weight.device)
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         from fastdeploy.ops.fp8_linear import fp8_linear
 
-        return fp8_linear(x, layer.weight, getattr(layer, self.scale_name), self.block, bias)
+        scale = getattr(layer, self.scale_name)
+        return fp8_linear(x, layer.weight, scale, self.block, bias, self.backend)

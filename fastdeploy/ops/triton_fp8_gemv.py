@@ -1,0 +1,393 @@
+"""FP8-weight linear for few rows (w8a16): decode steps of FP8 models on a GPU, in one kernel.
+
+At decode sizes a linear layer is a pass over its weight (2 FLOP per weight byte read once
+at M = 1), so its time is the weight bytes over the memory bandwidth, and an e4m3 weight
+takes half the time of a bf16 one. The w8a8 path spends that gain twice over: a kernel
+that quantizes the activation, then a GEMM tiled for tensor-core throughput, each a launch
+of its own. This kernel streams the fp8 weight once, dequantizes it in registers with its
+scales and multiplies it with the bf16 / fp16 activation as it is: no activation
+quantization at all (the activation keeps its precision, so the result is closer to the
+unquantized layer than the w8a8 one), one launch per layer, bias in the epilogue.
+
+Weights are ``[N, K]`` float8_e4m3fn with float32 dequantization scales (``w ≈ fp8 * scale``),
+either per output channel (``scale [N]``) or per ``(GROUP_N, GROUP_K)`` block
+(``scale [ceil(N/GROUP_N), ceil(K/GROUP_K)]``, the ``weight_scale_inv`` layout).
+
+Two formulations, as in :mod:`fastdeploy.ops.triton_gemv` (the bf16 small-M kernel), chosen
+per shape by the autotuner:
+
+* broadcast (``DOT=False``, up to 4 rows): float32 ``[BLOCK_N, BLOCK_K]`` accumulators, one a
+  row, reduced across K after the loop. A block scale is folded into the activation chunk
+  (``x * scale[row block, k // GROUP_K]``, ``BLOCK_K`` multiplies a step shared by the
+  ``BLOCK_N`` rows; ``BLOCK_N`` divides ``GROUP_N`` so one tile lies in one row block).
+* ``tl.dot`` (``DOT=True``, 2 rows and more): the weight tile converted to the activation
+  dtype as the MMA's first operand, rows padded to ``BLOCK_M >= 16``; with block scales each
+  ``BLOCK_K`` step (``BLOCK_K`` divides ``GROUP_K``) adds its partial product times the tile
+  rows' scales.
+
+Per-channel scales multiply the float32 sums once, in the epilogue. Rows enter as
+``M_PAD`` (M rounded up to a power of two, the rest masked), so that the autotuner and the
+compiler see five row counts up to 16 rather than sixteen.
+
+The autotuner benchmarks its configurations on the first call of each shape; that
+synchronizes the device, so it must not happen inside CUDA graph capture:
+:func:`is_warmed_up` tells whether a call is free of it (the graph warm-up forward tunes
+every captured size first).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from fastdeploy.ops.fp8_quant import FP8_DTYPE
+from fastdeploy.ops.triton_env import triton_interpreting
+from fastdeploy.ops.triton_gemv import ACC_ELEMENTS, autotune_bench
+from fastdeploy.ops.triton_pdl import pdl_kwargs, pdl_prologue, pdl_trigger
+
+MAX_M = 64
+"""Most rows :func:`fp8_small_m_linear` takes (how many it is used for is the caller's choice)."""
+BROADCAST_MAX_M = 4
+"""Most (padded) rows of the broadcast form: one float32 accumulator tile per row."""
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+"""Activation (and output) dtypes."""
+
+
+@triton.jit
+def _row_act(x_ptr, row, M, cols, k_mask, s_k, BLOCK_SCALED: tl.constexpr):
+    """Row ``row``'s activations at ``cols`` in float32 (zero past M or K), times the block scales."""
+    v = tl.load(x_ptr + cols, mask=k_mask & ((cols * 0 + row) < M), other=0.0).to(tl.float32)
+    if BLOCK_SCALED:
+        v = v * s_k
+    return v
+
+
+@triton.jit
+def _store_row(out_ptr, row, M, acc, s_n, bias, offs_n, n_mask, PER_CHANNEL: tl.constexpr,
+               HAS_BIAS: tl.constexpr):  # fmt: skip
+    total = tl.sum(acc, axis=1)
+    if PER_CHANNEL:
+        total = total * s_n
+    if HAS_BIAS:
+        total = total + bias
+    tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_mask & ((offs_n * 0 + row) < M))
+
+
+@triton.jit
+def _fp8_gemv_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    b_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_om,
+    M_PAD: tl.constexpr,
+    GROUP_N: tl.constexpr,
+    GROUP_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT: tl.constexpr,
+    STAGES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """``out[:M, tile] = x @ dequant(w[tile])^T (+ bias)``; ``GROUP_K == 0``: per-channel scales."""
+    PER_CHANNEL: tl.constexpr = GROUP_K == 0
+    pdl_prologue(USE_PDL)
+    pid_n = tl.program_id(0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    # clamped rows: the weight loads need no N mask (the tail's duplicates are not stored)
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
+    s_n = 0.0
+    bias = 0.0
+    if DOT:
+        offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < M
+        x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+        s_rows = s_ptr + (rows // GROUP_N) * stride_sn  # (unused per channel)
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+            if EVEN_K:
+                w = tl.load(w_ptrs + k0)
+                x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0)
+            else:
+                k_mask = (k0 + offs_k) < K
+                w = tl.load(w_ptrs + k0, mask=k_mask[None, :], other=0.0)
+                x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            if DOT_FP32:
+                w_op = w.to(tl.float32)
+                x_op = tl.trans(x.to(tl.float32))
+            else:
+                w_op = w.to(x_ptr.dtype.element_ty)
+                x_op = tl.trans(x)
+            if PER_CHANNEL:
+                if DOT_FP32:
+                    acc = tl.dot(w_op, x_op, acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(w_op, x_op, acc)
+            else:
+                if DOT_FP32:
+                    part = tl.dot(w_op, x_op, input_precision="ieee")
+                else:
+                    part = tl.dot(w_op, x_op)
+                acc += part * tl.load(s_rows + k0 // GROUP_K)[:, None]
+        pdl_trigger(USE_PDL)
+        if PER_CHANNEL:
+            acc = acc * tl.load(s_ptr + rows)[:, None]
+        if HAS_BIAS:
+            acc = acc + tl.load(b_ptr + rows).to(tl.float32)[:, None]
+        out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
+    else:
+        tl.static_assert(M_PAD <= 4, "the broadcast form takes at most 4 rows")
+        # one tile lies in one row block of the scales (GROUP_N is a multiple of BLOCK_N)
+        s_tile = s_ptr + ((pid_n * BLOCK_N) // GROUP_N) * stride_sn  # (unused per channel)
+        acc0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+            cols = k0 + offs_k
+            k_mask = cols < K
+            if EVEN_K:
+                w = tl.load(w_ptrs + k0).to(tl.float32)
+            else:
+                w = tl.load(w_ptrs + k0, mask=k_mask[None, :], other=0.0).to(tl.float32)
+            s_k = 1.0
+            if not PER_CHANNEL:
+                s_k = tl.load(s_tile + cols // GROUP_K, mask=k_mask, other=0.0)
+            acc0 += w * _row_act(x_ptr, 0, M, cols, k_mask, s_k, not PER_CHANNEL)[None, :]
+            if M_PAD > 1:
+                x1 = _row_act(x_ptr + stride_xm, 1, M, cols, k_mask, s_k, not PER_CHANNEL)
+                acc1 += w * x1[None, :]
+            if M_PAD > 2:
+                x2 = _row_act(x_ptr + 2 * stride_xm, 2, M, cols, k_mask, s_k, not PER_CHANNEL)
+                acc2 += w * x2[None, :]
+                x3 = _row_act(x_ptr + 3 * stride_xm, 3, M, cols, k_mask, s_k, not PER_CHANNEL)
+                acc3 += w * x3[None, :]
+        pdl_trigger(USE_PDL)
+        if PER_CHANNEL:
+            s_n = tl.load(s_ptr + rows)
+        if HAS_BIAS:
+            bias = tl.load(b_ptr + rows).to(tl.float32)
+        _store_row(out_ptr, 0, M, acc0, s_n, bias, offs_n, n_mask, PER_CHANNEL, HAS_BIAS)
+        if M_PAD > 1:
+            _store_row(out_ptr + stride_om, 1, M, acc1, s_n, bias, offs_n, n_mask, PER_CHANNEL, HAS_BIAS)
+        if M_PAD > 2:
+            _store_row(out_ptr + 2 * stride_om, 2, M, acc2, s_n, bias, offs_n, n_mask, PER_CHANNEL, HAS_BIAS)
+            _store_row(out_ptr + 3 * stride_om, 3, M, acc3, s_n, bias, offs_n, n_mask, PER_CHANNEL, HAS_BIAS)
+
+
+def _config(block_n: int, block_k: int, dot: bool, num_warps: int, stages: int) -> triton.Config:
+    return triton.Config(
+        {"BLOCK_N": block_n, "BLOCK_K": block_k, "DOT": dot, "STAGES": stages},
+        num_warps=num_warps,
+        num_stages=stages,
+    )
+
+
+# Candidates, not yet measured: the bf16 kernel's winners scaled to fp8 (a weight byte per
+# element, so twice the columns per step for the same bytes) plus deeper pipelines, since
+# each step's loads are smaller. benchmarks/gpubench/fp8_gemm_bench.py prints the winners.
+BROADCAST_CONFIGS = [
+    _config(8, 256, False, 4, 4),
+    _config(8, 512, False, 4, 3),
+    _config(8, 512, False, 4, 4),
+    _config(16, 256, False, 4, 4),
+    _config(16, 512, False, 4, 3),
+    _config(16, 128, False, 4, 6),
+    _config(32, 256, False, 4, 3),
+    _config(32, 128, False, 4, 6),
+]
+DOT_CONFIGS = [
+    _config(16, 128, True, 4, 4),
+    _config(32, 128, True, 4, 4),
+    _config(32, 128, True, 4, 6),
+    _config(64, 128, True, 4, 4),
+    _config(64, 128, True, 4, 6),
+    _config(128, 128, True, 8, 4),
+    _config(32, 64, True, 4, 8),
+    _config(64, 256, True, 4, 3),
+    _config(32, 256, True, 4, 4),
+]
+_CONFIGS = BROADCAST_CONFIGS + DOT_CONFIGS
+
+
+def config_fits(kw: dict[str, Any], m_pad: int, group_n: int, group_k: int) -> bool:
+    """Whether a configuration can run ``m_pad`` rows of weights in ``(group_n, group_k)`` blocks
+    (``group_k == 0``: per channel) without spilling its accumulators."""
+    if kw["DOT"]:
+        return m_pad > 1 and (group_k == 0 or group_k % kw["BLOCK_K"] == 0)
+    fits_block = group_k == 0 or group_n % kw["BLOCK_N"] == 0
+    return m_pad <= BROADCAST_MAX_M and fits_block and m_pad * kw["BLOCK_N"] * kw["BLOCK_K"] <= ACC_ELEMENTS
+
+
+def _prune(configs: list[triton.Config], named_args: dict[str, Any], **kwargs: Any) -> list[triton.Config]:
+    """The configurations that fit the call (:func:`config_fits`)."""
+
+    def arg(name: str) -> Any:
+        return kwargs.get(name, named_args.get(name))
+
+    m_pad, group_n, group_k = arg("M_PAD"), arg("GROUP_N"), arg("GROUP_K")
+    kept = [c for c in configs if config_fits(c.kwargs, m_pad, group_n, group_k)]
+    return kept or [_fallback_config(m_pad)]
+
+
+def _fallback_config(m_pad: int) -> triton.Config:
+    """A configuration every eligible call fits (blocks of at least 64 x 64, see :func:`supports`)."""
+    return _config(8, 64, False, 4, 3) if m_pad <= BROADCAST_MAX_M else _config(32, 64, True, 4, 4)
+
+
+def _block_m(args: dict[str, Any]) -> int:
+    return max(16, args["M_PAD"])
+
+
+_kernel = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0, "BLOCK_M": _block_m})(
+    _fp8_gemv_kernel
+)
+_tuned_kernel = triton.autotune(
+    configs=_CONFIGS,
+    key=["N", "K", "M_PAD", "GROUP_N", "GROUP_K", "HAS_BIAS"],
+    prune_configs_by={"early_config_prune": _prune},
+    do_bench=autotune_bench,
+)(_kernel)
+
+_warmed: set[tuple[Any, ...]] = set()
+
+
+def _m_pad(m: int) -> int:
+    return triton.next_power_of_2(m)
+
+
+def _groups(block: tuple[int, int] | None) -> tuple[int, int]:
+    """``(GROUP_N, GROUP_K)`` of a weight block; ``(1, 0)`` per channel."""
+    return (1, 0) if block is None else block
+
+
+def _warm_key(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None, has_bias: bool):
+    n, k = weight.shape
+    return (_m_pad(x.shape[0]), n, k, _groups(block), x.dtype, has_bias, x.get_device())
+
+
+def is_warmed_up(
+    x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None, has_bias: bool
+) -> bool:
+    """Whether :func:`fp8_small_m_linear` already ran on this shape (rows rounded up to a power of
+    two) outside graph capture: only then is a call free of autotuning, and so capturable."""
+    return _warm_key(x, weight, block, has_bias) in _warmed
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None) -> bool:
+    """Whether the kernel takes these operands (the layout checks of :func:`fp8_small_m_linear`,
+    as a yes/no for a caller that has another path): 1 to :data:`MAX_M` rows with unit column
+    stride, an fp8 weight with contiguous rows, blocks of powers of two of at least 64."""
+    if x.dim() != 2 or not 0 < x.shape[0] <= MAX_M or x.dtype not in DTYPES or weight.dtype != FP8_DTYPE:
+        return False
+    if x.stride(1) != 1 or weight.stride(1) != 1 or x.shape[1] != weight.shape[1]:
+        return False
+    if block is not None and not all(b >= 64 and b & (b - 1) == 0 for b in block):
+        return False
+    return True
+
+
+def _check(x, weight, scale, block, bias) -> None:
+    if not supports(x, weight, block):
+        raise ValueError(
+            f"fp8_small_m_linear needs x [1..{MAX_M}, K] of {DTYPES} with unit column stride and a "
+            f"float8_e4m3fn weight [N, K] with contiguous rows (blocks: powers of two >= 64); got x "
+            f"{x.dtype} {tuple(x.shape)} strides {x.stride()}, weight {weight.dtype} {tuple(weight.shape)}, "
+            f"block {block}"
+        )
+    n, k = weight.shape
+    want = (n,) if block is None else (triton.cdiv(n, block[0]), triton.cdiv(k, block[1]))
+    if tuple(scale.shape) != want or scale.dtype != torch.float32 or scale.stride(-1) != 1:
+        raise ValueError(
+            f"scale must be float32 {want} with unit last stride, got {scale.dtype} {tuple(scale.shape)}"
+        )
+    if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
+        raise ValueError(f"bias must be a contiguous [{n}], got {tuple(bias.shape)}")
+
+
+def launch_kernel(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int] | None,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    config: dict[str, Any] | None = None,
+) -> None:
+    """Run the kernel into ``out [M, N]``: autotuned on a GPU when ``config`` is None, else with
+    ``config`` (``BLOCK_N``, ``BLOCK_K``, ``DOT``, ``STAGES``, optional ``num_warps``; under
+    ``TRITON_INTERPRET=1`` a small default)."""
+    m = x.shape[0]
+    n, k = weight.shape
+    group_n, group_k = _groups(block)
+    args = (x, weight, scale, out if bias is None else bias, out, m, n, k, x.stride(0), weight.stride(0),
+            scale.stride(0), out.stride(0))  # fmt: skip
+    interpreting = triton_interpreting()
+    const = dict(
+        M_PAD=_m_pad(m), GROUP_N=group_n, GROUP_K=group_k, HAS_BIAS=bias is not None,
+        # float32 dots in IEEE precision; the interpreter's fp8 / bf16 dots are not exact
+        DOT_FP32=x.dtype == torch.float32 or interpreting, **pdl_kwargs(x),
+    )  # fmt: skip
+    if config is None and not interpreting:
+        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, meta["BLOCK_M"]))  # noqa: E731
+        _tuned_kernel[grid](*args, **const)
+        return
+    if config is None:
+        config = _fallback_config(const["M_PAD"]).kwargs
+    meta = dict(config)
+    warps = meta.pop("num_warps", 4)
+    if not config_fits(meta, const["M_PAD"], group_n, group_k):
+        raise ValueError(f"configuration {config} does not fit M_PAD={const['M_PAD']}, block {block}")
+    grid = (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, max(16, const["M_PAD"])))
+    _kernel[grid](*args, **const, **meta, num_warps=warps, num_stages=1 if interpreting else meta["STAGES"])
+
+
+def fp8_small_m_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int] | None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x [M, K] @ dequant(weight [N, K])^T + bias`` in ``x``'s dtype for 1 to :data:`MAX_M` rows.
+
+    ``weight`` is float8_e4m3fn with ``scale`` ``[N]`` (``block`` None: per output channel) or
+    ``[ceil(N/bn), ceil(K/bk)]`` (``block = (bn, bk)``), float32 dequantization factors; ``x`` is
+    bf16 / fp16 / fp32 and is not quantized. Accumulates in float32 and rounds once. The first
+    call of a shape autotunes (and so synchronizes); later calls allocate the output and launch
+    one kernel, which CUDA graphs can capture.
+    """
+    _check(x, weight, scale, block, bias)
+    out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+    launch_kernel(x, weight, scale, block, bias, out)
+    if x.is_cuda and not torch.cuda.is_current_stream_capturing():
+        _warmed.add(_warm_key(x, weight, block, bias is not None))
+    return out
+
+
+def last_tuned_config() -> str | None:
+    """The configuration the autotuner ran last (benchmark reports; None before any GPU call)."""
+    config = getattr(_tuned_kernel, "best_config", None)
+    if config is None:
+        return None
+    kw = config.kwargs
+    form = "dot" if kw["DOT"] else "broadcast"
+    return f"{form} N{kw['BLOCK_N']} K{kw['BLOCK_K']} w{config.num_warps} s{config.num_stages}"
