@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fastdeploy.ops.fp8_quant import FP8_DTYPE, quantize_activation_per_token_group
+from fastdeploy.ops.fp8_quant import FP8_DTYPE
+from fastdeploy.ops.triton_fp8_quant import quantize_activation_per_token_group
 from fastdeploy.ops.triton_env import triton_interpreting
 
 

@@ -65,6 +65,15 @@ def test_triton_block_gemm_matches_torch_path_and_float64(m, block):
 
 
 @needs_backend
+def test_triton_block_gemm_bias_in_the_epilogue():
+    x, w, wq, ws = _block_operands(7, 200, 256, (128, 128), seed=9)
+    bias = _rand(200, seed=10)
+    got = gemm.fp8_block_linear(x, wq, ws, (128, 128), bias)
+    same_math = fp8_linear_torch(x.cpu(), wq.cpu(), ws.cpu(), (128, 128)) + bias.cpu()
+    assert _rel(got.cpu(), same_math) < 1e-5
+
+
+@needs_backend
 def test_triton_block_gemm_bf16():
     x, w, wq, ws = _block_operands(19, 128, 256, (128, 128), seed=7, dtype=torch.bfloat16)
     got = gemm.fp8_block_linear(x, wq, ws, (128, 128))
