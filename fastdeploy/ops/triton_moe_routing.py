@@ -75,6 +75,7 @@ def _topk_softmax_kernel(
     for j in tl.static_range(TOP_K):
         best = tl.max(score, axis=0)
         idx = tl.min(tl.where(score == best, offs, BLOCK_E), axis=0)  # the lowest expert on a tie
+        idx = tl.minimum(idx, E - 1)  # NaN logits match nothing: still a valid expert, no stray reads
         w = tl.sum(tl.where(offs == idx, probs, 0.0), axis=0)
         chosen_w = tl.where(slots == j, w, chosen_w)
         chosen_id = tl.where(slots == j, idx.to(tl.int64), chosen_id)

@@ -120,3 +120,14 @@ def test_align_skewed_and_empty_experts():
     ids = torch.randint(0, 2, (600, 2), generator=g) * 7 + 3  # experts 3 and 10 of 16
     _check_layout(ids, 16, 16)
     _check_layout(torch.full((1, 1), 15), 16, 16)  # one pair on the last expert
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice")  # numpy, under the interpreter
+def test_topk_softmax_nan_logits_give_valid_experts():
+    """A NaN logit makes every probability NaN: the ids stay valid expert indices (the expert GEMMs
+    and the statistic index with them), never out of range."""
+    logits = _logits(2, 16, seed=3)
+    logits[1, 5] = float("nan")
+    counts = torch.zeros(16, dtype=torch.int64, device=DEVICE)
+    _, ids = routing.topk_softmax(logits.to(DEVICE), 4, True, None, counts)
+    assert ((ids >= 0) & (ids < 16)).all() and int(counts.sum()) == 8
