@@ -160,6 +160,17 @@ class ParallelConfig:
     data_parallel_init_method: str | None = None
     """Where the engine cores of data-parallel replicas meet (tcp://host:port) when expert
     parallelism spans them (set by the server; not a user setting)."""
+    nnodes: int = 1
+    """Hosts the workers are spread over (tensor_parallel_size x data_parallel_size must divide by it):
+    node r runs worker ranks [r n/nnodes, (r+1) n/nnodes). Node 0 runs the API server and the engine
+    cores; the others run `fastdeploy serve --headless` (docs/parallelism.md)."""
+    node_rank: int = 0
+    """This host's rank among the nnodes hosts (0: the API server's; others: --headless)."""
+    master_addr: str | None = None
+    """Address of node 0 that every node can reach (an IP or host name); node 0 listens on it. Required
+    with nnodes > 1."""
+    master_port: int = 29500
+    """TCP port on master_addr where the nodes meet (the torch.distributed store of the workers' world)."""
 
     @property
     def expert_parallel_spans_replicas(self) -> bool:
@@ -220,6 +231,9 @@ class ServerConfig:
     """How tool calls are read out of chat answers: hermes, llama3_json or mistral (docs/api.md);
     unset: chosen from the chat template (<tool_call> hermes, [TOOL_CALLS] mistral, <|python_tag|>
     llama3_json, otherwise hermes)."""
+    headless: bool = False
+    """Run no API server: only this node's workers of a multi-host launch (with --nnodes and a
+    --node-rank above 0), which join node 0's engine."""
 
 
 @dataclass

@@ -30,6 +30,10 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         lambda: float(os.environ.get("FD_ENGINE_READY_TIMEOUT_S", "600")),
         "Seconds the API server waits for the engine to load the model.",
     ),
+    "FD_NODE_JOIN_TIMEOUT_S": (
+        lambda: float(os.environ.get("FD_NODE_JOIN_TIMEOUT_S", "300")),
+        "Seconds a --headless node waits for node 0 (master_addr:master_port) before it gives up.",
+    ),
     "FD_HEALTH_CHECK_INTERVAL_S": (
         lambda: float(os.environ.get("FD_HEALTH_CHECK_INTERVAL_S", "0.5")),
         "How often engine and worker processes are checked for liveness.",

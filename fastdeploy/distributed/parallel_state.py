@@ -83,23 +83,26 @@ def init_tensor_parallel(
     expert_parallel: bool = False,
     dp_size: int = 1,
     dp_rank: int = 0,
+    store: dist.Store | None = None,
 ) -> None:
     """Join the tensor-parallel group of ``size`` ranks as ``rank`` (NCCL on CUDA, gloo on CPU).
 
     ``expert_parallel``: the experts are split over the expert-parallel group: the TP ranks
     (``dp_size`` 1), or all ``dp_size x size`` workers of every data-parallel replica, which
-    then meet at ``init_method`` in one world, each replica's ranks a TP subgroup. One rank
-    alone sets the state without a process group.
+    then meet at ``init_method`` in one world, each replica's ranks a TP subgroup. ``store``
+    (multi-host launches): the world is always all ``dp_size x size`` workers, meeting in this
+    store instead of at ``init_method``. One rank alone sets the state without a process group.
     """
     global _INFO, _EP_INFO, _TP_GROUP
     if not 0 <= rank < size:
         raise ValueError(f"rank {rank} is outside a group of {size}")
-    spans_dp = expert_parallel and dp_size > 1
+    spans_dp = (expert_parallel or store is not None) and dp_size > 1
     world, world_rank = (dp_size * size, dp_rank * size + rank) if spans_dp else (size, rank)
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        kwargs = {"device_id": device} if device.type == "cuda" else {}
-        dist.init_process_group(backend, init_method=init_method, world_size=world, rank=world_rank, **kwargs)
+        kwargs: dict = {"device_id": device} if device.type == "cuda" else {}
+        kwargs.update({"store": store} if store is not None else {"init_method": init_method})
+        dist.init_process_group(backend, world_size=world, rank=world_rank, **kwargs)
     _TP_GROUP = None
     if spans_dp and size > 1:  # every rank creates every replica's subgroup, in the same order
         for replica in range(dp_size):

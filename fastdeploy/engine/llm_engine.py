@@ -37,10 +37,17 @@ class LLMEngine:
                 "data_parallel_size > 1 runs replicas behind `fastdeploy serve`; the offline LLM runs one "
                 "(use tensor_parallel_size to spread it over devices)"
             )
+        if config.parallel.node_rank > 0:
+            raise ParallelLayoutError(
+                f"node_rank {config.parallel.node_rank}: the offline LLM runs node 0 of a multi-host launch; "
+                "the other nodes run `fastdeploy serve --headless`"
+            )
         self.tokenizer = load_tokenizer(config.model, self.source)
         self._ipc_dir: str | None = None
         executor_cls: Any = InProcExecutor
-        if config.parallel.tensor_parallel_size > 1:  # one worker process per rank
+        if (
+            config.parallel.tensor_parallel_size > 1 or config.parallel.nnodes > 1
+        ):  # a worker process per rank
             self._ipc_dir = new_ipc_dir()
             executor_cls = functools.partial(MultiprocExecutor, ipc_dir=self._ipc_dir)
         try:

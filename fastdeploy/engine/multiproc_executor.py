@@ -1,11 +1,15 @@
 """Runs the workers in their own processes (one per tensor-parallel rank) and talks to them over ZMQ.
 
 Every call goes to every rank (they run the same steps in lockstep, joined by
-torch.distributed); rank 0's reply is the result.
+torch.distributed); rank 0's reply is the result. Workers on this host get their calls on
+``ipc://`` sockets; over several hosts (``--nnodes``) those of other hosts, started there by
+``fastdeploy serve --headless`` (``engine/headless.py``), on ``tcp://`` sockets (msgpack frames,
+as locally: nothing is unpickled).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import traceback
@@ -13,14 +17,26 @@ from dataclasses import dataclass
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from fastdeploy import envs
 from fastdeploy.config import EngineConfig
 from fastdeploy.core.step_io import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from fastdeploy.distributed import free_port_init_method
+from fastdeploy.distributed.multinode import (
+    CONFIG_KEY,
+    NodeLayout,
+    connect_store,
+    host_store,
+    node_layout,
+    resolve_ip,
+    worker_address_key,
+)
 from fastdeploy.engine.core import WorkerStepError
 from fastdeploy.engine.ipc import ChildProcess, decode, encode, ipc_address
 from fastdeploy.model_executor.model_loader import ModelSource
+
+logger = logging.getLogger(__name__)
 
 
 class WorkerDiedError(RuntimeError):
@@ -39,25 +55,74 @@ class WorkerPlace:
     init_method: str | None
     """``tcp://host:port`` of the tensor-parallel group (None at one rank)."""
     address: str
+    """The engine core's socket for this worker: ``ipc://`` on the same host, ``tcp://`` from another."""
 
 
-def _worker_main(config: EngineConfig, source: ModelSource, max_model_len: int, place: WorkerPlace) -> None:
+HEARTBEAT_IVL_MS = 1000
+HEARTBEAT_TIMEOUT_MS = 10_000
+"""ZMQ heartbeats on the TCP sockets of remote workers: a peer silent this long (a host gone without
+closing its connections) counts as disconnected."""
+
+
+def _set_heartbeat(socket: zmq.Socket) -> None:
+    socket.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+    socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    socket.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
+
+
+def _disconnected(monitor: zmq.Socket | None) -> bool:
+    """Whether the monitor of a TCP socket has reported a lost connection (reads what is waiting)."""
+    while monitor is not None and monitor.poll(0):
+        if recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED:
+            return True
+    return False
+
+
+def worker_main(config: EngineConfig, source: ModelSource, max_model_len: int, place: WorkerPlace) -> None:
     """Entry point of a worker process (a :class:`~fastdeploy.engine.ipc.ChildProcess`): load, then serve calls."""
     logging.basicConfig(
         level=envs.FD_LOG_LEVEL, format=f"%(asctime)s %(levelname)s [worker {place.rank}] %(message)s"
     )
     ctx = zmq.Context()
     socket = ctx.socket(zmq.PAIR)
+    remote = place.address.startswith("tcp://")  # on another host than its engine core
+    if remote:
+        _set_heartbeat(socket)
+    monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED) if remote else None
     socket.connect(place.address)
     try:
-        _serve_calls(config, source, max_model_len, place, socket)
+        _serve_calls(config, source, max_model_len, place, socket, monitor)
     finally:
+        if monitor is not None:
+            socket.disable_monitor()
+            monitor.close(linger=0)
         socket.close(linger=1000)  # the last reply (a start-up error) still reaches the engine core
         ctx.term()
 
 
+def _next_call(socket: zmq.Socket, monitor: zmq.Socket | None) -> Any:
+    """The next call from the engine core; None when a remote engine core's connection is lost."""
+    if monitor is None:
+        return decode(socket.recv())
+    poller = zmq.Poller()
+    poller.register(socket, zmq.POLLIN)
+    poller.register(monitor, zmq.POLLIN)
+    while True:
+        ready = dict(poller.poll())
+        if socket in ready:
+            return decode(socket.recv())
+        if _disconnected(monitor):
+            logger.error("lost the connection to the engine core; leaving")
+            return None
+
+
 def _serve_calls(
-    config: EngineConfig, source: ModelSource, max_model_len: int, place: WorkerPlace, socket: zmq.Socket
+    config: EngineConfig,
+    source: ModelSource,
+    max_model_len: int,
+    place: WorkerPlace,
+    socket: zmq.Socket,
+    monitor: zmq.Socket | None = None,
 ) -> None:
     from fastdeploy.worker.worker import Worker
 
@@ -69,7 +134,10 @@ def _serve_calls(
         return
     socket.send(encode({"ok": "ready"}))
     while True:
-        method, args = decode(socket.recv())
+        call = _next_call(socket, monitor)
+        if call is None:
+            raise SystemExit(1)  # the engine core is gone without a shutdown message
+        method, args = call
         if method == "shutdown":
             return
         try:
@@ -85,6 +153,18 @@ def _serve_calls(
             socket.send(encode({"ok": result}))
         except Exception:
             socket.send(encode({"error": traceback.format_exc()}))
+
+
+@dataclass
+class _RankHandle:
+    """The engine core's end of one worker: its socket, and its process (on this host) or, for a worker
+    on another host, the monitor that reports its connection lost."""
+
+    rank: int
+    socket: zmq.Socket
+    node: int = 0
+    proc: ChildProcess | None = None
+    monitor: zmq.Socket | None = None
 
 
 class MultiprocExecutor:
@@ -104,29 +184,35 @@ class MultiprocExecutor:
         init_method: str | None = None,
     ):
         """``init_method``: where the workers meet when their group is wider than this engine core's
-        (expert parallelism over data-parallel replicas); else a free port is taken for TP > 1."""
+        (expert parallelism over data-parallel replicas); else a free port is taken for TP > 1.
+        Over several hosts (``--nnodes``) the workers meet in node 0's store instead, which the
+        engine core of data-parallel rank 0 hosts; the workers of other hosts get their steps on
+        ``tcp://master_addr:<port>`` sockets whose addresses this executor publishes there."""
         size = config.parallel.tensor_parallel_size
-        if init_method is None and size > 1:
-            init_method = free_port_init_method()
         dp_rank = config.parallel.data_parallel_rank
-        places = [
-            WorkerPlace(r, init_method, ipc_address(ipc_dir, f"worker{dp_rank}-{r}")) for r in range(size)
-        ]
+        layout = node_layout(config.parallel)
+        if layout is not None:
+            init_method = None
+        elif init_method is None and size > 1:
+            init_method = free_port_init_method()
         self._ready = False
-        self._sockets: list[zmq.Socket] = []
-        self._procs: list[ChildProcess] = []
+        self._ranks: list[_RankHandle] = []
+        self._store = None
         try:
-            for place in places:
-                socket = zmq.Context.instance().socket(zmq.PAIR)
-                socket.bind(place.address)
-                self._sockets.append(socket)
-            for place in places:  # all ranks start together: they meet in init_process_group
-                self._procs.append(
-                    ChildProcess(
-                        _worker_main,
-                        (config, source, max_model_len, place),
-                        name=f"fastdeploy-worker-{place.rank}" if size > 1 else "fastdeploy-worker",
-                    )
+            if layout is not None:
+                self._store = self._join_store(config, layout)
+            for rank in range(size):
+                self._ranks.append(self._bind(rank, dp_rank * size + rank, layout, ipc_dir))
+            for handle in self._ranks:  # all ranks start together: they meet in init_process_group
+                if handle.node != 0:
+                    continue  # started by `fastdeploy serve --headless` on its host
+                place = WorkerPlace(
+                    handle.rank, init_method, handle.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+                )
+                handle.proc = ChildProcess(
+                    worker_main,
+                    (config, source, max_model_len, place),
+                    name=f"fastdeploy-worker-{place.rank}" if size > 1 else "fastdeploy-worker",
                 )
             self._gather(timeout_s=envs.FD_ENGINE_READY_TIMEOUT_S)
         except BaseException:
@@ -134,19 +220,51 @@ class MultiprocExecutor:
             raise
         self._ready = True
 
-    def _wait_reply(self, socket: zmq.Socket, timeout_s: float | None = None) -> Any:
+    @staticmethod
+    def _join_store(config: EngineConfig, layout: NodeLayout) -> Any:
+        """Node 0's store: hosted here by data-parallel rank 0 (with the config the other nodes check), joined
+        by the others."""
+        if config.parallel.data_parallel_rank != 0:
+            return connect_store(layout, envs.FD_ENGINE_READY_TIMEOUT_S)
+        store = host_store(layout)
+        store.set(CONFIG_KEY, encode(dataclasses.asdict(config)))
+        return store
+
+    def _bind(self, rank: int, world_rank: int, layout: NodeLayout | None, ipc_dir: str) -> _RankHandle:
+        """The socket of tensor-parallel ``rank``: ``ipc://`` on this host, else ``tcp://master_addr:<free port>``
+        (published in the store for the worker's host)."""
+        socket = zmq.Context.instance().socket(zmq.PAIR)
+        if layout is None or layout.node_of(world_rank) == 0:
+            handle = _RankHandle(rank, socket)
+            socket.bind(ipc_address(ipc_dir, f"worker{world_rank}"))
+            return handle
+        _set_heartbeat(socket)
+        handle = _RankHandle(rank, socket, node=layout.node_of(world_rank))
+        handle.monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        socket.bind(f"tcp://{resolve_ip(layout.master_addr)}:*")
+        self._store.set(worker_address_key(world_rank), socket.getsockopt_string(zmq.LAST_ENDPOINT))
+        return handle
+
+    def _wait_reply(self, handle: _RankHandle, timeout_s: float | None = None) -> Any:
         interval_ms = int(envs.FD_HEALTH_CHECK_INTERVAL_S * 1000)
         waited = 0.0
-        while not socket.poll(interval_ms):
+        while not handle.socket.poll(interval_ms):
             self.check_health()
             waited += interval_ms / 1000
             if timeout_s is not None and waited > timeout_s:
-                raise TimeoutError(f"a worker did not answer within {timeout_s:.0f} s")
-        return decode(socket.recv())
+                where = (
+                    f" (node {handle.node}: is `fastdeploy serve --headless` running there?)"
+                    if handle.node
+                    else ""
+                )
+                raise TimeoutError(
+                    f"the worker of rank {handle.rank}{where} did not answer within {timeout_s:.0f} s"
+                )
+        return decode(handle.socket.recv())
 
     def _gather(self, timeout_s: float | None = None) -> list[Any]:
         """Every rank's reply, in rank order; the first error (rank order) is raised after all replied."""
-        replies = [self._wait_reply(socket, timeout_s) for socket in self._sockets]
+        replies = [self._wait_reply(handle, timeout_s) for handle in self._ranks]
         for reply in replies:
             if "error" in reply:
                 raise WorkerStepError(reply["error"])
@@ -154,8 +272,8 @@ class MultiprocExecutor:
 
     def _call(self, method: str, *args: Any) -> list[Any]:
         frame = encode([method, list(args)])
-        for socket in self._sockets:
-            socket.send(frame)
+        for handle in self._ranks:
+            handle.socket.send(frame)
         return self._gather()
 
     def determine_num_blocks(self) -> int:
@@ -178,29 +296,45 @@ class MultiprocExecutor:
         self._call("sample_tokens", dataclasses.asdict(grammar))
 
     def check_health(self) -> None:
-        """Raises :class:`WorkerDiedError` if any worker process has exited."""
-        for rank, proc in enumerate(self._procs):
-            if not proc.is_alive():
-                raise WorkerDiedError(f"the worker process of rank {rank} exited (exit code {proc.exitcode})")
+        """Raises :class:`WorkerDiedError` if any worker process has exited, or a remote worker's connection
+        was lost (its process ended, or its host went silent for :data:`HEARTBEAT_TIMEOUT_MS`)."""
+        for handle in self._ranks:
+            if handle.proc is not None and not handle.proc.is_alive():
+                raise WorkerDiedError(
+                    f"the worker process of rank {handle.rank} exited (exit code {handle.proc.exitcode})"
+                )
+            if _disconnected(handle.monitor):
+                raise WorkerDiedError(
+                    f"lost the connection to the worker of rank {handle.rank} on node {handle.node}"
+                )
 
     @property
     def worker_pid(self) -> int | None:
-        return self._procs[0].pid if self._procs else None
+        procs = [handle.proc for handle in self._ranks if handle.proc is not None]
+        return procs[0].pid if procs else None
 
     def shutdown(self) -> None:
         """Stop the workers and reap them: the shutdown message (a ready worker reads it between steps),
-        then SIGTERM, then SIGKILL, each after :data:`WORKER_STOP_GRACE_S`. Safe to call twice."""
+        then SIGTERM, then SIGKILL, each after :data:`WORKER_STOP_GRACE_S`. Safe to call twice.
+
+        Remote workers get the shutdown message whatever the state (one still loading reads it once
+        loaded); their hosts' ``fastdeploy serve --headless`` exits when they have."""
+        procs = [handle.proc for handle in self._ranks if handle.proc is not None]
+        for handle in self._ranks:
+            if handle.proc is None or (self._ready and handle.proc.is_alive()):  # remote, or local and ready
+                with contextlib.suppress(zmq.ZMQError):
+                    handle.socket.send(encode(["shutdown", []]), zmq.NOBLOCK)
         if self._ready:
-            for socket, proc in zip(self._sockets, self._procs):
-                if proc.is_alive():
-                    try:
-                        socket.send(encode(["shutdown", []]), zmq.NOBLOCK)
-                    except zmq.ZMQError:
-                        pass
-            for proc in self._procs:
+            for proc in procs:
                 proc.join(WORKER_STOP_GRACE_S)
-        for proc in self._procs:
+        for proc in procs:
             proc.stop(WORKER_STOP_GRACE_S)
         self._ready = False
-        for socket in self._sockets:
-            socket.close(linger=0)
+        for handle in self._ranks:
+            if handle.monitor is not None:
+                handle.socket.disable_monitor()
+                handle.monitor.close(linger=0)
+                handle.monitor = None
+            handle.socket.close(linger=500 if handle.node else 0)  # the shutdown message still leaves
+        self._ranks = []
+        self._store = None  # data-parallel rank 0: the store closes, and the headless nodes notice

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from fastdeploy.config import EngineConfig
+from fastdeploy.distributed.multinode import NodeLayoutError, check_node_flags
 from fastdeploy.model_executor.layers.parallel_linear import shard_heads
 from fastdeploy.platforms import resolve_device
 from fastdeploy.transformers_utils.config import ModelArchConfig
@@ -26,6 +27,10 @@ def check_parallel_layout(config: EngineConfig, arch: ModelArchConfig) -> None:
         raise ParallelLayoutError(f"tensor_parallel_size ({tp}) and data_parallel_size ({dp}) must be >= 1")
     if not 0 <= parallel.data_parallel_rank < dp:
         raise ParallelLayoutError(f"data_parallel_rank ({parallel.data_parallel_rank}) must lie in [0, {dp})")
+    try:
+        check_node_flags(parallel)
+    except NodeLayoutError as exc:
+        raise ParallelLayoutError(str(exc)) from None
     device = resolve_device(config)
     if device.type == "cuda":
         if device.index is not None and tp * dp > 1:
@@ -34,9 +39,11 @@ def check_parallel_layout(config: EngineConfig, arch: ModelArchConfig) -> None:
                 "workers need one each; use --device cuda (and CUDA_VISIBLE_DEVICES to pick GPUs)"
             )
         visible = torch.cuda.device_count()
-        if tp * dp > visible:
+        local = tp * dp // parallel.nnodes
+        if local > visible:
+            per_node = f" on each of {parallel.nnodes} nodes" if parallel.nnodes > 1 else ""
             raise ParallelLayoutError(
-                f"tensor_parallel_size {tp} x data_parallel_size {dp} needs {tp * dp} GPUs, "
+                f"tensor_parallel_size {tp} x data_parallel_size {dp} needs {local} GPUs{per_node}, "
                 f"but {visible} {'is' if visible == 1 else 'are'} visible"
             )
     if parallel.enable_expert_parallel:

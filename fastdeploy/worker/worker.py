@@ -6,9 +6,11 @@ import logging
 
 import torch
 
+from fastdeploy import envs
 from fastdeploy.config import EngineConfig
 from fastdeploy.core.step_io import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from fastdeploy.distributed import init_tensor_parallel
+from fastdeploy.distributed.multinode import node_layout, world_store
 from fastdeploy.model_executor.model_loader import ModelSource
 from fastdeploy.ops import cpu_ops
 from fastdeploy.platforms import configure_threads, kv_cache_budget_bytes, resolve_device
@@ -19,12 +21,15 @@ logger = logging.getLogger(__name__)
 
 def worker_device(config: EngineConfig, rank: int) -> torch.device:
     """The device of tensor-parallel rank ``rank``: on CUDA, GPU ``dp_rank * tp_size + rank``
-    (unless ``--device`` names one GPU, for a single worker)."""
+    (unless ``--device`` names one GPU, for a single worker); over several hosts, that world
+    rank's index on its node."""
     device = resolve_device(config)
     if device.type != "cuda" or device.index is not None:
         return device
     parallel = config.parallel
-    return torch.device("cuda", parallel.data_parallel_rank * parallel.tensor_parallel_size + rank)
+    world_rank = parallel.data_parallel_rank * parallel.tensor_parallel_size + rank
+    layout = node_layout(parallel)
+    return torch.device("cuda", world_rank if layout is None else layout.local_index(world_rank))
 
 
 class Worker:
@@ -39,7 +44,8 @@ class Worker:
         init_method: str | None = None,
     ):
         """Rank ``rank`` of the tensor-parallel group that meets at ``init_method`` (one rank: None; with
-        expert parallelism over data-parallel replicas, the world of every replica's workers)."""
+        expert parallelism over data-parallel replicas, the world of every replica's workers; over
+        several hosts, node 0's store instead)."""
         self.config = config
         self.rank = rank
         self.device = worker_device(config, rank)
@@ -47,6 +53,7 @@ class Worker:
             torch.cuda.set_device(self.device)
         configure_threads(config, self.device)
         parallel = config.parallel
+        layout = node_layout(parallel)  # several hosts: every worker meets in node 0's store
         init_tensor_parallel(
             parallel.tensor_parallel_size,
             rank,
@@ -55,6 +62,7 @@ class Worker:
             expert_parallel=parallel.enable_expert_parallel,
             dp_size=parallel.data_parallel_size,
             dp_rank=parallel.data_parallel_rank,
+            store=None if layout is None else world_store(layout, envs.FD_ENGINE_READY_TIMEOUT_S),
         )
         torch.manual_seed(config.model.seed)
         self.runner = ModelRunner(config, source, self.device, max_model_len)

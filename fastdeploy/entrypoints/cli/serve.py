@@ -93,10 +93,22 @@ def check_backend(args: argparse.Namespace) -> str | None:
     return None
 
 
+def check_headless(args: argparse.Namespace) -> str | None:
+    """Why ``--headless`` and ``--node-rank`` do not go together, or None: node 0 runs the API server, every
+    other node of a multi-host launch runs ``--headless``."""
+    headless, node_rank = getattr(args, "headless", False), getattr(args, "node_rank", 0)
+    if headless and node_rank < 1:
+        return "argument --headless: runs a node other than node 0 of a multi-host launch: give --nnodes and a --node-rank above 0"
+    if not headless and node_rank > 0:
+        return f"argument --node-rank: node {node_rank} runs no API server: add --headless (node 0 serves the API)"
+    return None
+
+
 def check_layout(args: argparse.Namespace) -> str | None:
-    """Why the parallel layout cannot run this model here (heads that do not split, too few GPUs), or None."""
+    """Why the parallel layout cannot run this model here (heads that do not split, too few GPUs, multi-host
+    flags that disagree), or None."""
     parallel = (getattr(args, "tensor_parallel_size", 1), getattr(args, "data_parallel_size", 1))
-    if parallel == (1, 1):
+    if parallel == (1, 1) and getattr(args, "nnodes", 1) == 1:
         return None  # nothing to check: no model config read before the engine starts
     from fastdeploy.engine.parallel_layout import ParallelLayoutError, check_parallel_layout
     from fastdeploy.entrypoints.cli.args import engine_config_from_args
@@ -128,11 +140,17 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
         or check_reasoning_parser(args)
         or check_tool_call_parser(args)
         or check_backend(args)
+        or check_headless(args)
         or check_layout(args)
     )
     if problem is not None:
         print(f"fastdeploy serve: error: {problem}", file=sys.stderr)
         return 2
+    if args.headless:
+        from fastdeploy.engine.headless import run_headless
+        from fastdeploy.entrypoints.cli.args import engine_config_from_args
+
+        return run_headless(engine_config_from_args(args))
     from fastdeploy.entrypoints.openai.http_server import BindError, run_server
 
     try:
