@@ -164,3 +164,8 @@ def world_store(layout: NodeLayout, timeout_s: float) -> dist.Store:
 def worker_address_key(world_rank: int) -> str:
     """Store key of the ``tcp://`` address on which remote worker ``world_rank`` receives its steps."""
     return f"fastdeploy/worker-address/{world_rank}"
+
+
+def node_error_key(node_rank: int) -> str:
+    """Store key of the line with which a headless node gave up (node 0's start then fails with it)."""
+    return f"fastdeploy/node-error/{node_rank}"

@@ -9,6 +9,7 @@ away (its workers then are stopped), 130 / 143 on SIGINT / SIGTERM.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import sys
@@ -23,6 +24,7 @@ from fastdeploy.distributed.multinode import (
     NodeLayout,
     connect_store,
     master_reachable,
+    node_error_key,
     node_layout,
     wait_for_master,
     worker_address_key,
@@ -40,15 +42,33 @@ MASTER_MISSES = 3
 
 
 def config_differences(here: EngineConfig, master: dict[str, Any]) -> list[str]:
-    """``--flag (node 0: X, here: Y)`` for every engine option of ``here`` that differs from node 0's."""
+    """``--flag (node 0: X, here: Y)`` for every engine option of ``here`` that differs from node 0's
+    (an option unset here, None, is node 0's as resolved there)."""
     diffs = []
     mine = dataclasses.asdict(here)
     for section, fields in mine.items():
         for key, value in fields.items():
             theirs = master.get(section, {}).get(key)
-            if key not in NODE_LOCAL_FIELDS and theirs != value:
+            if key not in NODE_LOCAL_FIELDS and value is not None and theirs != value:
                 diffs.append(f"--{key.replace('_', '-')} (node 0: {theirs}, here: {value})")
     return diffs
+
+
+def workers_config(here: EngineConfig, master: dict[str, Any]) -> EngineConfig:
+    """The config this node's workers run: node 0's (its defaults resolved), with this node's node-local
+    options."""
+    flat = {key: value for fields in master.values() for key, value in fields.items()}
+    config = EngineConfig.from_kwargs(**flat)
+    for section in EngineConfig.SECTIONS:
+        for key in NODE_LOCAL_FIELDS & {f.name for f in dataclasses.fields(getattr(config, section))}:
+            setattr(getattr(config, section), key, getattr(getattr(here, section), key))
+    return config
+
+
+def _report(store: Any, node_rank: int, message: str) -> None:
+    """Tell node 0 why this node gives up, so that its start fails with this line rather than a timeout."""
+    with contextlib.suppress(RuntimeError):
+        store.set(node_error_key(node_rank), message.encode())
 
 
 def _fail(message: str, code: int) -> int:
@@ -75,12 +95,20 @@ def run_headless(config: EngineConfig) -> int:
         return _fail(f"node 0 at {layout.master_addr}:{layout.master_port} did not answer: {exc}", 1)
     diffs = config_differences(config, master_config)
     if diffs:
-        return _fail("this node's engine options differ from node 0's: " + "; ".join(diffs), 2)
+        message = f"node {layout.node_rank}'s engine options differ from node 0's: " + "; ".join(diffs)
+        _report(store, layout.node_rank, message)
+        return _fail(message, 2)
+    config = workers_config(config, master_config)
     from fastdeploy.engine.core import resolve_max_model_len
     from fastdeploy.model_executor.model_loader import resolve_model
 
-    source = resolve_model(config.model)
-    max_model_len = resolve_max_model_len(config, source)
+    try:
+        source = resolve_model(config.model)
+        max_model_len = resolve_max_model_len(config, source)
+    except (OSError, ValueError) as exc:
+        message = f"node {layout.node_rank} cannot load the model: {exc}"
+        _report(store, layout.node_rank, message)
+        return _fail(message, 1)
     procs: list[ChildProcess] = []
     try:
         tp = config.parallel.tensor_parallel_size

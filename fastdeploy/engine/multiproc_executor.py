@@ -28,6 +28,7 @@ from fastdeploy.distributed.multinode import (
     NodeLayout,
     connect_store,
     host_store,
+    node_error_key,
     node_layout,
     resolve_ip,
     worker_address_key,
@@ -250,6 +251,8 @@ class MultiprocExecutor:
         waited = 0.0
         while not handle.socket.poll(interval_ms):
             self.check_health()
+            if timeout_s is not None:  # starting: a headless node may have given up
+                self._check_nodes()
             waited += interval_ms / 1000
             if timeout_s is not None and waited > timeout_s:
                 where = (
@@ -261,6 +264,12 @@ class MultiprocExecutor:
                     f"the worker of rank {handle.rank}{where} did not answer within {timeout_s:.0f} s"
                 )
         return decode(handle.socket.recv())
+
+    def _check_nodes(self) -> None:
+        """Raise the line with which a headless node of this executor's workers gave up, if one did."""
+        for node in sorted({handle.node for handle in self._ranks if handle.node}):
+            if self._store.check([node_error_key(node)]):
+                raise RuntimeError(self._store.get(node_error_key(node)).decode())
 
     def _gather(self, timeout_s: float | None = None) -> list[Any]:
         """Every rank's reply, in rank order; the first error (rank order) is raised after all replied."""

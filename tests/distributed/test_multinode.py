@@ -10,7 +10,7 @@ import pytest
 
 from fastdeploy.config import EngineConfig, ParallelConfig
 from fastdeploy.distributed.multinode import NodeLayout, NodeLayoutError, host_store, node_layout
-from fastdeploy.engine.headless import config_differences
+from fastdeploy.engine.headless import config_differences, workers_config
 from fastdeploy.entrypoints.cli.main import main
 
 
@@ -85,6 +85,7 @@ def test_inconsistent_flags_are_named(fields, message):
             "argument --node-rank: node 1 runs no API server: add --headless",
         ),
         (["--headless"], "argument --headless: runs a node other than node 0"),
+        (["--headless", "--node-rank", "1"], "argument --headless: runs a node other than node 0"),
     ],
 )
 def test_serve_refuses_inconsistent_flags_in_one_line(capsys, args, message):
@@ -145,3 +146,18 @@ def test_headless_options_must_equal_node_0s():
         tensor_parallel_size=2, nnodes=2, master_addr="h", dtype="float32", node_rank=1
     )
     assert config_differences(same, master) == []
+    unset = EngineConfig.from_kwargs(tensor_parallel_size=2, nnodes=2, master_addr="h", dtype="float32")
+    resolved = dataclasses.asdict(base)
+    resolved["scheduler"]["max_num_batched_tokens"] = 8192  # node 0 resolved its default
+    assert config_differences(unset, resolved) == []  # left unset here: node 0's value holds
+
+
+def test_headless_workers_run_node_0s_resolved_config():
+    master = dataclasses.asdict(EngineConfig.from_kwargs(tensor_parallel_size=2, nnodes=2, master_addr="h"))
+    master["scheduler"]["max_num_batched_tokens"] = 8192
+    here = EngineConfig.from_kwargs(
+        tensor_parallel_size=2, nnodes=2, master_addr="h", node_rank=1, num_threads=3
+    )
+    config = workers_config(here, master)
+    assert config.scheduler.max_num_batched_tokens == 8192
+    assert (config.parallel.node_rank, config.device.num_threads) == (1, 3)

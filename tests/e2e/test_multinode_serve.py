@@ -67,7 +67,7 @@ def test_headless_node_with_other_options_is_refused(two_nodes):
     assert proc.wait(60) == 2
     err = (tmp / "bad.log").read_text().strip().splitlines()
     assert err[-1] == (
-        "fastdeploy serve: error: this node's engine options differ from node 0's: "
+        "fastdeploy serve: error: node 1's engine options differ from node 0's: "
         "--max-num-seqs (node 0: 256, here: 7)"
     )
 

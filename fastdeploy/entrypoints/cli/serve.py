@@ -97,7 +97,7 @@ def check_headless(args: argparse.Namespace) -> str | None:
     """Why ``--headless`` and ``--node-rank`` do not go together, or None: node 0 runs the API server, every
     other node of a multi-host launch runs ``--headless``."""
     headless, node_rank = getattr(args, "headless", False), getattr(args, "node_rank", 0)
-    if headless and node_rank < 1:
+    if headless and (node_rank < 1 or getattr(args, "nnodes", 1) < 2):
         return "argument --headless: runs a node other than node 0 of a multi-host launch: give --nnodes and a --node-rank above 0"
     if not headless and node_rank > 0:
         return f"argument --node-rank: node {node_rank} runs no API server: add --headless (node 0 serves the API)"
