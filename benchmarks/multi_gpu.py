@@ -227,8 +227,8 @@ def engine_runs(args: argparse.Namespace, model: str, layouts: list[dict[str, An
 
 
 def moe_layouts(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The MoE section's layouts: one GPU and TP=N with expert parallelism, in bf16 and FP8."""
-    quants = [None, "fp8"] if args.device == "cuda" else [None]  # FP8 GEMMs need a GPU
+    """The MoE section's layouts: one GPU and TP=N with expert parallelism, per ``--moe-quantizations``."""
+    quants = [None if q == "none" else q for q in args.moe_quantizations.split(",") if q]
     return [
         {
             "tp": tp,
@@ -407,6 +407,9 @@ def main(argv: list[str] | None = None) -> int:
         "--moe-model", default=MODEL_MOE, help="dummy-weight MoE config folder (moe sections)"
     )
     parser.add_argument("--tokenizer", default=None, help="tokenizer folder for the dp sections")
+    parser.add_argument(
+        "--moe-quantizations", default="none,fp8", help="moe section: none (bf16) and/or fp8 (needs a GPU)"
+    )
     parser.add_argument("--default-model", default=None, help="path of the default model's GGUF file")
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--input-len", type=int, default=512)
