@@ -185,14 +185,40 @@ def select_path(
 
 
 def _small_m_ready(
-    x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None, bias: torch.Tensor | None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    block: tuple[int, int] | None,
+    bias: torch.Tensor | None,
+    silu_mul: bool = False,
 ) -> bool:
     gemv = triton_module("triton_fp8_gemv")
-    if gemv is None or not gemv.supports(x, weight, block):
+    if gemv is None or not gemv.supports(x, weight, block, silu_mul):
         return False
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
-        return gemv.is_warmed_up(x, weight, block, bias is not None)
+        return gemv.is_warmed_up(x, weight, block, bias is not None, silu_mul)
     return True
+
+
+def fp8_linear_silu_mul(
+    gate_up: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    block: tuple[int, int] | None,
+    bias: torch.Tensor | None = None,
+    backend: Fp8LinearBackend | None = None,
+) -> torch.Tensor:
+    """:func:`fp8_linear` of ``silu_and_mul(gate_up)`` (``gate_up [..., 2K] = [gate | up]``): one
+    kernel on a GPU for rows the GEMV fuses the activation into (decode of 1-2 rows, see
+    :data:`fastdeploy.ops.triton_fp8_gemv.SILU_FUSE_MAX_M`), else the two ops."""
+    from fastdeploy.ops.layer_ops import silu_and_mul
+
+    m = gate_up.numel() // max(1, gate_up.shape[-1])
+    if gate_up.is_cuda and gate_up.dim() == 2 and m > 0:
+        backend = backend or _device_backend(gate_up.device)
+        if m <= backend.small_m_max and _small_m_ready(gate_up, weight, block, bias, silu_mul=True):
+            gemv = triton_module("triton_fp8_gemv")
+            return gemv.fp8_small_m_linear(gate_up, weight, weight_scale, block, bias, silu_mul=True)
+    return fp8_linear(silu_and_mul(gate_up), weight, weight_scale, block, bias, backend)
 
 
 def fp8_linear_kernels(

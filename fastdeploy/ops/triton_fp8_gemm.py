@@ -18,8 +18,8 @@ import triton
 import triton.language as tl
 
 from fastdeploy.ops.fp8_quant import FP8_DTYPE
-from fastdeploy.ops.triton_fp8_quant import quantize_activation_per_token_group
 from fastdeploy.ops.triton_env import triton_interpreting
+from fastdeploy.ops.triton_fp8_quant import quantize_activation_per_token_group
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,9 @@ that quantizes the activation, then a GEMM tiled for tensor-core throughput, eac
 of its own. This kernel streams the fp8 weight once, dequantizes it in registers with its
 scales and multiplies it with the bf16 / fp16 activation as it is: no activation
 quantization at all (the activation keeps its precision, so the result is closer to the
-unquantized layer than the w8a8 one), one launch per layer, bias in the epilogue.
+unquantized layer than the w8a8 one), one launch per layer, bias in the epilogue. For
+down_proj at 1-2 rows it also forms ``silu(gate) * up`` from ``gate_up`` as it loads it
+(``silu_mul``), so the MLP's SiLU-and-multiply kernel goes too.
 
 Weights are ``[N, K]`` float8_e4m3fn with float32 dequantization scales (``w ≈ fp8 * scale``),
 either per output channel (``scale [N]``) or per ``(GROUP_N, GROUP_K)`` block
@@ -52,14 +54,28 @@ MAX_M = 64
 """Most rows :func:`fp8_small_m_linear` takes (how many it is used for is the caller's choice)."""
 BROADCAST_MAX_M = 4
 """Most (padded) rows of the broadcast form: one float32 accumulator tile per row."""
+SILU_FUSE_MAX_M = 2
+"""Most rows that take the fused SiLU-and-multiply prologue (broadcast form only): every program
+recomputes its rows' activations over the whole K, so the extra work grows with M; the bf16
+kernel's measurement (:data:`fastdeploy.ops.triton_gemv.SILU_FUSE_MAX_M`) put the break-even
+past 2 rows."""
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 """Activation (and output) dtypes."""
 
 
 @triton.jit
-def _row_act(x_ptr, row, M, cols, k_mask, s_k, BLOCK_SCALED: tl.constexpr):
-    """Row ``row``'s activations at ``cols`` in float32 (zero past M or K), times the block scales."""
-    v = tl.load(x_ptr + cols, mask=k_mask & ((cols * 0 + row) < M), other=0.0).to(tl.float32)
+def _row_act(x_ptr, row, M, K, cols, k_mask, s_k, BLOCK_SCALED: tl.constexpr, SILU_MUL: tl.constexpr):
+    """Row ``row``'s activations at ``cols`` in float32 (zero past M or K): ``x``, or
+    ``silu(gate) * up`` rounded as the unfused ops round it; times the block scales."""
+    mask = k_mask & ((cols * 0 + row) < M)
+    v = tl.load(x_ptr + cols, mask=mask, other=0.0)
+    if SILU_MUL:
+        dtype = x_ptr.dtype.element_ty
+        u = tl.load(x_ptr + K + cols, mask=mask, other=0.0)
+        g = v.to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+        v = (act * u.to(tl.float32)).to(dtype)
+    v = v.to(tl.float32)
     if BLOCK_SCALED:
         v = v * s_k
     return v
@@ -94,6 +110,7 @@ def _fp8_gemv_kernel(
     GROUP_N: tl.constexpr,
     GROUP_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    SILU_MUL: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT: tl.constexpr,
@@ -116,6 +133,7 @@ def _fp8_gemv_kernel(
     s_n = 0.0
     bias = 0.0
     if DOT:
+        tl.static_assert(not SILU_MUL, "the dot form takes no SiLU prologue")
         offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         m_mask = offs_m < M
         x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
@@ -171,14 +189,15 @@ def _fp8_gemv_kernel(
             s_k = 1.0
             if not PER_CHANNEL:
                 s_k = tl.load(s_tile + cols // GROUP_K, mask=k_mask, other=0.0)
-            acc0 += w * _row_act(x_ptr, 0, M, cols, k_mask, s_k, not PER_CHANNEL)[None, :]
+            x0 = _row_act(x_ptr, 0, M, K, cols, k_mask, s_k, not PER_CHANNEL, SILU_MUL)
+            acc0 += w * x0[None, :]
             if M_PAD > 1:
-                x1 = _row_act(x_ptr + stride_xm, 1, M, cols, k_mask, s_k, not PER_CHANNEL)
+                x1 = _row_act(x_ptr + stride_xm, 1, M, K, cols, k_mask, s_k, not PER_CHANNEL, SILU_MUL)
                 acc1 += w * x1[None, :]
             if M_PAD > 2:
-                x2 = _row_act(x_ptr + 2 * stride_xm, 2, M, cols, k_mask, s_k, not PER_CHANNEL)
+                x2 = _row_act(x_ptr + 2 * stride_xm, 2, M, K, cols, k_mask, s_k, not PER_CHANNEL, SILU_MUL)
                 acc2 += w * x2[None, :]
-                x3 = _row_act(x_ptr + 3 * stride_xm, 3, M, cols, k_mask, s_k, not PER_CHANNEL)
+                x3 = _row_act(x_ptr + 3 * stride_xm, 3, M, K, cols, k_mask, s_k, not PER_CHANNEL, SILU_MUL)
                 acc3 += w * x3[None, :]
         pdl_trigger(USE_PDL)
         if PER_CHANNEL:
@@ -228,11 +247,12 @@ DOT_CONFIGS = [
 _CONFIGS = BROADCAST_CONFIGS + DOT_CONFIGS
 
 
-def config_fits(kw: dict[str, Any], m_pad: int, group_n: int, group_k: int) -> bool:
+def config_fits(kw: dict[str, Any], m_pad: int, group_n: int, group_k: int, silu_mul: bool = False) -> bool:
     """Whether a configuration can run ``m_pad`` rows of weights in ``(group_n, group_k)`` blocks
-    (``group_k == 0``: per channel) without spilling its accumulators."""
+    (``group_k == 0``: per channel), with the SiLU prologue or not, without spilling its
+    accumulators."""
     if kw["DOT"]:
-        return m_pad > 1 and (group_k == 0 or group_k % kw["BLOCK_K"] == 0)
+        return m_pad > 1 and not silu_mul and (group_k == 0 or group_k % kw["BLOCK_K"] == 0)
     fits_block = group_k == 0 or group_n % kw["BLOCK_N"] == 0
     return m_pad <= BROADCAST_MAX_M and fits_block and m_pad * kw["BLOCK_N"] * kw["BLOCK_K"] <= ACC_ELEMENTS
 
@@ -244,7 +264,7 @@ def _prune(configs: list[triton.Config], named_args: dict[str, Any], **kwargs: A
         return kwargs.get(name, named_args.get(name))
 
     m_pad, group_n, group_k = arg("M_PAD"), arg("GROUP_N"), arg("GROUP_K")
-    kept = [c for c in configs if config_fits(c.kwargs, m_pad, group_n, group_k)]
+    kept = [c for c in configs if config_fits(c.kwargs, m_pad, group_n, group_k, arg("SILU_MUL"))]
     return kept or [_fallback_config(m_pad)]
 
 
@@ -262,7 +282,7 @@ _kernel = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] 
 )
 _tuned_kernel = triton.autotune(
     configs=_CONFIGS,
-    key=["N", "K", "M_PAD", "GROUP_N", "GROUP_K", "HAS_BIAS"],
+    key=["N", "K", "M_PAD", "GROUP_N", "GROUP_K", "HAS_BIAS", "SILU_MUL"],
     prune_configs_by={"early_config_prune": _prune},
     do_bench=autotune_bench,
 )(_kernel)
@@ -279,36 +299,47 @@ def _groups(block: tuple[int, int] | None) -> tuple[int, int]:
     return (1, 0) if block is None else block
 
 
-def _warm_key(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None, has_bias: bool):
+def _warm_key(x, weight, block, has_bias: bool, silu_mul: bool) -> tuple[Any, ...]:
     n, k = weight.shape
-    return (_m_pad(x.shape[0]), n, k, _groups(block), x.dtype, has_bias, x.get_device())
+    return (_m_pad(x.shape[0]), n, k, _groups(block), x.dtype, has_bias, silu_mul, x.get_device())
 
 
 def is_warmed_up(
-    x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None, has_bias: bool
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    block: tuple[int, int] | None,
+    has_bias: bool,
+    silu_mul: bool = False,
 ) -> bool:
     """Whether :func:`fp8_small_m_linear` already ran on this shape (rows rounded up to a power of
     two) outside graph capture: only then is a call free of autotuning, and so capturable."""
-    return _warm_key(x, weight, block, has_bias) in _warmed
+    return _warm_key(x, weight, block, has_bias, silu_mul) in _warmed
 
 
-def supports(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None) -> bool:
+def supports(
+    x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None, silu_mul: bool = False
+) -> bool:
     """Whether the kernel takes these operands (the layout checks of :func:`fp8_small_m_linear`,
-    as a yes/no for a caller that has another path): 1 to :data:`MAX_M` rows with unit column
-    stride, an fp8 weight with contiguous rows, blocks of powers of two of at least 64."""
-    if x.dim() != 2 or not 0 < x.shape[0] <= MAX_M or x.dtype not in DTYPES or weight.dtype != FP8_DTYPE:
+    as a yes/no for a caller that has another path): 1 to :data:`MAX_M` rows (with ``silu_mul``
+    1 to :data:`SILU_FUSE_MAX_M` rows of ``[gate | up]``, ``2K`` columns) with unit column stride,
+    an fp8 weight with contiguous rows, blocks of powers of two of at least 64."""
+    max_m = SILU_FUSE_MAX_M if silu_mul else MAX_M
+    if x.dim() != 2 or not 0 < x.shape[0] <= max_m or x.dtype not in DTYPES or weight.dtype != FP8_DTYPE:
         return False
-    if x.stride(1) != 1 or weight.stride(1) != 1 or x.shape[1] != weight.shape[1]:
+    width = (2 if silu_mul else 1) * weight.shape[1]
+    if x.stride(1) != 1 or weight.stride(1) != 1 or x.shape[1] != width:
         return False
     if block is not None and not all(b >= 64 and b & (b - 1) == 0 for b in block):
         return False
     return True
 
 
-def _check(x, weight, scale, block, bias) -> None:
-    if not supports(x, weight, block):
+def _check(x, weight, scale, block, bias, silu_mul) -> None:
+    if not supports(x, weight, block, silu_mul):
+        rows = SILU_FUSE_MAX_M if silu_mul else MAX_M
+        cols = "2K ([gate | up])" if silu_mul else "K"
         raise ValueError(
-            f"fp8_small_m_linear needs x [1..{MAX_M}, K] of {DTYPES} with unit column stride and a "
+            f"fp8_small_m_linear needs x [1..{rows}, {cols}] of {DTYPES} with unit column stride and a "
             f"float8_e4m3fn weight [N, K] with contiguous rows (blocks: powers of two >= 64); got x "
             f"{x.dtype} {tuple(x.shape)} strides {x.stride()}, weight {weight.dtype} {tuple(weight.shape)}, "
             f"block {block}"
@@ -331,6 +362,7 @@ def launch_kernel(
     bias: torch.Tensor | None,
     out: torch.Tensor,
     config: dict[str, Any] | None = None,
+    silu_mul: bool = False,
 ) -> None:
     """Run the kernel into ``out [M, N]``: autotuned on a GPU when ``config`` is None, else with
     ``config`` (``BLOCK_N``, ``BLOCK_K``, ``DOT``, ``STAGES``, optional ``num_warps``; under
@@ -342,7 +374,7 @@ def launch_kernel(
             scale.stride(0), out.stride(0))  # fmt: skip
     interpreting = triton_interpreting()
     const = dict(
-        M_PAD=_m_pad(m), GROUP_N=group_n, GROUP_K=group_k, HAS_BIAS=bias is not None,
+        M_PAD=_m_pad(m), GROUP_N=group_n, GROUP_K=group_k, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
         # float32 dots in IEEE precision; the interpreter's fp8 / bf16 dots are not exact
         DOT_FP32=x.dtype == torch.float32 or interpreting, **pdl_kwargs(x),
     )  # fmt: skip
@@ -354,7 +386,7 @@ def launch_kernel(
         config = _fallback_config(const["M_PAD"]).kwargs
     meta = dict(config)
     warps = meta.pop("num_warps", 4)
-    if not config_fits(meta, const["M_PAD"], group_n, group_k):
+    if not config_fits(meta, const["M_PAD"], group_n, group_k, silu_mul):
         raise ValueError(f"configuration {config} does not fit M_PAD={const['M_PAD']}, block {block}")
     grid = (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, max(16, const["M_PAD"])))
     _kernel[grid](*args, **const, **meta, num_warps=warps, num_stages=1 if interpreting else meta["STAGES"])
@@ -366,20 +398,24 @@ def fp8_small_m_linear(
     scale: torch.Tensor,
     block: tuple[int, int] | None,
     bias: torch.Tensor | None = None,
+    silu_mul: bool = False,
 ) -> torch.Tensor:
     """``x [M, K] @ dequant(weight [N, K])^T + bias`` in ``x``'s dtype for 1 to :data:`MAX_M` rows.
 
     ``weight`` is float8_e4m3fn with ``scale`` ``[N]`` (``block`` None: per output channel) or
     ``[ceil(N/bn), ceil(K/bk)]`` (``block = (bn, bk)``), float32 dequantization factors; ``x`` is
-    bf16 / fp16 / fp32 and is not quantized. Accumulates in float32 and rounds once. The first
-    call of a shape autotunes (and so synchronizes); later calls allocate the output and launch
-    one kernel, which CUDA graphs can capture.
+    bf16 / fp16 / fp32 and is not quantized. With ``silu_mul``, ``x`` is ``[M, 2K]`` =
+    ``[gate | up]`` (at most :data:`SILU_FUSE_MAX_M` rows) and the activation is
+    ``silu(gate) * up``, formed as the kernel loads it and rounded as the unfused
+    :func:`~fastdeploy.ops.layer_ops.silu_and_mul` rounds it. Accumulates in float32 and rounds
+    once. The first call of a shape autotunes (and so synchronizes); later calls allocate the
+    output and launch one kernel, which CUDA graphs can capture.
     """
-    _check(x, weight, scale, block, bias)
+    _check(x, weight, scale, block, bias, silu_mul)
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
-    launch_kernel(x, weight, scale, block, bias, out)
+    launch_kernel(x, weight, scale, block, bias, out, silu_mul=silu_mul)
     if x.is_cuda and not torch.cuda.is_current_stream_capturing():
-        _warmed.add(_warm_key(x, weight, block, bias is not None))
+        _warmed.add(_warm_key(x, weight, block, bias is not None, silu_mul))
     return out
 
 

@@ -103,3 +103,24 @@ def test_cold_capture_takes_the_gemm_path():
     torch.cuda.synchronize()
     assert not gemv.is_warmed_up(x, wq, BLOCK, False)
     assert _rel(out.float(), fl.fp8_linear_torch(x.float(), wq, ws, BLOCK)) < 1e-2
+
+
+@pytest.mark.parametrize("block", [None, BLOCK], ids=["per-channel", "block"])
+@pytest.mark.parametrize("m", [1, 2, 3])
+def test_silu_mul_fused_down_proj(block, m):
+    """fp8_linear_silu_mul: the GEMV's SiLU prologue at 1-2 rows, the two ops beyond; equal to
+    silu_and_mul then fp8_linear up to the summation order, also replayed from a graph."""
+    from fastdeploy.ops.layer_ops import silu_and_mul
+
+    backend = fl.Fp8LinearBackend(16, False)
+    gate_up, _, _, bias = _operands(m, 384, 1024, block, seed=200 + m)
+    _, wq, ws, _ = _operands(m, 384, 512, block, seed=300 + m)
+    fused = fl.fp8_linear_silu_mul(gate_up, wq, ws, block, bias, backend)
+    unfused = fl.fp8_linear(silu_and_mul(gate_up), wq, ws, block, bias, backend)
+    assert _rel(fused, unfused) < 8e-3
+    assert gemv.is_warmed_up(gate_up, wq, block, True, silu_mul=True) == (m <= gemv.SILU_FUSE_MAX_M)
+    static = gate_up.clone()
+    graph, out = _capture(lambda: fl.fp8_linear_silu_mul(static, wq, ws, block, bias, backend))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, fused)

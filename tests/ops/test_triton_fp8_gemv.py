@@ -152,3 +152,35 @@ def test_supports_and_validation():
         gemv.fp8_small_m_linear(x, wq, ws[:, :1], (128, 128))
     with pytest.raises(ValueError, match="bias"):
         gemv.fp8_small_m_linear(x, wq, ws, (128, 128), torch.randn(3))
+
+
+@needs_backend
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block", [None, (128, 128)], ids=["per-channel", "128x128"])
+@pytest.mark.parametrize("m", [1, 2])
+def test_silu_mul_prologue_equals_unfused(m, block, dtype):
+    """down_proj(silu_and_mul(gate_up)) in one kernel: the activation rounded as the unfused ops
+    round it (silu to the dtype, the product again), so only the summation order differs."""
+    from fastdeploy.ops.layer_ops import silu_and_mul
+
+    k = 320
+    gate_up, wq, ws, b = _operands(m, 136, 2 * k, None, dtype, seed=30 + m)
+    _, wq, ws, _ = _operands(m, 136, k, block, dtype, seed=40 + m)
+    fused = gemv.fp8_small_m_linear(gate_up, wq, ws, block, b, silu_mul=True)
+    act = silu_and_mul(gate_up.cpu()).to(DEVICE)
+    # bf16: the activation is rounded twice more, which the interpreter truncates (as in
+    # test_triton_gemv): 2e-2 there
+    tol = _tol(dtype) if dtype == torch.float32 or CUDA else 2e-2
+    assert _rel(fused, _reference(act, wq, ws, block, b)) < tol
+    unfused = gemv.fp8_small_m_linear(act, wq, ws, block, b)
+    assert _rel(fused, unfused.cpu().double()) < tol
+
+
+def test_silu_mul_limits():
+    wq, ws = fq.quantize_weight_block(torch.randn(128, 256))
+    assert gemv.supports(torch.randn(2, 512), wq, (128, 128), silu_mul=True)
+    assert not gemv.supports(torch.randn(3, 512), wq, (128, 128), silu_mul=True)  # > SILU_FUSE_MAX_M
+    assert not gemv.supports(torch.randn(1, 256), wq, (128, 128), silu_mul=True)  # not [gate | up]
+    assert not gemv.config_fits({"BLOCK_N": 32, "BLOCK_K": 64, "DOT": True}, 2, 128, 128, silu_mul=True)
+    with pytest.raises(ValueError, match=r"2K \(\[gate \| up\]\)"):
+        gemv.fp8_small_m_linear(torch.randn(1, 256), wq, ws, (128, 128), silu_mul=True)

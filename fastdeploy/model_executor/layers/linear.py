@@ -234,6 +234,8 @@ class Linear(nn.Linear):
 
     def matmul_silu_mul(self, gate_up: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """:meth:`matmul` of ``silu_and_mul(gate_up)``, fused where :meth:`forward_silu_mul` says."""
+        if self.quant_method is not None:
+            return self.quant_method.apply_silu_mul(self, gate_up, bias)
         if self.small_m_gemv and gate_up.is_cuda and small_m_eligible(gate_up, self.weight, bias, True):
             return load_triton_gemv().small_m_linear(gate_up, self.weight, silu_mul=True)
         return self.matmul(silu_and_mul(gate_up), bias)

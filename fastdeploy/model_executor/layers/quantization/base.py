@@ -34,6 +34,12 @@ class LinearMethod(ABC):
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x @ W^T + bias`` for this rank's shard of the weight."""
 
+    def apply_silu_mul(self, layer: Linear, gate_up: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`apply` of ``silu_and_mul(gate_up)`` (down_proj); a method may fuse the two."""
+        from fastdeploy.ops.layer_ops import silu_and_mul
+
+        return self.apply(layer, silu_and_mul(gate_up), bias)
+
 
 class QuantizationConfig(ABC):
     """One quantization method's settings for a whole model (registered by :attr:`name`)."""

@@ -202,3 +202,11 @@ class Fp8LinearMethod(LinearMethod):
 
         scale = getattr(layer, self.scale_name)
         return fp8_linear(x, layer.weight, scale, self.block, bias, self.backend)
+
+    def apply_silu_mul(self, layer: Linear, gate_up: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """down_proj of ``silu_and_mul(gate_up)``: one kernel in decode on a GPU (the GEMV's SiLU
+        prologue, :func:`~fastdeploy.ops.fp8_linear.fp8_linear_silu_mul`)."""
+        from fastdeploy.ops.fp8_linear import fp8_linear_silu_mul
+
+        scale = getattr(layer, self.scale_name)
+        return fp8_linear_silu_mul(gate_up, layer.weight, scale, self.block, bias, self.backend)
