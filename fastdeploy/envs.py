@@ -71,6 +71,10 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         _bool("FD_STEP_TRACE", "0"),
         "Record (stage, step id, time) of every model-runner stage in ModelRunner.trace (benchmarks).",
     ),
+    "FD_USE_UVLOOP": (
+        _bool("FD_USE_UVLOOP", "1"),
+        "Run the API server on uvloop's event loop when it is installed (a dependency); 0: asyncio's.",
+    ),
     "FD_REQUEST_TIMELINE_FILE": (
         lambda: os.environ.get("FD_REQUEST_TIMELINE_FILE", ""),
         "Append one JSON line per finished streamed request to this file: its timeline through the "

@@ -78,3 +78,32 @@ class EmbeddingRequestOutput:
     prompt_token_ids: list[int]
     outputs: EmbeddingOutput
     finished: bool = True
+
+
+def merge_delta_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """Fold the streaming delta ``later`` into ``first`` (in place; returns ``first``).
+
+    A consumer that fell behind the engine takes the deltas waiting for it as one: texts,
+    token ids and logprobs joined per choice, the later finish state and counts kept,
+    prompt logprobs from whichever carried them (only one does), the earlier engine send time.
+    """
+    by_index = {c.index: c for c in first.outputs}
+    for c in later.outputs:
+        mine = by_index.get(c.index)
+        if mine is None:
+            first.outputs.append(c)
+            by_index[c.index] = c
+            continue
+        mine.text += c.text
+        mine.token_ids = mine.token_ids + c.token_ids
+        if c.logprobs is not None:
+            mine.logprobs = (mine.logprobs or []) + c.logprobs
+        if c.finish_reason is not None:
+            mine.finish_reason, mine.stop_reason = c.finish_reason, c.stop_reason
+    first.finished = later.finished
+    first.num_cached_tokens = later.num_cached_tokens
+    if first.prompt_logprobs is None:
+        first.prompt_logprobs = later.prompt_logprobs
+    if later.embedding is not None:
+        first.embedding = later.embedding
+    return first

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -128,15 +129,36 @@ class EngineCoreOutputs:
     timestamp: float = field(default_factory=time.time)
 
     def to_wire(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """A msgpack-friendly dict: every output as one row of its fields in declaration order
+        (:func:`outputs_to_rows`), not a dict of names: a step of 256 requests is one small frame,
+        packed and unpacked without a per-field key or a deep copy."""
+        return {
+            "outputs": outputs_to_rows(self.outputs),
+            "stats": dataclasses.asdict(self.stats) if self.stats is not None else None,
+            "timestamp": self.timestamp,
+        }
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> EngineCoreOutputs:
         return cls(
-            outputs=[EngineCoreOutput(**o) for o in d["outputs"]],
+            outputs=outputs_from_rows(d["outputs"]),
             stats=SchedulerStats(**d["stats"]) if d.get("stats") else None,
             timestamp=d["timestamp"],
         )
+
+
+_OUTPUT_ROW = operator.attrgetter(*(f.name for f in dataclasses.fields(EngineCoreOutput)))
+"""One :class:`EngineCoreOutput` → the tuple of its fields in declaration order (in C)."""
+
+
+def outputs_to_rows(outputs: list[EngineCoreOutput]) -> list[tuple]:
+    """The wire form of a step's outputs: one tuple of field values per output (no copies)."""
+    return [_OUTPUT_ROW(o) for o in outputs]
+
+
+def outputs_from_rows(rows: list) -> list[EngineCoreOutput]:
+    """Back from :func:`outputs_to_rows` (msgpack turns the tuples into lists)."""
+    return [EngineCoreOutput(*row) for row in rows]
 
 
 class GrammarState(Protocol):

@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +24,7 @@ import zmq.asyncio
 from fastdeploy import envs
 from fastdeploy.config import EngineConfig
 from fastdeploy.core.mm_item import MMItem
-from fastdeploy.core.outputs import RequestOutput
+from fastdeploy.core.outputs import RequestOutput, merge_delta_outputs
 from fastdeploy.core.pooling_params import PoolingParams
 from fastdeploy.core.request import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from fastdeploy.core.sampling_params import SamplingParams
@@ -354,11 +355,18 @@ class AsyncLLM(EngineClient):
                 wire["mm_items"] = core.feature_mirror.strip(wire["mm_items"])
                 core.send({"type": "add", "request": wire})
             state.timeline.queued = time.monotonic()
+            backlog: deque = deque()
             while True:
-                item = await queue.get()
+                if not backlog:
+                    backlog.append(await queue.get())
+                while not queue.empty():  # behind the engine: what waits goes out as one delta
+                    backlog.append(queue.get_nowait())
+                item = backlog.popleft()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
+                while backlog and not item.finished and not isinstance(backlog[0], BaseException):
+                    item = merge_delta_outputs(item, backlog.popleft())
                 finished = item.finished
                 yield item
                 if finished:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import time
@@ -12,7 +11,7 @@ import zmq
 
 from fastdeploy import envs
 from fastdeploy.config import EngineConfig
-from fastdeploy.core.request import EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from fastdeploy.core.request import EngineCoreOutput, EngineCoreRequest, SchedulerStats, outputs_to_rows
 from fastdeploy.engine.ipc import decode, encode, ipc_address
 
 logger = logging.getLogger(__name__)
@@ -211,8 +210,8 @@ def _send_outputs(outbox: _Outbox, outputs: list[EngineCoreOutput], stats: Sched
     outbox.send(
         {
             "type": "outputs",
-            "outputs": [dataclasses.asdict(o) for o in outputs],
-            "stats": dataclasses.asdict(stats) if stats is not None else None,
+            "outputs": outputs_to_rows(outputs),
+            "stats": vars(stats) if stats is not None else None,  # flat: packed as it is
             "sent": time.monotonic(),
         }
     )

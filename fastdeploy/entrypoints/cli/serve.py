@@ -7,6 +7,7 @@ import asyncio
 import os
 import sys
 import textwrap
+from collections.abc import Coroutine
 from typing import Any
 
 from fastdeploy.entrypoints.cli.args import ConfigFileError, add_engine_and_server_args, resolve_args
@@ -154,7 +155,25 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
     from fastdeploy.entrypoints.openai.http_server import BindError, run_server
 
     try:
-        return asyncio.run(run_server(args))
+        return run_event_loop(run_server(args))
     except BindError as exc:
         print(f"fastdeploy serve: error: {exc.strerror}", file=sys.stderr)
         return 1
+
+
+def run_event_loop(main: Coroutine[Any, Any, int]) -> int:
+    """Run the server's coroutine on uvloop (``FD_USE_UVLOOP``, when installed) or asyncio's loop.
+
+    uvloop's loop does the per-chunk socket writes and wake-ups of a streaming server in C;
+    uvicorn parses HTTP with httptools when that is installed (both are dependencies).
+    """
+    from fastdeploy import envs
+
+    if envs.FD_USE_UVLOOP:
+        try:
+            import uvloop
+        except ImportError:
+            pass
+        else:
+            return uvloop.run(main)
+    return asyncio.run(main)

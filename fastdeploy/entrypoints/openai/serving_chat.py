@@ -64,6 +64,7 @@ from fastdeploy.entrypoints.openai.serving_engine import (
     to_openai_error,
 )
 from fastdeploy.entrypoints.openai.serving_mm import MultimodalChatInputs
+from fastdeploy.entrypoints.openai.stream_chunks import chat_content_chunk
 from fastdeploy.entrypoints.openai.timeline_log import TimelineRecorder
 from fastdeploy.entrypoints.openai.tokenizer_lanes import TokenizerLanes
 from fastdeploy.entrypoints.openai.tool_calling import ToolCalling, ToolPlan
@@ -255,7 +256,7 @@ class OpenAIServingChat(OpenAIServing):
         prompts: list[EnginePrompt],
         options: ChatOptions,
         recorder: TimelineRecorder | None = None,
-    ) -> AsyncIterator[str]:
+    ) -> AsyncIterator[str | bytes]:
         n = prompts[0].params.n
         num_top = prompts[0].params.logprobs
         tracker = UsageTracker([request_id], prompts)
@@ -263,11 +264,21 @@ class OpenAIServingChat(OpenAIServing):
         pending_prompt_lps = None  # sent with the next chunk after they arrive
         pending_prompt_ids = list(prompts[0].token_ids) if options.return_token_ids else None
         splits = [_ChoiceSplit(options) for _ in range(n)]
+        created = int(time.time())  # one creation time for every chunk of the stream, as OpenAI's
+        plain = (
+            options.reasoning is None
+            and options.tools is None
+            and num_top is None
+            and not options.continuous_usage
+            and options.num_prompt_logprobs is None
+        )
+        """Content deltas carry text only (and token ids when asked): the fast encoder."""
 
         def chunk(choice: ChatCompletionStreamChoice) -> str:
             nonlocal pending_prompt_lps, pending_prompt_ids
             body = ChatCompletionStreamResponse(
                 id=request_id,
+                created=created,
                 model=model,
                 choices=[choice],
                 prompt_logprobs=pending_prompt_lps,
@@ -295,6 +306,16 @@ class OpenAIServingChat(OpenAIServing):
                         )
                     for c in out.outputs:
                         has_ids = options.return_token_ids and bool(c.token_ids)
+                        if plain and pending_prompt_ids is None:
+                            if c.text or c.finish_reason is not None or has_ids:
+                                yield chat_content_chunk(
+                                    request_id, created, model, c.index, c.text or None, c.finish_reason,
+                                    c.stop_reason, list(c.token_ids) if options.return_token_ids else None,
+                                    options.include_usage,
+                                )  # fmt: skip
+                                if recorder is not None and c.token_ids:
+                                    recorder.written(out)
+                            continue
                         split = splits[c.index]
                         delta = split.delta(c)
                         has_text = delta.content is not None or delta.reasoning_content is not None
@@ -311,7 +332,7 @@ class OpenAIServingChat(OpenAIServing):
                                 recorder.written(out)
             if options.include_usage:
                 usage_chunk = ChatCompletionStreamResponse(
-                    id=request_id, model=model, choices=[], usage=tracker.usage()
+                    id=request_id, created=created, model=model, choices=[], usage=tracker.usage()
                 )
                 yield sse(usage_chunk)
         except Exception as exc:

@@ -40,6 +40,7 @@ from fastdeploy.entrypoints.openai.serving_engine import (
     sub_request_ids,
     to_openai_error,
 )
+from fastdeploy.entrypoints.openai.stream_chunks import completion_text_chunk
 from fastdeploy.entrypoints.openai.timeline_log import TimelineRecorder
 
 
@@ -162,7 +163,7 @@ class OpenAIServingCompletion(OpenAIServing):
         include_usage: bool,
         extras: CompletionExtras,
         recorder: TimelineRecorder | None = None,
-    ) -> AsyncIterator[str]:
+    ) -> AsyncIterator[str | bytes]:
         n = prompts[0].params.n
         num_top = prompts[0].params.logprobs
         offsets = [0] * (len(prompts) * n)
@@ -173,6 +174,9 @@ class OpenAIServingCompletion(OpenAIServing):
         first_has_extras = (
             extras.echo_texts is not None or extras.num_prompt_logprobs is not None or extras.return_token_ids
         )
+        created = int(time.time())  # one creation time for every chunk of the stream, as OpenAI's
+        plain = num_top is None and not extras.continuous_usage
+        """Chunks carry text only (and token ids when asked), past each choice's first: the fast encoder."""
 
         def logprobs_of(k: int, token_ids: list[int], logprobs: list) -> object:
             if num_top is None or not logprobs:
@@ -205,6 +209,14 @@ class OpenAIServingCompletion(OpenAIServing):
                         ):
                             continue
                         started[k] = True
+                        if plain and not (first and first_has_extras):
+                            yield completion_text_chunk(
+                                request_id, created, model, k, text, c.finish_reason, c.stop_reason,
+                                list(c.token_ids) if extras.return_token_ids else None, include_usage,
+                            )  # fmt: skip
+                            if recorder is not None and c.token_ids:
+                                recorder.written(out)
+                            continue
                         choice = CompletionResponseChoice(
                             index=k,
                             text=text,
@@ -221,6 +233,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         )
                         chunk = CompletionStreamResponse(
                             id=request_id,
+                            created=created,
                             model=model,
                             choices=[choice],
                             usage=tracker.usage() if extras.continuous_usage else None,
@@ -230,7 +243,9 @@ class OpenAIServingCompletion(OpenAIServing):
                             recorder.written(out)
             if include_usage:
                 yield sse(
-                    CompletionStreamResponse(id=request_id, model=model, choices=[], usage=tracker.usage())
+                    CompletionStreamResponse(
+                        id=request_id, created=created, model=model, choices=[], usage=tracker.usage()
+                    )
                 )
         except Exception as exc:
             yield error_event(exc)
