@@ -1,0 +1,127 @@
+"""The FP8 linear's Triton kernels compile for Hopper (sm_90) without spilling registers, on any machine.
+
+The CPU interpreter accepts code the compiler rejects (type changes across branches, dot
+shapes, fp8 conversions), so this compiles, in a subprocess without ``TRITON_INTERPRET`` and
+with Triton's bundled ptxas, every configuration the w8a16 GEMV autotunes over at the largest
+row count each may get (and the SiLU prologue, per-channel and fp32 variants), the block GEMM's
+table, and both activation quantization kernels; then reads the register and stack usage with
+the bundled ``cuobjdump`` (as tests/ops/test_triton_attention_compile.py does). No GPU needed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+
+def _compile(kernel, types: dict[str, str], constexprs: dict, options: dict) -> dict[str, int]:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = list(kernel.arg_names)
+    signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
+    aligned = {
+        (i,): [["tt.divisibility", 16]]
+        for i, n in enumerate(names)
+        if signature[n].startswith("*") or n.startswith("stride_")
+    }
+    source = ASTSource(kernel, signature, constexprs, aligned)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        report = subprocess.run(
+            [cuobjdump, "--dump-resource-usage", cubin.name], capture_output=True, text=True
+        )
+    fields = dict(
+        item.split(":", 1) for line in report.stdout.splitlines() if "REG:" in line for item in line.split()
+    )
+    return {"regs": int(fields["REG"]), "stack": int(fields["STACK"])}
+
+
+def _gemv_cases():
+    """(name, x dtype, M_PAD, (GROUP_N, GROUP_K), silu_mul, config) to compile."""
+    from fastdeploy.ops import triton_fp8_gemv as g
+
+    cases = []
+    for config in g._CONFIGS:
+        kw = config.kwargs
+        name = f"{'dot' if kw['DOT'] else 'bc'}{kw['BLOCK_N']}x{kw['BLOCK_K']}w{config.num_warps}s{config.num_stages}"
+        if kw["DOT"]:
+            cases.append((name, "bf16", g.MAX_M, (128, kw["BLOCK_K"]), False, config))
+        else:
+            m_pad = max(m for m in (1, 2, 4) if g.config_fits(kw, m, 128, 128))
+            cases.append((name, "bf16", m_pad, (128, 128), False, config))
+            if g.config_fits(kw, g.SILU_FUSE_MAX_M, 128, 128, True):
+                cases.append((name + "-silu", "bf16", g.SILU_FUSE_MAX_M, (128, 128), True, config))
+    cases.append(("bc-channel", "fp16", 1, (1, 0), False, g.BROADCAST_CONFIGS[0]))
+    cases.append(("dot-channel-fp32", "fp32", 16, (1, 0), False, g.DOT_CONFIGS[1]))
+    return cases
+
+
+def _compile_all() -> dict[str, dict[str, int]]:
+    from fastdeploy.ops import triton_fp8_gemm as gm
+    from fastdeploy.ops import triton_fp8_gemv as g
+    from fastdeploy.ops import triton_fp8_quant as q
+
+    results = {}
+    for name, xt, m_pad, (gn, gk), silu, config in _gemv_cases():
+        constexprs = dict(config.kwargs, M_PAD=m_pad, GROUP_N=gn, GROUP_K=gk, HAS_BIAS=True, SILU_MUL=silu,
+                          DOT_FP32=xt == "fp32", EVEN_K=True, USE_PDL=True, BLOCK_M=max(16, m_pad))  # fmt: skip
+        types = {
+            "x_ptr": f"*{xt}",
+            "w_ptr": "*fp8e4nv",
+            "s_ptr": "*fp32",
+            "b_ptr": f"*{xt}",
+            "out_ptr": f"*{xt}",
+        }
+        options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+        results[f"gemv-{name}-m{m_pad}"] = _compile(g._fp8_gemv_kernel, types, constexprs, options)
+    for most, c in gm.CONFIGS:
+        types = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "c_ptr": "*bf16", "a_scale_ptr": "*fp32",
+                 "b_scale_ptr": "*fp32", "bias_ptr": "*bf16"}  # fmt: skip
+        constexprs = dict(GROUP_N=128, GROUP_K=128, HAS_BIAS=True, DOT_FP32=False, EVEN_K=True, BLOCK_M=c.block_m,
+                          BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m)  # fmt: skip
+        options = {"num_warps": c.num_warps, "num_stages": c.num_stages}
+        results[f"block-gemm-m{min(most, 1 << 20)}"] = _compile(
+            gm._fp8_block_gemm_kernel, types, constexprs, options
+        )
+    quant_types = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
+    limits = dict(FP8_MAX_C=448.0, MIN_AMAX_C=1e-12)
+    results["quant-token"] = _compile(
+        q._token_quant_kernel, quant_types, dict(BLOCK=q.TOKEN_BLOCK, **limits), {"num_warps": 4}
+    )
+    results["quant-group"] = _compile(
+        q._group_quant_kernel, quant_types, dict(GROUP=128, BLOCK=128, **limits), {"num_warps": 4}
+    )
+    return results
+
+
+@pytest.mark.slow
+def test_fp8_kernels_compile_for_sm90_without_spills():
+    triton = pytest.importorskip("triton")
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        pytest.skip("this triton build has no bundled ptxas")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    run = subprocess.run(
+        [sys.executable, __file__], capture_output=True, text=True, env=env, cwd=root, timeout=600
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    results = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(results) >= 20
+    spilled = {case: usage for case, usage in results.items() if usage["stack"] > 0}
+    assert not spilled, f"register spills on sm_90: {spilled}"
+
+
+if __name__ == "__main__":
+    print(json.dumps(_compile_all()))
