@@ -30,7 +30,12 @@ from fastdeploy.distributed.multinode import (
     worker_address_key,
 )
 from fastdeploy.engine.ipc import ChildProcess, decode
-from fastdeploy.engine.multiproc_executor import WORKER_STOP_GRACE_S, WorkerPlace, worker_main
+from fastdeploy.engine.multiproc_executor import (
+    LOST_ENGINE_EXIT_CODE,
+    WORKER_STOP_GRACE_S,
+    WorkerPlace,
+    worker_main,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +146,10 @@ def _watch(procs: list[ChildProcess], layout: NodeLayout) -> int:
         failed = [(i, code) for i, code in enumerate(codes) if code not in (None, 0)]
         if failed:
             index, code = failed[0]
+            if code == LOST_ENGINE_EXIT_CODE:
+                return _fail(
+                    f"node 0's engine core went away (worker {layout.local_ranks()[index]} lost it)", 1
+                )
             return _fail(f"worker {layout.local_ranks()[index]} exited (exit code {code})", 1)
         misses = 0 if master_reachable(layout) else misses + 1
         if misses >= MASTER_MISSES:

@@ -59,6 +59,9 @@ class WorkerPlace:
     """The engine core's socket for this worker: ``ipc://`` on the same host, ``tcp://`` from another."""
 
 
+LOST_ENGINE_EXIT_CODE = 3
+"""Exit status of a remote worker whose engine core went away without a shutdown message."""
+
 HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 10_000
 """ZMQ heartbeats on the TCP sockets of remote workers: a peer silent this long (a host gone without
@@ -137,7 +140,7 @@ def _serve_calls(
     while True:
         call = _next_call(socket, monitor)
         if call is None:
-            raise SystemExit(1)  # the engine core is gone without a shutdown message
+            raise SystemExit(LOST_ENGINE_EXIT_CODE)  # the engine core is gone without a shutdown message
         method, args = call
         if method == "shutdown":
             return
