@@ -12,7 +12,7 @@ no copies of the operands; the scales are used in the layout they were loaded in
 - **block-scaled** weights (``block = (bn, bk)``, scale ``[ceil(N/bn), ceil(K/bk)]``): the
   activation quantized per token and ``bk`` columns (one Triton kernel), then either
   ``torch._scaled_mm`` with 1 x 128 / 128 x 128 block-wise scales (cuBLASLt, CUDA >= 12.9 on
-  sm_90; the quantization writes its scales column-major, as that mode takes them, and the
+  sm_90, N and K in whole 128 blocks; the quantization writes its scales column-major, as that mode takes them, and the
   weight scale's transpose is a view) or the Triton w8a8 block GEMM of
   :mod:`fastdeploy.ops.triton_fp8_gemm` (any block, bias in the epilogue).
 
@@ -102,7 +102,7 @@ def _probe(device: torch.device) -> bool:
 
 def _probe_once(device: torch.device) -> bool:
     g = torch.Generator(device=device).manual_seed(0)
-    w = torch.randn(320, 384, device=device, generator=g)  # partial last block of N, 3 blocks of K
+    w = torch.randn(256, 384, device=device, generator=g)  # 2 x 3 blocks (the path takes whole blocks)
     wq, ws = quantize_weight_block(w, SCALED_MM_BLOCK)
     for m in (1, 5, 33):
         x = torch.randn(m, 384, device=device, generator=g).to(torch.bfloat16)
@@ -116,7 +116,7 @@ def _probe_once(device: torch.device) -> bool:
 def blockwise_scaled_mm_works(device: torch.device) -> bool:
     """Whether this torch build runs ``torch._scaled_mm`` with 1 x 128 activation and 128 x 128
     weight scales on ``device`` and gets the torch path's result (run once per device: a few
-    small products, odd row counts and a partial block included)."""
+    small products of whole blocks, odd row counts included)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _probe(torch.device(device.type, index))
 
@@ -179,7 +179,8 @@ def select_path(
     scaled_mm_shape = k % 16 == 0 and n % 16 == 0
     if block is None:
         return Fp8Path.SCALED_MM_ROWWISE if scaled_mm_shape else Fp8Path.TORCH
-    if backend.block_scaled_mm and scaled_mm_shape and tuple(block) == SCALED_MM_BLOCK:
+    whole_blocks = n % SCALED_MM_BLOCK[0] == 0 and k % SCALED_MM_BLOCK[1] == 0
+    if backend.block_scaled_mm and whole_blocks and tuple(block) == SCALED_MM_BLOCK:
         return Fp8Path.SCALED_MM_BLOCK
     return Fp8Path.TRITON_BLOCK
 

@@ -59,6 +59,8 @@ def test_select_path_by_rows_layout_and_backend():
     assert path(8192, 4096, 4096, (128, 128), both, True) is fl.Fp8Path.SCALED_MM_BLOCK
     assert path(17, 4096, 4096, (128, 64), both, True) is fl.Fp8Path.TRITON_BLOCK  # not 128 x 128
     assert path(17, 4096, 4104, (128, 128), both, True) is fl.Fp8Path.TRITON_BLOCK  # K % 16 != 0
+    assert path(17, 4096, 4112, (128, 128), both, True) is fl.Fp8Path.TRITON_BLOCK  # K % 128 != 0
+    assert path(17, 4160, 4096, (128, 128), both, True) is fl.Fp8Path.TRITON_BLOCK  # N % 128 != 0
 
 
 def test_backend_from_environment(monkeypatch):
