@@ -102,7 +102,8 @@ class EngineCore:
         self.feature_mirror = FeatureMirror(config.cache.encoder_cache_memory)
         """Features received from the front end, by content hash: a repeated item is sent once."""
         self.async_scheduling = resolve_async_scheduling(config)
-        self.scheduler.async_scheduling = self.async_scheduling
+        # placeholders stand for sampled tokens in flight; the pooling runner samples none
+        self.scheduler.async_scheduling = self.async_scheduling and self.source.pooler is None
         self._in_flight: SchedulerOutput | None = None
         """The step the worker holds (async scheduling): its output comes back with the next call."""
         sched = config.scheduler

@@ -75,7 +75,9 @@ class Scheduler:
         self.chunked_prefill = config.scheduler.enable_chunked_prefill
         self.async_scheduling = False
         """Set by the engine core: a step is scheduled before the previous one's tokens are back,
-        so each running request carries placeholders for its in-flight tokens."""
+        so each running request carries placeholders for its in-flight tokens. Off for the pooling
+        runner, which samples nothing: an embedding request's fully scheduled prompt then leaves
+        nothing to schedule until its pooled vector finishes it."""
         self.block_size = config.cache.block_size
         self.kv = KVCacheManager(num_blocks, self.block_size, config.cache.enable_prefix_caching)
         self.encoder_cache = WorkerEncoderCache(config.cache.encoder_cache_memory)
@@ -185,8 +187,6 @@ class Scheduler:
         for req_id, n in num_scheduled.items():
             request = self.requests[req_id]
             request.num_computed_tokens += n
-            if request.pooling_params is not None:
-                continue  # an embedding request samples nothing: its prefill's pooled vector ends it
             if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
                 # this step samples a token for it (the end of its prefill, or a decode)
                 if request.grammar is not None:
