@@ -206,8 +206,11 @@ class OutputProcessor:
             if metrics:
                 metrics.on_generation_tokens(len(out.new_token_ids))
         state.num_cached_tokens = out.num_cached_tokens
-        if out.pooled is not None:
+        if out.pooled is not None:  # an embedding request: its vector is its first (and only) output
             state.pooled = out.pooled
+            if metrics and state.times.first_token is None:
+                state.times.first_token = now
+                metrics.on_first_token(now - state.times.arrival, len(state.prompt_token_ids))
         if out.prompt_logprobs is not None and state.prompt_logprobs is None:
             state.prompt_logprobs = to_prompt_logprobs(
                 state.prompt_token_ids, out.prompt_logprobs, self.tokenizer

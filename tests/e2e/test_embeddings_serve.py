@@ -83,6 +83,7 @@ def test_last_token_normalized_batch_equals_transformers(last_model):
 def test_base64_decodes_to_the_same_floats(last_model):
     server, _ = last_model
     client = server.openai()
+    before = server.metrics()
     floats = client.embeddings.create(model=server.model_name(), input=TEXTS, encoding_format="float")
     # the openai client asks for base64 by default and decodes it
     default = client.embeddings.create(model=server.model_name(), input=TEXTS)
@@ -93,6 +94,13 @@ def test_base64_decodes_to_the_same_floats(last_model):
         # (separate requests: prefix-cache hits may change the last bits)
         np.testing.assert_allclose(decoded, np.asarray(f.embedding, dtype=np.float32), rtol=0, atol=1e-6)
         np.testing.assert_allclose(np.asarray(d.embedding, dtype=np.float32), decoded, rtol=0, atol=1e-6)
+    after = server.metrics()  # three requests of three inputs: prompt tokens and latencies counted
+    assert (
+        after["fastdeploy:prompt_tokens_total"] - before["fastdeploy:prompt_tokens_total"]
+        == 3 * floats.usage.prompt_tokens
+    )
+    ttft = "fastdeploy:time_to_first_token_seconds_count"
+    assert after[ttft] - before[ttft] == 9
 
 
 def test_dimensions_of_a_matryoshka_model(last_model):
@@ -159,14 +167,27 @@ def test_bad_input_is_a_400_naming_the_field(last_model):
             ({"input": "hi", "encoding_format": "int8"}, "encoding_format", None),
             ({"input": "hi", "dimensions": 0}, "dimensions", None),
             ({}, "input", None),
+            ({"input": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", None),
+            ({"input": "hi", "truncate_prompt_tokens": 257}, "truncate_prompt_tokens", None),
         ]
         for body, param, code in cases:
             error = server.check_error(http.post("/v1/embeddings", json=body), 400)
             assert error["param"] == param, (body, error)
             if code:
                 assert error["code"] == code
-        ok = http.post("/v1/embeddings", json={"input": [1] * 256, "user": "someone"})  # a full context fits
+        ids = list(range(1000, 1256))
+        ok = http.post("/v1/embeddings", json={"input": ids, "user": "someone"})  # a full context fits
         assert ok.status_code == 200 and len(ok.json()["data"][0]["embedding"]) == 64
+        for keep, expected in [(-1, ids), (10, ids[-10:])]:  # the last N tokens, as vLLM
+            body = {
+                "input": list(range(900, 1000)) + ids,
+                "truncate_prompt_tokens": keep,
+                "encoding_format": "float",
+            }
+            cut = http.post("/v1/embeddings", json=body).json()
+            alone = http.post("/v1/embeddings", json={"input": expected, "encoding_format": "float"}).json()
+            assert cut["usage"]["prompt_tokens"] == len(expected)
+            assert cosine(cut["data"][0]["embedding"], alone["data"][0]["embedding"]) > 0.999
         for path, body in [
             ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),

@@ -73,6 +73,13 @@ class OpenAIServingEmbedding(OpenAIServing):
                 f"input holds {len(request.input)} inputs; this server takes at most {limit} per request",
                 param="input",
             )
+        max_len = self.engine.max_model_len
+        keep = max_len if request.truncate_prompt_tokens == -1 else request.truncate_prompt_tokens
+        if keep is not None and keep > max_len:
+            raise BadRequestError(
+                f"truncate_prompt_tokens is {keep}, more than this model's maximum context length of {max_len}",
+                param="truncate_prompt_tokens",
+            )
         params = pooler.params()
         prompts = []
         for item in request.input:
@@ -86,10 +93,12 @@ class OpenAIServingEmbedding(OpenAIServing):
             else:
                 text, token_ids = None, list(item)
                 self.check_token_ids(token_ids, "input")
-            if len(token_ids) > self.engine.max_model_len:
+            if keep is not None:
+                token_ids = token_ids[-keep:]
+            if len(token_ids) > max_len:
                 raise BadRequestError(
                     f"an input has {len(token_ids)} tokens, more than this model's maximum context length "
-                    f"of {self.engine.max_model_len} tokens",
+                    f"of {max_len} tokens (truncate_prompt_tokens keeps the last N)",
                     param="input",
                     code="context_length_exceeded",
                 )

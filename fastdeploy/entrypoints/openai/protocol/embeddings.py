@@ -28,11 +28,20 @@ class EmbeddingRequest(OpenAIModel):
     """Accepted and ignored."""
     add_special_tokens: bool = True
     """Extension (vLLM): let the tokenizer add its special tokens (e.g. BOS) to text inputs."""
+    truncate_prompt_tokens: int | None = None
+    """Extension (vLLM): embed only the last N tokens of each input (-1: the last ``max_model_len``)."""
 
     @field_validator("input", mode="before")
     @classmethod
     def _normalize_input(cls, value: Any) -> list[str | list[int]]:
         return normalize_prompts(value)
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _check_truncate(cls, value: int | None) -> int | None:
+        if value is not None and value < 1 and value != -1:
+            raise ValueError("must be at least 1, or -1 for the model's maximum context length")
+        return value
 
     @field_validator("dimensions")
     @classmethod
