@@ -92,3 +92,16 @@ def test_generation_model_refuses_embed(tmp_path):
         llm.shutdown()
     with pytest.raises(PoolerConfigError, match="runner pooling"):
         LLM(str(tmp_path), dtype="float32", pooler_config={"pooling_type": "MEAN"})
+
+
+@pytest.mark.slow
+def test_embed_at_tensor_parallel_2(qwen3):
+    """Two gloo workers: every rank pools its (all-reduced) hidden states, rank 0's vectors come back."""
+    folder, reference = qwen3
+    llm = LLM(str(folder), tensor_parallel_size=2, kv_cache_memory=0.05, **ENGINE)
+    try:
+        for pooling in ("last", "mean"):
+            expected = reference_vectors(reference, PROMPTS, pooling, False)
+            check(llm.embed(PROMPTS, PoolingParams(pooling, False)), expected, PROMPTS)
+    finally:
+        llm.shutdown()
