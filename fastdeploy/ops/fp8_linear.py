@@ -200,6 +200,33 @@ def _small_m_ready(
     return True
 
 
+def fp8_norm_fusable(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    weight: torch.Tensor,
+    block: tuple[int, int] | None,
+    bias: torch.Tensor | None,
+    backend: Fp8LinearBackend | None = None,
+) -> bool:
+    """Whether :func:`fastdeploy.ops.triton_fp8_gemv.fp8_norm_small_m_linear` runs
+    ``rms_norm(x + residual)`` and this linear as one kernel now: CUDA, rows within the GEMV's
+    range and its norm prologue's (1-2), operands it takes, and under graph capture a tuned shape."""
+    if (
+        not x.is_cuda
+        or x.dim() != 2
+        or not 0 < x.shape[0] <= (backend or _device_backend(x.device)).small_m_max
+    ):
+        return False
+    gemv = triton_module("triton_fp8_gemv")
+    if gemv is None or not gemv.supports_norm(x, residual, norm_weight, weight, block):
+        return False
+    if torch.cuda.is_current_stream_capturing():
+        kind = "plain" if residual is None else "add"
+        return gemv.is_warmed_up(x, weight, block, bias is not None, norm=kind)
+    return True
+
+
 def fp8_linear_silu_mul(
     gate_up: torch.Tensor,
     weight: torch.Tensor,

@@ -54,6 +54,9 @@ MAX_M = 64
 """Most rows :func:`fp8_small_m_linear` takes (how many it is used for is the caller's choice)."""
 BROADCAST_MAX_M = 4
 """Most (padded) rows of the broadcast form: one float32 accumulator tile per row."""
+NORM_FUSE_MAX_M = 2
+"""Most rows that take the residual-add + RMSNorm prologue (broadcast form only), for the reason
+of :data:`SILU_FUSE_MAX_M` (as :data:`fastdeploy.ops.triton_norm_gemv.NORM_FUSE_MAX_M`)."""
 SILU_FUSE_MAX_M = 2
 """Most rows that take the fused SiLU-and-multiply prologue (broadcast form only): every program
 recomputes its rows' activations over the whole K, so the extra work grows with M; the bf16
@@ -82,9 +85,22 @@ def _row_act(x_ptr, row, M, K, cols, k_mask, s_k, BLOCK_SCALED: tl.constexpr, SI
 
 
 @triton.jit
+def _norm_input(x_row, r_row, r_out_row, cols, k_mask, store_end, HAS_RES: tl.constexpr):
+    """``h = x + residual`` at ``cols`` in float32, rounded as the unfused add rounds it, and
+    stored (the next residual) where ``cols < store_end``; ``x`` without a residual."""
+    x = tl.load(x_row + cols, mask=k_mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        r = tl.load(r_row + cols, mask=k_mask, other=0.0).to(tl.float32)
+        h = (x + r).to(r_out_row.dtype.element_ty)
+        tl.store(r_out_row + cols, h, mask=k_mask & (cols < store_end))
+        x = h.to(tl.float32)
+    return x
+
+
+@triton.jit
 def _store_row(out_ptr, row, M, acc, s_n, bias, offs_n, n_mask, PER_CHANNEL: tl.constexpr,
-               HAS_BIAS: tl.constexpr):  # fmt: skip
-    total = tl.sum(acc, axis=1)
+               HAS_BIAS: tl.constexpr, rstd):  # fmt: skip
+    total = tl.sum(acc, axis=1) * rstd
     if PER_CHANNEL:
         total = total * s_n
     if HAS_BIAS:
@@ -99,6 +115,10 @@ def _fp8_gemv_kernel(
     s_ptr,
     b_ptr,
     out_ptr,
+    r_ptr,
+    r_out_ptr,
+    nw_ptr,
+    eps,
     M,
     N,
     K,
@@ -106,11 +126,14 @@ def _fp8_gemv_kernel(
     stride_wn,
     stride_sn,
     stride_om,
+    stride_rm,
     M_PAD: tl.constexpr,
     GROUP_N: tl.constexpr,
     GROUP_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SILU_MUL: tl.constexpr,
+    NORM: tl.constexpr,
+    HAS_RES: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT: tl.constexpr,
@@ -120,7 +143,8 @@ def _fp8_gemv_kernel(
     EVEN_K: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """``out[:M, tile] = x @ dequant(w[tile])^T (+ bias)``; ``GROUP_K == 0``: per-channel scales."""
+    """``out[:M, tile] = x @ dequant(w[tile])^T (+ bias)``; ``GROUP_K == 0``: per-channel scales.
+    ``NORM``: ``x`` is ``rms_norm(x + residual) * nw`` (the sum stored to ``r_out`` by program 0)."""
     PER_CHANNEL: tl.constexpr = GROUP_K == 0
     pdl_prologue(USE_PDL)
     pid_n = tl.program_id(0)
@@ -133,7 +157,7 @@ def _fp8_gemv_kernel(
     s_n = 0.0
     bias = 0.0
     if DOT:
-        tl.static_assert(not SILU_MUL, "the dot form takes no SiLU prologue")
+        tl.static_assert(not SILU_MUL and not NORM, "the dot form takes no SiLU or norm prologue")
         offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         m_mask = offs_m < M
         x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
@@ -173,6 +197,10 @@ def _fp8_gemv_kernel(
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
     else:
         tl.static_assert(M_PAD <= 4, "the broadcast form takes at most 4 rows")
+        tl.static_assert(M_PAD <= 2 or not NORM, "the norm prologue takes at most 2 rows")
+        store_res = tl.where(pid_n == 0, K, 0)  # program 0 stores the new residual
+        ss0 = tl.zeros([BLOCK_K], dtype=tl.float32)
+        ss1 = tl.zeros([BLOCK_K], dtype=tl.float32)
         # one tile lies in one row block of the scales (GROUP_N is a multiple of BLOCK_N)
         s_tile = s_ptr + ((pid_n * BLOCK_N) // GROUP_N) * stride_sn  # (unused per channel)
         acc0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -189,11 +217,25 @@ def _fp8_gemv_kernel(
             s_k = 1.0
             if not PER_CHANNEL:
                 s_k = tl.load(s_tile + cols // GROUP_K, mask=k_mask, other=0.0)
-            x0 = _row_act(x_ptr, 0, M, K, cols, k_mask, s_k, not PER_CHANNEL, SILU_MUL)
-            acc0 += w * x0[None, :]
-            if M_PAD > 1:
-                x1 = _row_act(x_ptr + stride_xm, 1, M, K, cols, k_mask, s_k, not PER_CHANNEL, SILU_MUL)
-                acc1 += w * x1[None, :]
+            if NORM:
+                nw = tl.load(nw_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
+                if not PER_CHANNEL:
+                    nw = nw * s_k
+                h0 = _norm_input(x_ptr, r_ptr, r_out_ptr, cols, k_mask, store_res, HAS_RES)
+                ss0 += h0 * h0
+                acc0 += w * (h0 * nw)[None, :]
+                if M_PAD > 1:
+                    h1 = _norm_input(
+                        x_ptr + stride_xm, r_ptr + stride_rm, r_out_ptr + K, cols, k_mask, store_res, HAS_RES
+                    )
+                    ss1 += h1 * h1
+                    acc1 += w * (h1 * nw)[None, :]
+            else:
+                x0 = _row_act(x_ptr, 0, M, K, cols, k_mask, s_k, not PER_CHANNEL, SILU_MUL)
+                acc0 += w * x0[None, :]
+                if M_PAD > 1:
+                    x1 = _row_act(x_ptr + stride_xm, 1, M, K, cols, k_mask, s_k, not PER_CHANNEL, SILU_MUL)
+                    acc1 += w * x1[None, :]
             if M_PAD > 2:
                 x2 = _row_act(x_ptr + 2 * stride_xm, 2, M, K, cols, k_mask, s_k, not PER_CHANNEL, SILU_MUL)
                 acc2 += w * x2[None, :]
@@ -204,12 +246,23 @@ def _fp8_gemv_kernel(
             s_n = tl.load(s_ptr + rows)
         if HAS_BIAS:
             bias = tl.load(b_ptr + rows).to(tl.float32)
-        _store_row(out_ptr, 0, M, acc0, s_n, bias, offs_n, n_mask, PER_CHANNEL, HAS_BIAS)
+        rstd0 = 1.0
+        rstd1 = 1.0
+        if NORM:
+            rstd0 = tl.rsqrt(tl.sum(ss0, axis=0) / K + eps)
+            rstd1 = tl.rsqrt(tl.sum(ss1, axis=0) / K + eps)
+        _store_row(out_ptr, 0, M, acc0, s_n, bias, offs_n, n_mask, PER_CHANNEL, HAS_BIAS, rstd0)
         if M_PAD > 1:
-            _store_row(out_ptr + stride_om, 1, M, acc1, s_n, bias, offs_n, n_mask, PER_CHANNEL, HAS_BIAS)
+            _store_row(
+                out_ptr + stride_om, 1, M, acc1, s_n, bias, offs_n, n_mask, PER_CHANNEL, HAS_BIAS, rstd1
+            )
         if M_PAD > 2:
-            _store_row(out_ptr + 2 * stride_om, 2, M, acc2, s_n, bias, offs_n, n_mask, PER_CHANNEL, HAS_BIAS)
-            _store_row(out_ptr + 3 * stride_om, 3, M, acc3, s_n, bias, offs_n, n_mask, PER_CHANNEL, HAS_BIAS)
+            _store_row(
+                out_ptr + 2 * stride_om, 2, M, acc2, s_n, bias, offs_n, n_mask, PER_CHANNEL, HAS_BIAS, 1.0
+            )
+            _store_row(
+                out_ptr + 3 * stride_om, 3, M, acc3, s_n, bias, offs_n, n_mask, PER_CHANNEL, HAS_BIAS, 1.0
+            )
 
 
 def _config(block_n: int, block_k: int, dot: bool, num_warps: int, stages: int) -> triton.Config:
@@ -247,12 +300,17 @@ DOT_CONFIGS = [
 _CONFIGS = BROADCAST_CONFIGS + DOT_CONFIGS
 
 
-def config_fits(kw: dict[str, Any], m_pad: int, group_n: int, group_k: int, silu_mul: bool = False) -> bool:
+def config_fits(
+    kw: dict[str, Any], m_pad: int, group_n: int, group_k: int, silu_mul: bool = False, norm: bool = False
+) -> bool:
     """Whether a configuration can run ``m_pad`` rows of weights in ``(group_n, group_k)`` blocks
-    (``group_k == 0``: per channel), with the SiLU prologue or not, without spilling its
+    (``group_k == 0``: per channel), with the SiLU or norm prologue or not, without spilling its
     accumulators."""
     if kw["DOT"]:
-        return m_pad > 1 and not silu_mul and (group_k == 0 or group_k % kw["BLOCK_K"] == 0)
+        prologue = silu_mul or norm
+        return m_pad > 1 and not prologue and (group_k == 0 or group_k % kw["BLOCK_K"] == 0)
+    if norm and m_pad > NORM_FUSE_MAX_M:
+        return False
     fits_block = group_k == 0 or group_n % kw["BLOCK_N"] == 0
     return m_pad <= BROADCAST_MAX_M and fits_block and m_pad * kw["BLOCK_N"] * kw["BLOCK_K"] <= ACC_ELEMENTS
 
@@ -264,7 +322,8 @@ def _prune(configs: list[triton.Config], named_args: dict[str, Any], **kwargs: A
         return kwargs.get(name, named_args.get(name))
 
     m_pad, group_n, group_k = arg("M_PAD"), arg("GROUP_N"), arg("GROUP_K")
-    kept = [c for c in configs if config_fits(c.kwargs, m_pad, group_n, group_k, arg("SILU_MUL"))]
+    silu, norm = arg("SILU_MUL"), arg("NORM")
+    kept = [c for c in configs if config_fits(c.kwargs, m_pad, group_n, group_k, silu, norm)]
     return kept or [_fallback_config(m_pad)]
 
 
@@ -282,7 +341,7 @@ _kernel = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] 
 )
 _tuned_kernel = triton.autotune(
     configs=_CONFIGS,
-    key=["N", "K", "M_PAD", "GROUP_N", "GROUP_K", "HAS_BIAS", "SILU_MUL"],
+    key=["N", "K", "M_PAD", "GROUP_N", "GROUP_K", "HAS_BIAS", "SILU_MUL", "NORM", "HAS_RES"],
     prune_configs_by={"early_config_prune": _prune},
     do_bench=autotune_bench,
 )(_kernel)
@@ -299,9 +358,9 @@ def _groups(block: tuple[int, int] | None) -> tuple[int, int]:
     return (1, 0) if block is None else block
 
 
-def _warm_key(x, weight, block, has_bias: bool, silu_mul: bool) -> tuple[Any, ...]:
+def _warm_key(x, weight, block, has_bias: bool, variant: str) -> tuple[Any, ...]:
     n, k = weight.shape
-    return (_m_pad(x.shape[0]), n, k, _groups(block), x.dtype, has_bias, silu_mul, x.get_device())
+    return (_m_pad(x.shape[0]), n, k, _groups(block), x.dtype, has_bias, variant, x.get_device())
 
 
 def is_warmed_up(
@@ -310,10 +369,16 @@ def is_warmed_up(
     block: tuple[int, int] | None,
     has_bias: bool,
     silu_mul: bool = False,
+    norm: str | None = None,
 ) -> bool:
-    """Whether :func:`fp8_small_m_linear` already ran on this shape (rows rounded up to a power of
+    """Whether :func:`fp8_small_m_linear` (``norm``: :func:`fp8_norm_small_m_linear`, ``"add"``
+    with a residual, ``"plain"`` without) already ran on this shape (rows rounded up to a power of
     two) outside graph capture: only then is a call free of autotuning, and so capturable."""
-    return _warm_key(x, weight, block, has_bias, silu_mul) in _warmed
+    return _warm_key(x, weight, block, has_bias, _variant(silu_mul, norm)) in _warmed
+
+
+def _variant(silu_mul: bool, norm: str | None) -> str:
+    return f"norm-{norm}" if norm else ("silu" if silu_mul else "")
 
 
 def supports(
@@ -363,18 +428,23 @@ def launch_kernel(
     out: torch.Tensor,
     config: dict[str, Any] | None = None,
     silu_mul: bool = False,
+    norm: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, float] | None = None,
 ) -> None:
     """Run the kernel into ``out [M, N]``: autotuned on a GPU when ``config`` is None, else with
     ``config`` (``BLOCK_N``, ``BLOCK_K``, ``DOT``, ``STAGES``, optional ``num_warps``; under
-    ``TRITON_INTERPRET=1`` a small default)."""
+    ``TRITON_INTERPRET=1`` a small default). ``norm``: ``(residual or None, residual_out,
+    norm_weight, eps)`` for the norm prologue."""
     m = x.shape[0]
     n, k = weight.shape
     group_n, group_k = _groups(block)
-    args = (x, weight, scale, out if bias is None else bias, out, m, n, k, x.stride(0), weight.stride(0),
-            scale.stride(0), out.stride(0))  # fmt: skip
+    residual, res_out, norm_weight, eps = norm if norm is not None else (None, x, x, 0.0)
+    res = x if residual is None else residual
+    args = (x, weight, scale, out if bias is None else bias, out, res, res_out, norm_weight, eps, m, n, k,
+            x.stride(0), weight.stride(0), scale.stride(0), out.stride(0), res.stride(0))  # fmt: skip
     interpreting = triton_interpreting()
     const = dict(
         M_PAD=_m_pad(m), GROUP_N=group_n, GROUP_K=group_k, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
+        NORM=norm is not None, HAS_RES=residual is not None,
         # float32 dots in IEEE precision; the interpreter's fp8 / bf16 dots are not exact
         DOT_FP32=x.dtype == torch.float32 or interpreting, **pdl_kwargs(x),
     )  # fmt: skip
@@ -386,7 +456,7 @@ def launch_kernel(
         config = _fallback_config(const["M_PAD"]).kwargs
     meta = dict(config)
     warps = meta.pop("num_warps", 4)
-    if not config_fits(meta, const["M_PAD"], group_n, group_k, silu_mul):
+    if not config_fits(meta, const["M_PAD"], group_n, group_k, silu_mul, norm is not None):
         raise ValueError(f"configuration {config} does not fit M_PAD={const['M_PAD']}, block {block}")
     grid = (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, max(16, const["M_PAD"])))
     _kernel[grid](*args, **const, **meta, num_warps=warps, num_stages=1 if interpreting else meta["STAGES"])
@@ -415,8 +485,60 @@ def fp8_small_m_linear(
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
     launch_kernel(x, weight, scale, block, bias, out, silu_mul=silu_mul)
     if x.is_cuda and not torch.cuda.is_current_stream_capturing():
-        _warmed.add(_warm_key(x, weight, block, bias is not None, silu_mul))
+        _warmed.add(_warm_key(x, weight, block, bias is not None, _variant(silu_mul, None)))
     return out
+
+
+def supports_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, weight: torch.Tensor, block
+) -> bool:
+    """Whether :func:`fp8_norm_small_m_linear` takes these operands: :func:`supports`, at most
+    :data:`NORM_FUSE_MAX_M` rows, a residual laid out like ``x``, a ``[K]`` norm weight."""
+    if not supports(x, weight, block) or x.shape[0] > NORM_FUSE_MAX_M:
+        return False
+    if tuple(norm_weight.shape) != (x.shape[1],) or norm_weight.stride(0) != 1:
+        return False
+    if residual is not None and (
+        residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(1) != 1
+    ):
+        return False
+    return True
+
+
+def fp8_norm_small_m_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int] | None,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rms_norm(x + residual) @ dequant(weight)^T + bias`` and the new residual ``x + residual``
+    (``x`` itself without a residual), in one kernel, for 1 to :data:`NORM_FUSE_MAX_M` rows.
+
+    The prologue of :mod:`fastdeploy.ops.triton_norm_gemv` on fp8 weights: each program forms
+    ``h = x + residual`` as it streams K (rounded to the dtype as the unfused add rounds it),
+    accumulates ``w * h * norm_weight`` and ``h²`` side by side and scales its sums by
+    ``rsqrt(mean(h²) + eps)`` at the end; program 0 stores ``h``. The normalized input is not
+    rounded to the dtype (the unfused norm rounds it), so results differ from the unfused path
+    by that rounding noise.
+    """
+    if not supports_norm(x, residual, norm_weight, weight, block):
+        raise ValueError(
+            f"fp8_norm_small_m_linear needs x [1..{NORM_FUSE_MAX_M}, K], a residual like x or None and a "
+            f"[K] norm weight; got x {tuple(x.shape)}, residual "
+            f"{None if residual is None else tuple(residual.shape)}, norm weight {tuple(norm_weight.shape)}"
+        )
+    _check(x, weight, scale, block, bias, False)
+    out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+    res_out = x if residual is None else torch.empty_like(x, memory_format=torch.contiguous_format)
+    launch_kernel(x, weight, scale, block, bias, out, norm=(residual, res_out, norm_weight, float(eps)))
+    if x.is_cuda and not torch.cuda.is_current_stream_capturing():
+        kind = "add" if residual is not None else "plain"
+        _warmed.add(_warm_key(x, weight, block, bias is not None, _variant(False, kind)))
+    return out, res_out
 
 
 def last_tuned_config() -> str | None:

@@ -124,3 +124,35 @@ def test_silu_mul_fused_down_proj(block, m):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, fused)
+
+
+@pytest.mark.parametrize("block", [None, BLOCK], ids=["per-channel", "block"])
+@pytest.mark.parametrize("m", [1, 2])
+def test_norm_fused_linear_through_the_layer(block, m):
+    """Linear.forward_normed of an FP8 layer: one kernel (the norm prologue) at 1-2 rows, equal
+    to the norm then the layer up to bf16 rounding; the new residual exactly; replays in a graph."""
+    from fastdeploy.model_executor.layers.layernorm import RMSNorm
+    from fastdeploy.model_executor.layers.linear import Linear
+    from fastdeploy.model_executor.layers.quantization import Fp8Config
+
+    with torch.device("cuda"):
+        layer = Linear(
+            512, 384, bias=False, quant_config=Fp8Config(weight_block_size=block), dtype=torch.bfloat16
+        )
+        norm = RMSNorm(512, 1e-6).to(torch.bfloat16)
+    torch.nn.init.normal_(layer.weight, std=0.05)
+    torch.nn.init.normal_(norm.weight, mean=1.0, std=0.2)
+    layer.process_weights_after_loading()
+    g = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, 512, device="cuda", generator=g).to(torch.bfloat16)
+    residual = torch.randn(m, 512, device="cuda", generator=g).to(torch.bfloat16)
+    out, res = layer.forward_normed(x, residual, norm)
+    assert gemv.is_warmed_up(x, layer.weight, block, False, norm="add")
+    hidden, res_ref = norm(x.clone(), residual.clone())
+    assert torch.equal(res, res_ref)
+    assert _rel(out, layer(hidden)) < 8e-3
+    sx, sr = x.clone(), residual.clone()
+    graph, (g_out, g_res) = _capture(lambda: layer.forward_normed(sx, sr, norm))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(g_out, out) and torch.equal(g_res, res)

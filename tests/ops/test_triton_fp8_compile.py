@@ -47,7 +47,7 @@ def _compile(kernel, types: dict[str, str], constexprs: dict, options: dict) -> 
 
 
 def _gemv_cases():
-    """(name, x dtype, M_PAD, (GROUP_N, GROUP_K), silu_mul, config) to compile."""
+    """(name, x dtype, M_PAD, (GROUP_N, GROUP_K), prologue, config) to compile."""
     from fastdeploy.ops import triton_fp8_gemv as g
 
     cases = []
@@ -55,14 +55,17 @@ def _gemv_cases():
         kw = config.kwargs
         name = f"{'dot' if kw['DOT'] else 'bc'}{kw['BLOCK_N']}x{kw['BLOCK_K']}w{config.num_warps}s{config.num_stages}"
         if kw["DOT"]:
-            cases.append((name, "bf16", g.MAX_M, (128, kw["BLOCK_K"]), False, config))
+            cases.append((name, "bf16", g.MAX_M, (128, kw["BLOCK_K"]), None, config))
         else:
             m_pad = max(m for m in (1, 2, 4) if g.config_fits(kw, m, 128, 128))
-            cases.append((name, "bf16", m_pad, (128, 128), False, config))
-            if g.config_fits(kw, g.SILU_FUSE_MAX_M, 128, 128, True):
-                cases.append((name + "-silu", "bf16", g.SILU_FUSE_MAX_M, (128, 128), True, config))
-    cases.append(("bc-channel", "fp16", 1, (1, 0), False, g.BROADCAST_CONFIGS[0]))
-    cases.append(("dot-channel-fp32", "fp32", 16, (1, 0), False, g.DOT_CONFIGS[1]))
+            cases.append((name, "bf16", m_pad, (128, 128), None, config))
+            if g.config_fits(kw, g.SILU_FUSE_MAX_M, 128, 128, silu_mul=True):
+                cases.append((name + "-silu", "bf16", g.SILU_FUSE_MAX_M, (128, 128), "silu", config))
+            if g.config_fits(kw, g.NORM_FUSE_MAX_M, 128, 128, norm=True):
+                cases.append((name + "-norm", "bf16", g.NORM_FUSE_MAX_M, (128, 128), "norm", config))
+    cases.append(("bc-channel", "fp16", 1, (1, 0), None, g.BROADCAST_CONFIGS[0]))
+    cases.append(("bc-channel-norm", "fp16", 2, (1, 0), "norm", g.BROADCAST_CONFIGS[0]))
+    cases.append(("dot-channel-fp32", "fp32", 16, (1, 0), None, g.DOT_CONFIGS[1]))
     return cases
 
 
@@ -72,16 +75,12 @@ def _compile_all() -> dict[str, dict[str, int]]:
     from fastdeploy.ops import triton_fp8_quant as q
 
     results = {}
-    for name, xt, m_pad, (gn, gk), silu, config in _gemv_cases():
-        constexprs = dict(config.kwargs, M_PAD=m_pad, GROUP_N=gn, GROUP_K=gk, HAS_BIAS=True, SILU_MUL=silu,
+    for name, xt, m_pad, (gn, gk), prologue, config in _gemv_cases():
+        constexprs = dict(config.kwargs, M_PAD=m_pad, GROUP_N=gn, GROUP_K=gk, HAS_BIAS=True,
+                          SILU_MUL=prologue == "silu", NORM=prologue == "norm", HAS_RES=prologue == "norm",
                           DOT_FP32=xt == "fp32", EVEN_K=True, USE_PDL=True, BLOCK_M=max(16, m_pad))  # fmt: skip
-        types = {
-            "x_ptr": f"*{xt}",
-            "w_ptr": "*fp8e4nv",
-            "s_ptr": "*fp32",
-            "b_ptr": f"*{xt}",
-            "out_ptr": f"*{xt}",
-        }
+        types = {"x_ptr": f"*{xt}", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "b_ptr": f"*{xt}", "out_ptr": f"*{xt}",
+                 "r_ptr": f"*{xt}", "r_out_ptr": f"*{xt}", "nw_ptr": f"*{xt}", "eps": "fp32"}  # fmt: skip
         options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
         results[f"gemv-{name}-m{m_pad}"] = _compile(g._fp8_gemv_kernel, types, constexprs, options)
     for most, c in gm.CONFIGS:

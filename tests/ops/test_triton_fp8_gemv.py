@@ -184,3 +184,44 @@ def test_silu_mul_limits():
     assert not gemv.config_fits({"BLOCK_N": 32, "BLOCK_K": 64, "DOT": True}, 2, 128, 128, silu_mul=True)
     with pytest.raises(ValueError, match=r"2K \(\[gate \| up\]\)"):
         gemv.fp8_small_m_linear(torch.randn(1, 256), wq, ws, (128, 128), silu_mul=True)
+
+
+@needs_backend
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block", [None, (128, 128)], ids=["per-channel", "128x128"])
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("has_res", [False, True], ids=["no-residual", "residual"])
+def test_norm_prologue_equals_unfused(has_res, m, block, dtype):
+    """qkv / gate_up of rms_norm(x + residual) in one kernel against the unfused norm then the
+    dequantized product: the new residual exactly (on a GPU; the interpreter truncates the bf16
+    sum: one ulp), the output within the tolerance (the fused path does not round the
+    normalized input, the unfused one does: bf16 noise)."""
+    from fastdeploy.ops.layer_ops import fused_add_rms_norm, rms_norm
+
+    x, wq, ws, b = _operands(m, 136, 320, block, dtype, seed=50 + m)
+    g = torch.Generator().manual_seed(60 + m)
+    residual = torch.randn(m, 320, generator=g).to(dtype).to(DEVICE) if has_res else None
+    norm_w = (1 + 0.3 * torch.randn(320, generator=g)).to(dtype).to(DEVICE)
+    out, res_out = gemv.fp8_norm_small_m_linear(x, residual, norm_w, 1e-6, wq, ws, block, b)
+    if has_res:
+        hidden, res_ref = fused_add_rms_norm(x.cpu().clone(), residual.cpu().clone(), norm_w.cpu(), 1e-6)
+    else:
+        hidden, res_ref = rms_norm(x.cpu(), norm_w.cpu(), 1e-6), x.cpu()
+    if dtype == torch.float32 or CUDA:
+        assert torch.equal(res_out.cpu(), res_ref)
+    else:
+        assert _rel(res_out, res_ref.double()) < 1e-2
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert _rel(out, _reference(hidden, wq, ws, block, b)) < tol
+
+
+def test_norm_limits():
+    wq, _ = fq.quantize_weight_block(torch.randn(128, 256))
+    x, nw = torch.randn(2, 256), torch.ones(256)
+    assert gemv.supports_norm(x, None, nw, wq, (128, 128))
+    assert gemv.supports_norm(x, torch.randn(2, 256), nw, wq, (128, 128))
+    assert not gemv.supports_norm(torch.randn(3, 256), None, nw, wq, (128, 128))  # > NORM_FUSE_MAX_M
+    assert not gemv.supports_norm(x, torch.randn(1, 256), nw, wq, (128, 128))  # residual shape
+    assert not gemv.supports_norm(x, None, torch.ones(255), wq, (128, 128))
+    assert not gemv.config_fits({"BLOCK_N": 8, "BLOCK_K": 64, "DOT": False}, 4, 128, 128, norm=True)
+    assert not gemv.config_fits({"BLOCK_N": 32, "BLOCK_K": 64, "DOT": True}, 2, 128, 128, norm=True)

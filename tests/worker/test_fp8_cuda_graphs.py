@@ -1,5 +1,6 @@
-"""FP8 weights through the whole engine on a GPU: the decode steps run the w8a16 GEMV (and its
-SiLU prologue for down_proj), inside CUDA graphs as eagerly, with the same greedy tokens."""
+"""FP8 weights through the whole engine on a GPU: the decode steps run the w8a16 GEMV (with its
+norm prologue for qkv / gate_up and its SiLU prologue for down_proj), inside CUDA graphs as
+eagerly, with the same greedy tokens."""
 
 from __future__ import annotations
 
@@ -36,6 +37,9 @@ def test_fp8_decode_runs_the_gemv_and_graphs_give_the_eager_tokens():
         del llm
         gc.collect()
         torch.cuda.empty_cache()
-        assert any(key[0] == 1 and not key[-2] for key in warmed), warmed  # plain GEMV at 1 row
-        assert any(key[0] == 1 and key[-2] for key in warmed), warmed  # down_proj with SiLU
+        assert any(key[0] == 1 and key[-2] == "" for key in warmed), warmed  # plain GEMV at 1 row (o_proj)
+        assert any(key[0] == 1 and key[-2] == "silu" for key in warmed), warmed  # down_proj with SiLU
+        assert any(key[0] == 1 and key[-2] == "norm-add" for key in warmed), (
+            warmed
+        )  # qkv / gate_up with the norm
     assert results[False] == results[True]

@@ -257,6 +257,10 @@ class Linear(nn.Linear):
         :class:`~fastdeploy.ops.triton_norm_gemv.RotaryCache`) also rotates q and k and writes
         the cache; pass it only when :meth:`fuses_norm` said yes for it.
         """
+        if self.quant_method is not None and rotary is None:
+            fused = self.quant_method.apply_normed(self, x, residual, norm)
+            if fused is not None:
+                return fused
         if rotary is not None or self.fuses_norm(x, residual):
             fused = load_triton_norm_gemv()
             return fused.norm_small_m_linear(x, residual, norm.weight, norm.eps, self.weight, rotary)

@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+from torch import nn
 
 if TYPE_CHECKING:
     from fastdeploy.model_executor.layers.linear import Linear
@@ -33,6 +34,14 @@ class LinearMethod(ABC):
     @abstractmethod
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x @ W^T + bias`` for this rank's shard of the weight."""
+
+    def apply_normed(
+        self, layer: Linear, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``layer(norm(x + residual))`` and the new residual (``x`` when ``residual`` is None) where
+        the method fuses the norm into its matmul for these operands; None: the caller runs the
+        norm, then the layer."""
+        return None
 
     def apply_silu_mul(self, layer: Linear, gate_up: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """:meth:`apply` of ``silu_and_mul(gate_up)`` (down_proj); a method may fuse the two."""

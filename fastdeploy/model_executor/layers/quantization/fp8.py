@@ -203,6 +203,26 @@ class Fp8LinearMethod(LinearMethod):
         scale = getattr(layer, self.scale_name)
         return fp8_linear(x, layer.weight, scale, self.block, bias, self.backend)
 
+    def apply_normed(
+        self, layer: Linear, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """One kernel in decode on a GPU (the GEMV's residual-add + RMSNorm prologue) for an
+        RMSNorm before a layer whose forward is its matmul; None otherwise."""
+        from fastdeploy.model_executor.layers.layernorm import RMSNorm
+        from fastdeploy.model_executor.layers.linear import Linear
+        from fastdeploy.ops.fp8_linear import fp8_norm_fusable
+
+        if type(norm) is not RMSNorm or type(layer).forward is not Linear.forward:
+            return None
+        if not fp8_norm_fusable(x, residual, norm.weight, layer.weight, self.block, layer.bias, self.backend):
+            return None
+        from fastdeploy.ops.triton_fp8_gemv import fp8_norm_small_m_linear
+
+        scale = getattr(layer, self.scale_name)
+        return fp8_norm_small_m_linear(
+            x, residual, norm.weight, norm.eps, layer.weight, scale, self.block, layer.bias
+        )
+
     def apply_silu_mul(self, layer: Linear, gate_up: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """down_proj of ``silu_and_mul(gate_up)``: one kernel in decode on a GPU (the GEMV's SiLU
         prologue, :func:`~fastdeploy.ops.fp8_linear.fp8_linear_silu_mul`)."""
