@@ -105,3 +105,33 @@ def test_embed_at_tensor_parallel_2(qwen3):
             check(llm.embed(PROMPTS, PoolingParams(pooling, False)), expected, PROMPTS)
     finally:
         llm.shutdown()
+
+
+def test_causal_lm_packaged_as_sentence_transformers(tmp_path):
+    """Qwen3-Embedding's layout: a Qwen3ForCausalLM checkpoint (tied LM head) with modules.json,
+    last-token pooling and a Normalize module: detected as an embedding model, pooled from the
+    decoder's final hidden states."""
+    import json
+
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from tests.embedding_models import TINY
+
+    torch.manual_seed(5)
+    causal = Qwen3ForCausalLM(
+        Qwen3Config(vocab_size=3000, head_dim=16, tie_word_embeddings=True, **TINY)
+    ).eval()
+    causal.save_pretrained(tmp_path)
+    modules = [
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ]
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_lasttoken": True}))
+    llm = LLM(str(tmp_path), kv_cache_memory=0.05, **ENGINE)
+    try:
+        check(llm.embed(PROMPTS), reference_vectors(causal.model, PROMPTS, "last", True), PROMPTS)
+    finally:
+        llm.shutdown()
