@@ -80,7 +80,7 @@ def _run(x, wq, ws, block, bias, config):
 def test_matches_float64_reference(block, dtype):
     """The default path (autotuned on a GPU) at every padded row count up to 16, with tails."""
     n, k = 136, 320  # partial last blocks in N and K
-    for m in (1, 2, 3, 4, 7, 16) if CUDA else (1, 3, 16):
+    for m in (1, 2, 3, 4, 7, 16) if CUDA else (1, 16):  # (the forms at 3 rows: below)
         x, wq, ws, b = _operands(m, n, k, block, dtype, seed=m, bias=m % 2 == 1)
         out = gemv.fp8_small_m_linear(x, wq, ws, block, b)
         assert out.shape == (m, n) and out.dtype == dtype
