@@ -7,9 +7,11 @@ that quantizes the activation, then a GEMM tiled for tensor-core throughput, eac
 of its own. This kernel streams the fp8 weight once, dequantizes it in registers with its
 scales and multiplies it with the bf16 / fp16 activation as it is: no activation
 quantization at all (the activation keeps its precision, so the result is closer to the
-unquantized layer than the w8a8 one), one launch per layer, bias in the epilogue. For
-down_proj at 1-2 rows it also forms ``silu(gate) * up`` from ``gate_up`` as it loads it
-(``silu_mul``), so the MLP's SiLU-and-multiply kernel goes too.
+unquantized layer than the w8a8 one), one launch per layer, bias in the epilogue. At 1-2
+rows two prologues take the small kernels around it too: for down_proj it forms
+``silu(gate) * up`` from ``gate_up`` as it loads it (``silu_mul``), and for qkv / gate_up it
+runs the residual add + RMSNorm before them (:func:`fp8_norm_small_m_linear`, the prologue of
+:mod:`fastdeploy.ops.triton_norm_gemv`; the rotary and cache-write epilogue is not here).
 
 Weights are ``[N, K]`` float8_e4m3fn with float32 dequantization scales (``w ≈ fp8 * scale``),
 either per output channel (``scale [N]``) or per ``(GROUP_N, GROUP_K)`` block
