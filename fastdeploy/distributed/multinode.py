@@ -91,6 +91,11 @@ def check_node_flags(parallel: ParallelConfig) -> None:
         )
     if not parallel.master_addr:
         raise NodeLayoutError("nnodes > 1 needs master_addr: the address of node 0 that every node can reach")
+    if parallel.master_addr in ("0.0.0.0", "::", "*"):
+        raise NodeLayoutError(
+            f"master_addr {parallel.master_addr!r}: give node 0's address that the other nodes reach (node 0 "
+            "listens on that address only)"
+        )
     if not 0 < parallel.master_port < 65536:
         raise NodeLayoutError(f"master_port ({parallel.master_port}) must lie in [1, 65535]")
 

@@ -39,6 +39,7 @@ def test_node_r_runs_its_run_of_world_ranks():
         ({"nnodes": 0}, "nnodes (0) must be >= 1"),
         ({"nnodes": 4, "master_addr": "h"}, "2 workers cannot be split evenly over nnodes = 4"),
         ({"nnodes": 2}, "nnodes > 1 needs master_addr"),
+        ({"nnodes": 2, "master_addr": "0.0.0.0"}, "master_addr '0.0.0.0': give node 0's address"),
         ({"nnodes": 2, "master_addr": "h", "master_port": 70000}, "master_port (70000)"),
     ],
 )
