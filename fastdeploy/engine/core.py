@@ -113,6 +113,12 @@ class EngineCore:
             sched.max_num_batched_tokens, sched.max_num_seqs, self.max_model_len, self.async_scheduling,
             num_blocks, block_size, num_blocks * block_size,
         )  # fmt: skip
+        pooler = self.source.pooler
+        if pooler is not None:
+            logger.info(
+                "pooling runner (embeddings only): %s pooling, normalize=%s, matryoshka dimensions=%s",
+                pooler.pooling_type, pooler.normalize, pooler.matryoshka_dimensions or pooler.is_matryoshka,
+            )  # fmt: skip
 
     def add_request(self, core_request: EngineCoreRequest) -> None:
         # first, so that the front end's mirror and ours see the same items even if this request is refused
