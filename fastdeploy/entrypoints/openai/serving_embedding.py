@@ -84,6 +84,11 @@ class OpenAIServingEmbedding(OpenAIServing):
         prompts = []
         for item in request.input:
             if isinstance(item, str):
+                if self.tokenizer is None:
+                    raise BadRequestError(
+                        "no tokenizer is loaded (--skip-tokenizer-init, or a model without one); send token ids",
+                        param="input",
+                    )
                 text: str | None = item
                 token_ids = await self.encode(
                     item, add_special_tokens=request.add_special_tokens, param="input"
