@@ -236,7 +236,7 @@ def moe_layouts(args: argparse.Namespace) -> list[dict[str, Any]]:
             **({"quantization": q} if q else {}),
         }
         for q in quants
-        for tp in (1, args.tp)
+        for tp in sorted({1, args.tp})
     ]
 
 
