@@ -3,6 +3,9 @@
     python benchmarks/serving_breakdown.py                          # default model, 64 prompts x 64/32 tokens
     python benchmarks/serving_breakdown.py --model tiny             # a 1-layer dummy model: the path itself
     python benchmarks/serving_breakdown.py --profile /tmp/prof      # also py-spy both server processes
+    python benchmarks/serving_breakdown.py --model benchmarks/configs/llama-3.1-8b --num-threads 0 \
+        --engine-args device=cuda,max_model_len=2048,tokenizer=TOKENIZER_DIR \
+        --num-prompts 256 --input-len 512 --output-len 256 --dtype bfloat16     # a GPU
 
 Prints offline and online output tokens/s and their ratio (online / offline: what the HTTP path
 costs), and, from the server's per-request timeline (``FD_REQUEST_TIMELINE_FILE``), the median
@@ -42,21 +45,31 @@ TINY_LLAMA = dict(
 )  # fmt: skip
 
 
-def tiny_model_dir() -> str:
-    """A folder with the tiny config and the default model's tokenizer (dummy weights are made on load)."""
+def default_tokenizer_into(folder: Path) -> None:
+    """Save the default model's (SmolLM2's) tokenizer into ``folder``."""
     from fastdeploy.model_executor.model_loader.default_model import default_model_path
     from fastdeploy.model_executor.model_loader.gguf_loader import load_gguf_tokenizer
 
+    load_gguf_tokenizer(default_model_path()).save_pretrained(folder)
+
+
+def tiny_model_dir() -> str:
+    """A folder with the tiny config and the default model's tokenizer (dummy weights are made on load)."""
     folder = Path(tempfile.mkdtemp(prefix="fd-tiny-"))
     (folder / "config.json").write_text(json.dumps(TINY_LLAMA))
-    load_gguf_tokenizer(default_model_path()).save_pretrained(folder)
+    default_tokenizer_into(folder)
     return str(folder)
 
 
 def engine_args(args: argparse.Namespace, model: str | None) -> dict:
-    kwargs = dict(dtype=args.dtype, num_threads=args.num_threads, max_model_len=1024, kv_cache_memory=0.5)
+    kwargs: dict = dict(dtype=args.dtype, max_model_len=1024)
+    if args.num_threads:
+        kwargs.update(num_threads=args.num_threads, kv_cache_memory=0.5)
     if model is not None:
         kwargs.update(model=model, load_format="dummy")
+    for item in filter(None, args.engine_args.split(",")):
+        key, _, value = item.partition("=")
+        kwargs[key.strip()] = int(value) if value.strip().isdigit() else value.strip()
     return kwargs
 
 
@@ -156,7 +169,21 @@ def top_functions(collapsed: Path, limit: int) -> list[tuple[float, float, str]]
     return [(100 * n / total, 100 * inclusive[f] / total, f) for f, n in own.most_common(limit)]
 
 
-def run_online(args: argparse.Namespace, model: str | None, samples: list) -> tuple[float, list[dict]]:
+def cpu_seconds(pid: int | None) -> float:
+    """User + system CPU time of a process so far (all its threads)."""
+    import psutil
+
+    if pid is None:
+        return 0.0
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
+
+
+def run_online(
+    args: argparse.Namespace, model: str | None, samples: list
+) -> tuple[float, list[dict], dict[str, float]]:
+    """Output tokens/s through the server, the per-request timelines, and the CPU µs each server
+    process spent per output token (robust to other load on the machine, unlike the rates)."""
     from fastdeploy.benchmarks.serve import ServeConfig, first_model, run_benchmark
 
     timeline = tempfile.mktemp(suffix=".jsonl", prefix="fd-timeline-")
@@ -167,10 +194,13 @@ def run_online(args: argparse.Namespace, model: str | None, samples: list) -> tu
         asyncio.run(run_benchmark(cfg, samples[:2]))  # warm-up
         Path(timeline).write_text("")
         profilers = []
+        pids = {"api_server": proc.pid, "engine_core": engine_core_pid(proc.pid)}
         if args.profile:
-            pids = {"api_server": proc.pid, "engine_core": engine_core_pid(proc.pid)}
             profilers = start_profilers(pids, Path(args.profile), args.profile_seconds)
+        cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
         metrics, _ = asyncio.run(run_benchmark(cfg, samples))
+        tokens = max(metrics.total_output_tokens, 1)
+        cpu_us = {name: (cpu_seconds(pid) - cpu_before[name]) / tokens * 1e6 for name, pid in pids.items()}
         for p in profilers:
             p.wait(timeout=args.profile_seconds + 30)
     finally:
@@ -182,7 +212,7 @@ def run_online(args: argparse.Namespace, model: str | None, samples: list) -> tu
     if metrics.failed:
         raise RuntimeError(f"{metrics.failed} requests failed: {metrics.errors[:3]}")
     lines = Path(timeline).read_text().splitlines() if os.path.exists(timeline) else []
-    return metrics.output_throughput, [json.loads(line) for line in lines if line.strip()]
+    return metrics.output_throughput, [json.loads(line) for line in lines if line.strip()], cpu_us
 
 
 STAGES = (
@@ -215,12 +245,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", choices=("default", "tiny"), default="default")
+    parser.add_argument(
+        "--model",
+        default="default",
+        help="default (the embedded model), tiny (1 layer, dummy weights) or a model folder (dummy weights)",
+    )
+    parser.add_argument(
+        "--engine-args",
+        default="",
+        help="more engine flags for both runs, as 'key=value,key=value' (e.g. device=cuda,max_model_len=2048)",
+    )
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--num-threads", type=int, default=1)
+    parser.add_argument(
+        "--num-threads", type=int, default=1, help="CPU threads (0 on a GPU: leave the CPU flags out)"
+    )
     parser.add_argument(
         "--endpoint", default="/v1/completions", choices=("/v1/completions", "/v1/chat/completions")
     )
@@ -231,7 +272,12 @@ def main() -> None:
     parser.add_argument("--profile-seconds", type=int, default=20)
     parser.add_argument("--top", type=int, default=25, help="functions listed per profile")
     args = parser.parse_args()
-    model = tiny_model_dir() if args.model == "tiny" else None
+    model = {"tiny": tiny_model_dir, "default": lambda: None}.get(args.model, lambda: args.model)()
+    no_tokenizer = model and not (Path(model) / "tokenizer_config.json").exists()
+    if no_tokenizer and "tokenizer=" not in args.engine_args:  # a config-only folder: SmolLM2's tokenizer
+        folder = Path(tempfile.mkdtemp(prefix="fd-tokenizer-"))
+        default_tokenizer_into(folder)
+        args.engine_args = ",".join(filter(None, [args.engine_args, f"tokenizer={folder}"]))
     if args.model == "tiny":
         args.dtype = "float32"
 
@@ -244,7 +290,7 @@ def main() -> None:
         samples = make_samples(load_tokenizer(config.model, resolve_model(config.model)), args)
     else:
         offline, samples = run_offline(args, model)
-    online, records = run_online(args, model, samples)
+    online, records, cpu_us = run_online(args, model, samples)
     print(f"workload: {args.num_prompts} prompts x {args.input_len}/{args.output_len} tokens, model {args.model}, "
           f"{args.dtype}, {args.num_threads} thread(s), {args.endpoint}")  # fmt: skip
     if offline is not None:
@@ -252,6 +298,8 @@ def main() -> None:
     print(f"online output tok/s:  {online:.1f}")
     if offline is not None:
         print(f"online / offline:     {online / offline:.3f}")
+    for name, us in cpu_us.items():
+        print(f"{name} CPU per output token: {us:.1f} us")
     if records:
         print(f"\nper-request stages ({len(records)} requests):")
         print("\n".join(stage_table(records)))
