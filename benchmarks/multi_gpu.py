@@ -28,6 +28,7 @@ Sections:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -316,7 +317,8 @@ def serve_and_bench(args: argparse.Namespace, model: str, dp: int, out: Path, *e
         return row | {"median_ttft_ms": data["ttft_ms"]["median"], "median_tpot_ms": data["tpot_ms"]["median"],
                       "p99_itl_ms": data["itl_ms"]["p99"]}  # fmt: skip
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
+        with contextlib.suppress(ProcessLookupError):  # a server that failed to start is gone already
+            os.killpg(proc.pid, signal.SIGINT)
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
