@@ -10,9 +10,16 @@ from fastdeploy.engine.ipc import decode, encode
 
 def test_outputs_round_trip_every_field():
     outputs = [
-        EngineCoreOutput("a", [5, 6], None, None, 16, queue_time=0.25,
-                         logprobs=[[[1, 2], [-0.5, -1.5], -0.25, 1], [[3], [-0.1], -0.1, 1]],
-                         prompt_logprobs=[[[7], [-2.0], -3.0, 4]]),  # fmt: skip
+        EngineCoreOutput(
+            "a",
+            [5, 6],
+            None,
+            None,
+            16,
+            queue_time=0.25,
+            logprobs=[[[1, 2], [-0.5, -1.5], -0.25, 1], [[3], [-0.1], -0.1, 1]],
+            prompt_logprobs=[[[7], [-2.0], -3.0, 4]],
+        ),  # fmt: skip
         EngineCoreOutput("b#1", [9], "stop", 9, 0),
         EngineCoreOutput("c", [], "abort", None, 0, error="boom"),
         EngineCoreOutput("d", [1, 2, 3], "stop", "END", 3),
