@@ -34,18 +34,7 @@ def completion_text_chunk(
         "finish_reason": finish_reason,
         "stop_reason": stop_reason,
     }
-    if token_ids is not None:
-        choice["token_ids"] = token_ids
-    body = {
-        "id": request_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [choice],
-    }
-    if usage_null:
-        body["usage"] = None
-    return b"data: " + orjson.dumps(body) + b"\n\n"
+    return _sse_chunk(request_id, "text_completion", created, model, choice, token_ids, usage_null)
 
 
 def chat_content_chunk(
@@ -69,15 +58,22 @@ def chat_content_chunk(
         "finish_reason": finish_reason,
         "stop_reason": stop_reason,
     }
+    return _sse_chunk(request_id, "chat.completion.chunk", created, model, choice, token_ids, usage_null)
+
+
+def _sse_chunk(
+    request_id: str,
+    obj: str,
+    created: int,
+    model: str,
+    choice: dict,
+    token_ids: list[int] | None,
+    usage_null: bool,
+) -> bytes:
+    """``data: {...}`` of a one-choice stream response (the key order of the pydantic models)."""
     if token_ids is not None:
         choice["token_ids"] = token_ids
-    body = {
-        "id": request_id,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": [choice],
-    }
+    body = {"id": request_id, "object": obj, "created": created, "model": model, "choices": [choice]}
     if usage_null:
         body["usage"] = None
     return b"data: " + orjson.dumps(body) + b"\n\n"
