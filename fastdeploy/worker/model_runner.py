@@ -15,8 +15,9 @@ from fastdeploy.distributed import tp_broadcast, tp_size
 from fastdeploy.model_executor.attention.backend import AttentionMetadata
 from fastdeploy.model_executor.attention.forward_context import set_forward_context
 from fastdeploy.model_executor.attention.metadata import CommonAttentionMetadata
-from fastdeploy.model_executor.layers.fused_moe import FusedMoE, take_load_imbalance
+from fastdeploy.model_executor.layers.fused_moe import FusedMoE
 from fastdeploy.model_executor.layers.linear import prepack_linear_weights
+from fastdeploy.model_executor.layers.moe_load import MoELoadMeter
 from fastdeploy.model_executor.layers.parallel_linear import local_heads
 from fastdeploy.model_executor.model_loader import ModelSource, load_model, resolve_dtype
 from fastdeploy.model_executor.sampler import LogprobsTensors, Sampler
@@ -82,8 +83,8 @@ class ModelRunner:
             bidirectional = config.model.mm_bidirectional_attention
             self.mm = MultimodalBatchState(source.arch.mm, device, self.dtype, bidirectional)
         self.model: torch.nn.Module | None = None
-        self.moe_layers: list[FusedMoE] = []
-        """The model's mixture-of-experts layers (their routed-token counts feed the load-balance metric)."""
+        self.moe_load = MoELoadMeter([])
+        """The MoE layers' load-balance statistic (read without waiting for the device)."""
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         pinned = device.type == "cuda"
         rows = config.scheduler.max_num_seqs
@@ -111,7 +112,7 @@ class ModelRunner:
 
     def load_model(self) -> None:
         self.model = load_model(self.config.model, self.source, self.device, self.dtype)
-        self.moe_layers = [m for m in self.model.modules() if isinstance(m, FusedMoE)]
+        self.moe_load = MoELoadMeter([m for m in self.model.modules() if isinstance(m, FusedMoE)])
         if self.device.type == "cpu":
             prepack_linear_weights(self.model)
 
@@ -451,7 +452,7 @@ class ModelRunner:
             stopped,
             logprobs,
             state.prompt_logprobs,
-            moe_load_imbalance=take_load_imbalance(self.moe_layers),
+            moe_load_imbalance=self.moe_load.poll(),
             pooled=state.pooled,
         )
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from fastdeploy.model_executor.layers.fused_moe import FusedMoE, select_experts, take_load_imbalance
+from fastdeploy.model_executor.layers.fused_moe import FusedMoE, select_experts
+from fastdeploy.model_executor.layers.moe_load import MoELoadMeter, load_imbalance
 from fastdeploy.model_executor.models.qwen_moe import is_sparse_layer
 from fastdeploy.transformers_utils.config import ModelArchConfig
 from tests.greedy_tokens import (
@@ -137,9 +138,28 @@ def test_load_imbalance_is_max_over_mean_routed_pairs_and_resets():
     for layer in layers:
         torch.nn.init.normal_(layer.gate_up_proj)
         torch.nn.init.normal_(layer.down_proj)
+    meter = MoELoadMeter(layers, read_interval_s=0.0)
+    assert meter.poll() is None  # starts the first read (nothing routed yet)
     logits = torch.tensor([[9.0, 8.0, 0.0, 0.0]] * 3)  # 3 tokens → experts 0 and 1
     layers[0](torch.randn(3, 8), logits)
     layers[1](torch.randn(1, 8), torch.tensor([[0.0, 0.0, 9.0, 8.0]]))  # 1 token → experts 2 and 3
-    assert take_load_imbalance(layers) == pytest.approx(3 * 4 / 8)  # counts [3, 3, 1, 1]: max 3, mean 2
-    assert take_load_imbalance(layers) is None  # read once: nothing routed since
-    assert take_load_imbalance([]) is None
+    assert meter.poll() is None  # the empty first read completes; this one takes the counts
+    assert meter.poll() == pytest.approx(3 * 4 / 8)  # counts [3, 3, 1, 1]: max 3, mean 2
+    assert meter.poll() is None  # read once: nothing routed since
+    assert MoELoadMeter([]).poll() is None
+
+
+def test_load_imbalance_per_expert_parallel_rank():
+    counts = torch.tensor([3, 1, 0, 0])  # rank 0 holds experts 0-1, rank 1 experts 2-3
+    assert load_imbalance(counts, ep_size=2) == pytest.approx(4 * 2 / 4)
+    assert load_imbalance(counts, ep_size=1) == pytest.approx(3 * 4 / 4)
+    assert load_imbalance(torch.zeros(4, dtype=torch.int64), ep_size=1) is None
+
+
+def test_meter_reads_at_most_once_per_interval():
+    layer = FusedMoE(4, 2, 8, 6, renormalize=True)
+    meter = MoELoadMeter([layer], read_interval_s=3600.0)
+    assert meter.poll() is None  # first read started at once
+    layer(torch.randn(2, 8), torch.randn(2, 4))
+    assert meter.poll() is None  # the (empty) first read completed; no second read within the interval
+    assert int(layer.routed_tokens.sum()) == 4  # still counting on the device, unread

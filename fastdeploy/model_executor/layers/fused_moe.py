@@ -142,7 +142,7 @@ class FusedMoE(nn.Module):
         set_weight_loader(self.gate_up_proj, self.load_expert_shard, gate_up_shapes)
         set_weight_loader(self.down_proj, self.load_expert_shard, down_shapes)
         self.register_buffer("routed_tokens", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
-        """(token, expert) pairs routed to each expert since :func:`take_load_imbalance` last read them."""
+        """(token, expert) pairs routed to each expert since the last read (:mod:`.moe_load`)."""
         self.fp8 = Fp8MoEMethod.from_config(quant_config)
         if self.fp8 is not None:
             self.fp8.create_weights(self)
@@ -271,17 +271,3 @@ class FusedMoE(nn.Module):
         out = torch.zeros_like(hidden)
         out.index_add_(0, token_of, expert_out * sorted_weights)
         return out
-
-
-def take_load_imbalance(layers: list[FusedMoE]) -> float | None:
-    """Max / mean of the (token, expert) pairs routed per expert-parallel rank (per expert without
-    expert parallelism), summed over ``layers`` since the last call, which resets them; None when
-    nothing was routed. Read once per step by the worker, for the metrics."""
-    if not layers:
-        return None
-    counts = torch.stack([layer.routed_tokens for layer in layers]).sum(0)
-    for layer in layers:
-        layer.routed_tokens.zero_()
-    per_rank = counts.view(layers[0].ep_size, -1).sum(1) if layers[0].ep_size > 1 else counts
-    total = int(per_rank.sum())
-    return None if total == 0 else float(per_rank.max()) * len(per_rank) / total
