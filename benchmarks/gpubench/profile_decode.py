@@ -47,11 +47,12 @@ def main() -> None:
     parser.add_argument("--cprofile", action="store_true")
     parser.add_argument("--rows", type=int, default=20, help="kernel table rows (0: no table)")
     parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--quantization", default=None, help="e.g. fp8 (weights quantized at load)")
     args = parser.parse_args()
     llm = LLM(
         model=args.config, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", device="cuda",
         max_num_seqs=max(8, args.batch), max_model_len=256, num_gpu_blocks_override=16 * max(8, args.batch) + 8,
-        attention_backend=args.attention_backend,
+        attention_backend=args.attention_backend, quantization=args.quantization,
     )  # fmt: skip
     decode_steps(llm, args.batch, 16, 100)  # warm-up
     step_s = decode_steps(llm, args.batch, args.tokens, 1000)
