@@ -115,6 +115,41 @@ def rotary_embedding_(
     heads.copy_(torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1))
 
 
+def qk_norm_rotary_(
+    positions: torch.Tensor,
+    qkv: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> None:
+    """Qwen3's attention input in place: RMSNorm over each q head (``q_weight [head_dim]``) and
+    each k head (``k_weight``) of ``qkv [T, (num_heads + 2 * num_kv_heads) * head_dim]``, then
+    the rotary embedding of those heads (NeoX layout; ``cos``/``sin`` as :func:`rotary_embedding_`).
+    One Triton kernel on a GPU; elsewhere the norms and :func:`rotary_embedding_`."""
+    gpu = _triton_kernels(qkv)
+    if (
+        gpu is not None
+        and cos.dtype == torch.float32
+        and cos.is_contiguous()
+        and q_weight.dtype == k_weight.dtype == qkv.dtype
+    ):
+        gpu.qk_norm_rotary_(
+            positions, qkv, q_weight, k_weight, eps, cos, sin, num_heads, num_kv_heads, head_dim
+        )
+        return
+    num_tokens, q_size, kv_size = qkv.shape[0], num_heads * head_dim, num_kv_heads * head_dim
+    q = qkv[:, :q_size].reshape(num_tokens, num_heads, head_dim)
+    k = qkv[:, q_size : q_size + kv_size].reshape(num_tokens, num_kv_heads, head_dim)
+    qkv[:, :q_size] = _rms_norm_torch(q, q_weight, eps).reshape(num_tokens, q_size)
+    qkv[:, q_size : q_size + kv_size] = _rms_norm_torch(k, k_weight, eps).reshape(num_tokens, kv_size)
+    rotary_embedding_(positions, qkv, cos, sin, num_heads + num_kv_heads, head_dim)
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate_up = [gate | up]`` along the last dimension."""
     half = gate_up.shape[-1] // 2

@@ -33,6 +33,7 @@ from fastdeploy.model_executor.layers.quantization import QuantizationConfig
 from fastdeploy.model_executor.layers.rotary_embedding import InterleavedRotaryEmbedding, RotaryEmbedding
 from fastdeploy.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from fastdeploy.model_executor.layers.weight_loading import ShardId, checkpoint_shapes, weight_loader
+from fastdeploy.ops.layer_ops import qk_norm_rotary_
 from fastdeploy.transformers_utils.config import ModelArchConfig
 
 
@@ -87,7 +88,14 @@ class LlamaAttention(nn.Module):
             return self.o_proj(self.attn(q, k, v, cache_written=True)), residual
         qkv, residual = self.qkv_proj.forward_normed(hidden, residual, norm)
         num_tokens = qkv.shape[0]
-        if self.qk_norm:
+        if self.qk_norm and type(self.rotary_emb) is RotaryEmbedding:  # one kernel on a GPU
+            rope = self.rotary_emb
+            qk_norm_rotary_(
+                positions, qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                rope.cos_cache, rope.sin_cache, self.num_heads, self.num_kv_heads, self.head_dim,
+            )  # fmt: skip
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        elif self.qk_norm:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim)).reshape(num_tokens, -1)
             k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim)).reshape(num_tokens, -1)
