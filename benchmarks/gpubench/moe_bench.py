@@ -253,9 +253,11 @@ def sweep(
 
 
 def _gemv_candidates(fp8: bool) -> list[gemv.GemvConfig]:
-    """The GEMV sweep's configurations of one kernel (FP8: ``block_k`` divides the 128-column scale block)."""
-    ks = (64, 128) if fp8 else (128, 256, 512)
-    return [gemv.GemvConfig(n, k, w, s) for n in (8, 16, 32) for k in ks for w in (4, 8) for s in (3, 4)]
+    """The GEMV sweep's configurations of one kernel (FP8: tiles of at most 128 rows, whose block
+    scales then multiply the activations, so ``block_k`` may span several scale blocks)."""
+    ks = (64, 128, 256, 512) if fp8 else (128, 256, 512)
+    ns = (8, 16, 32, 64) if fp8 else (8, 16, 32)
+    return [gemv.GemvConfig(n, k, w, s) for n in ns for k in ks for w in (4, 8) for s in (3, 4)]
 
 
 def sweep_gemv(

@@ -95,6 +95,7 @@ def _gate_up_kernel(
     stride_am,
     TOP_K: tl.constexpr,
     FP8: tl.constexpr,
+    SCALE_ON_X: tl.constexpr,
     GROUP_N: tl.constexpr,
     GROUP_K: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -120,16 +121,26 @@ def _gate_up_kernel(
     x_ptrs = x_ptr + token * stride_xm + offs_k
     acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    if SCALE_ON_X:  # the tile's rows share one scale row (per gate / up): scale x, not the tile
+        gate_s = s_ptr + expert * stride_se + ((pid_n * BLOCK_N) // GROUP_N) * stride_sn
+        up_s = s_ptr + expert * stride_se + ((pid_n * BLOCK_N + INTER) // GROUP_N) * stride_sn
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         k_mask = (k0 + offs_k) < K
         if EVEN_K:
             x = tl.load(x_ptrs + k0).to(tl.float32)
         else:
             x = tl.load(x_ptrs + k0, mask=k_mask, other=0.0).to(tl.float32)
-        g = _weight_tile(gate_ptrs + k0, gate_s + k0 // GROUP_K, k_mask, FP8, EVEN_K)
-        u = _weight_tile(up_ptrs + k0, up_s + k0 // GROUP_K, k_mask, FP8, EVEN_K)
-        acc_g += g * x[None, :]
-        acc_u += u * x[None, :]
+        if SCALE_ON_X:
+            k_blocks = (k0 + offs_k) // GROUP_K
+            x_g = x * tl.load(gate_s + k_blocks, mask=k_mask, other=0.0)
+            x_u = x * tl.load(up_s + k_blocks, mask=k_mask, other=0.0)
+            acc_g += _weight_tile(gate_ptrs + k0, gate_s, k_mask, False, EVEN_K) * x_g[None, :]
+            acc_u += _weight_tile(up_ptrs + k0, up_s, k_mask, False, EVEN_K) * x_u[None, :]
+        else:
+            g = _weight_tile(gate_ptrs + k0, gate_s + k0 // GROUP_K, k_mask, FP8, EVEN_K)
+            u = _weight_tile(up_ptrs + k0, up_s + k0 // GROUP_K, k_mask, FP8, EVEN_K)
+            acc_g += g * x[None, :]
+            acc_u += u * x[None, :]
     pdl_trigger(USE_PDL)
     dtype = act_ptr.dtype.element_ty
     # rounded as the unfused path: gate_up in the activation dtype, silu(gate), then the product
@@ -157,6 +168,7 @@ def _down_kernel(
     stride_om,
     TOP_K: tl.constexpr,
     FP8: tl.constexpr,
+    SCALE_ON_X: tl.constexpr,
     GROUP_N: tl.constexpr,
     GROUP_K: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -190,8 +202,13 @@ def _down_kernel(
         else:
             a = tl.load(a_ptrs, mask=k_mask, other=0.0).to(tl.float32)
         w_ptrs = w_ptr + expert * stride_we + rows[:, None] * stride_wn + (k0 + offs_k)[None, :]
-        s_ptrs = s_ptr + expert * stride_se + (rows // GROUP_N) * stride_sn + k0 // GROUP_K
-        acc += _weight_tile(w_ptrs, s_ptrs, k_mask, FP8, EVEN_K) * (a * weight)[None, :]
+        if SCALE_ON_X:  # the tile's rows share one scale row: scale the activations
+            s_row = s_ptr + expert * stride_se + ((pid_n * BLOCK_N) // GROUP_N) * stride_sn
+            a = a * tl.load(s_row + (k0 + offs_k) // GROUP_K, mask=k_mask, other=0.0)
+            acc += _weight_tile(w_ptrs, s_row, k_mask, False, EVEN_K) * (a * weight)[None, :]
+        else:
+            s_ptrs = s_ptr + expert * stride_se + (rows // GROUP_N) * stride_sn + k0 // GROUP_K
+            acc += _weight_tile(w_ptrs, s_ptrs, k_mask, FP8, EVEN_K) * (a * weight)[None, :]
     out = tl.sum(acc, axis=1)
     pdl_trigger(USE_PDL)
     tl.store(out_ptr + token * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
@@ -223,9 +240,13 @@ def fused_experts_gemv(
     inter = two_i // 2
     fp8 = w13.dtype == FP8_DTYPE
     gate_up_cfg, down_cfg = configs or default_configs(fp8)
+    # FP8: where a tile's rows share one scale row the scales multiply the activations (any
+    # block_k); otherwise each row's scale multiplies its tile row (block_k divides the block)
+    gate_up_on_x = fp8 and block_shape[0] % gate_up_cfg.block_n == 0 and inter % block_shape[0] == 0
+    down_on_x = fp8 and block_shape[0] % down_cfg.block_n == 0
     if fp8:
-        for cfg in (gate_up_cfg, down_cfg):
-            if block_shape[1] % cfg.block_k:
+        for cfg, on_x in ((gate_up_cfg, gate_up_on_x), (down_cfg, down_on_x)):
+            if not on_x and block_shape[1] % cfg.block_k:
                 raise ValueError(
                     f"block_k ({cfg.block_k}) must divide the scale block's columns ({block_shape[1]})"
                 )
@@ -242,7 +263,7 @@ def fused_experts_gemv(
     _gate_up_kernel[(triton.cdiv(inter, gate_up_cfg.block_n), num_tokens * top_k)](
         hidden, w13, s13, ids, act, inter, h, hidden.stride(0), w13.stride(0), w13.stride(1),
         s13.stride(0) if fp8 else 0, s13.stride(1) if fp8 else 0, act.stride(0),
-        TOP_K=top_k, FP8=fp8, GROUP_N=block_shape[0], GROUP_K=block_shape[1],
+        TOP_K=top_k, FP8=fp8, SCALE_ON_X=gate_up_on_x, GROUP_N=block_shape[0], GROUP_K=block_shape[1],
         EVEN_K=h % gate_up_cfg.block_k == 0, BLOCK_N=gate_up_cfg.block_n, BLOCK_K=gate_up_cfg.block_k,
         STAGES=1 if interpreting else gate_up_cfg.num_stages, num_warps=gate_up_cfg.num_warps,
         **pdl_kwargs(act),
@@ -251,7 +272,7 @@ def fused_experts_gemv(
     _down_kernel[(triton.cdiv(h, down_cfg.block_n), num_tokens)](
         act, w2, s2, ids, weights, out, h, inter, act.stride(0), w2.stride(0), w2.stride(1),
         s2.stride(0) if fp8 else 0, s2.stride(1) if fp8 else 0, out.stride(0),
-        TOP_K=top_k, FP8=fp8, GROUP_N=block_shape[0], GROUP_K=block_shape[1],
+        TOP_K=top_k, FP8=fp8, SCALE_ON_X=down_on_x, GROUP_N=block_shape[0], GROUP_K=block_shape[1],
         EVEN_K=inter % down_cfg.block_k == 0, BLOCK_N=down_cfg.block_n, BLOCK_K=down_cfg.block_k,
         STAGES=1 if interpreting else down_cfg.num_stages, num_warps=down_cfg.num_warps,
         **pdl_kwargs(out),

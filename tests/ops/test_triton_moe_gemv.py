@@ -64,6 +64,33 @@ def test_gemv_fp8_weights(hidden, inter):
     assert out.dtype == torch.bfloat16 and _rel_err(out, _reference(x, w13, w2, weights, ids)) < 0.08
 
 
+@pytest.mark.parametrize(
+    "gate_up,down",
+    [
+        ((16, 256), (32, 512)),  # rows within one scale block: scales on the activations, K tiles > the block
+        ((256, 64), (256, 32)),  # rows across scale blocks: per-row scales, K tiles dividing the block
+    ],
+)
+def test_gemv_fp8_scale_paths(gate_up, down):
+    """Both ways of applying the block scales give the dequantized weights' result."""
+    x, w13, w2, weights, ids = _problem(2, 384, 256, torch.float32, seed=11)
+    q13, s13 = fq.quantize_weight_block(w13)
+    q2, s2 = fq.quantize_weight_block(w2)
+    configs = (gemv.GemvConfig(*gate_up, 4, 1), gemv.GemvConfig(*down, 4, 1))
+    out = gemv.fused_experts_gemv(*_on(DEVICE, x, q13, q2, weights, ids, s13, s2), configs=configs)
+    deq13, deq2 = fq.dequantize_weight_block(q13, s13), fq.dequantize_weight_block(q2, s2)
+    assert _rel_err(out, _reference(x, deq13, deq2, weights, ids)) < 1e-5
+
+
+def test_gemv_fp8_rejects_k_tiles_across_blocks_with_per_row_scales():
+    x, w13, w2, weights, ids = _problem(1, 256, 256, torch.float32, seed=12)
+    q13, s13 = fq.quantize_weight_block(w13)
+    q2, s2 = fq.quantize_weight_block(w2)
+    configs = (gemv.GemvConfig(256, 256, 4, 1), gemv.GemvConfig(16, 128, 4, 1))
+    with pytest.raises(ValueError, match="block_k"):
+        gemv.fused_experts_gemv(*_on(DEVICE, x, q13, q2, weights, ids, s13, s2), configs=configs)
+
+
 def test_fused_experts_takes_the_gemv_path_up_to_the_limit(monkeypatch):
     """Up to FD_MOE_GEMV_MAX_TOKENS tokens fused_experts returns the GEMV result (bit for bit),
     past it the grouped GEMM's (both equal the reference)."""
