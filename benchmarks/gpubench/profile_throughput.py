@@ -103,6 +103,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--window-step", type=int, default=100)
+    parser.add_argument("--quantization", default=None, help="e.g. fp8 (weights quantized at load)")
     parser.add_argument(
         "--hf-config-overrides", type=str, default="{}", help="JSON, e.g. for a tiny smoke model"
     )
@@ -114,7 +115,7 @@ def main() -> None:
         dtype="bfloat16" if args.device == "cuda" else "float32", max_num_seqs=args.num_prompts,
         max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
         max_model_len=-(-(args.input_len + args.output_len + 1) // 16) * 16,
-        hf_config_overrides=overrides,
+        hf_config_overrides=overrides, quantization=args.quantization,
     )  # fmt: skip
     prompts = random_prompts(args.num_prompts, args.input_len, vocab, seed=0)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
