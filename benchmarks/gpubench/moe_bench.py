@@ -284,7 +284,7 @@ def sweep_gemv(
         eager, graph = _time(calls, device, iters, 3 if device.type == "cuda" else 1)
         return graph if graph is not None else eager
 
-    default = gemv.default_configs(fp8)
+    default = gemv.default_configs(fp8, tokens)
     default_seconds = best_seconds = seconds(default)
     best, tried = default, 1
     for which in (0, 1):

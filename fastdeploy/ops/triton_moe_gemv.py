@@ -56,13 +56,13 @@ class GemvConfig:
     num_stages: int = 3
 
 
-# Starting points (not yet tuned on a GPU): enough programs at batch 1 to fill 132 SMs
-# (gate_up: 8 pairs x 768/16 = 384; down: 2048/16 = 128 x 8 experts' rows each), 8-16 KB per
-# weight tile load. FP8 tiles read a scale block's 128 columns per step.
-BF16_GATE_UP = GemvConfig(16, 256)
-BF16_DOWN = GemvConfig(16, 256)
-FP8_GATE_UP = GemvConfig(32, 128)
-FP8_DOWN = GemvConfig(16, 128)
+# Measured on an H200 (Qwen3-30B-A3B experts, `moe_bench --sweep --tokens 1,4`; docs/benchmarks.md):
+# (gate_up, down) per dtype for one or two tokens and for more. FP8 tiles of <= 128 rows scale
+# the activations, so their K steps may span several 128-column scale blocks.
+BF16_ONE_TOKEN = (GemvConfig(8, 256, 4, 3), GemvConfig(8, 512, 4, 4))
+BF16_FEW_TOKENS = (GemvConfig(16, 256), GemvConfig(16, 256))
+FP8_ONE_TOKEN = (GemvConfig(32, 256, 4, 4), GemvConfig(16, 512, 4, 4))
+FP8_FEW_TOKENS = (GemvConfig(64, 64, 4, 3), GemvConfig(64, 256, 4, 4))
 INTERPRETER = GemvConfig(16, 32, 4, 1)
 
 
@@ -214,11 +214,13 @@ def _down_kernel(
     tl.store(out_ptr + token * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
-def default_configs(fp8: bool) -> tuple[GemvConfig, GemvConfig]:
+def default_configs(fp8: bool, num_tokens: int = 1) -> tuple[GemvConfig, GemvConfig]:
     """The (gate_up, down) configurations used when the caller gives none."""
     if triton_interpreting():
         return INTERPRETER, INTERPRETER
-    return (FP8_GATE_UP, FP8_DOWN) if fp8 else (BF16_GATE_UP, BF16_DOWN)
+    if num_tokens <= 2:
+        return FP8_ONE_TOKEN if fp8 else BF16_ONE_TOKEN
+    return FP8_FEW_TOKENS if fp8 else BF16_FEW_TOKENS
 
 
 def fused_experts_gemv(
@@ -239,7 +241,7 @@ def fused_experts_gemv(
     e, two_i, h = w13.shape
     inter = two_i // 2
     fp8 = w13.dtype == FP8_DTYPE
-    gate_up_cfg, down_cfg = configs or default_configs(fp8)
+    gate_up_cfg, down_cfg = configs or default_configs(fp8, num_tokens)
     # FP8: where a tile's rows share one scale row the scales multiply the activations (any
     # block_k); otherwise each row's scale multiplies its tile row (block_k divides the block)
     gate_up_on_x = fp8 and block_shape[0] % gate_up_cfg.block_n == 0 and inter % block_shape[0] == 0
