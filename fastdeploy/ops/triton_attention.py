@@ -390,12 +390,14 @@ def decode_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     mask_limits: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
 ) -> None:
     """Flash-decoding for a batch where every request has exactly one query token.
 
     ``num_splits`` (a power of two, e.g. from :func:`decode_num_splits`) KV splits per request
     and KV head; with more than one, fp32 partial results are merged by a reduction kernel.
     The grid is ``(num_reqs, kv_heads, num_splits)``: no dependence on the sequence lengths.
+    ``config`` overrides :func:`decode_config`'s tile sizes (benchmark sweeps).
     """
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
@@ -417,7 +419,7 @@ def decode_attention(
         mask_limits if mask_limits is not None else seq_lens,
         qk_scale, key_cache.shape[1], *q.stride()[:2], *out.stride()[:2], *strides,
         NUM_SPLITS=num_splits, HAS_LIMITS=mask_limits is not None,
-        **decode_config(q.dtype, head_dim, constexprs["GROUP"], num_reqs * key_cache.shape[2] * num_splits),
+        **(config or decode_config(q.dtype, head_dim, constexprs["GROUP"], num_reqs * key_cache.shape[2] * num_splits)),
         **constexprs, **pdl_kwargs(q),
     )  # fmt: skip
     if num_splits > 1:
