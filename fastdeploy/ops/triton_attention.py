@@ -276,10 +276,16 @@ def decode_config(dtype: torch.dtype, head_dim: int, group: int, programs: int =
     of 128, blocks of 16; µs per call, the former 64 keys / 4 warps / 3 stages → these):
     batch 1 x 8k context (16 splits) 94.7 → 63.6, 64 x 2k 185.7 → 131.6, 128 x 1k 152.1 → 128.5,
     256 x 640 189.8 → 163.8, 256 x 2k 570.7 → 495.4 (4.33 TB/s of KV read); 16 x 2k unchanged.
+    Eight or more query heads per KV head (32 / 4 heads of 128): four warps, 64-key tiles, or 128
+    below ``DECODE_SMALL_TILE_MIN_PROGRAMS`` programs (``benchmarks/gpubench/attention_sweep.py``, H200:
+    256 x 640 109.9 → 90.6 µs, 64 x 2k 100.7 → 71.1 µs with one split).
     """
     block_h = max(16, triton.next_power_of_2(group))
     if dtype == torch.float32:
         return dict(BLOCK_H=block_h, TILE_N=max(16, 2048 // head_dim), num_warps=4)
+    if group >= 8:  # few KV heads (Qwen3-30B-A3B: 32/4): fewer, fuller programs take bigger tiles
+        tile = 64 if programs >= DECODE_SMALL_TILE_MIN_PROGRAMS else 128
+        return dict(BLOCK_H=block_h, TILE_N=min(tile, 8192 // head_dim), num_warps=4, num_stages=2)
     tile = 32 if programs >= DECODE_SMALL_TILE_MIN_PROGRAMS else 64
     return dict(
         BLOCK_H=block_h,

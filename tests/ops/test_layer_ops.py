@@ -237,7 +237,8 @@ def test_triton_kernels_on_the_gpu_match_the_torch_path(dtype):
     finally:
         layer_ops._triton_kernels = monkey
     triton_ops.qk_norm_rotary_(positions, qkv, q_w, k_w, 1e-6, cos, sin, 32, 8, 128)
-    assert ((qkv.double() - expected.double()).abs() / (expected.double().abs() + 1)).max() < tol
+    qk_tol = tol * (3 if dtype == torch.bfloat16 else 1)  # the torch path rounds the rotation's products too
+    assert ((qkv.double() - expected.double()).abs() / (expected.double().abs() + 1)).max() < qk_tol
 
 
 def test_fused_rotary_and_cache_write_equals_the_two_ops(monkeypatch):
