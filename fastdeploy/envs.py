@@ -11,6 +11,12 @@ from collections.abc import Callable
 from typing import Any
 
 
+def _default_grammar_threads() -> int:
+    """Half the host's cores, 2 to 8: many distinct schemas at once are compile-bound (~60-140 ms
+    each for a 128k vocabulary), and the engine loop and the tokenizer need cores too."""
+    return min(8, max(2, (os.cpu_count() or 2) // 2))
+
+
 def _bool(name: str, default: str) -> Callable[[], bool]:
     return lambda: os.environ.get(name, default).strip().lower() in ("1", "true", "yes", "on")
 
@@ -134,8 +140,9 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "Compiled structured-output grammars the engine core keeps (an LRU keyed by the constraint).",
     ),
     "FD_GRAMMAR_COMPILE_THREADS": (
-        lambda: int(os.environ.get("FD_GRAMMAR_COMPILE_THREADS", "2")),
-        "Threads of the engine core that compile structured-output grammars (off the engine loop).",
+        lambda: int(os.environ.get("FD_GRAMMAR_COMPILE_THREADS", "0")) or _default_grammar_threads(),
+        "Threads of the engine core that compile structured-output grammars (off the engine loop) "
+        "and fill their bitmasks; default: half the CPU cores, between 2 and 8.",
     ),
     "FD_CUDA_ARCHS": (
         lambda: os.environ.get("FD_CUDA_ARCHS", "9.0a;8.0+PTX"),
