@@ -139,6 +139,11 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         lambda: int(os.environ.get("FD_GRAMMAR_CACHE_SIZE", "256")),
         "Compiled structured-output grammars the engine core keeps (an LRU keyed by the constraint).",
     ),
+    "FD_STRUCTURED_OUTPUTS_BACKEND": (
+        lambda: os.environ.get("FD_STRUCTURED_OUTPUTS_BACKEND", "auto").strip().lower() or "auto",
+        "Structured-output backend: auto (llguidance for a constraint until xgrammar has compiled "
+        "it, then xgrammar), xgrammar, or guidance (llguidance).",
+    ),
     "FD_GRAMMAR_COMPILE_THREADS": (
         lambda: int(os.environ.get("FD_GRAMMAR_COMPILE_THREADS", "0")) or _default_grammar_threads(),
         "Threads of the engine core that compile structured-output grammars (off the engine loop) "

@@ -95,6 +95,7 @@ def tokenizer(default_model_path):
 
 def test_cache_compiles_each_constraint_once(tokenizer, monkeypatch):
     monkeypatch.setenv("FD_GRAMMAR_CACHE_SIZE", "2")
+    monkeypatch.setenv("FD_STRUCTURED_OUTPUTS_BACKEND", "xgrammar")
     manager = StructuredOutputManager(lambda: tokenizer, 49152 + 64, [tokenizer.eos_token_id])
     try:
         first = manager.submit(StructuredOutputsParams(json=SCHEMA))
@@ -113,7 +114,11 @@ def test_cache_compiles_each_constraint_once(tokenizer, monkeypatch):
         manager.shutdown()
 
 
-def test_matchers_and_bitmask_with_a_padded_vocabulary(tokenizer):
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_matchers_and_bitmask_with_a_padded_vocabulary(tokenizer, backend, monkeypatch):
+    if backend == "guidance":
+        pytest.importorskip("llguidance")
+    monkeypatch.setenv("FD_STRUCTURED_OUTPUTS_BACKEND", backend)
     vocab = len(tokenizer) + 64  # an LM head padded past the tokenizer
     eos = tokenizer.eos_token_id
     manager = StructuredOutputManager(lambda: tokenizer, vocab, [eos])
