@@ -140,9 +140,9 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "Compiled structured-output grammars the engine core keeps (an LRU keyed by the constraint).",
     ),
     "FD_STRUCTURED_OUTPUTS_BACKEND": (
-        lambda: os.environ.get("FD_STRUCTURED_OUTPUTS_BACKEND", "auto").strip().lower() or "auto",
-        "Structured-output backend: auto (llguidance for a constraint until xgrammar has compiled "
-        "it, then xgrammar), xgrammar, or guidance (llguidance).",
+        lambda: os.environ.get("FD_STRUCTURED_OUTPUTS_BACKEND", "xgrammar").strip().lower() or "xgrammar",
+        "Structured-output backend: xgrammar (default), guidance (llguidance), or auto (llguidance "
+        "for a constraint until xgrammar has compiled it, then xgrammar).",
     ),
     "FD_GRAMMAR_COMPILE_THREADS": (
         lambda: int(os.environ.get("FD_GRAMMAR_COMPILE_THREADS", "0")) or _default_grammar_threads(),

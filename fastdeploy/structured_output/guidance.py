@@ -123,9 +123,12 @@ class GuidanceBackend:
         import llguidance
         import llguidance.hf
 
-        self.tokenizer = llguidance.hf.from_tokenizer(
-            hf_tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids) or None
-        )
+        eos = [e for e in eos_token_ids if e < len(hf_tokenizer)]
+        if eos_token_ids and not eos:  # llguidance could not end the sequence: the request never stops
+            raise ValueError(
+                "llguidance: the model's end-of-sequence ids lie outside the tokenizer's vocabulary"
+            )
+        self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos or None)
         self.executor = llguidance.LLExecutor(max(threads, 1))
 
     def grammar(self, kind: str, text: str) -> GuidanceGrammar:

@@ -2,11 +2,13 @@
 constraint, an LRU of futures), one matcher per request, and the token bitmask of each step.
 
 Backends (``FD_STRUCTURED_OUTPUTS_BACKEND``): ``xgrammar`` compiles every constraint and its
-requests wait for the compile; ``guidance`` (llguidance) builds matchers at once and computes
-masks lazily; ``auto`` (the default) gives a request whose constraint has no compiled xgrammar
+requests wait for the compile (the default); ``guidance`` (llguidance) builds matchers at once
+and computes masks lazily; ``auto`` gives a request whose constraint has no compiled xgrammar
 grammar yet an llguidance matcher right away and compiles the constraint with xgrammar in the
 background, so later requests with the same constraint take xgrammar's faster masks. Without
-llguidance installed, ``auto`` is ``xgrammar``.
+llguidance installed, or for a model whose end-of-sequence ids lie outside its tokenizer's
+vocabulary (llguidance could not stop), ``auto`` is ``xgrammar``. docs/benchmarks.md has why
+``xgrammar`` is the default.
 """
 
 from __future__ import annotations
@@ -86,6 +88,7 @@ class StructuredOutputManager:
         self.num_compiles = 0
         """Grammars compiled so far (cache misses)."""
         self.backend = envs.FD_STRUCTURED_OUTPUTS_BACKEND
+        """auto, xgrammar or guidance (module docstring)."""
         if self.backend not in BACKENDS:
             raise ValueError(
                 f"FD_STRUCTURED_OUTPUTS_BACKEND must be one of {', '.join(BACKENDS)}, got {self.backend!r}"
@@ -93,6 +96,8 @@ class StructuredOutputManager:
         if self.backend == "auto" and not guidance.available():
             self.backend = "xgrammar"
         self._guidance: guidance.GuidanceBackend | None = None
+        self._guidance_error: ValueError | None = None
+        """Why llguidance cannot serve this model (then ``auto`` compiles every constraint)."""
         self._guidance_pool = ThreadPoolExecutor(1, "fd-guidance")
         """llguidance grammars (about a millisecond each): never queued behind xgrammar's compiles."""
         self.num_guidance_grammars = 0
@@ -143,11 +148,19 @@ class StructuredOutputManager:
         """llguidance's grammar of the constraint; under ``auto``, one llguidance cannot take waits
         for xgrammar's compile instead."""
         with self._init_lock:
-            if self._guidance is None:
-                self._guidance = guidance.GuidanceBackend(
-                    self._tokenizer(), self.vocab_size, self.eos_token_ids, envs.FD_GRAMMAR_COMPILE_THREADS
-                )
+            if self._guidance is None and self._guidance_error is None:
+                try:
+                    self._guidance = guidance.GuidanceBackend(
+                        self._tokenizer(),
+                        self.vocab_size,
+                        self.eos_token_ids,
+                        envs.FD_GRAMMAR_COMPILE_THREADS,
+                    )
+                except ValueError as exc:  # kept: not retried for every constraint
+                    self._guidance_error = exc
         try:
+            if self._guidance_error is not None:
+                raise self._guidance_error
             grammar = self._guidance.grammar(kind, text)
         except ValueError:
             if self.backend != "auto":

@@ -136,3 +136,24 @@ def test_a_batch_mixing_both_backends_gets_each_rows_own_mask(tokenizer, monkeyp
         assert digit_texts and all(t.isdigit() for t in digit_texts)
     finally:
         manager.shutdown()
+
+
+def test_eos_outside_the_tokenizer_keeps_auto_on_xgrammar(tokenizer, monkeypatch):
+    """A model whose end-of-sequence ids lie past its tokenizer (a dummy-weight model served with
+    another model's tokenizer): llguidance could never stop, so auto compiles with xgrammar and
+    guidance refuses the constraint."""
+    vocab = len(tokenizer) + 1024
+    for backend in ("auto", "guidance"):
+        monkeypatch.setenv("FD_STRUCTURED_OUTPUTS_BACKEND", backend)
+        manager = StructuredOutputManager(lambda: tokenizer, vocab, [vocab - 1])
+        try:
+            future = manager.submit(StructuredOutputsParams(json=SCHEMA))
+            if backend == "auto":
+                assert not isinstance(future.result(timeout=120), GuidanceGrammar)
+                again = manager.submit(StructuredOutputsParams(regex="[0-9]+")).result(timeout=120)
+                assert not isinstance(again, GuidanceGrammar) and manager.num_guidance_grammars == 0
+            else:
+                with pytest.raises(ValueError, match="end-of-sequence"):
+                    future.result(timeout=120)
+        finally:
+            manager.shutdown()
