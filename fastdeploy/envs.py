@@ -135,6 +135,11 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "run the Triton decode kernel instead (one kernel, no host plan, and faster at every batch "
         "measured on an H200; default: every decode step; 0: never).",
     ),
+    "FD_GC_FREEZE": (
+        _bool("FD_GC_FREEZE", "1"),
+        "Freeze each server process's start-up heap out of Python's garbage collection (shorter "
+        "collection pauses under load; platforms/gc_heap.py).",
+    ),
     "FD_GRAMMAR_CACHE_SIZE": (
         lambda: int(os.environ.get("FD_GRAMMAR_CACHE_SIZE", "256")),
         "Compiled structured-output grammars the engine core keeps (an LRU keyed by the constraint).",

@@ -13,6 +13,7 @@ from fastdeploy import envs
 from fastdeploy.config import EngineConfig
 from fastdeploy.core.request import EngineCoreOutput, EngineCoreRequest, SchedulerStats, outputs_to_rows
 from fastdeploy.engine.ipc import decode, encode, ipc_address
+from fastdeploy.platforms.gc_heap import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ def engine_core_main(config: EngineConfig, ipc_dir: str) -> None:
             )
             return
         ready = {"type": "ready", "max_model_len": core.max_model_len, "num_blocks": core.num_blocks}
+        freeze_startup_heap(f"engine core {rank}")
         outbox.send(encode({**ready, "rank": rank}))
         if lockstep:
             _run_lockstep_loop(core, inbox, _Outbox(outbox, rank), WorkerDiedError)

@@ -36,6 +36,7 @@ from fastdeploy.distributed.multinode import (
 from fastdeploy.engine.core import WorkerStepError
 from fastdeploy.engine.ipc import ChildProcess, decode, encode, ipc_address
 from fastdeploy.model_executor.model_loader import ModelSource
+from fastdeploy.platforms.gc_heap import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +155,8 @@ def _serve_calls(
                 result = worker.sample_tokens(GrammarBitmask(**args[0]))
             else:
                 result = getattr(worker, method)(*args)
+                if method == "initialize_cache":  # the last start-up call (KV cache, CUDA graphs)
+                    freeze_startup_heap(f"worker {place.rank}")
             socket.send(encode({"ok": result}))
         except Exception:
             socket.send(encode({"error": traceback.format_exc()}))

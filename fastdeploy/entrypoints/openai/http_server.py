@@ -27,6 +27,7 @@ from fastdeploy.engine.ipc import STOP_SIGNALS
 from fastdeploy.engine.protocol import EngineClient
 from fastdeploy.entrypoints.openai.api_server import build_app
 from fastdeploy.platforms.backend import backend_version
+from fastdeploy.platforms.gc_heap import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 
@@ -229,6 +230,7 @@ async def run_server(args: argparse.Namespace) -> int:
         if inspect.isawaitable(engine):
             engine = await engine
         app = build_app(engine, served_model_names, server_config)
+        freeze_startup_heap("API server")
         STOP_SIGNALS.raise_if_received()  # a signal whose interrupt got lost while loading
         engine_died = await serve_http(
             app,

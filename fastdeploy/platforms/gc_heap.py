@@ -1,0 +1,36 @@
+"""Python's garbage collector in the serving processes: the start-up heap frozen out of its scans.
+
+A server process builds a large heap once (modules, the tokenizer, the FastAPI app, the model's
+modules and tensors: ~250k tracked objects in the API server) and then allocates short-lived
+objects per request and per token. Each collection of the oldest generation walks the whole
+heap: ~150 ms on the CI CPU for the API server's, which is a stall of every stream at that
+moment (the p99 of the first token's detokenize under load was ~100 ms on an H200 host).
+:func:`freeze_startup_heap` collects once and moves what survives into the permanent
+generation (``gc.freeze``), which later collections skip; vLLM does the same.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+
+from fastdeploy import envs
+
+logger = logging.getLogger(__name__)
+
+
+def freeze_startup_heap(process: str) -> None:
+    """Collect, then freeze the surviving heap (``FD_GC_FREEZE=0``: leave the collector alone).
+    Call once per process, when its start-up is done; ``process`` names it in the log."""
+    if not envs.FD_GC_FREEZE:
+        return
+    started = time.perf_counter()
+    gc.collect()
+    gc.freeze()
+    logger.info(
+        "%s: %d start-up objects frozen out of garbage collection (%.0f ms)",
+        process,
+        gc.get_freeze_count(),
+        (time.perf_counter() - started) * 1e3,
+    )
