@@ -37,7 +37,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +51,7 @@ import torch  # noqa: E402
 from gpubench.engine_bench import greedy, measure_itl  # noqa: E402
 from gpubench.measure import error_text, free_memory, random_prompts  # noqa: E402
 from gpubench.settings import CONFIGS, MODEL_8B, TINY_OVERRIDES  # noqa: E402
+from server_health import wait_healthy  # noqa: E402
 
 MODEL_MOE = str(CONFIGS / "qwen3-30b-a3b")
 
@@ -249,22 +249,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
-    """Poll ``/health`` until it answers 200; raise if the server exits or the time runs out."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-    raise TimeoutError(f"server not healthy after {timeout_s} s")
 
 
 def serve_and_bench(args: argparse.Namespace, model: str, dp: int, out: Path, *extra: str) -> dict[str, Any]:

@@ -27,8 +27,9 @@ import os
 import subprocess
 import sys
 import time
-import urllib.request
 from typing import Any
+
+from server_health import wait_healthy
 
 WORKLOADS: dict[str, dict[str, Any]] = {
     "burst": {"num_prompts": 256, "rate": "inf", "concurrency": None, "chat": False},
@@ -57,22 +58,6 @@ def server_command(kind: str, model: str, tokenizer: str, port: int, extra: list
         *common,
         *extra,
     ]
-
-
-def wait_healthy(port: int, proc: subprocess.Popen, timeout_s: float) -> None:
-    """Poll ``/health`` until it answers 200; raise if the server exits or the time runs out."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode} before it was healthy")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as reply:
-                if reply.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(2)
-    raise RuntimeError(f"the server was not healthy after {timeout_s:.0f} s")
 
 
 def client_command(client: str, workload: str, port: int, tokenizer: str, rate: float, out: str) -> list[str]:
@@ -155,7 +140,7 @@ def main() -> None:
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     rows = []
     try:
-        wait_healthy(args.port, proc, args.start_timeout_s)
+        wait_healthy(f"http://127.0.0.1:{args.port}", proc, args.start_timeout_s)
         print(f"healthy after {time.monotonic() - started:.0f} s", flush=True)
         rate = args.rate
         for workload in args.workloads.split(","):
