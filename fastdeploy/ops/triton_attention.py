@@ -283,16 +283,12 @@ def decode_config(dtype: torch.dtype, head_dim: int, group: int, programs: int =
     block_h = max(16, triton.next_power_of_2(group))
     if dtype == torch.float32:
         return dict(BLOCK_H=block_h, TILE_N=max(16, 2048 // head_dim), num_warps=4)
+    many_programs = programs >= DECODE_SMALL_TILE_MIN_PROGRAMS
     if group >= 8:  # few KV heads (Qwen3-30B-A3B: 32/4): fewer, fuller programs take bigger tiles
-        tile = 64 if programs >= DECODE_SMALL_TILE_MIN_PROGRAMS else 128
-        return dict(BLOCK_H=block_h, TILE_N=min(tile, 8192 // head_dim), num_warps=4, num_stages=2)
-    tile = 32 if programs >= DECODE_SMALL_TILE_MIN_PROGRAMS else 64
-    return dict(
-        BLOCK_H=block_h,
-        TILE_N=min(tile, 8192 // head_dim),
-        num_warps=2 if block_h * head_dim <= 16 * 128 else 4,
-        num_stages=2,
-    )
+        tile, warps = (64 if many_programs else 128), 4
+    else:
+        tile, warps = (32 if many_programs else 64), (2 if block_h * head_dim <= 16 * 128 else 4)
+    return dict(BLOCK_H=block_h, TILE_N=min(tile, 8192 // head_dim), num_warps=warps, num_stages=2)
 
 
 def _common_args(q, key_cache, value_cache, k_scale, v_scale, block_table, scale) -> tuple[dict, list]:
