@@ -154,9 +154,10 @@ class ParallelConfig:
     GPUs from rank x tensor_parallel_size on)."""
     enable_expert_parallel: bool = False
     """Mixture-of-experts models: split the experts (whole) over the workers instead of slicing each
-    one: rank r of tensor_parallel_size x data_parallel_size holds experts [r E/n, (r+1) E/n), and
-    tokens travel to their experts' ranks and back by all-to-all. With data parallelism the MoE
-    layers span the replicas, which then run every step together."""
+    one: rank r of tensor_parallel_size x data_parallel_size holds experts [r E/n, (r+1) E/n) and
+    computes their pairs (TP: for the tokens every rank has, then one all-reduce; DP: for every
+    replica's tokens, all-gathered, then a reduce-scatter). With data parallelism the MoE layers
+    span the replicas, which then run every step together."""
     data_parallel_init_method: str | None = None
     """Where the engine cores of data-parallel replicas meet (tcp://host:port) when expert
     parallelism spans them (set by the server; not a user setting)."""

@@ -13,7 +13,9 @@ world the expert-parallel group.
 
 from __future__ import annotations
 
+import contextlib
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +42,11 @@ _INFO = TensorParallelInfo()
 _EP_INFO = ExpertParallelInfo()
 _TP_GROUP: dist.ProcessGroup | None = None
 """The tensor-parallel subgroup when the world is larger (expert parallelism over DP replicas); None: the world."""
+_EP_HOST_GROUP: dist.ProcessGroup | None = None
+"""A gloo group over the expert-parallel world when it spans replicas on GPUs: the per-step
+agreement on the padded token count travels on the host, not through the device."""
+_EP_STEP_TOKENS: int | None = None
+"""The most tokens any expert-parallel rank has in the forward pass in progress (see :func:`ep_step_tokens`)."""
 
 
 def tp_info() -> TensorParallelInfo:
@@ -93,7 +100,7 @@ def init_tensor_parallel(
     (multi-host launches): the world is always all ``dp_size x size`` workers, meeting in this
     store instead of at ``init_method``. One rank alone sets the state without a process group.
     """
-    global _INFO, _EP_INFO, _TP_GROUP
+    global _INFO, _EP_INFO, _TP_GROUP, _EP_HOST_GROUP
     if not 0 <= rank < size:
         raise ValueError(f"rank {rank} is outside a group of {size}")
     spans_dp = (expert_parallel or store is not None) and dp_size > 1
@@ -109,16 +116,19 @@ def init_tensor_parallel(
             group = dist.new_group(list(range(replica * size, (replica + 1) * size)))
             if replica == dp_rank:
                 _TP_GROUP = group
+    _EP_HOST_GROUP = None
+    if expert_parallel and spans_dp:
+        _EP_HOST_GROUP = dist.new_group(backend="gloo") if device.type == "cuda" else dist.group.WORLD
     _INFO = TensorParallelInfo(rank=rank, size=size)
     _EP_INFO = ExpertParallelInfo(world_rank, world) if expert_parallel else ExpertParallelInfo()
 
 
 def destroy_tensor_parallel() -> None:
     """Leave the group (if any) and become rank 0 of 1 again."""
-    global _INFO, _EP_INFO, _TP_GROUP
+    global _INFO, _EP_INFO, _TP_GROUP, _EP_HOST_GROUP
     if dist.is_initialized():
         dist.destroy_process_group()
-    _INFO, _EP_INFO, _TP_GROUP = TensorParallelInfo(), ExpertParallelInfo(), None
+    _INFO, _EP_INFO, _TP_GROUP, _EP_HOST_GROUP = TensorParallelInfo(), ExpertParallelInfo(), None, None
 
 
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -150,12 +160,60 @@ def tp_all_gather_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return torch.cat([part[:n] for part, n in zip(parts, rows)])
 
 
-def ep_all_to_all(x: torch.Tensor, send_rows: list[int], recv_rows: list[int]) -> torch.Tensor:
-    """Send ``x``'s first ``send_rows[0]`` rows to EP rank 0, the next ``send_rows[1]`` to rank 1, ...;
-    returns the rows received, ``recv_rows[r]`` from rank r, in rank order (``all_to_all_single``)."""
-    out = x.new_empty((sum(recv_rows), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv_rows, input_split_sizes=send_rows)
+def ep_spans_replicas() -> bool:
+    """Whether the expert-parallel group is larger than the tensor-parallel one: each data-parallel
+    replica has its own tokens, which the MoE layers gather from every replica."""
+    return _EP_INFO.size > _INFO.size
+
+
+def ep_all_gather(x: torch.Tensor) -> torch.Tensor:
+    """Every expert-parallel rank's ``x`` (the same shape on each) stacked along dim 0 in rank order."""
+    out = x.new_empty((_EP_INFO.size * x.shape[0], *x.shape[1:]))
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # (torch < 2.13)
+    gather(out, x.contiguous())
     return out
+
+
+def ep_reduce_scatter(x: torch.Tensor) -> torch.Tensor:
+    """The sum of ``x`` over the expert-parallel ranks, split along dim 0 into equal parts: this rank's part."""
+    out = x.new_empty((x.shape[0] // _EP_INFO.size, *x.shape[1:]))
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # (torch < 2.13)
+    scatter(out, x.contiguous())
+    return out
+
+
+def ep_agree_step(num_tokens: int, graphable: bool) -> tuple[int, bool]:
+    """One host exchange over the expert-parallel ranks before a forward pass in which they meet:
+    (the most tokens any rank has, whether every rank can replay a CUDA graph)."""
+    if _EP_HOST_GROUP is None:
+        return num_tokens, graphable
+    flags = torch.tensor([num_tokens, int(not graphable)], dtype=torch.int64)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=_EP_HOST_GROUP)
+    return int(flags[0]), not flags[1]
+
+
+@contextlib.contextmanager
+def ep_step_tokens(num_tokens: int) -> Iterator[None]:
+    """Tell the MoE layers of the forward pass inside the most tokens any expert-parallel rank has
+    (from :func:`ep_agree_step`, or a captured graph's size), so that they pad to it without a
+    device-to-host read of their own."""
+    global _EP_STEP_TOKENS
+    previous, _EP_STEP_TOKENS = _EP_STEP_TOKENS, num_tokens
+    try:
+        yield
+    finally:
+        _EP_STEP_TOKENS = previous
+
+
+def ep_max_tokens(num_tokens: int, device: torch.device) -> int:
+    """The most tokens any expert-parallel rank has in this forward pass: the value set by
+    :func:`ep_step_tokens`, or else one all-reduce read back on the host (eager calls outside the
+    runner: tests, start-up passes)."""
+    if _EP_STEP_TOKENS is not None:
+        return _EP_STEP_TOKENS
+    count = torch.tensor([num_tokens], dtype=torch.int64, device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return int(count)
 
 
 def tp_broadcast(x: torch.Tensor, src: int = 0) -> torch.Tensor:

@@ -168,7 +168,7 @@ def _run_lockstep_loop(core, inbox, outbox: _Outbox, worker_died_error: type[Exc
     """The loop of an engine core whose MoE layers span the data-parallel replicas: before every
     step the engine cores all-reduce (has work, shutting down); while any has work every one
     steps (an idle one with nothing scheduled: its workers run a dummy forward), so the
-    workers' all-to-alls always meet. A shutdown of one stops all; a dead peer fails this one."""
+    workers' MoE collectives always meet. A shutdown of one stops all; a dead peer fails this one."""
     import torch
     import torch.distributed as dist
 

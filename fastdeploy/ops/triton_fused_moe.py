@@ -106,14 +106,15 @@ def align_block_size_torch(
     flat = topk_ids.reshape(-1).to(torch.int64)
     pairs = flat.numel()
     device = flat.device
+    keep = torch.nonzero(flat >= 0).squeeze(1)  # negative ids: experts another rank holds
     counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
-    counts.index_add_(0, flat, torch.ones_like(flat))
+    counts.index_add_(0, flat[keep], torch.ones_like(keep))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     count_start = torch.cumsum(counts, 0) - counts
-    order = torch.argsort(flat, stable=True)
+    order = keep[torch.argsort(flat[keep], stable=True)]
     expert_of = flat[order]
-    rank = torch.arange(pairs, device=device) - count_start[expert_of]
+    rank = torch.arange(len(order), device=device) - count_start[expert_of]
     dest = padded_end[expert_of] - padded[expert_of] + rank
     length = padded_length(pairs, block_m, num_experts)
     sorted_ids = torch.full((length,), pairs, dtype=torch.int32, device=device)
@@ -324,8 +325,12 @@ def fused_experts(
     w2_scale: torch.Tensor | None = None,
     block_shape: tuple[int, int] = (128, 128),
     config: MoEKernelConfig | None = None,
+    skip_negative_ids: bool = False,
 ) -> torch.Tensor:
     """``sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` with ``e = topk_ids[t, j]``.
+
+    ``skip_negative_ids`` (expert parallelism): an id below 0 marks an expert another rank holds;
+    its pair adds nothing and reads no weights.
 
     ``hidden [T, H]``; ``w13 [E, 2I, H]`` (each expert's ``[gate | up]``) and ``w2 [E, H, I]`` in
     ``hidden.dtype``, or both in ``float8_e4m3fn`` with ``w13_scale [E, ceil(2I/bn), ceil(H/bk)]``
@@ -346,7 +351,10 @@ def fused_experts(
         return hidden.new_zeros(hidden.shape)
     fp8 = w13.dtype == FP8_DTYPE
     if explicit_config is None and num_tokens <= small_batch_max_tokens():
-        return fused_experts_gemv(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block_shape)
+        return fused_experts_gemv(
+            hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block_shape,
+            skip_negative_ids=skip_negative_ids,
+        )  # fmt: skip
     routing = moe_align_block_size(topk_ids, config.block_m, w13.shape[0])
     pairs = num_tokens * top_k
     a, a_scale = quantize_activation_per_token_group(hidden, block_shape[1]) if fp8 else (hidden, None)
@@ -354,7 +362,8 @@ def fused_experts(
     _launch(a, a_scale, w13, w13_scale, gate_up, routing, None, top_k, block_shape, config)
     act = silu_and_mul(gate_up)
     a, a_scale = quantize_activation_per_token_group(act, block_shape[1]) if fp8 else (act, None)
-    out = torch.empty((pairs, w2.shape[1]), dtype=hidden.dtype, device=hidden.device)
+    new_out = torch.zeros if skip_negative_ids else torch.empty  # skipped pairs' rows are summed too
+    out = new_out((pairs, w2.shape[1]), dtype=hidden.dtype, device=hidden.device)
     weights = topk_weights.reshape(-1).contiguous()
     _launch(a, a_scale, w2, w2_scale, out, routing, weights, 1, block_shape, config)
     return out.view(num_tokens, top_k, -1).sum(dim=1)

@@ -103,13 +103,19 @@ def _gate_up_kernel(
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
     USE_PDL: tl.constexpr,
+    SKIP_NEGATIVE: tl.constexpr = False,
 ):
-    """``act[pair, n] = silu(x[token] . w13[e, n]) * (x[token] . w13[e, INTER + n])`` for ``BLOCK_N`` columns."""
+    """``act[pair, n] = silu(x[token] . w13[e, n]) * (x[token] . w13[e, INTER + n])`` for ``BLOCK_N`` columns
+    (``SKIP_NEGATIVE``: 0 for a pair whose id is negative, without reading a weight)."""
     pdl_prologue(USE_PDL)
     pid_n = tl.program_id(0)
     pair = tl.program_id(1)
     token = (pair // TOP_K).to(tl.int64)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
+    k_end = K
+    if SKIP_NEGATIVE:  # another rank's expert: no K steps, so an act row of zeros
+        k_end = tl.where(expert >= 0, K, 0)
+        expert = tl.maximum(expert, 0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < INTER
     rows = tl.minimum(offs_n, INTER - 1).to(tl.int64)  # clamped: no N mask on the weight loads
@@ -124,7 +130,7 @@ def _gate_up_kernel(
     if SCALE_ON_X:  # the tile's rows share one scale row (per gate / up): scale x, not the tile
         gate_s = s_ptr + expert * stride_se + ((pid_n * BLOCK_N) // GROUP_N) * stride_sn
         up_s = s_ptr + expert * stride_se + ((pid_n * BLOCK_N + INTER) // GROUP_N) * stride_sn
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+    for k0 in tl.range(0, k_end, BLOCK_K, num_stages=STAGES):
         k_mask = (k0 + offs_k) < K
         if EVEN_K:
             x = tl.load(x_ptrs + k0).to(tl.float32)
@@ -176,8 +182,10 @@ def _down_kernel(
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
     USE_PDL: tl.constexpr,
+    SKIP_NEGATIVE: tl.constexpr = False,
 ):
-    """``out[token, n] = sum_j topk_w[token, j] * act[pair_j] . w2[e_j, n]`` for ``BLOCK_N`` columns."""
+    """``out[token, n] = sum_j topk_w[token, j] * act[pair_j] . w2[e_j, n]`` for ``BLOCK_N`` columns
+    (``SKIP_NEGATIVE``: the slots whose id is negative are left out, their weights not read)."""
     pdl_prologue(USE_PDL)
     pid_n = tl.program_id(0)
     token = tl.program_id(1).to(tl.int64)
@@ -196,6 +204,9 @@ def _down_kernel(
         expert = tl.load(ids_ptr + pair).to(tl.int64)
         weight = tl.load(topk_w_ptr + pair).to(tl.float32)
         k_mask = (k0 + offs_k) < INTER
+        if SKIP_NEGATIVE:  # another rank's expert: every load masked off (EVEN_K is False)
+            k_mask = (k0 + offs_k) < tl.where(expert >= 0, INTER, 0)
+            expert = tl.maximum(expert, 0)
         a_ptrs = act_ptr + pair * stride_am + k0 + offs_k
         if EVEN_K:
             a = tl.load(a_ptrs).to(tl.float32)
@@ -233,6 +244,7 @@ def fused_experts_gemv(
     w2_scale: torch.Tensor | None = None,
     block_shape: tuple[int, int] = (128, 128),
     configs: tuple[GemvConfig, GemvConfig] | None = None,
+    skip_negative_ids: bool = False,
 ) -> torch.Tensor:
     """:func:`fastdeploy.ops.triton_fused_moe.fused_experts` for a few tokens, in two kernels (its
     arguments, already checked there; FP8 weights against unquantized activations).
@@ -268,15 +280,15 @@ def fused_experts_gemv(
         TOP_K=top_k, FP8=fp8, SCALE_ON_X=gate_up_on_x, GROUP_N=block_shape[0], GROUP_K=block_shape[1],
         EVEN_K=h % gate_up_cfg.block_k == 0, BLOCK_N=gate_up_cfg.block_n, BLOCK_K=gate_up_cfg.block_k,
         STAGES=1 if interpreting else gate_up_cfg.num_stages, num_warps=gate_up_cfg.num_warps,
-        **pdl_kwargs(act),
+        SKIP_NEGATIVE=skip_negative_ids, **pdl_kwargs(act),
     )  # fmt: skip
     s2 = w2_scale if fp8 else w2
     _down_kernel[(triton.cdiv(h, down_cfg.block_n), num_tokens)](
         act, w2, s2, ids, weights, out, h, inter, act.stride(0), w2.stride(0), w2.stride(1),
         s2.stride(0) if fp8 else 0, s2.stride(1) if fp8 else 0, out.stride(0),
         TOP_K=top_k, FP8=fp8, SCALE_ON_X=down_on_x, GROUP_N=block_shape[0], GROUP_K=block_shape[1],
-        EVEN_K=inter % down_cfg.block_k == 0, BLOCK_N=down_cfg.block_n, BLOCK_K=down_cfg.block_k,
-        STAGES=1 if interpreting else down_cfg.num_stages, num_warps=down_cfg.num_warps,
-        **pdl_kwargs(out),
+        EVEN_K=inter % down_cfg.block_k == 0 and not skip_negative_ids, BLOCK_N=down_cfg.block_n,
+        BLOCK_K=down_cfg.block_k, STAGES=1 if interpreting else down_cfg.num_stages,
+        num_warps=down_cfg.num_warps, SKIP_NEGATIVE=skip_negative_ids, **pdl_kwargs(out),
     )  # fmt: skip
     return out

@@ -192,8 +192,8 @@ def _align_kernel(
     slot = start + before  # the next free slot of each expert for this chunk's pairs
     for s in range(0, CHUNK, SUB):
         p = c * CHUNK + s + tl.arange(0, SUB)
-        valid = p < P
-        e = tl.load(ids_ptr + p, mask=valid, other=-1).to(tl.int32)
+        e = tl.load(ids_ptr + p, mask=p < P, other=-1).to(tl.int32)
+        valid = (p < P) & (e >= 0)  # a negative id: an expert another rank holds (left out)
         onehot = (e[:, None] == offs_e[None, :]).to(tl.int32)
         rank = tl.cumsum(onehot, axis=0) - onehot  # earlier pairs of the same expert in this step
         dest = tl.sum(onehot * (rank + slot[None, :]), axis=1)
@@ -233,7 +233,8 @@ def moe_align_block_size(
 
     Returns ``(sorted_ids [L] int32, expert_ids [L / block_m] int32, num_padded [1] int32)`` with
     ``L = padded_length(P, block_m, num_experts)``: ``sorted_ids[:num_padded]`` holds the pair
-    indices ``token * k + slot`` (stable within an expert) and ``P`` for padding, block ``b <
+    indices ``token * k + slot`` (stable within an expert; pairs with a negative id, experts
+    another expert-parallel rank holds, are left out) and ``P`` for padding, block ``b <
     num_padded / block_m`` belongs to expert ``expert_ids[b]``; the entries past ``num_padded``
     are left unwritten (the GEMM reads none of them)."""
     if block_m < 16 or block_m & (block_m - 1):

@@ -25,6 +25,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from fastdeploy.distributed import ep_step_tokens
 from fastdeploy.model_executor.attention.backend import AttentionBackend
 from fastdeploy.model_executor.attention.forward_context import set_forward_context
 from fastdeploy.model_executor.attention.metadata import CommonAttentionMetadata
@@ -123,7 +124,7 @@ class DecodeGraphs:
             with_logits = size <= LOGITS_IN_GRAPH_MAX_BS
             self._warm_up_size(size, meta)
             graph = torch.cuda.CUDAGraph()
-            with set_forward_context(meta), torch.cuda.graph(graph, pool=pool):
+            with set_forward_context(meta), ep_step_tokens(size), torch.cuda.graph(graph, pool=pool):
                 out = self.model(self.input_ids[:size], self.positions[:size])
                 if with_logits:
                     logits = self.model.compute_logits(out, out=self.logits[:size])
@@ -152,7 +153,7 @@ class DecodeGraphs:
         and before a capture autotunes and allocates, what that size's steps need (eager
         steps keep cuBLAS, so only a capture tunes the small-M kernels)."""
         tune = small_m_graph_warm_up() if for_capture else contextlib.nullcontext()
-        with set_forward_context(meta), tune:
+        with set_forward_context(meta), ep_step_tokens(size), tune:
             hidden = self.model(self.input_ids[:size], self.positions[:size])
             if size <= LOGITS_IN_GRAPH_MAX_BS:
                 logits = self.model.compute_logits(hidden)
@@ -176,10 +177,12 @@ class DecodeGraphs:
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         common: CommonAttentionMetadata,
+        size: int | None = None,
     ) -> GraphOutput:
-        """Replay the graph for this decode step."""
+        """Replay the graph for this decode step: the smallest captured size that holds it, or
+        ``size`` (larger: the size every expert-parallel replica replays in this step)."""
         n = common.num_reqs
-        size = self.padded_size(n)
+        size = size or self.padded_size(n)
         graph, out, meta = self.graphs[size]
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)
@@ -197,3 +200,23 @@ class DecodeGraphs:
         if size > LOGITS_IN_GRAPH_MAX_BS:
             return GraphOutput(out[:n], None, None)
         return GraphOutput(out[:n], self.logits[:n], self.greedy_tokens[:n])
+
+    def run_padding(self, size: int) -> None:
+        """Replay the graph of ``size`` with padding requests only (they read and write nothing):
+        a replica without tokens in a step whose MoE layers gather from every replica."""
+        width = self.block_table.shape[1]
+        empty = CommonAttentionMetadata(
+            num_reqs=0,
+            num_actual_tokens=0,
+            query_start_loc=self.query_start_loc[:1],
+            seq_lens=self.seq_lens[:0],
+            block_table=self.block_table[:0],
+            slot_mapping=self.slot_mapping[:0],
+            query_start_loc_cpu=np.zeros(1, dtype=np.int64),
+            seq_lens_cpu=np.zeros(0, dtype=np.int64),
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+            block_size=self.block_size,
+            block_table_cpu=np.zeros((0, width), dtype=np.int32),
+        )
+        self.run(self.input_ids[:0], self.positions[:0], empty, size)

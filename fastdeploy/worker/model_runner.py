@@ -11,7 +11,7 @@ import torch
 from fastdeploy import envs
 from fastdeploy.config import EngineConfig
 from fastdeploy.core.step_io import GrammarBitmask, ModelRunnerOutput, SchedulerOutput, StopCode
-from fastdeploy.distributed import tp_broadcast, tp_size
+from fastdeploy.distributed import ep_agree_step, ep_step_tokens, tp_broadcast, tp_size
 from fastdeploy.model_executor.attention.backend import AttentionMetadata
 from fastdeploy.model_executor.attention.forward_context import set_forward_context
 from fastdeploy.model_executor.attention.metadata import CommonAttentionMetadata
@@ -104,7 +104,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         """Captured decode CUDA graphs (GPU, unless --enforce-eager)."""
         self.forward_every_step = config.parallel.expert_parallel_spans_replicas
-        """Run a dummy forward in a step with no tokens: the MoE layers' all-to-all needs every replica."""
+        """Agree with the other replicas on every step's size, and run a padding forward in a step
+        with no tokens: the MoE layers gather every replica's tokens."""
         self.trace: list[tuple[str, int, float]] | None = [] if envs.FD_STEP_TRACE else None
         """(stage, step id, perf_counter seconds) of every stage when ``FD_STEP_TRACE=1``."""
 
@@ -258,16 +259,31 @@ class ModelRunner:
         common = inputs.attn_metadata.common
         tensors = inputs.tensors
         graphs = self.graphs
-        if (
+        graphable = (
             graphs is not None
             and common.max_query_len == 1
             and common.attn_mask_offsets is None
             and graphs.padded_size(common.num_reqs) is not None
-        ):
-            return graphs.run(tensors.input_ids, tensors.positions, common)
-        with set_forward_context(inputs.attn_metadata):
+        )
+        most = common.num_actual_tokens
+        if self.forward_every_step:  # the MoE layers gather every replica's tokens: one size for all
+            most, graphable = ep_agree_step(most, graphable)
+        if graphable:
+            return graphs.run(tensors.input_ids, tensors.positions, common, graphs.padded_size(most))
+        with set_forward_context(inputs.attn_metadata), ep_step_tokens(most):
             hidden = self.model(tensors.input_ids, tensors.positions, inputs.inputs_embeds)
             return GraphOutput(hidden, None, None)
+
+    def _idle_forward(self) -> None:
+        """This replica's part of a step in which it has no tokens but another replica has: the
+        MoE layers gather from every replica, so it runs the step's agreed size too (a graph of
+        padding requests, or one eager token that writes no cache slot)."""
+        most, graphable = ep_agree_step(0, self.graphs is not None)
+        if graphable:
+            self.graphs.run_padding(self.graphs.padded_size(most))
+            return
+        with ep_step_tokens(max(most, 1)):
+            self._warm_up_prefill(1)
 
     def _capture_graphs(self) -> DecodeGraphs | None:
         """Capture decode CUDA graphs unless eager mode is asked for or the parts are not graph-safe."""
@@ -276,11 +292,6 @@ class ModelRunner:
             return None  # (M-RoPE models take [3, T] positions, which the captured graphs do not)
         if self.pooler is not None:
             return None  # a pooling runner never decodes
-        if self.config.parallel.enable_expert_parallel:
-            logger.info(
-                "expert parallelism: decode steps run eagerly (the all-to-all sizes are read on the host)"
-            )
-            return None
         if not self.attn_backend.supports_cuda_graphs or not has_cuda_ops():
             logger.warning(
                 "CUDA graphs need the triton or flashinfer attention backend and the compiled fastdeploy_ops "
@@ -339,7 +350,7 @@ class ModelRunner:
         state = StepState(so.step_id)
         if so.total_num_scheduled_tokens == 0:
             if self.forward_every_step:
-                self._warm_up_prefill(1)  # one token that writes no cache slot
+                self._idle_forward()
             return state
         inputs = self._prepare_inputs(so)
         hidden, all_logits, greedy_tokens = self._forward(inputs)

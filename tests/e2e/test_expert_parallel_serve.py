@@ -2,8 +2,8 @@
 
 ``--data-parallel-size 2 --enable-expert-parallel`` on a tiny random Qwen3-MoE (8 experts, top-2):
 two engine cores, each with its own worker, tokens and KV cache; each worker holds 4 experts and
-the MoE layers' all-to-all spans both. Greedy float32 tokens must equal ``transformers``' with
-requests on both ranks at once and with one rank idle (its dummy forwards keep the all-to-alls
+the MoE layers gather both ranks' tokens. Greedy float32 tokens must equal ``transformers``' with
+requests on both ranks at once and with one rank idle (its padding forwards keep the collectives
 meeting), under chunked prefill and prefix caching. Killing one engine core fails ``/health``
 (no hang), and SIGTERM stops everything.
 """

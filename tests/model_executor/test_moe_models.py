@@ -117,7 +117,7 @@ def test_sparse_layers_follow_decoder_sparse_step_and_mlp_only_layers():
 )
 @pytest.mark.parametrize(("tp", "ep"), [(1, False), (2, False), (2, True)], ids=["tp1", "tp2", "tp2-ep2"])
 def test_tiny_random_moe_models_equal_transformers(tmp_path, config_cls, model_cls, extra, tp, ep):
-    """TP=1, TP=2 and TP=2 with expert parallelism (4 experts per rank, tokens by all-to-all), with
+    """TP=1, TP=2 and TP=2 with expert parallelism (4 experts per rank, each computing its own experts' pairs), with
     chunked prefill and prefix-cache hits."""
     torch.manual_seed(0)
     reference = model_cls(config_cls(**{**TINY, **extra})).eval()

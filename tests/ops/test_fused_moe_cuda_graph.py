@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from fastdeploy.model_executor.layers.fused_moe import FusedMoE, select_experts, select_experts_torch
+from fastdeploy.model_executor.layers.fused_moe_fp8 import SCALE_SUFFIX
 from fastdeploy.model_executor.layers.quantization import Fp8Config
 
 pytestmark = pytest.mark.gpu
@@ -59,3 +60,40 @@ def test_layer_replays_in_a_cuda_graph(tokens, fp8):
     _, torch_ids = select_experts_torch(new_logits, K, True)
     assert (ids == torch_ids).float().mean() > 0.95
     assert ((out.double() - ref).norm() / ref.norm()).item() < (0.08 if fp8 else 2e-2)
+
+
+def _expert_parallel_half(full: FusedMoE, rank: int) -> FusedMoE:
+    """``full``'s layer as expert-parallel rank ``rank`` of 2 would hold it (half the experts),
+    without a process group: the TP + EP forward, whose all-reduce is then the caller's sum."""
+    half = _layer(full.fp8 is not None)
+    half.ep_rank, half.ep_size = rank, 2
+    half.num_local_experts, half.first_local_expert = E // 2, rank * E // 2
+    mine = slice(rank * E // 2, (rank + 1) * E // 2)
+    half.gate_up_proj = torch.nn.Parameter(full.gate_up_proj.data[mine].clone(), requires_grad=False)
+    half.down_proj = torch.nn.Parameter(full.down_proj.data[mine].clone(), requires_grad=False)
+    if full.fp8 is not None:
+        for name in ("gate_up_proj", "down_proj"):
+            scale = getattr(full, name + SCALE_SUFFIX)[mine].clone()
+            setattr(half, name + SCALE_SUFFIX, torch.nn.Parameter(scale, requires_grad=False))
+    return half
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("tokens", [1, 40])  # GEMV path; grouped GEMM
+def test_expert_parallel_halves_replay_in_a_graph_and_sum_to_the_whole(tokens, fp8):
+    full = _layer(fp8)
+    halves = [_expert_parallel_half(full, rank) for rank in (0, 1)]
+    x, logits = _inputs(tokens, seed=3)
+    for half in halves:
+        half(x, logits)  # warm-up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [half(x, logits) for half in halves]
+    new_x, new_logits = _inputs(tokens, seed=4)
+    x.copy_(new_x)
+    logits.copy_(new_logits)
+    graph.replay()
+    whole = full(new_x, new_logits).float()
+    summed = outs[0].float() + outs[1].float()
+    assert ((summed - whole).norm() / whole.norm()).item() < 1e-2  # bf16 rounding of two partials

@@ -75,6 +75,8 @@ def _reference(x, w13, w2, weights, ids, act_quant=None):
     for t in range(x.shape[0]):
         for j in range(ids.shape[1]):
             e = int(ids[t, j])
+            if e < 0:  # another expert-parallel rank's expert
+                continue
             gate_up = prepare(x[t : t + 1]) @ w13[e].T
             if act_quant:
                 gate_up = gate_up.to(dtype).double()
@@ -115,6 +117,40 @@ def test_matches_fused_moe_torch_path():
     ref = layer.compute_experts_torch(x, weights, ids)
     out = moe.fused_experts(*_on(DEVICE, x, w13, w2, weights, ids))
     torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5)
+
+
+def _drop_pairs(ids, seed):
+    """About half the pairs, and all of token 0's, marked -1 (experts another rank holds)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = ids.clone()
+    ids[torch.rand(ids.shape, generator=g) < 0.5] = -1
+    ids[0] = -1
+    return ids
+
+
+@needs_backend
+@pytest.mark.parametrize("tokens", [1, 9, 33])
+def test_negative_ids_are_skipped(tokens):
+    """Expert parallelism: pairs with id -1 add nothing (float32 and FP8, and the torch path)."""
+    from fastdeploy.model_executor.layers.fused_moe import FusedMoE
+
+    x, w13, w2, weights, ids = _problem(tokens, 128, 64, torch.float32, seed=30 + tokens)
+    ids = _drop_pairs(ids, tokens)
+    ref = _reference(x, w13, w2, weights, ids)
+    out = moe.fused_experts(*_on(DEVICE, x, w13, w2, weights, ids), skip_negative_ids=True)
+    assert (out[0] == 0).all()
+    if tokens > 1:
+        assert _rel_err(out, ref) < 1e-5
+    layer = FusedMoE(EXPERTS, TOP_K, 128, 64, renormalize=True)
+    layer.gate_up_proj.data.copy_(w13)
+    layer.down_proj.data.copy_(w2)
+    torch.testing.assert_close(layer.compute_experts_torch(x, weights, ids), out.cpu(), rtol=1e-5, atol=1e-5)
+    q13, s13 = fq.quantize_weight_block(w13)
+    q2, s2 = fq.quantize_weight_block(w2)
+    fp8_out = moe.fused_experts(*_on(DEVICE, x, q13, q2, weights, ids, s13, s2), skip_negative_ids=True)
+    assert (fp8_out[0] == 0).all() and torch.isfinite(fp8_out).all()
+    if tokens > 1:
+        assert _rel_err(fp8_out, ref) < 0.12
 
 
 def _fp8_problem(tokens, hidden, inter, seed):

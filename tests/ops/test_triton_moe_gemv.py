@@ -20,7 +20,7 @@ import torch
 
 gemv = pytest.importorskip("fastdeploy.ops.triton_moe_gemv")
 
-from test_triton_fused_moe import _on, _problem, _reference, _rel_err  # noqa: E402
+from test_triton_fused_moe import _drop_pairs, _on, _problem, _reference, _rel_err  # noqa: E402
 
 from fastdeploy.ops import fp8_quant as fq  # noqa: E402
 from fastdeploy.ops import triton_fused_moe as moe  # noqa: E402
@@ -47,6 +47,22 @@ def test_gemv_tokens_sharing_experts():
     ids[:4] = torch.tensor([3, 5])
     out = gemv.fused_experts_gemv(*_on(DEVICE, x, w13, w2, weights, ids))
     assert _rel_err(out, _reference(x, w13, w2, weights, ids)) < 1e-5
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gemv_skips_negative_ids(fp8):
+    """Expert parallelism: pairs with id -1 add nothing (token 0 has none left: zeros)."""
+    x, w13, w2, weights, ids = _problem(4, 128, 128, torch.float32, seed=21)
+    ids = _drop_pairs(ids, 3)
+    scales = ()
+    if fp8:
+        (w13, s13), (w2, s2) = fq.quantize_weight_block(w13), fq.quantize_weight_block(w2)
+        scales = (s13, s2)
+    out = gemv.fused_experts_gemv(*_on(DEVICE, x, w13, w2, weights, ids, *scales), skip_negative_ids=True)
+    assert (out[0] == 0).all()
+    if fp8:
+        w13, w2 = fq.dequantize_weight_block(w13, s13), fq.dequantize_weight_block(w2, s2)
+    assert _rel_err(out[1:], _reference(x, w13, w2, weights, ids)[1:]) < 1e-5
 
 
 @pytest.mark.parametrize("hidden,inter", [(128, 128), (192, 96)])

@@ -122,6 +122,20 @@ def test_align_skewed_and_empty_experts():
     _check_layout(torch.full((1, 1), 15), 16, 16)  # one pair on the last expert
 
 
+@pytest.mark.parametrize("tokens", [3, 300])  # one program; several chunks
+def test_align_leaves_out_negative_ids(tokens):
+    """Expert parallelism: ids of -1 (another rank's experts) are in no block, the rest as usual."""
+    g = torch.Generator().manual_seed(tokens)
+    ids = torch.stack([torch.randperm(16, generator=g)[:4] for _ in range(tokens)])
+    ids[torch.rand(ids.shape, generator=g) < 0.5] = -1
+    ids[0] = -1  # a token with no pair here
+    _check_layout(ids, 16, 16)
+    ref_sorted, _, ref_padded = align_block_size_torch(ids, 16, 16)
+    used = ref_sorted[: int(ref_padded)]
+    kept = used[used < ids.numel()].sort().values
+    assert torch.equal(kept, torch.nonzero(ids.reshape(-1) >= 0).squeeze(1).to(kept.dtype))
+
+
 @pytest.mark.filterwarnings("ignore:All-NaN slice")  # numpy, under the interpreter
 def test_topk_softmax_nan_logits_give_valid_experts():
     """A NaN logit makes every probability NaN: the ids stay valid expert indices (the expert GEMMs

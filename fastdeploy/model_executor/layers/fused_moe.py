@@ -10,10 +10,15 @@ gate_up is column-parallel (rank r holds ``[gate_r | up_r]``), down is row-paral
 ranks' partial outputs are summed by ONE all-reduce of the combined (routing-weighted) output.
 
 Expert parallelism (``--enable-expert-parallel``) instead gives EP rank r the whole experts
-``[r * E / ep, (r + 1) * E / ep)`` (it loads only those). Each TP rank takes its share of
-the (replicated) tokens, :mod:`~fastdeploy.model_executor.layers.moe_dispatch` sends their
-(token, expert) pairs to the experts' ranks and back (all-to-all over the EP group), and
-the TP ranks all-gather their shares; with data-parallel replicas the EP group spans them.
+``[r * E / ep, (r + 1) * E / ep)`` (it loads only those); a (token, expert) pair whose expert
+another rank holds gets the id -1 here, which every expert path skips. With TP + EP (the EP group
+is the TP group, every rank has the same tokens) each rank runs its experts' pairs and ONE
+all-reduce sums the ranks' partial outputs, as with TP. When the EP group spans data-parallel
+replicas (each has its own tokens), each rank pads its share of the tokens to the most any rank
+has in the step (agreed on the host once per step, :func:`~fastdeploy.distributed.ep_agree_step`),
+the ranks all-gather them, run their experts' pairs on every rank's tokens, and a reduce-scatter
+returns each rank the sums for its own tokens. Fixed sizes and no host reads, so both layouts
+run in CUDA graphs.
 
 On CUDA the routing is one Triton kernel (:mod:`fastdeploy.ops.triton_moe_routing`) and the
 experts run in the fused Triton kernels (:mod:`fastdeploy.ops.triton_fused_moe`: route-sorted
@@ -31,8 +36,18 @@ import torch
 from torch import nn
 
 from fastdeploy import envs
-from fastdeploy.distributed import divide, ep_info, tp_all_gather_rows, tp_all_reduce, tp_rank, tp_size
-from fastdeploy.model_executor.layers import moe_dispatch
+from fastdeploy.distributed import (
+    divide,
+    ep_all_gather,
+    ep_info,
+    ep_max_tokens,
+    ep_reduce_scatter,
+    ep_spans_replicas,
+    tp_all_gather_rows,
+    tp_all_reduce,
+    tp_rank,
+    tp_size,
+)
 from fastdeploy.model_executor.layers.fused_moe_fp8 import Fp8MoEMethod, expert_matmul
 from fastdeploy.model_executor.layers.quantization.base import QuantizationConfig
 from fastdeploy.model_executor.layers.weight_loading import ShardId, copy_rows, set_weight_loader
@@ -197,38 +212,54 @@ class FusedMoE(nn.Module):
         weights, ids = select_experts(
             router_logits, self.top_k, self.renormalize, correction_bias, self.routed_tokens
         )
-        if self.ep_size > 1:
-            out = self.expert_parallel_experts(hidden, weights, ids)
+        if self.ep_size > 1 and ep_spans_replicas():
+            out = self.experts_across_replicas(hidden, weights, ids)
             if shared is not None:
                 out = out + (tp_all_reduce(shared) if self.tp_size > 1 else shared)
             return out
-        out = self.compute_experts(hidden, weights, ids)
+        out = self.compute_experts(hidden, weights, self.local_expert_ids(ids))
         if shared is not None:
             out = out + shared
         if self.tp_size > 1:
             out = tp_all_reduce(out)
         return out
 
-    def expert_parallel_experts(
+    def local_expert_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Global expert ids → indices into this rank's experts, -1 where another expert-parallel
+        rank holds the expert (``ids`` itself without expert parallelism)."""
+        if self.ep_size == 1:
+            return ids
+        local = ids - self.first_local_expert
+        return torch.where((local >= 0) & (local < self.num_local_experts), local, -1)
+
+    def experts_across_replicas(
         self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
-        """The full routed output ``[T, H]`` under expert parallelism: this TP rank's share of the
-        tokens dispatched to the experts' ranks, computed there, combined back, and the TP ranks'
-        shares all-gathered."""
-        shares = [len(part) for part in torch.arange(hidden.shape[0]).tensor_split(self.tp_size)]
-        start = sum(shares[: self.tp_rank])
-        rows = slice(start, start + shares[self.tp_rank])
-        sent = moe_dispatch.dispatch(
-            hidden[rows], topk_weights[rows], topk_ids[rows], self.num_local_experts, self.ep_size
-        )
-        expert_out = self.compute_experts(sent.hidden, sent.weights, sent.local_ids)
-        return tp_all_gather_rows(moe_dispatch.combine(expert_out, sent), shares)
+        """The full routed output ``[T, H]`` when the expert-parallel group spans data-parallel
+        replicas: this TP rank's share of its replica's tokens, padded to the step's agreed size,
+        all-gathered from every rank; this rank's experts run on all of them; a reduce-scatter
+        brings back the sums for its own share; the TP ranks all-gather their shares."""
+        num_tokens, top_k = topk_ids.shape
+        base, extra = divmod(num_tokens, self.tp_size)
+        shares = [base + (r < extra) for r in range(self.tp_size)]
+        start, mine = sum(shares[: self.tp_rank]), shares[self.tp_rank]
+        rows = -(-ep_max_tokens(num_tokens, hidden.device) // self.tp_size)  # every rank's padded share
+        send = hidden.new_zeros((rows, hidden.shape[1]))
+        send[:mine] = hidden[start : start + mine]
+        meta = torch.zeros((rows, 2 * top_k), dtype=torch.float32, device=hidden.device)
+        meta[:, :top_k] = -1  # padding rows route nowhere
+        meta[:mine, :top_k] = topk_ids[start : start + mine]  # exact in float32
+        meta[:mine, top_k:] = topk_weights[start : start + mine]
+        every_hidden, every_meta = ep_all_gather(send), ep_all_gather(meta)
+        ids = self.local_expert_ids(every_meta[:, :top_k].long())
+        partial = self.compute_experts(every_hidden, every_meta[:, top_k:].to(hidden.dtype), ids)
+        return tp_all_gather_rows(ep_reduce_scatter(partial)[:mine], shares)
 
     def compute_experts(
         self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
         """This rank's partial expert output for routed tokens (before the all-reduce; the ids index
-        this rank's experts, ``[0, num_local_experts)``): the fused
+        this rank's experts, ``[0, num_local_experts)``, or are -1: another rank's, skipped): the fused
         Triton kernel on CUDA, :meth:`compute_experts_torch` on a CPU or with
         ``FD_DISABLE_CUSTOM_OPS=1``. Both take the stacked ``gate_up_proj`` / ``down_proj``
         shards (and their FP8 scales) and return the ``[T, H]`` partial sum."""
@@ -238,8 +269,9 @@ class FusedMoE(nn.Module):
         w13_scale, w2_scale = self.expert_scales()
         block = self.fp8.block if self.fp8 is not None else DEFAULT_BLOCK
         return kernels.fused_experts(
-            hidden, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, w13_scale, w2_scale, block
-        )
+            hidden, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, w13_scale, w2_scale, block,
+            skip_negative_ids=self.ep_size > 1,
+        )  # fmt: skip
 
     def compute_experts_torch(
         self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
@@ -250,9 +282,10 @@ class FusedMoE(nn.Module):
         (activations quantized per 1 x ``bk`` group, both operands dequantized)."""
         num_tokens, top_k = topk_ids.shape
         flat_ids = topk_ids.reshape(-1)
-        order = torch.argsort(flat_ids, stable=True)
+        keep = torch.nonzero(flat_ids >= 0).squeeze(1)  # -1: an expert another rank holds
+        order = keep[torch.argsort(flat_ids[keep], stable=True)]
         token_of = order // top_k  # the token each sorted pair belongs to
-        counts = torch.bincount(flat_ids, minlength=self.num_local_experts).tolist()
+        counts = torch.bincount(flat_ids[order], minlength=self.num_local_experts).tolist()
         sorted_hidden = hidden.index_select(0, token_of)
         sorted_weights = topk_weights.reshape(-1).index_select(0, order).unsqueeze(1)
         expert_out = torch.empty_like(sorted_hidden)
