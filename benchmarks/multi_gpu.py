@@ -237,8 +237,13 @@ def moe_layouts(args: argparse.Namespace) -> list[dict[str, Any]]:
             **({"quantization": q} if q else {}),
         }
         for q in quants
-        for tp in sorted({1, args.tp})
+        for tp in one_and_n(args)
     ]
+
+
+def one_and_n(args: argparse.Namespace) -> list[int]:
+    """The sizes compared: 1 and ``--tp`` (only ``--tp`` with ``--skip-one-gpu``)."""
+    return [args.tp] if args.skip_one_gpu else sorted({1, args.tp})
 
 
 # ---- data parallelism: online throughput through fastdeploy serve ---------------------------------
@@ -405,6 +410,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--correctness-tokens", type=int, default=24)
     parser.add_argument("--server-timeout-s", type=float, default=400)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes: checks the script only")
+    parser.add_argument(
+        "--skip-one-gpu", action="store_true", help="tp and moe sections: only the --tp layouts (no baseline)"
+    )
     args = parser.parse_args(argv)
     if args.smoke:
         args.num_prompts, args.input_len, args.output_len, args.itl_tokens = 4, 16, 8, 8
@@ -423,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
             if name == "correctness":
                 results[name] = correctness(args)
             elif name == "tp":
-                results[name] = engine_runs(args, args.model, [{"tp": 1}, {"tp": args.tp}])
+                results[name] = engine_runs(args, args.model, [{"tp": tp} for tp in one_and_n(args)])
             elif name == "dp":
                 results[name] = data_parallel(args, args.model, out)
             elif name == "moe":
