@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 
 from fastdeploy import distributed as fdist
 from fastdeploy.model_executor.layers.fused_moe import FusedMoE
+from fastdeploy.model_executor.layers.quantization import Fp8Config
 
 EXPERTS, HIDDEN, INTER, TOP_K = 8, 16, 12, 2
 CPU = torch.device("cpu")
@@ -30,12 +31,16 @@ def expert_weights(seed: int = 0) -> dict[str, torch.Tensor]:
     return weights
 
 
-def build_moe() -> FusedMoE:
-    """A FusedMoE for this process's groups, loaded through its per-expert loaders."""
-    layer = FusedMoE(EXPERTS, TOP_K, HIDDEN, INTER, renormalize=True)
+def build_moe(fp8: bool = False) -> FusedMoE:
+    """A FusedMoE for this process's groups, loaded through its per-expert loaders (``fp8``: its
+    experts quantized at load to 128 x 128 block-scaled e4m3, as ``--quantization fp8`` does)."""
+    layer = FusedMoE(
+        EXPERTS, TOP_K, HIDDEN, INTER, renormalize=True, quant_config=Fp8Config() if fp8 else None
+    )
     for shard, tensor in expert_weights().items():
         param = layer.down_proj if shard.endswith("down_proj") else layer.gate_up_proj
         param.weight_loader(param, tensor, shard)
+    layer.process_weights_after_loading()
     return layer
 
 
@@ -101,6 +106,7 @@ def _tp_ep(rank: int, init_method: str, results: dict) -> None:
         outs = [layer(*inputs(n, seed=n)) for n in (1, 2, 11)]  # 1 token: one TP rank has no share
         hidden, logits = inputs(5, seed=5)
         outs.append(layer(hidden, logits, shared))
+        outs.append(build_moe(fp8=True)(*inputs(7, seed=7)))  # each rank quantizes only its experts
         results[rank] = outs
     finally:
         fdist.destroy_tensor_parallel()
@@ -114,6 +120,10 @@ def test_tensor_parallel_ranks_with_expert_parallel_equal_one_process():
     reference = build_moe()
     expected = [reference(*inputs(n, seed=n)) for n in (1, 2, 11)]
     expected.append(reference(*inputs(5, seed=5)) + 3.0)
+    fp8_reference = build_moe(fp8=True)
+    assert fp8_reference.gate_up_proj.dtype == torch.float8_e4m3fn
+    expected.append(fp8_reference(*inputs(7, seed=7)))
+    assert (expected[-1] - reference(*inputs(7, seed=7))).abs().max() > 0  # quantized: not the bf16 output
     for rank in range(2):
         for got, want in zip(results[rank], expected):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
