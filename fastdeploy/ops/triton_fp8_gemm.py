@@ -11,27 +11,19 @@ launches it; the configuration comes from a small table by M (:data:`CONFIGS`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
 
 import torch
 import triton
 import triton.language as tl
 
 from fastdeploy.ops.fp8_quant import FP8_DTYPE
+from fastdeploy.ops.tile_config import TileConfig, table_config
 from fastdeploy.ops.triton_env import triton_interpreting
 from fastdeploy.ops.triton_fp8_quant import quantize_activation_per_token_group
 
-
-@dataclass(frozen=True)
-class Fp8GemmConfig:
-    """Triton meta-parameters of one launch; ``group_m`` row blocks share a column block (L2 reuse)."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    group_m: int = 8
-    num_warps: int = 4
-    num_stages: int = 3
+Fp8GemmConfig = TileConfig
+"""Triton meta-parameters of one FP8 GEMM launch."""
 
 
 # (largest M, config): the winners of `benchmarks/gpubench/fp8_gemm_bench.py --sweep gemm` on an
@@ -51,7 +43,7 @@ def default_config(m: int) -> Fp8GemmConfig:
     """The table's configuration for ``m`` rows (the interpreter's under ``TRITON_INTERPRET=1``)."""
     if triton_interpreting():
         return INTERPRETER_CONFIG
-    return next(config for most, config in CONFIGS if m <= most)
+    return table_config(CONFIGS, m)
 
 
 @triton.jit
@@ -156,9 +148,7 @@ def fp8_block_gemm(
         raise ValueError(f"bias must be a contiguous [{n}], got {tuple(bias.shape)}")
     config = config or default_config(m)
     if gk % config.block_k:
-        config = Fp8GemmConfig(
-            config.block_m, config.block_n, gk, config.group_m, config.num_warps, config.num_stages
-        )  # one scale per K step: BLOCK_K must divide gk
+        config = dataclasses.replace(config, block_k=gk)  # one scale per K step: BLOCK_K must divide gk
     out = torch.empty(m, n, dtype=out_dtype, device=a.device)
     if m == 0:
         return out

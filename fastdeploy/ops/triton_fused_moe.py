@@ -28,14 +28,13 @@ own :class:`MoEKernelConfig` (tuning, benchmarks).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
 from fastdeploy.ops.fp8_quant import FP8_DTYPE, quantize_activation_per_token_group
 from fastdeploy.ops.layer_ops import silu_and_mul
+from fastdeploy.ops.tile_config import TileConfig, table_config
 from fastdeploy.ops.triton_env import triton_interpreting
 from fastdeploy.ops.triton_moe_gemv import fused_experts_gemv, small_batch_max_tokens
 from fastdeploy.ops.triton_moe_routing import moe_align_block_size, padded_length
@@ -45,20 +44,9 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 """Activation dtypes the kernels take (weights in the same dtype, or FP8)."""
 
 
-@dataclass(frozen=True)
-class MoEKernelConfig:
-    """Triton meta-parameters of one grouped GEMM launch.
-
-    ``block_m`` is also the padding unit of each expert's rows; ``group_m`` row blocks share a
-    column block before the next one starts (L2 reuse of weight tiles).
-    """
-
-    block_m: int
-    block_n: int
-    block_k: int
-    group_m: int = 1
-    num_warps: int = 4
-    num_stages: int = 3
+MoEKernelConfig = TileConfig
+"""Triton meta-parameters of one grouped GEMM launch; ``block_m`` is also the padding unit of
+each expert's rows."""
 
 
 # (most tokens, config). Decode sizes (few rows per expert): 16-row tiles, many column blocks so
@@ -84,10 +72,7 @@ def default_config(num_tokens: int, fp8: bool) -> MoEKernelConfig:
     ``TRITON_INTERPRET=1``)."""
     if triton_interpreting():
         return INTERPRETER_CONFIG
-    for most, config in FP8_CONFIGS if fp8 else BF16_CONFIGS:
-        if num_tokens <= most:
-            return config
-    raise AssertionError("unreachable: the last row takes every size")
+    return table_config(FP8_CONFIGS if fp8 else BF16_CONFIGS, num_tokens)
 
 
 def align_block_size_torch(
