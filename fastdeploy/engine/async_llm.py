@@ -2,16 +2,16 @@
 
 With ``--data-parallel-size N`` it runs N engine cores (each with its own workers and KV
 cache) and sends each request to the least-loaded one (:class:`~fastdeploy.engine.dp_router.Router`).
+With ``--api-server-count`` > 1 the ``fastdeploy serve`` process starts the engine cores and each
+API server process's ``AsyncLLM`` attaches to them (:class:`~fastdeploy.engine.engine_cores.EngineAttachment`):
+its requests go to the cores' shared input sockets, their outputs come back on its own socket, and
+its router balances only its own requests over the ranks.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import dataclasses
 import logging
-import os
-import signal
 import time
 from collections import deque
 from collections.abc import AsyncIterator
@@ -28,21 +28,19 @@ from fastdeploy.core.outputs import RequestOutput, merge_delta_outputs
 from fastdeploy.core.pooling_params import PoolingParams
 from fastdeploy.core.request import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from fastdeploy.core.sampling_params import SamplingParams
-from fastdeploy.distributed import free_port_init_method
-from fastdeploy.engine.core_proc import engine_core_main, input_socket_name
+from fastdeploy.engine.core_proc import input_socket_name, output_socket_name
 from fastdeploy.engine.dp_router import Router
+from fastdeploy.engine.engine_cores import (
+    EngineAttachment,
+    EngineCores,
+    EngineStartupError,
+    WatchedProcess,
+    which_rank,
+    with_replica_init_method,
+)
 from fastdeploy.engine.feature_mirror import FeatureMirror
 from fastdeploy.engine.input_processor import InputProcessor, eos_ids_of
-from fastdeploy.engine.ipc import (
-    STOP_SIGNALS,
-    ChildProcess,
-    decode,
-    encode,
-    ipc_address,
-    kill_process_group,
-    new_ipc_dir,
-    remove_ipc_dir,
-)
+from fastdeploy.engine.ipc import decode, encode, ipc_address, new_ipc_dir, remove_ipc_dir
 from fastdeploy.engine.output_processor import OutputProcessor, RequestState
 from fastdeploy.engine.parallel_layout import check_parallel_layout
 from fastdeploy.engine.protocol import EngineClient, EngineDeadError
@@ -51,17 +49,11 @@ from fastdeploy.model_executor.model_loader import load_tokenizer, resolve_model
 
 logger = logging.getLogger(__name__)
 
-ENGINE_STOP_GRACE_S = 2.0
-"""On shutdown, how long the engine core may take to leave after the shutdown message (it reads it
-between steps), and again after SIGTERM, before it is killed."""
+__all__ = ["AsyncLLM", "EngineGenerateError", "EngineStartupError"]
 
 
 def _has_tokens(output: RequestOutput) -> bool:
     return any(c.token_ids for c in output.outputs)
-
-
-class EngineStartupError(RuntimeError):
-    """The engine core failed to start (bad model, too little memory, ...)."""
 
 
 class EngineGenerateError(RuntimeError):
@@ -77,17 +69,12 @@ class _EngineCoreHandle:
     """Requests, aborts and the shutdown message to this engine core (PUSH; never blocks: no HWM)."""
     feature_mirror: FeatureMirror
     """What this engine core holds of the features sent to it (a repeated item goes without them)."""
-    proc: ChildProcess | None = field(default=None)
+    proc: Any = field(default=None)
+    """Its process (``ChildProcess`` or ``WatchedProcess``): ``is_alive()``, ``exitcode``."""
 
     def send(self, message: dict[str, Any]) -> None:
         """Queue a message for the engine core (never blocks; ZMQ buffers)."""
         self.to_core.send(encode(message))
-
-
-def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
-    """A copy of ``config`` for the engine core of data-parallel ``rank`` (its workers pick their devices
-    from it)."""
-    return dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, data_parallel_rank=rank))
 
 
 def _default_model_name(config: EngineConfig, source: Any) -> str:
@@ -107,28 +94,32 @@ class AsyncLLM(EngineClient):
     """Tokenizes and detokenizes here; schedules and runs the model in child processes.
 
     One engine core process per data-parallel rank (``--data-parallel-size``), all
-    started at once; each request goes to one of them (:class:`Router`). They share
-    one output socket: one asyncio task reads the outputs of all and routes them to
-    per-request queues; another watches the engine processes. If any engine core or
-    worker dies, every waiting request gets ``EngineDeadError`` and ``is_healthy``
-    turns False.
+    started at once (:class:`EngineCores`), or those another process started (``attach``:
+    this is one of several API server processes); each request goes to one of them
+    (:class:`Router`). Their outputs for this client come on one socket: one asyncio task
+    reads them and routes them to per-request queues; another watches the engine
+    processes. If any engine core or worker dies, every waiting request gets
+    ``EngineDeadError`` and ``is_healthy`` turns False.
     """
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, attach: EngineAttachment | None = None):
         self.source = resolve_model(config.model)
         check_parallel_layout(config, self.source.arch)  # before any process starts
-        if config.parallel.expert_parallel_spans_replicas and not config.parallel.data_parallel_init_method:
-            parallel = dataclasses.replace(config.parallel, data_parallel_init_method=free_port_init_method())
-            config = dataclasses.replace(config, parallel=parallel)  # where the lockstep engine cores meet
+        if attach is None:
+            config = with_replica_init_method(config)
         self.config = config
+        self.attachment = attach
         self.tokenizer = load_tokenizer(config.model, self.source)
         self.eos_token_ids = eos_ids_of(self.source.arch.eos_token_ids, self.tokenizer)
         self.vocab_size = self.source.arch.vocab_size
         self.arch = self.source.arch
         self.pooler = self.source.pooler
         num_ranks = config.parallel.data_parallel_size
+        self.client_index = attach.client_index if attach is not None else 0
+        num_clients = attach.num_clients if attach is not None else 1
         self.model_name = config.model.served_model_name or _default_model_name(config, self.source)
-        self.metrics = EngineMetrics(self.model_name, num_ranks)
+        # the engine cores' interval counters reach every client: client 0 alone adds them up
+        self.metrics = EngineMetrics(self.model_name, num_ranks, engine_counters=self.client_index == 0)
         self._router = Router(
             num_ranks, config.cache.block_size if config.cache.enable_prefix_caching else None
         )
@@ -140,30 +131,35 @@ class AsyncLLM(EngineClient):
 
         self._zmq = zmq.asyncio.Context()
         self._zmq_sync = zmq.Context()
-        self._ipc_dir = new_ipc_dir()
+        self._ipc_dir = attach.ipc_dir if attach is not None else new_ipc_dir()
         """This run's private socket directory (the engine core's and its workers' sockets too)."""
-        self._ready = False
+        self._engine_cores: EngineCores | None = None
+        """The engine core processes, when this client started them."""
         self._cores: list[_EngineCoreHandle] = []
         """One per data-parallel rank, in rank order."""
+        # the mirror needs the one sender per engine core that sees every item in order: with several
+        # API servers each sends every item's features (engine/feature_mirror.py)
+        mirror_gib = config.cache.encoder_cache_memory if num_clients == 1 else 0.0
         try:
             self._from_core = self._zmq.socket(zmq.PULL)
-            self._from_core.bind(ipc_address(self._ipc_dir, "out"))
+            self._from_core.bind(ipc_address(self._ipc_dir, output_socket_name(self.client_index)))
             for rank in range(num_ranks):
-                core = _EngineCoreHandle(
-                    rank, self._zmq_sync.socket(zmq.PUSH), FeatureMirror(config.cache.encoder_cache_memory)
-                )
+                core = _EngineCoreHandle(rank, self._zmq_sync.socket(zmq.PUSH), FeatureMirror(mirror_gib))
                 self._cores.append(core)
                 core.to_core.setsockopt(zmq.SNDHWM, 0)  # sends never block the event loop
-                core.to_core.bind(ipc_address(self._ipc_dir, input_socket_name(rank)))
-            for core in self._cores:  # all start now and load their models side by side
-                name = "fastdeploy-engine-core" + (f"-{core.rank}" if num_ranks > 1 else "")
-                args = (rank_config(config, core.rank), self._ipc_dir)
-                core.proc = ChildProcess(engine_core_main, args, name=name, new_group=True)
-            ready = self._wait_ready()
+                core.to_core.connect(ipc_address(self._ipc_dir, input_socket_name(rank)))
+            if attach is None:
+                self._engine_cores = EngineCores(config, self._ipc_dir)
+                for core, proc in zip(self._cores, self._engine_cores.procs):
+                    core.proc = proc
+                ready = self._engine_cores.wait_ready()
+            else:
+                for core, pid in zip(self._cores, attach.core_pids):
+                    core.proc = WatchedProcess(pid)
+                ready = {"max_model_len": attach.max_model_len, "num_blocks": attach.num_blocks}
         except BaseException:  # a failed start, or SIGINT/SIGTERM meanwhile: nothing may be left behind
             self.shutdown()
             raise
-        self._ready = True
         self.max_model_len = ready["max_model_len"]
         self.num_blocks = ready["num_blocks"]
         self.input_processor = InputProcessor(
@@ -188,38 +184,7 @@ class AsyncLLM(EngineClient):
 
     def _which(self, rank: int) -> str:
         """`` of data-parallel rank N`` for messages about one engine core, when there are several."""
-        return f" of data-parallel rank {rank}" if len(self._cores) > 1 else ""
-
-    def _wait_ready(self) -> dict[str, Any]:
-        """Block until every engine core reports ready (or one failed / died / the time is up).
-
-        Returns rank 0's message (all ranks run the same model with the same limits).
-        """
-        poller_socket = zmq.Socket.shadow(self._from_core.underlying)
-        deadline = time.monotonic() + envs.FD_ENGINE_READY_TIMEOUT_S
-        ready: dict[int, dict[str, Any]] = {}
-        while len(ready) < len(self._cores):
-            STOP_SIGNALS.raise_if_received()
-            if poller_socket.poll(200):
-                message = decode(poller_socket.recv())
-                if message["type"] == "ready":
-                    ready[message["rank"]] = message
-                elif message["type"] == "failed":
-                    logger.debug("engine start-up trace:\n%s", message.get("trace"))
-                    which = self._which(message["rank"])
-                    raise EngineStartupError(f"the engine{which} failed to start: {message['error']}")
-            else:
-                for core in self._cores:
-                    if core.proc is not None and not core.proc.is_alive():
-                        raise EngineStartupError(
-                            f"the engine process{self._which(core.rank)} exited during start-up "
-                            f"(exit code {core.proc.exitcode})"
-                        )
-            if time.monotonic() > deadline:
-                raise EngineStartupError(
-                    f"the engine did not start within {envs.FD_ENGINE_READY_TIMEOUT_S:.0f} s"
-                )
-        return ready[0]
+        return which_rank(rank, len(self._cores))
 
     # ---- background tasks ------------------------------------------------------------
 
@@ -313,8 +278,10 @@ class AsyncLLM(EngineClient):
         if self._dead_reason is None and not self._closed:
             for core in self._cores:
                 if core.proc is not None and not core.proc.is_alive():
+                    code = core.proc.exitcode
                     self._mark_dead(
-                        f"the engine core process{self._which(core.rank)} exited (exit code {core.proc.exitcode})"
+                        f"the engine core process{self._which(core.rank)} exited"
+                        + (f" (exit code {code})" if code is not None else "")
                     )
                     break
         return self._dead_reason is None and not self._closed
@@ -353,7 +320,7 @@ class AsyncLLM(EngineClient):
             for core_request in core_requests:  # no await in between: the mirror sees the send order
                 wire = core_request.to_wire()
                 wire["mm_items"] = core.feature_mirror.strip(wire["mm_items"])
-                core.send({"type": "add", "request": wire})
+                core.send({"type": "add", "request": wire, "client": self.client_index})
             state.timeline.queued = time.monotonic()
             backlog: deque = deque()
             while True:
@@ -391,12 +358,10 @@ class AsyncLLM(EngineClient):
             queue.put_nowait(asyncio.CancelledError())
 
     def shutdown(self) -> None:
-        """Stop the engine cores and their workers, and remove the run's sockets; safe to call twice.
+        """Stop the engine cores this client started and their workers, and remove the run's sockets
+        (an attached client only closes its own sockets); safe to call twice.
 
-        Returns only once every engine process is gone: the engine cores are asked to
-        stop (once they are ready; each stops its workers first), then sent SIGTERM, then
-        killed, each step after :data:`ENGINE_STOP_GRACE_S` for all of them together;
-        whatever is left in their process groups (a worker of a killed engine core) is killed last.
+        Returns only once every engine process it started is gone (:meth:`EngineCores.stop`).
         """
         if self._closed:
             return
@@ -404,33 +369,16 @@ class AsyncLLM(EngineClient):
         for task in self._tasks:
             task.cancel()
         try:
-            self._stop_engine_processes()
+            if self._engine_cores is not None:
+                self._engine_cores.stop()
             for core in self._cores:
                 core.to_core.close(linger=0)
+                if isinstance(core.proc, WatchedProcess):
+                    core.proc.close()
             if hasattr(self, "_from_core"):
                 self._from_core.close(linger=0)
             self._zmq.term()
             self._zmq_sync.term()
         finally:
-            remove_ipc_dir(self._ipc_dir)
-
-    def _stop_engine_processes(self) -> None:
-        procs = [core.proc for core in self._cores if core.proc is not None]
-        if self._ready:
-            for core in self._cores:
-                if core.proc is not None and core.proc.is_alive():
-                    with contextlib.suppress(zmq.ZMQError):
-                        core.to_core.send(encode({"type": "shutdown"}), zmq.NOBLOCK)
-            deadline = time.monotonic() + ENGINE_STOP_GRACE_S
-            for proc in procs:
-                proc.join(max(0.0, deadline - time.monotonic()))
-        for proc in procs:  # SIGTERM to all at once: each stops its workers in parallel with the others
-            if proc.is_alive():
-                with contextlib.suppress(OSError):
-                    os.kill(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + ENGINE_STOP_GRACE_S
-        for proc in procs:
-            proc.stop(max(0.0, deadline - time.monotonic()))
-        for proc in procs:
-            if not kill_process_group(proc.pid):
-                logger.warning("an engine process outlived its engine core (pid %d)", proc.pid)
+            if self.attachment is None:
+                remove_ipc_dir(self._ipc_dir)

@@ -20,21 +20,34 @@ logger = logging.getLogger(__name__)
 
 def input_socket_name(rank: int) -> str:
     """The name of the socket (in the run's ipc dir) on which the engine core of data-parallel ``rank``
-    receives requests; every engine core sends its outputs to the one socket ``out``."""
+    receives requests (it binds it; every API server's engine client connects to it)."""
     return f"in{rank}"
 
 
-def engine_core_main(config: EngineConfig, ipc_dir: str) -> None:
+def output_socket_name(client: int) -> str:
+    """The name of the socket (in the run's ipc dir) on which the engine client of API server ``client``
+    receives its requests' outputs (it binds it; every engine core connects to it)."""
+    return f"out{client}"
+
+
+CONTROL_SOCKET_NAME = "ctl"
+"""The socket on which whoever started the engine cores hears ``ready`` / ``failed`` from each."""
+
+
+def engine_core_main(config: EngineConfig, ipc_dir: str, num_clients: int = 1) -> None:
     """Entry point of the engine core process (a :class:`~fastdeploy.engine.ipc.ChildProcess`).
 
-    Its sockets, and its workers', live in the run's private ``ipc_dir`` (``in<rank>``:
-    requests from the API server, ``out``: outputs to it, shared by the engine cores of
-    every data-parallel rank). Messages in: ``{"type": "add", "request": ...}``,
-    ``{"type": "abort", "ids": [...]}``, ``{"type": "shutdown"}``. Messages out, each with
-    this core's ``rank`` (``config.parallel.data_parallel_rank``): ``ready`` (once, with the
-    resolved limits), ``failed`` (start-up error), ``outputs`` (per step) and ``dead``
-    (a worker died; this process then exits). Whichever way it ends (shutdown
-    message, SIGTERM, dead worker), its workers are stopped first.
+    Its sockets, and its workers', live in the run's private ``ipc_dir``: ``in<rank>``
+    (requests from every API server, fan-in), ``out<client>`` for each of the
+    ``num_clients`` API servers (``--api-server-count``; each request's outputs go only to
+    the client that sent it) and ``ctl`` (start-up reports to the process that started it).
+    Messages in: ``{"type": "add", "request": ..., "client": i}``, ``{"type": "abort",
+    "ids": [...]}``, ``{"type": "shutdown"}``. Messages out, each with this core's ``rank``
+    (``config.parallel.data_parallel_rank``): on ``ctl`` ``ready`` (once, with the resolved
+    limits) or ``failed`` (start-up error); to the clients ``outputs`` (per step; the scheduler
+    stats go to every client) and ``dead`` (a worker died, to every client; this process then
+    exits). Whichever way it ends (shutdown message, SIGTERM, dead worker), its workers are
+    stopped first.
     """
     rank = config.parallel.data_parallel_rank
     tag = f"engine{rank}" if config.parallel.data_parallel_size > 1 else "engine"
@@ -50,9 +63,16 @@ def engine_core_main(config: EngineConfig, ipc_dir: str) -> None:
     worker_init_method = join_replica_group(config) if lockstep else None
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
-    inbox.connect(ipc_address(ipc_dir, input_socket_name(rank)))
-    outbox = ctx.socket(zmq.PUSH)
-    outbox.connect(ipc_address(ipc_dir, "out"))
+    inbox.bind(ipc_address(ipc_dir, input_socket_name(rank)))
+    control = ctx.socket(zmq.PUSH)
+    control.connect(ipc_address(ipc_dir, CONTROL_SOCKET_NAME))
+    sockets = []
+    for client in range(num_clients):
+        socket = ctx.socket(zmq.PUSH)
+        socket.setsockopt(zmq.SNDHWM, 0)  # a slow API server never blocks the engine's steps
+        socket.connect(ipc_address(ipc_dir, output_socket_name(client)))
+        sockets.append(socket)
+    outbox = _Outbox(sockets, rank)
     core = None
     try:
         try:
@@ -61,7 +81,7 @@ def engine_core_main(config: EngineConfig, ipc_dir: str) -> None:
             )
             core = EngineCore(config, resolve_model(config.model), executor_cls)
         except Exception as exc:
-            outbox.send(
+            control.send(
                 encode(
                     {
                         "type": "failed",
@@ -74,29 +94,70 @@ def engine_core_main(config: EngineConfig, ipc_dir: str) -> None:
             return
         ready = {"type": "ready", "max_model_len": core.max_model_len, "num_blocks": core.num_blocks}
         freeze_startup_heap(f"engine core {rank}")
-        outbox.send(encode({**ready, "rank": rank}))
+        control.send(encode({**ready, "rank": rank}))
         if lockstep:
-            _run_lockstep_loop(core, inbox, _Outbox(outbox, rank), WorkerDiedError)
+            _run_lockstep_loop(core, inbox, outbox, WorkerDiedError)
         else:
-            _run_loop(core, inbox, _Outbox(outbox, rank), WorkerDiedError)
+            _run_loop(core, inbox, outbox, WorkerDiedError)
     finally:
         if core is not None:
             core.shutdown()
-        outbox.close(linger=1000)  # a last "failed" or "dead" still reaches the API server
+        for socket in (control, *sockets):
+            socket.close(linger=1000)  # a last "failed" or "dead" still reaches the API servers
         inbox.close(linger=0)
         ctx.term()
 
 
 class _Outbox:
-    """The ``out`` socket, tagging every message with the sender's data-parallel rank."""
+    """The sockets to the API servers' engine clients, tagging every message with the sender's rank.
 
-    def __init__(self, socket: zmq.Socket, rank: int):
-        self.socket = socket
+    With one client everything goes to it. With several, :meth:`send_outputs` sends each
+    request's outputs to the client that added it (:meth:`own`, forgotten once the request
+    finishes) and the scheduler stats to every client; :meth:`send` (``dead``) goes to all.
+    """
+
+    def __init__(self, sockets: list[zmq.Socket], rank: int):
+        self.sockets = sockets
         self.rank = rank
+        self._owners: dict[str, int] = {}
+        """Engine request id → index of the client that added it (several clients only)."""
 
-    def send(self, message: dict) -> None:
+    def own(self, request_id: str, client: int) -> None:
+        """Record that ``client`` added the request (its outputs go there)."""
+        if len(self.sockets) > 1:
+            self._owners[request_id] = client
+
+    def send(self, message: dict, client: int | None = None) -> None:
+        """Send ``message`` to ``client``, or to every client."""
         message["rank"] = self.rank
-        self.socket.send(encode(message))
+        frame = encode(message)
+        for socket in self.sockets if client is None else (self.sockets[client],):
+            socket.send(frame)
+
+    def send_outputs(self, outputs: list[EngineCoreOutput], stats: SchedulerStats | None) -> None:
+        """One ``outputs`` message per client with outputs (to every client when there are stats)."""
+        stats_wire = vars(stats) if stats is not None else None  # flat: packed as it is
+        if len(self.sockets) == 1:
+            self.send(_outputs_message(outputs, stats_wire), 0)
+            return
+        per_client: list[list[EngineCoreOutput]] = [[] for _ in self.sockets]
+        for output in outputs:
+            owner = self._owners.get(output.request_id, 0)
+            if output.finish_reason is not None:
+                self._owners.pop(output.request_id, None)
+            per_client[owner].append(output)
+        for client, mine in enumerate(per_client):
+            if mine or stats_wire is not None:
+                self.send(_outputs_message(mine, stats_wire), client)
+
+
+def _outputs_message(outputs: list[EngineCoreOutput], stats_wire: dict | None) -> dict:
+    return {
+        "type": "outputs",
+        "outputs": outputs_to_rows(outputs),
+        "stats": stats_wire,
+        "sent": time.monotonic(),
+    }
 
 
 def _receive(core, inbox, outbox: _Outbox, timeout_ms: int) -> bool:
@@ -106,6 +167,7 @@ def _receive(core, inbox, outbox: _Outbox, timeout_ms: int) -> bool:
         kind = message["type"]
         if kind == "add":
             request = EngineCoreRequest.from_wire(message["request"])
+            outbox.own(request.request_id, message.get("client", 0))
             try:
                 core.add_request(request)
             except ValueError as exc:
@@ -209,11 +271,4 @@ def _rejected(request_id: str, message: str) -> EngineCoreOutput:
 
 
 def _send_outputs(outbox: _Outbox, outputs: list[EngineCoreOutput], stats: SchedulerStats | None) -> None:
-    outbox.send(
-        {
-            "type": "outputs",
-            "outputs": outputs_to_rows(outputs),
-            "stats": vars(stats) if stats is not None else None,  # flat: packed as it is
-            "sent": time.monotonic(),
-        }
-    )
+    outbox.send_outputs(outputs, stats)

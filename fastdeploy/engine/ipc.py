@@ -182,9 +182,19 @@ class ChildProcess:
     The child dies with its parent (``PR_SET_PDEATHSIG``), ignores SIGINT, turns
     SIGTERM into ``SystemExit`` (its ``finally`` blocks run) and ends with
     ``os._exit``: the interpreter's own teardown of torch takes over a second.
+    ``pass_fds``: file descriptors the child inherits under the same numbers (a listening
+    socket); ``env``: its environment (default: this process's).
     """
 
-    def __init__(self, target: Callable[..., Any], args: tuple, name: str, new_group: bool = False):
+    def __init__(
+        self,
+        target: Callable[..., Any],
+        args: tuple,
+        name: str,
+        new_group: bool = False,
+        pass_fds: tuple[int, ...] = (),
+        env: dict[str, str] | None = None,
+    ):
         payload = pickle.dumps((target, args))
         self.name = name
         with STOP_SIGNALS.shielded():  # never a child started but not recorded
@@ -192,6 +202,8 @@ class ChildProcess:
                 [sys.executable, "-c", _CHILD_CODE, str(os.getpid()), name],
                 stdin=subprocess.PIPE,
                 start_new_session=new_group,
+                pass_fds=pass_fds,
+                env=env,
             )
             try:
                 assert self._popen.stdin is not None

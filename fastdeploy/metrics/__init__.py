@@ -1,15 +1,25 @@
 """Prometheus metrics of the server, names prefixed ``fastdeploy:``, times in seconds.
 
-``REGISTRY`` is what ``GET /metrics`` exposes. ``EngineMetrics`` is fed by the
-front end: scheduler snapshots from the engine core(s), and per-request timings
-from the output processor.
+``REGISTRY`` holds them; :func:`exposition` is what ``GET /metrics`` answers.
+``EngineMetrics`` is fed by the front end: scheduler snapshots from the engine
+core(s), and per-request timings from the output processor.
+
+With several API server processes (``--api-server-count``) each one runs with
+``PROMETHEUS_MULTIPROC_DIR`` set to a private directory of the run (before
+prometheus_client is imported): the counters and histograms of every API server
+are kept in files there and :func:`exposition`, in whichever process answers,
+sums them (prometheus_client's multiprocess mode). The scheduler gauges are each
+process's own copy of the engine cores' last snapshots (every client receives
+them); their interval counters are added by API server 0 alone, so nothing is
+counted twice.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
@@ -151,16 +161,51 @@ _feature_fetch = Histogram(
 )
 
 
+_api_server_requests = Counter(
+    "fastdeploy:api_server_requests",
+    "Generation and embedding requests received, by API server process (--api-server-count).",
+    _LABELS + ["api_server"],
+    registry=REGISTRY,
+)
+
+MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+"""prometheus_client's multiprocess mode: set (to a private directory) for every API server process
+of a run with several, before prometheus_client is imported."""
+
+
+def exposition() -> bytes:
+    """The Prometheus text of ``GET /metrics``: this process's metrics, or with several API server
+    processes the counters and histograms of all of them summed, plus this process's gauges."""
+    path = os.environ.get(MULTIPROC_DIR_ENV)
+    if not path:
+        return generate_latest(REGISTRY)
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path)
+    registry.register(_scheduler_gauges)
+    return generate_latest(registry)
+
+
+def api_server_request_counter(model_name: str, api_server: int) -> Counter:
+    """The counter of generation and embedding requests received by API server ``api_server`` (its
+    series exists, at 0, from this call on)."""
+    return _api_server_requests.labels(model_name=model_name, api_server=str(api_server))
+
+
 class EngineMetrics:
     """Records one engine's metrics under its ``model_name`` label.
 
     With ``num_engines`` > 1 (data parallelism) the scheduler gauges have one series per
     engine core, labelled ``engine`` with its rank (as vLLM's); the counters add up over
     the engine cores. With one engine core the label is left out: nothing changes.
+    ``engine_counters``: whether the interval counters of the scheduler snapshots (prefix and
+    encoder cache, preemptions) are added here (False in every API server process but the first).
     """
 
-    def __init__(self, model_name: str, num_engines: int = 1):
+    def __init__(self, model_name: str, num_engines: int = 1, engine_counters: bool = True):
         self.labels = {"model_name": model_name}
+        self._engine_counters = engine_counters
         per_engine = [(("engine", str(rank)),) if num_engines > 1 else () for rank in range(num_engines)]
         self._gauge_keys = [(("model_name", model_name), *engine) for engine in per_engine]
         """Per engine core, the label pairs of its scheduler gauges."""
@@ -182,6 +227,8 @@ class EngineMetrics:
     def on_scheduler_stats(self, stats: SchedulerStats, engine: int = 0) -> None:
         """Take a snapshot that engine core ``engine`` sent: its gauges, and add its interval counters."""
         self.on_scheduler_gauges(stats, engine)
+        if not self._engine_counters:
+            return
         _prefix_queries.labels(**self.labels).inc(stats.prefix_cache_queries)
         _prefix_hits.labels(**self.labels).inc(stats.prefix_cache_hits)
         _preemptions.labels(**self.labels).inc(stats.num_preemptions)

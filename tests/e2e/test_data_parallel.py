@@ -25,7 +25,7 @@ import psutil
 import pytest
 
 from fastdeploy.config import EngineConfig
-from fastdeploy.engine.async_llm import rank_config
+from fastdeploy.engine.engine_cores import rank_config
 from fastdeploy.engine.dp_router import (
     PREFIX_ROUTING_SLACK,
     RankLoad,

@@ -105,6 +105,16 @@ def check_headless(args: argparse.Namespace) -> str | None:
     return None
 
 
+def check_api_server_count(args: argparse.Namespace) -> str | None:
+    """Why ``--api-server-count`` cannot be used as given (below 1, or with ``--headless``), or None."""
+    count = getattr(args, "api_server_count", 1)
+    if count < 1:
+        return f"argument --api-server-count: must be at least 1 (got {count})"
+    if count > 1 and getattr(args, "headless", False):
+        return "argument --api-server-count: --headless runs no API server"
+    return None
+
+
 def check_layout(args: argparse.Namespace) -> str | None:
     """Why the parallel layout cannot run this model here (heads that do not split, too few GPUs, multi-host
     flags that disagree), or None."""
@@ -142,6 +152,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
         or check_tool_call_parser(args)
         or check_backend(args)
         or check_headless(args)
+        or check_api_server_count(args)
         or check_layout(args)
     )
     if problem is not None:
@@ -155,6 +166,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
     from fastdeploy.entrypoints.openai.http_server import BindError, run_server
 
     try:
+        if args.api_server_count > 1:
+            from fastdeploy.entrypoints.openai.api_server_procs import run_api_servers
+
+            return run_api_servers(args)
         return run_event_loop(run_server(args))
     except BindError as exc:
         print(f"fastdeploy serve: error: {exc.strerror}", file=sys.stderr)

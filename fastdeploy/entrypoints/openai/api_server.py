@@ -54,6 +54,7 @@ from fastdeploy.entrypoints.openai.serving_engine import ClientDisconnectedError
 from fastdeploy.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
 from fastdeploy.entrypoints.openai.tokenizer_lanes import TokenizerLanes
 from fastdeploy.entrypoints.openai.tool_parsers import get_tool_parser
+from fastdeploy.metrics import api_server_request_counter, exposition
 from fastdeploy.platforms.backend import backend_info
 
 logger = logging.getLogger(__name__)
@@ -132,19 +133,11 @@ def _api_key_dependency(api_key: str) -> Callable[[Request], Coroutine[Any, Any,
     return check_api_key
 
 
-def _metrics_registry() -> Any:
-    """``fastdeploy.metrics.REGISTRY``, or prometheus_client's default registry until that exists."""
-    try:
-        from fastdeploy.metrics import REGISTRY
-    except ImportError as exc:
-        if exc.name not in ("fastdeploy.metrics", None) and not str(exc).startswith("cannot import name"):
-            raise
-        from prometheus_client import REGISTRY
-    return REGISTRY
-
-
 def build_app(
-    engine_client: EngineClient, served_model_names: list[str], server: ServerConfig | None = None
+    engine_client: EngineClient,
+    served_model_names: list[str],
+    server: ServerConfig | None = None,
+    api_server_index: int = 0,
 ) -> FastAPI:
     """The FastAPI app serving ``engine_client`` under ``served_model_names`` (the first is the default).
 
@@ -154,7 +147,9 @@ def build_app(
     every route needs ``Authorization: Bearer <key>`` except ``/health``,
     ``/metrics`` and ``/version`` (what load balancers and Prometheus poll).
     ``app.state.begin_shutdown()`` ends the requests in flight with a 503 (the
-    server calls it when it starts stopping).
+    server calls it when it starts stopping). ``api_server_index``: which of the
+    ``--api-server-count`` processes this app runs in (the ``api_server`` label of
+    ``fastdeploy:api_server_requests``).
     """
     server = server or ServerConfig()
     app = FastAPI(
@@ -201,11 +196,13 @@ def build_app(
         max_prompts_per_request=server.max_prompts_per_request,
     )
 
+    received = api_server_request_counter(served_model_names[0], api_server_index)
     v1 = APIRouter(prefix="/v1", route_class=OpenAIRoute, dependencies=auth)
 
     @v1.post("/completions", openapi_extra=json_body(CompletionRequest))
     async def create_completion(raw_request: Request) -> Response:
         raw_request.state.received = time.monotonic()  # the request timeline's start
+        received.inc()
         request = parse_request(CompletionRequest, await read_json(raw_request), strict_fields=strict)
         check_generation_model(engine_client)
         return await completions.create_completion(request, raw_request)
@@ -213,12 +210,14 @@ def build_app(
     @v1.post("/chat/completions", openapi_extra=json_body(ChatCompletionRequest))
     async def create_chat_completion(raw_request: Request) -> Response:
         raw_request.state.received = time.monotonic()
+        received.inc()
         request = parse_request(ChatCompletionRequest, await read_json(raw_request), strict_fields=strict)
         check_generation_model(engine_client)
         return await chat.create_chat_completion(request, raw_request)
 
     @v1.post("/embeddings", openapi_extra=json_body(EmbeddingRequest))
     async def create_embedding(raw_request: Request) -> Response:
+        received.inc()
         request = parse_request(EmbeddingRequest, await read_json(raw_request), strict_fields=strict)
         return await embeddings.create_embedding(request, raw_request)
 
@@ -240,9 +239,9 @@ def build_app(
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+        from prometheus_client import CONTENT_TYPE_LATEST
 
-        return Response(generate_latest(_metrics_registry()), media_type=CONTENT_TYPE_LATEST)
+        return Response(exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/version")
     async def version() -> Response:

@@ -17,7 +17,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from fastapi import FastAPI
@@ -28,6 +28,9 @@ from fastdeploy.engine.protocol import EngineClient
 from fastdeploy.entrypoints.openai.api_server import build_app
 from fastdeploy.platforms.backend import backend_version
 from fastdeploy.platforms.gc_heap import freeze_startup_heap
+
+if TYPE_CHECKING:
+    from fastdeploy.engine.engine_cores import EngineAttachment
 
 logger = logging.getLogger(__name__)
 
@@ -149,10 +152,12 @@ class BindError(OSError):
     """The server's address cannot be bound (port in use, unknown host, no permission)."""
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
+def bind_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     """A TCP socket bound (not yet listening) to ``host:port``; a :class:`BindError` if that fails.
 
     Binding before the model loads makes a taken port fail in a second, not after the load.
+    ``reuse_port``: with ``SO_REUSEPORT``, so that several sockets (one per API server process)
+    share the port and the kernel spreads the connections over them.
     """
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
@@ -162,6 +167,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind(address)
     except OSError as exc:
         sock.close()
@@ -204,8 +211,15 @@ async def serve_http(
     return server.engine_died
 
 
-async def run_server(args: argparse.Namespace) -> int:
+async def run_server(
+    args: argparse.Namespace, attach: EngineAttachment | None = None, sock: socket.socket | None = None
+) -> int:
     """Build the engine from parsed ``serve`` options, serve HTTP, and always shut the engine down.
+
+    ``attach`` and ``sock``: this is one of several API server processes
+    (``--api-server-count``): its engine client attaches to engine cores already running
+    and it serves on ``sock``, bound by the ``serve`` process (only API server 0 prints
+    the ready line).
 
     Returns the exit status: :data:`EXIT_ENGINE_DEAD` when serving ended because
     the engine died, else ``128 + signal number`` of the signal that stopped it.
@@ -220,23 +234,26 @@ async def run_server(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     server_config = server_config_from_args(args)
     served_model_names = default_served_model_names(config)
-    sock = bind_socket(args.host, args.port)
+    if sock is None:
+        sock = bind_socket(args.host, args.port)
+    index = attach.client_index if attach is not None else 0
     engine: Any = None
     logger.info("tensor backend: %s", backend_version())
     try:
         from fastdeploy.engine.async_llm import AsyncLLM
 
-        engine = AsyncLLM.from_config(config)
+        engine = AsyncLLM.from_config(config) if attach is None else AsyncLLM(config, attach)
         if inspect.isawaitable(engine):
             engine = await engine
-        app = build_app(engine, served_model_names, server_config)
-        freeze_startup_heap("API server")
+        app = build_app(engine, served_model_names, server_config, api_server_index=index)
+        freeze_startup_heap("API server" if attach is None else f"API server {index}")
         STOP_SIGNALS.raise_if_received()  # a signal whose interrupt got lost while loading
         engine_died = await serve_http(
             app,
             args.host,
             args.port,
             sock=sock,
+            on_ready=_print_ready if index == 0 else None,
             engine=engine,
             exit_on_engine_death=server_config.exit_on_engine_death,
         )
