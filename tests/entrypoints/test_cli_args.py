@@ -282,8 +282,20 @@ def test_serve_whose_engine_cannot_start_names_the_cause(capsys):
         (["--tool-call-parser", "nope"], "unknown parser 'nope'; available: hermes, llama3_json, mistral"),
         (["--tensor-parallel-size", "4", "--device", "cpu"], "cannot split 9 attention heads"),
         (["--data-parallel-size", "0", "--device", "cpu"], "must be >= 1"),
+        (["--api-server-count", "0"], "argument --api-server-count: must be at least 1 (got 0)"),
+        (
+            ["--api-server-count", "2", "--headless", "--nnodes", "2", "--node-rank", "1"],
+            "argument --api-server-count: --headless runs no API server",
+        ),
     ],
-    ids=["reasoning-parser", "tool-call-parser", "heads", "dp-zero"],
+    ids=[
+        "reasoning-parser",
+        "tool-call-parser",
+        "heads",
+        "dp-zero",
+        "api-servers-zero",
+        "api-servers-headless",
+    ],
 )
 def test_serve_refuses_bad_options_before_starting(capsys, argv, message):
     """One line on stderr and exit 2, before any process starts."""

@@ -1,0 +1,191 @@
+"""``fastdeploy serve --api-server-count 2``: two API server processes on one port, one engine core.
+
+The same greedy text as one API server for concurrent completions and chats (streamed and
+not), served by both processes (``fastdeploy:api_server_requests`` per process); a stream
+aborted on either frees its KV blocks; ``/metrics`` from any process is valid Prometheus text
+whose counters add up once; DP=2 x 2 API servers gives the same text and stops cleanly on
+SIGTERM; killing one API server takes the whole server down (exit 1, nothing left behind).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import httpx
+import psutil
+import pytest
+
+from tests.e2e.conftest import API_KEY, RemoteServer
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea,",
+    "List three colors:",
+    "The best way to learn Python is",
+    "Water boils at",
+    "My favourite animal is",
+    "In 1969, the first",
+]
+MAX_TOKENS = 12
+PER_SERVER = "fastdeploy:api_server_requests_total{{api_server={}}}"
+SUCCESS = "fastdeploy:request_success_total{{finished_reason={}}}"
+
+
+def api_servers(srv: RemoteServer) -> list[psutil.Process]:
+    """The server's API server processes, by index (from the process names in their command lines)."""
+    found = {}
+    for child in psutil.Process(srv.proc.pid).children():
+        name = child.cmdline()[-1]
+        if name.startswith("fastdeploy-api-server-"):
+            found[int(name.rsplit("-", 1)[1])] = child
+    return [found[index] for index in sorted(found)]
+
+
+async def _one(client, model: str, prompt: str, chat: bool, stream: bool) -> str:
+    kwargs = {"model": model, "max_tokens": MAX_TOKENS, "temperature": 0}
+    if chat:
+        messages = [{"role": "user", "content": prompt}]
+        if not stream:
+            response = await client.chat.completions.create(messages=messages, **kwargs)
+            return response.choices[0].message.content
+        chunks = await client.chat.completions.create(messages=messages, stream=True, **kwargs)
+        return "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices])
+    if not stream:
+        return (await client.completions.create(prompt=prompt, **kwargs)).choices[0].text
+    chunks = await client.completions.create(prompt=prompt, stream=True, **kwargs)
+    return "".join([c.choices[0].text async for c in chunks if c.choices])
+
+
+def concurrent_greedy(srv: RemoteServer, model: str) -> list[str]:
+    """16 requests at once (each prompt as a completion and as a chat, every other one streamed),
+    each on a connection of its own; their texts in order."""
+
+    async def run() -> list[str]:
+        clients = [srv.async_openai() for _ in range(2 * len(PROMPTS))]
+        jobs = []
+        for i, prompt in enumerate(PROMPTS):
+            for chat in (False, True):
+                client = clients[len(jobs)]
+                jobs.append(_one(client, model, prompt, chat, stream=(i + chat) % 2 == 0))
+        try:
+            return list(await asyncio.gather(*jobs))
+        finally:
+            for client in clients:
+                await client.close()
+
+    return asyncio.run(run())
+
+
+@pytest.fixture(scope="module")
+def two_servers(tmp_path_factory):
+    """``--api-server-count 2``; the last test of this file kills one of its API servers."""
+    srv = RemoteServer(
+        tmp_path_factory.mktemp("apis") / "server.log", "--api-server-count", "2", api_key=API_KEY
+    )
+    try:
+        yield srv
+    finally:
+        if srv.proc.poll() is None or not srv._log.closed:
+            srv.stop(check=False)
+
+
+def test_two_api_server_processes_one_engine_core(two_servers):
+    assert len(api_servers(two_servers)) == 2
+    assert len(two_servers.engine_core().children()) == 1
+    assert "fastdeploy serve: 2 API server processes on port" in two_servers.log(100_000)
+
+
+def test_concurrent_greedy_text_equals_one_api_server(server, two_servers, model_name):
+    before = two_servers.wait_idle()
+    texts = concurrent_greedy(two_servers, model_name)
+    assert texts == concurrent_greedy(server, model_name)
+    assert all(texts), texts
+    after = two_servers.wait_idle()
+    served = [after[PER_SERVER.format(i)] - before.get(PER_SERVER.format(i), 0.0) for i in (0, 1)]
+    assert sum(served) == 16 and min(served) > 0, served  # both processes served some
+    finished = sum(after[SUCCESS.format(r)] - before[SUCCESS.format(r)] for r in ("stop", "length", "abort"))
+    assert finished == 16
+    # the engine's interval counters are added by one API server only: every prompt token is looked up once
+    prompt_tokens = after["fastdeploy:prompt_tokens_total"] - before["fastdeploy:prompt_tokens_total"]
+    queries = after["fastdeploy:prefix_cache_queries_total"] - before["fastdeploy:prefix_cache_queries_total"]
+    assert queries == prompt_tokens > 0
+
+
+def test_metrics_text_is_valid_from_either_process(two_servers):
+    """Each scrape (on a new connection, so from either process) parses; every family and every
+    labelled sample appears once; the gauges and counters are there."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for _ in range(6):
+        text = two_servers.metrics_text()
+        families = list(text_string_to_metric_families(text))
+        names = [f.name for f in families]
+        assert len(names) == len(set(names)), names
+        samples = [(s.name, tuple(sorted(s.labels.items()))) for f in families for s in f.samples]
+        assert len(samples) == len(set(samples))
+        for name in (
+            "fastdeploy:kv_cache_usage_perc",
+            "fastdeploy:request_success",
+            "fastdeploy:prompt_tokens",
+        ):
+            assert name in names, names
+
+
+def test_aborted_streams_free_their_blocks_on_either_api_server(two_servers, model_name):
+    """Streams are opened and dropped (each on a new connection) until both API servers had one;
+    every one ends as an abort and the KV cache is empty again."""
+    body = {
+        "model": model_name,
+        "prompt": "Tell me a very long story about a dragon.",
+        "max_tokens": 1500,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    before = two_servers.wait_idle()
+    dropped = 0
+    for _ in range(12):
+        with two_servers.http() as client:
+            with client.stream("POST", "/v1/completions", json=body) as response:
+                assert response.status_code == 200
+                lines, chunks = response.iter_lines(), 0
+                while chunks < 3:
+                    chunks += next(lines).startswith("data: ")
+        dropped += 1
+        m = two_servers.wait_idle(timeout=10)
+        assert m["fastdeploy:kv_cache_usage_perc"] == 0 and m["fastdeploy:num_requests_running"] == 0, m
+        if all(m[PER_SERVER.format(i)] > before.get(PER_SERVER.format(i), 0.0) for i in (0, 1)):
+            break
+    m = two_servers.wait_idle()
+    assert all(m[PER_SERVER.format(i)] > before.get(PER_SERVER.format(i), 0.0) for i in (0, 1)), m
+    assert m[SUCCESS.format("abort")] - before[SUCCESS.format("abort")] == dropped
+    generated = m["fastdeploy:generation_tokens_total"] - before["fastdeploy:generation_tokens_total"]
+    assert generated < 1500 * dropped / 2, generated
+
+
+def test_dp2_with_two_api_servers(server, server_factory, model_name):
+    """Two engine cores, two API servers (each routing its own requests over both ranks): the same
+    text; SIGTERM stops every process (exit 143, no orphans)."""
+    srv = server_factory("--data-parallel-size", "2", "--api-server-count", "2", api_key=API_KEY)
+    assert len(api_servers(srv)) == 2
+    cores = [p for p in srv.descendants() if p.cmdline()[-1].startswith("fastdeploy-engine-core-")]
+    assert len(cores) == 2
+    assert concurrent_greedy(srv, model_name) == concurrent_greedy(server, model_name)
+    m = srv.wait_idle()
+    assert (
+        m["fastdeploy:num_requests_running{engine=0}"] == m["fastdeploy:num_requests_running{engine=1}"] == 0
+    )
+    assert srv.send_signal_and_wait(signal.SIGTERM) == 143
+
+
+def test_killing_an_api_server_stops_the_server(two_servers):
+    """Last test of the module: SIGKILL API server 1; the serve process stops everything and exits 1."""
+    victim = api_servers(two_servers)[1]
+    two_servers.remember_descendants()
+    victim.kill()
+    code = two_servers.wait_exit(timeout=30)
+    assert code == 1
+    assert "API server 1" in two_servers.log() and "exited" in two_servers.log()
+    with pytest.raises(httpx.HTTPError):  # nothing listens on the port any more
+        httpx.get(two_servers.url + "/health", timeout=2)
