@@ -25,6 +25,7 @@ EXPECTED_FAMILIES = {
     "fastdeploy:encoder_cache_hits": "counter",
     "fastdeploy:encoder_cache_misses": "counter",
     "fastdeploy:feature_fetch_latency_seconds": "histogram",
+    "fastdeploy:api_server_requests": "counter",
 }
 HISTOGRAMS = [name for name, kind in EXPECTED_FAMILIES.items() if kind == "histogram"]
 # 40+ tokens: two full 16-token KV blocks that a second identical request finds in the prefix cache
