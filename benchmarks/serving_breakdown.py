@@ -15,8 +15,10 @@ detokenized → first SSE chunk written; and per token after the first, engine c
 written. ``--model tiny`` (one layer, 64 wide, the default model's tokenizer, dummy weights)
 makes the forward pass nearly free, so the ratio and the stages show the serving path alone.
 
-With ``--profile DIR`` (needs ``pip install py-spy``), both server processes are sampled during
+With ``--profile DIR`` (needs ``pip install py-spy``), the server processes are sampled during
 the online run; the collapsed stacks are saved to DIR and the top functions by own time printed.
+``--api-server-count N`` is passed to ``fastdeploy serve`` (N API server processes, each measured
+and profiled on its own, ``api_server_0`` ...; the timelines of all go to one file).
 """
 
 from __future__ import annotations
@@ -124,7 +126,8 @@ def free_port() -> int:
 def start_server(args: argparse.Namespace, model: str | None, timeline: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "fastdeploy.entrypoints.cli.main", "serve", "--host", "127.0.0.1",
-           "--port", str(port), *to_flags(engine_args(args, model))]  # fmt: skip
+           "--port", str(port), *to_flags(engine_args(args, model)),
+           "--api-server-count", str(args.api_server_count)]  # fmt: skip
     env = {**os.environ, "FD_REQUEST_TIMELINE_FILE": timeline, "FD_LOG_LEVEL": "WARNING"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
@@ -149,6 +152,21 @@ def engine_core_pid(server_pid: int) -> int | None:
         if "fastdeploy-engine-core" in " ".join(child.cmdline()):
             return child.pid
     return None
+
+
+def api_server_pids(server_pid: int) -> dict[str, int]:
+    """``{"api_server": pid}`` (the serve process itself), or with several API server processes
+    ``{"api_server_0": pid, ...}`` (the serve process only supervises)."""
+    import psutil
+
+    found = {}
+    for child in psutil.Process(server_pid).children():
+        name = child.cmdline()[-1]
+        if name.startswith("fastdeploy-api-server-"):
+            found[int(name.rsplit("-", 1)[1])] = child.pid
+    if not found:
+        return {"api_server": server_pid}
+    return {f"api_server_{index}": found[index] for index in sorted(found)}
 
 
 def start_profilers(pids: dict[str, int], out_dir: Path, seconds: int) -> list[subprocess.Popen]:
@@ -207,7 +225,7 @@ def run_online(
         asyncio.run(run_benchmark(cfg, samples[:2]))  # warm-up
         Path(timeline).write_text("")
         profilers = []
-        pids = {"api_server": proc.pid, "engine_core": engine_core_pid(proc.pid)}
+        pids = {**api_server_pids(proc.pid), "engine_core": engine_core_pid(proc.pid)}
         if args.profile:
             profilers = start_profilers(pids, Path(args.profile), args.profile_seconds)
         cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
@@ -280,6 +298,9 @@ def main() -> None:
     )
     parser.add_argument("--skip-offline", action="store_true", help="online only (no ratio)")
     parser.add_argument(
+        "--api-server-count", type=int, default=1, help="API server processes of the server (serve's flag)"
+    )
+    parser.add_argument(
         "--profile", default=None, metavar="DIR", help="py-spy both server processes into DIR"
     )
     parser.add_argument("--profile-seconds", type=int, default=20)
@@ -313,11 +334,14 @@ def main() -> None:
         print(f"online / offline:     {online / offline:.3f}")
     for name, us in cpu_us.items():
         print(f"{name} CPU per output token: {us:.1f} us")
+    api_us = [us for name, us in cpu_us.items() if name.startswith("api_server_")]
+    if api_us:
+        print(f"API servers together, CPU per output token: {sum(api_us):.1f} us")
     if records:
         print(f"\nper-request stages ({len(records)} requests):")
         print("\n".join(stage_table(records)))
     if args.profile:
-        for name in ("api_server", "engine_core"):
+        for name in cpu_us:
             path = Path(args.profile) / f"{name}.txt"
             if not path.exists():
                 print(f"\nno profile of the {name} (is py-spy installed?)")
