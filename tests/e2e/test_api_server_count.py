@@ -164,6 +164,7 @@ def test_aborted_streams_free_their_blocks_on_either_api_server(two_servers, mod
     assert generated < 1500 * dropped / 2, generated
 
 
+@pytest.mark.slow
 def test_dp2_with_two_api_servers(server, server_factory, model_name):
     """Two engine cores, two API servers (each routing its own requests over both ranks): the same
     text; SIGTERM stops every process (exit 143, no orphans)."""
