@@ -3,8 +3,9 @@
 The same greedy text as one API server for concurrent completions and chats (streamed and
 not), served by both processes (``fastdeploy:api_server_requests`` per process); a stream
 aborted on either frees its KV blocks; ``/metrics`` from any process is valid Prometheus text
-whose counters add up once; DP=2 x 2 API servers gives the same text and stops cleanly on
-SIGTERM; killing one API server takes the whole server down (exit 1, nothing left behind).
+whose counters add up once; DP=2 x 2 API servers gives the same text; multimodal requests work on
+both; SIGTERM stops every process; a killed engine core or API server takes the whole server down
+(exit 1, nothing left behind).
 """
 
 from __future__ import annotations
@@ -167,7 +168,7 @@ def test_aborted_streams_free_their_blocks_on_either_api_server(two_servers, mod
 @pytest.mark.slow
 def test_dp2_with_two_api_servers(server, server_factory, model_name):
     """Two engine cores, two API servers (each routing its own requests over both ranks): the same
-    text; SIGTERM stops every process (exit 143, no orphans)."""
+    text; a killed engine core stops the whole server (exit 1, one log line, nothing left behind)."""
     srv = server_factory("--data-parallel-size", "2", "--api-server-count", "2", api_key=API_KEY)
     assert len(api_servers(srv)) == 2
     cores = [p for p in srv.descendants() if p.cmdline()[-1].startswith("fastdeploy-engine-core-")]
@@ -177,6 +178,41 @@ def test_dp2_with_two_api_servers(server, server_factory, model_name):
     assert (
         m["fastdeploy:num_requests_running{engine=0}"] == m["fastdeploy:num_requests_running{engine=1}"] == 0
     )
+    srv.remember_descendants()
+    cores[1].kill()
+    assert srv.wait_exit(timeout=30) == 1
+    assert "the engine core process of data-parallel rank 1 exited" in srv.log(), srv.log()
+
+
+def test_multimodal_requests_on_both_api_servers(server_factory, qwen2_vl_dummy, tmp_path):
+    """Qwen2-VL with an image feature URL, the same request on new connections until both API servers
+    took some: every answer is the first one (each carries its features: no feature mirror with
+    several API servers); SIGTERM then stops every process (exit 143, no orphans)."""
+    import numpy as np
+
+    from tests.e2e.test_multimodal import chat_body, image_part
+
+    folder, _ = qwen2_vl_dummy
+    media = tmp_path / "media"
+    media.mkdir()
+    np.save(media / "cat.npy", np.random.default_rng(0).standard_normal((6, 64)).astype(np.float32))
+    srv = server_factory(
+        "--model", str(folder), "--allowed-local-media-path", str(media), "--api-server-count", "2"
+    )
+    body = chat_body(srv.model_name(), [image_part((media / "cat.npy").as_uri())])
+    texts = []
+    for _ in range(12):
+        with srv.http() as http:  # a new connection each time
+            response = http.post("/v1/chat/completions", json=body)
+        assert response.status_code == 200, response.text
+        texts.append(response.json()["choices"][0]["message"]["content"])
+        m = srv.metrics()
+        if len(texts) >= 4 and all(m.get(PER_SERVER.format(i), 0) > 0 for i in (0, 1)):
+            break
+    assert all(m[PER_SERVER.format(i)] > 0 for i in (0, 1)), m
+    assert texts[0] and texts == [texts[0]] * len(texts)
+    m = srv.wait_idle()
+    assert m["fastdeploy:encoder_cache_hits_total"] + m["fastdeploy:encoder_cache_misses_total"] == len(texts)
     assert srv.send_signal_and_wait(signal.SIGTERM) == 143
 
 
