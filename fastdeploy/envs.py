@@ -144,6 +144,12 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         lambda: int(os.environ.get("FD_GRAMMAR_CACHE_SIZE", "256")),
         "Compiled structured-output grammars the engine core keeps (an LRU keyed by the constraint).",
     ),
+    "FD_XGRAMMAR_CACHE_MB": (
+        lambda: int(os.environ.get("FD_XGRAMMAR_CACHE_MB", "512")),
+        "Memory of xgrammar's compiler cache (MiB): compiled grammars and the token masks of their "
+        "rules, which distinct schemas share (a schema whose parts were seen compiles ~10x faster); "
+        "0 turns the cache off.",
+    ),
     "FD_STRUCTURED_OUTPUTS_BACKEND": (
         lambda: os.environ.get("FD_STRUCTURED_OUTPUTS_BACKEND", "xgrammar").strip().lower() or "xgrammar",
         "Structured-output backend: xgrammar (default), guidance (llguidance), or auto (llguidance "

@@ -114,8 +114,13 @@ class StructuredOutputManager:
                 info = xgr.TokenizerInfo.from_huggingface(
                     self._tokenizer(), vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids or None
                 )
-                # two threads per compile: a new schema waits ~30% less (60 -> 42 ms on the CI CPU)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+                # two threads per compile: a new schema waits ~30% less (60 -> 42 ms on the CI CPU);
+                # the cache keeps each rule's token masks, so schemas sharing parts (a bounded string,
+                # an integer range) compile in a few ms after the first (docs/benchmarks.md)
+                cache_mb = envs.FD_XGRAMMAR_CACHE_MB
+                self._compiler = xgr.GrammarCompiler(
+                    info, max_threads=2, cache_enabled=cache_mb > 0, cache_limit_bytes=cache_mb << 20
+                )
             return self._compiler
 
     def submit(self, params: StructuredOutputsParams) -> Future:

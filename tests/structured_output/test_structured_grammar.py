@@ -114,6 +114,24 @@ def test_cache_compiles_each_constraint_once(tokenizer, monkeypatch):
         manager.shutdown()
 
 
+@pytest.mark.parametrize("cache_mb", [0, 64])
+def test_xgrammar_rule_cache_is_bounded_and_switchable(tokenizer, cache_mb, monkeypatch):
+    """Distinct schemas share their rules' token masks through xgrammar's cache (what makes the
+    benchmark's 128 schemas cheap), within ``FD_XGRAMMAR_CACHE_MB``; 0 turns it off."""
+    monkeypatch.setenv("FD_XGRAMMAR_CACHE_MB", str(cache_mb))
+    monkeypatch.setenv("FD_STRUCTURED_OUTPUTS_BACKEND", "xgrammar")
+    manager = StructuredOutputManager(lambda: tokenizer, 49152, [tokenizer.eos_token_id])
+    try:
+        for i in range(2):
+            schema = {"type": "object", "properties": {f"k{i}": {"type": "string", "maxLength": 5}}}
+            manager.submit(StructuredOutputsParams(json=schema)).result(timeout=60)
+        held = manager.compiler().get_cache_size_bytes()
+    finally:
+        manager.shutdown()
+    assert (held > 0) == (cache_mb > 0)
+    assert held <= cache_mb << 20
+
+
 @pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
 def test_matchers_and_bitmask_with_a_padded_vocabulary(tokenizer, backend, monkeypatch):
     if backend == "guidance":
