@@ -269,6 +269,13 @@ def stage_table(records: list[dict]) -> list[str]:
         row(name, [r[end] - r[start] for r in records if r.get(end) is not None and r.get(start) is not None])
     row("per later token: engine core sent → chunk written (mean per request)",
         [r["token_path_s"] / r["token_path_count"] for r in records if r.get("token_path_count")])  # fmt: skip
+    # the burst as a whole: when each request got there, from the first request's receipt
+    start = min((r["received"] for r in records if r.get("received") is not None), default=None)
+    if start is not None:
+        for name, key in (("since the burst's first receipt: tokenized", "tokenized"),
+                          ("since the burst's first receipt: in the engine queue", "queued"),
+                          ("since the burst's first receipt: first chunk written", "first_chunk_written")):  # fmt: skip
+            row(name, [r[key] - start for r in records if r.get(key) is not None])
     return rows
 
 

@@ -29,7 +29,7 @@ from fastdeploy.core.pooling_params import PoolingParams
 from fastdeploy.core.request import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from fastdeploy.core.sampling_params import SamplingParams
 from fastdeploy.engine.core_proc import input_socket_name, output_socket_name
-from fastdeploy.engine.dp_router import Router
+from fastdeploy.engine.dp_router import Route, Router
 from fastdeploy.engine.engine_cores import (
     EngineAttachment,
     EngineCores,
@@ -88,6 +88,66 @@ def _default_model_name(config: EngineConfig, source: Any) -> str:
 
         return DEFAULT_MODEL_NAME
     return source.display_name.removesuffix(".gguf")
+
+
+class _OutputStream:
+    """The delta outputs of one request ``AsyncLLM.generate`` has sent: an async iterator.
+
+    Outputs that wait when the consumer asks go out as one (``merge_delta_outputs``). The end
+    of the request, an error (engine dead, aborted), cancellation while waiting, or
+    :meth:`aclose` releases it: its queue and route are dropped and, unless it finished, its
+    unfinished choices are aborted in the engine core.
+    """
+
+    def __init__(self, llm: AsyncLLM, request_id: str, queue: asyncio.Queue, route: Route):
+        self._llm = llm
+        self.request_id = request_id
+        self._queue = queue
+        self._route = route
+        self._backlog: deque = deque()
+        self._finished = False
+        self._released = False
+
+    def __aiter__(self) -> _OutputStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._released:
+            raise StopAsyncIteration
+        queue, backlog = self._queue, self._backlog
+        try:
+            if not backlog:
+                backlog.append(await queue.get())
+            while not queue.empty():  # behind the engine: what waits goes out as one delta
+                backlog.append(queue.get_nowait())
+            item = backlog.popleft()
+            if isinstance(item, BaseException):
+                self._finished = True  # dead engine, or aborted by abort(): nothing left to abort
+                raise item
+            while backlog and not item.finished and not isinstance(backlog[0], BaseException):
+                item = merge_delta_outputs(item, backlog.popleft())
+        except BaseException:
+            self.release()
+            raise
+        if item.finished:
+            self._finished = True
+            self.release()
+        return item
+
+    async def aclose(self) -> None:
+        """Release the request now (aborting it if unfinished)."""
+        self.release()
+
+    def release(self) -> None:
+        """Drop the request's queue and route; abort it in the engine unless it finished. Idempotent."""
+        if self._released:
+            return
+        self._released = True
+        llm = self._llm
+        llm._queues.pop(self.request_id, None)
+        if not self._finished:
+            llm._abort_now(self.request_id, self._route.rank)
+        llm._router.release(self.request_id, self._route)
 
 
 class AsyncLLM(EngineClient):
@@ -286,7 +346,7 @@ class AsyncLLM(EngineClient):
                     break
         return self._dead_reason is None and not self._closed
 
-    async def generate(
+    def generate(
         self,
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
@@ -295,6 +355,10 @@ class AsyncLLM(EngineClient):
         mm_items: list[MMItem] | None = None,
         pooling_params: PoolingParams | None = None,
     ) -> AsyncIterator[RequestOutput]:
+        """Send the request to an engine core now, on this call (not on the first iteration: a burst's
+        prefills need not wait for each stream to start), and return its delta outputs as an async
+        iterator. Its end, an error, or ``aclose()`` before the end releases the request (aborting
+        it in the engine if unfinished); whoever calls this must do one of them."""
         if self._dead_reason is not None:
             raise EngineDeadError(self._dead_reason)
         self._ensure_tasks()
@@ -314,35 +378,18 @@ class AsyncLLM(EngineClient):
         self._queues[request_id] = queue
         self.output_processor.add_request(state)
         route = self._router.route(request_id, len(core_requests), prompt_token_ids)
+        stream = _OutputStream(self, request_id, queue, route)
         core = self._cores[route.rank]
-        finished = False
         try:
             for core_request in core_requests:  # no await in between: the mirror sees the send order
                 wire = core_request.to_wire()
                 wire["mm_items"] = core.feature_mirror.strip(wire["mm_items"])
                 core.send({"type": "add", "request": wire, "client": self.client_index})
-            state.timeline.queued = time.monotonic()
-            backlog: deque = deque()
-            while True:
-                if not backlog:
-                    backlog.append(await queue.get())
-                while not queue.empty():  # behind the engine: what waits goes out as one delta
-                    backlog.append(queue.get_nowait())
-                item = backlog.popleft()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                while backlog and not item.finished and not isinstance(backlog[0], BaseException):
-                    item = merge_delta_outputs(item, backlog.popleft())
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            self._queues.pop(request_id, None)
-            if not finished:
-                self._abort_now(request_id, route.rank)
-            self._router.release(request_id, route)
+        except BaseException:
+            stream.release()
+            raise
+        state.timeline.queued = time.monotonic()
+        return stream
 
     def _abort_now(self, request_id: str, rank: int | None) -> None:
         """Abort a request's unfinished choices in the engine core of ``rank`` (None: not known, all)."""

@@ -57,7 +57,7 @@ from fastdeploy.entrypoints.openai.serving_engine import (
     EnginePrompt,
     OpenAIServing,
     SSEResponse,
-    UsageTracker,
+    StartedRequests,
     error_event,
     run_until_disconnected,
     sse,
@@ -178,12 +178,18 @@ class OpenAIServingChat(OpenAIServing):
             options.reasoning = self.reasoning_parser(text, request.chat_template_kwargs)
         if tools.parser is not None:
             options.tools = tools
+        started = await self.start_requests([request_id], prompts)
         if request.stream:
             recorder = TimelineRecorder(getattr(raw_request.state, "received", None), tokenized)
-            return SSEResponse(self._stream(request_id, model, prompts, options, recorder))
-        response = await run_until_disconnected(
-            raw_request, self._collect(request_id, model, prompts, options)
-        )
+            return SSEResponse(
+                self._stream(request_id, model, started, prompts, options, recorder), on_close=started.close
+            )
+        try:
+            response = await run_until_disconnected(
+                raw_request, self._collect(request_id, model, started, prompts, options)
+            )
+        finally:
+            await started.close()
         return JSONResponse(response.model_dump())
 
     async def _render(
@@ -253,13 +259,14 @@ class OpenAIServingChat(OpenAIServing):
         self,
         request_id: str,
         model: str,
+        started: StartedRequests,
         prompts: list[EnginePrompt],
         options: ChatOptions,
         recorder: TimelineRecorder | None = None,
     ) -> AsyncIterator[str | bytes]:
         n = prompts[0].params.n
         num_top = prompts[0].params.logprobs
-        tracker = UsageTracker([request_id], prompts)
+        tracker = started.tracker
         exclude = None if options.include_usage else {"usage"}
         pending_prompt_lps = None  # sent with the next chunk after they arrive
         pending_prompt_ids = list(prompts[0].token_ids) if options.return_token_ids else None
@@ -298,7 +305,7 @@ class OpenAIServingChat(OpenAIServing):
                     yield chunk(
                         ChatCompletionStreamChoice(index=k, delta=DeltaMessage(content=options.echo_text))
                     )
-            async with contextlib.aclosing(self.iterate_outputs([request_id], prompts, tracker)) as outputs:
+            async with contextlib.aclosing(started.outputs()) as outputs:
                 async for _, out in outputs:
                     if out.prompt_logprobs is not None and options.num_prompt_logprobs is not None:
                         pending_prompt_lps = prompt_logprobs_json(
@@ -342,7 +349,12 @@ class OpenAIServingChat(OpenAIServing):
             recorder.finish()
 
     async def _collect(
-        self, request_id: str, model: str, prompts: list[EnginePrompt], options: ChatOptions
+        self,
+        request_id: str,
+        model: str,
+        started: StartedRequests,
+        prompts: list[EnginePrompt],
+        options: ChatOptions,
     ) -> ChatCompletionResponse:
         n = prompts[0].params.n
         num_top = prompts[0].params.logprobs
@@ -352,9 +364,9 @@ class OpenAIServingChat(OpenAIServing):
         finish: list[str | None] = [None] * n
         stop_reason: list[int | str | None] = [None] * n
         prompt_lps = None
-        tracker = UsageTracker([request_id], prompts)
+        tracker = started.tracker
         try:
-            async with contextlib.aclosing(self.iterate_outputs([request_id], prompts, tracker)) as outputs:
+            async with contextlib.aclosing(started.outputs()) as outputs:
                 async for _, out in outputs:
                     if out.prompt_logprobs is not None and options.num_prompt_logprobs is not None:
                         prompt_lps = prompt_logprobs_json(

@@ -33,7 +33,7 @@ from fastdeploy.entrypoints.openai.serving_engine import (
     EnginePrompt,
     OpenAIServing,
     SSEResponse,
-    UsageTracker,
+    StartedRequests,
     error_event,
     run_until_disconnected,
     sse,
@@ -117,15 +117,19 @@ class OpenAIServingCompletion(OpenAIServing):
                 p.text if p.text is not None else await self.decode(p.token_ids) for p in prompts
             ]
         request_id = random_id("cmpl")
-        request_ids = sub_request_ids(request_id, len(prompts))
+        started = await self.start_requests(sub_request_ids(request_id, len(prompts)), prompts)
         if request.stream:
             recorder = TimelineRecorder(getattr(raw_request.state, "received", None), tokenized)
             return SSEResponse(
-                self._stream(request_id, model, request_ids, prompts, request.include_usage, extras, recorder)
+                self._stream(request_id, model, started, prompts, request.include_usage, extras, recorder),
+                on_close=started.close,
             )
-        response = await run_until_disconnected(
-            raw_request, self._collect(request_id, model, request_ids, prompts, extras)
-        )
+        try:
+            response = await run_until_disconnected(
+                raw_request, self._collect(request_id, model, started, prompts, extras)
+            )
+        finally:
+            await started.close()
         return JSONResponse(response.model_dump())
 
     def _decode_token(self, token: int) -> str:
@@ -158,7 +162,7 @@ class OpenAIServingCompletion(OpenAIServing):
         self,
         request_id: str,
         model: str,
-        request_ids: list[str],
+        started: StartedRequests,
         prompts: list[EnginePrompt],
         include_usage: bool,
         extras: CompletionExtras,
@@ -167,9 +171,9 @@ class OpenAIServingCompletion(OpenAIServing):
         n = prompts[0].params.n
         num_top = prompts[0].params.logprobs
         offsets = [0] * (len(prompts) * n)
-        started = [False] * (len(prompts) * n)
+        begun = [False] * (len(prompts) * n)
         prompt_lps: list[list | None] = [None] * len(prompts)
-        tracker = UsageTracker(request_ids, prompts)
+        tracker = started.tracker
         exclude = None if include_usage else {"usage"}
         first_has_extras = (
             extras.echo_texts is not None or extras.num_prompt_logprobs is not None or extras.return_token_ids
@@ -186,13 +190,13 @@ class OpenAIServingCompletion(OpenAIServing):
             return lp
 
         try:
-            async with contextlib.aclosing(self.iterate_outputs(request_ids, prompts, tracker)) as outputs:
+            async with contextlib.aclosing(started.outputs()) as outputs:
                 async for i, out in outputs:
                     if out.prompt_logprobs is not None:
                         prompt_lps[i] = out.prompt_logprobs
                     for c in out.outputs:
                         k = i * n + c.index
-                        first = not started[k]
+                        first = not begun[k]
                         text, token_ids, logprobs = c.text, c.token_ids, c.logprobs or []
                         if first and extras.echo_texts is not None:
                             text, token_ids, logprobs = self._echo(
@@ -208,7 +212,7 @@ class OpenAIServingCompletion(OpenAIServing):
                             or (first and first_has_extras)
                         ):
                             continue
-                        started[k] = True
+                        begun[k] = True
                         if plain and not (first and first_has_extras):
                             yield completion_text_chunk(
                                 request_id, created, model, k, text, c.finish_reason, c.stop_reason,
@@ -257,7 +261,7 @@ class OpenAIServingCompletion(OpenAIServing):
         self,
         request_id: str,
         model: str,
-        request_ids: list[str],
+        started: StartedRequests,
         prompts: list[EnginePrompt],
         extras: CompletionExtras,
     ) -> CompletionResponse:
@@ -270,9 +274,9 @@ class OpenAIServingCompletion(OpenAIServing):
         finish: list[str | None] = [None] * num_choices
         stop_reason: list[int | str | None] = [None] * num_choices
         prompt_lps: list[list | None] = [None] * len(prompts)
-        tracker = UsageTracker(request_ids, prompts)
+        tracker = started.tracker
         try:
-            async with contextlib.aclosing(self.iterate_outputs(request_ids, prompts, tracker)) as outputs:
+            async with contextlib.aclosing(started.outputs()) as outputs:
                 async for i, out in outputs:
                     if out.prompt_logprobs is not None:
                         prompt_lps[i] = out.prompt_logprobs

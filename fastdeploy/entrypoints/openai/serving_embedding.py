@@ -23,7 +23,6 @@ from fastdeploy.entrypoints.openai.protocol import (
 from fastdeploy.entrypoints.openai.serving_engine import (
     EnginePrompt,
     OpenAIServing,
-    UsageTracker,
     run_until_disconnected,
     sub_request_ids,
 )
@@ -131,9 +130,9 @@ class OpenAIServingEmbedding(OpenAIServing):
 
     async def _collect(self, request_ids: list[str], prompts: list[EnginePrompt]) -> list[list[float]]:
         """Every input's pooled vector, in input order."""
-        tracker = UsageTracker(request_ids, prompts)
         vectors: list[list[float] | None] = [None] * len(prompts)
-        async with contextlib.aclosing(self.iterate_outputs(request_ids, prompts, tracker)) as outputs:
+        started = await self.start_requests(request_ids, prompts)
+        async with contextlib.aclosing(started.outputs()) as outputs:
             async for i, out in outputs:
                 if out.embedding is not None:
                     vectors[i] = out.embedding

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -93,12 +93,19 @@ class SSEResponse(StreamingResponse):
     Starlette cancels the streaming task when the client disconnects; closing
     the body generator here runs its ``finally`` even if the cancellation hit
     between two chunks, which is where the engine request is aborted.
+    ``on_close`` runs after that, whatever happened: the engine requests were sent
+    before the response started, and a body that never ran aborts nothing itself.
     """
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[str | bytes]):
+    def __init__(
+        self,
+        content: AsyncIterator[str | bytes],
+        on_close: Callable[[], Awaitable[None]] | None = None,
+    ):
         super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -108,6 +115,9 @@ class SSEResponse(StreamingResponse):
             if aclose is not None:
                 with anyio.CancelScope(shield=True), contextlib.suppress(RuntimeError):
                     await aclose()
+            if self._on_close is not None:
+                with anyio.CancelScope(shield=True):
+                    await self._on_close()
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -249,6 +259,64 @@ class UsageTracker:
 
     def usage(self) -> UsageInfo:
         return UsageInfo.build(self.prompt_tokens, self.completion_tokens, sum(self.cached_tokens))
+
+
+class StartedRequests:
+    """The engine requests behind one API request, sent to the engine as soon as the request is
+    validated and tokenized (:meth:`OpenAIServing.start_requests`, in the handler, before any
+    response starts), so that a burst's prefills do not wait for each stream to begin.
+
+    :meth:`outputs` yields ``(prompt index, delta output)`` as they arrive; :meth:`close`
+    aborts the unfinished ones (idempotent; also when :meth:`outputs` ends, however it ends).
+    Whoever starts them closes them: a streaming response through ``SSEResponse(on_close=...)``
+    even if its body never runs, the other handlers in a ``finally``.
+    """
+
+    def __init__(
+        self,
+        engine: EngineClient,
+        request_ids: list[str],
+        prompts: list[EnginePrompt],
+        shutdown_event: asyncio.Event | None,
+    ):
+        self.engine = engine
+        self.tracker = UsageTracker(request_ids, prompts)
+        self._shutdown_event = shutdown_event
+        self._streams: list[AsyncIterator[RequestOutput]] = []
+        self._closed = False
+
+    def send(self, prompts: list[EnginePrompt]) -> None:
+        """Hand every prompt to the engine (``EngineClient.generate``; ``AsyncLLM`` sends it now)."""
+        for rid, p in zip(self.tracker.request_ids, prompts):
+            self._streams.append(
+                self.engine.generate(
+                    p.token_ids,
+                    p.params,
+                    rid,
+                    prompt=p.text,
+                    **({"mm_items": p.mm_items} if p.mm_items else {}),
+                    **({"pooling_params": p.pooling} if p.pooling else {}),
+                )
+            )
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """``(prompt index, delta output)`` as they arrive, until every request has finished."""
+        try:
+            merged = merge_async_iterators(self._streams, self._shutdown_event)
+            async with contextlib.aclosing(merged):
+                async for i, out in merged:
+                    self.tracker.update(i, out)
+                    yield i, out
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        """Abort the unfinished requests and release their streams (shielded from cancellation)."""
+        if self._closed:
+            return
+        self._closed = True
+        await abort_quietly(self.engine, self.tracker.unfinished_request_ids())
+        await _aclose_all(self._streams)
 
 
 class OpenAIServing:
@@ -404,32 +472,16 @@ class OpenAIServing:
             raise InternalServerError("The chat template did not return text")
         return text
 
-    async def iterate_outputs(
-        self, request_ids: list[str], prompts: list[EnginePrompt], tracker: UsageTracker
-    ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Run the engine requests and yield ``(prompt index, delta output)`` as they arrive.
-
-        Whatever ends the iteration early (client gone, error, server
-        shutdown), unfinished engine requests are aborted.
-        """
+    async def start_requests(self, request_ids: list[str], prompts: list[EnginePrompt]) -> StartedRequests:
+        """Send the engine requests of one API request now; the caller closes what this returns
+        (:class:`StartedRequests`). If a send fails, those already sent are aborted."""
+        started = StartedRequests(self.engine, request_ids, prompts, self.shutdown_event)
         try:
-            generators = [
-                self.engine.generate(
-                    p.token_ids,
-                    p.params,
-                    rid,
-                    prompt=p.text,
-                    **({"mm_items": p.mm_items} if p.mm_items else {}),
-                    **({"pooling_params": p.pooling} if p.pooling else {}),
-                )
-                for rid, p in zip(request_ids, prompts)
-            ]
-            async with contextlib.aclosing(merge_async_iterators(generators, self.shutdown_event)) as merged:
-                async for i, out in merged:
-                    tracker.update(i, out)
-                    yield i, out
-        finally:
-            await abort_quietly(self.engine, tracker.unfinished_request_ids())
+            started.send(prompts)
+        except BaseException:
+            await started.close()
+            raise
+        return started
 
 
 def _text_chars(value: Any) -> int:
