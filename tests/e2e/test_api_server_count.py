@@ -11,7 +11,11 @@ both; SIGTERM stops every process; a killed engine core or API server takes the 
 from __future__ import annotations
 
 import asyncio
+import shutil
 import signal
+import tempfile
+import time
+from pathlib import Path
 
 import httpx
 import psutil
@@ -214,6 +218,33 @@ def test_multimodal_requests_on_both_api_servers(server_factory, qwen2_vl_dummy,
     m = srv.wait_idle()
     assert m["fastdeploy:encoder_cache_hits_total"] + m["fastdeploy:encoder_cache_misses_total"] == len(texts)
     assert srv.send_signal_and_wait(signal.SIGTERM) == 143
+
+
+@pytest.mark.parametrize("phase", ["loading", "serving"])
+def test_sigterm_stops_everything_and_leaves_no_files(server_factory, monkeypatch, phase):
+    """SIGTERM while the engine core loads its model, or while serving (after a request): exit 143
+    within a few seconds, no process left, no socket file or metrics directory left in TMPDIR."""
+    from tests.e2e.test_lifecycle import ipc_leftovers, wait_until, worker_started
+
+    tmpdir = Path(tempfile.mkdtemp(prefix="fd-apis-", dir="/tmp"))
+    monkeypatch.setenv("TMPDIR", str(tmpdir))
+    try:
+        srv = server_factory("--api-server-count", "2", wait=phase == "serving")
+        if phase == "loading":
+            wait_until(lambda: worker_started(srv), 120, srv, "worker process")
+        else:
+            with srv.http() as http:
+                body = {"model": srv.model_name(), "prompt": "Hello", "max_tokens": 2}
+                assert http.post("/v1/completions", json=body).status_code == 200
+            assert any(p.name.startswith("fastdeploy-metrics-") for p in tmpdir.iterdir())
+        started = time.monotonic()
+        assert srv.send_signal_and_wait(signal.SIGTERM) == 143
+        assert time.monotonic() - started < 3.0  # as with one API server (test_lifecycle.py)
+        log = srv.log(tail=1_000_000)
+        assert "Traceback" not in log, log
+        assert ipc_leftovers(tmpdir) == []
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
 
 
 def test_killing_an_api_server_stops_the_server(two_servers):
