@@ -247,6 +247,25 @@ def test_sigterm_stops_everything_and_leaves_no_files(server_factory, monkeypatc
         shutil.rmtree(tmpdir, ignore_errors=True)
 
 
+def test_dead_engine_core_without_exit_gives_503_from_every_api_server(server_factory):
+    """``--no-exit-on-engine-death``: a killed engine core turns ``/health`` to 503 on both API
+    servers (each watches the engine core's pid) and the server stays up until SIGTERM."""
+    srv = server_factory("--api-server-count", "2", "--no-exit-on-engine-death")
+    srv.remember_descendants()
+    srv.engine_core().kill()
+    deadline = time.monotonic() + 5
+    while True:  # new connections, so both processes answer
+        codes = [httpx.get(srv.url + "/health", timeout=5).status_code for _ in range(8)]
+        if set(codes) == {503} or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert set(codes) == {503}, codes
+    time.sleep(1.0)
+    assert srv.proc.poll() is None and len(api_servers(srv)) == 2, srv.log()
+    assert "the API servers answer 503 until stopped" in srv.log()
+    assert srv.send_signal_and_wait(signal.SIGTERM) == 143
+
+
 def test_killing_an_api_server_stops_the_server(two_servers):
     """Last test of the module: SIGKILL API server 1; the serve process stops everything and exits 1."""
     victim = api_servers(two_servers)[1]
