@@ -8,6 +8,7 @@ import re
 from typing import Any
 
 from fastdeploy.core.sampling_params import SamplingParamsError, StructuredOutputsParams
+from fastdeploy.structured_output.repetition import unroll_bounded_repetitions
 
 JSON_OBJECT_SCHEMA = {"type": "object"}
 """``response_format: {"type": "json_object"}``: any JSON object (not any JSON value)."""
@@ -21,7 +22,8 @@ def constraint_key(params: StructuredOutputsParams) -> tuple[str, str]:
     kind = params.kind
     value = getattr(params, kind)
     if kind == "json":
-        text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, separators=(",", ":"))
+        # keys keep their order: a schema's properties come out in the order it lists them
+        text = value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
     elif kind == "json_object":
         text = ""
     elif kind == "choice":
@@ -45,18 +47,18 @@ def build_grammar(kind: str, text: str) -> Any:
             schema = json.loads(text)
             if not isinstance(schema, (dict, bool)):
                 raise ValueError("a JSON schema must be an object")
-            return xgr.Grammar.from_json_schema(text, any_whitespace=False)
+            return unrolled(xgr.Grammar.from_json_schema(text, any_whitespace=False))
         if kind == "json_object":
             return xgr.Grammar.from_json_schema(json.dumps(JSON_OBJECT_SCHEMA), any_whitespace=False)
         if kind == "regex":
-            return xgr.Grammar.from_regex(text)
+            return unrolled(xgr.Grammar.from_regex(text))
         if kind == "choice":
             choices = json.loads(text)
             if not choices or not all(isinstance(c, str) and c for c in choices):
                 raise ValueError("choices must be a non-empty list of non-empty strings")
             return xgr.Grammar.from_ebnf(choice_ebnf(choices))
         if kind == "grammar":
-            return xgr.Grammar.from_ebnf(text)
+            return unrolled(xgr.Grammar.from_ebnf(text))
         if kind == "structural_tag":
             return xgr.Grammar.from_structural_tag(text)
     except json.JSONDecodeError as exc:
@@ -66,6 +68,20 @@ def build_grammar(kind: str, text: str) -> Any:
     except Exception as exc:  # xgrammar raises RuntimeError (and its own error types) for bad input
         raise ValueError(clean_message(str(exc))) from None
     raise ValueError(f"unknown structured-output kind {kind!r}")
+
+
+def unrolled(grammar: Any) -> Any:
+    """``grammar`` with its bounded repetitions unrolled (:mod:`.repetition`: the same language,
+    with masks decided at compile time), or ``grammar`` itself if it has none to unroll."""
+    import xgrammar as xgr
+
+    text = unroll_bounded_repetitions(str(grammar))
+    if text is None:
+        return grammar
+    try:
+        return xgr.Grammar.from_ebnf(text)
+    except Exception:  # a printed form xgrammar does not read back: keep the grammar as it is
+        return grammar
 
 
 def clean_message(message: str) -> str:

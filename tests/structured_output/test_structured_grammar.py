@@ -23,18 +23,33 @@ SCHEMA = {
 
 
 def test_equal_constraints_have_one_key():
-    reordered = {
-        "required": ["a"],
-        "properties": {"b": {"type": "string"}, "a": {"type": "integer"}},
-        "type": "object",
-    }
     assert constraint_key(StructuredOutputsParams(json=SCHEMA)) == constraint_key(
+        StructuredOutputsParams(json=json.loads(json.dumps(SCHEMA, indent=2)))
+    )
+    # the order of properties is the order of the output's keys: another constraint
+    reordered = {**SCHEMA, "properties": dict(reversed(list(SCHEMA["properties"].items())))}
+    assert constraint_key(StructuredOutputsParams(json=SCHEMA)) != constraint_key(
         StructuredOutputsParams(json=reordered)
     )
     assert constraint_key(StructuredOutputsParams(json=SCHEMA)) != constraint_key(
         StructuredOutputsParams(json={"type": "object"})
     )
     assert constraint_key(StructuredOutputsParams(choice=["x", "y"])) == ("choice", '["x", "y"]')
+
+
+def test_keys_come_in_the_schema_order(tokenizer):
+    """The grammar of ``{"b": .., "a": ..}`` (both required) accepts b first, not a."""
+    schema = {
+        "type": "object",
+        "properties": {"b": {"type": "integer"}, "a": {"type": "integer"}},
+        "required": ["b", "a"],
+    }
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer)
+    compiled = xgr.GrammarCompiler(info).compile_grammar(
+        build_grammar(*constraint_key(StructuredOutputsParams(json=schema)))
+    )
+    assert xgr.GrammarMatcher(compiled).accept_string('{"b": 1, "a": 2}')
+    assert not xgr.GrammarMatcher(compiled).accept_string('{"a": 2, "b": 1}')
 
 
 @pytest.mark.parametrize(
