@@ -21,7 +21,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from fastdeploy import envs
 from fastdeploy.config import EngineConfig
-from fastdeploy.core.step_io import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
+from fastdeploy.core.step_io import ModelRunnerOutput, SchedulerOutput
 from fastdeploy.distributed import free_port_init_method
 from fastdeploy.distributed.multinode import (
     CONFIG_KEY,
@@ -151,8 +151,6 @@ def _serve_calls(
             elif method == "execute_model_overlap":
                 output = worker.execute_model_overlap(SchedulerOutput.from_wire(args[0]))
                 result = None if output is None else output.to_wire()
-            elif method == "sample_tokens":
-                result = worker.sample_tokens(GrammarBitmask(**args[0]))
             else:
                 result = getattr(worker, method)(*args)
                 if method == "initialize_cache":  # the last start-up call (KV cache, CUDA graphs)
@@ -305,10 +303,6 @@ class MultiprocExecutor:
         """Launch this step in the workers; the previous step's output comes back (or None)."""
         wire = self._call("execute_model_overlap", scheduler_output.to_wire())[0]
         return None if wire is None else ModelRunnerOutput.from_wire(wire)
-
-    def sample_tokens(self, grammar: GrammarBitmask) -> None:
-        """Sample the step just launched with ``execute_model_overlap``, under ``grammar``."""
-        self._call("sample_tokens", dataclasses.asdict(grammar))
 
     def check_health(self) -> None:
         """Raises :class:`WorkerDiedError` if any worker process has exited, or a remote worker's connection

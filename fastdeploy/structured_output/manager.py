@@ -48,16 +48,13 @@ class RequestGrammar:
         self.matcher = matcher
         self.failed = False
         """A token the grammar refused was accepted anyway (never expected: it is logged once)."""
+        self.unseen: list[int] = []
+        """Output tokens the matcher has not advanced past yet: the manager feeds them to all the
+        matchers at once (:meth:`StructuredOutputManager.bitmask`), off the engine loop."""
 
     def accept_token(self, token_id: int) -> None:
-        """Advance past an output token (a token after the grammar ended, such as EOS, is ignored)."""
-        if self.failed or self.matcher.is_terminated():
-            return
-        if not self.matcher.accept_token(token_id):
-            self.failed = True
-            logger.error(
-                "structured output: token %d does not follow the grammar; the mask is lifted", token_id
-            )
+        """Record an output token; the matcher advances past it before its next bitmask."""
+        self.unseen.append(token_id)
 
     def fill(self, bitmask: Any, row: int) -> None:
         """Write the tokens allowed next into row ``row`` of ``bitmask`` (a torch int32 tensor)."""
@@ -85,6 +82,8 @@ class StructuredOutputManager:
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self.cache_size = envs.FD_GRAMMAR_CACHE_SIZE
         self._batch_matcher: Any = None
+        self._step_pool = ThreadPoolExecutor(1, "fd-grammar-step")
+        """Fills a step's bitmask (:meth:`bitmask_later`) while the engine loop goes on."""
         self.num_compiles = 0
         """Grammars compiled so far (cache misses)."""
         self.backend = envs.FD_STRUCTURED_OUTPUTS_BACKEND
@@ -201,11 +200,18 @@ class StructuredOutputManager:
 
     # ---- bitmasks ------------------------------------------------------------------
 
+    def bitmask_later(self, req_ids: list[str], grammars: list[Any]) -> Future:
+        """A future of :meth:`bitmask`, computed in a thread: xgrammar's advance and fill release
+        the GIL, so the engine loop goes on meanwhile. Touch none of ``grammars`` until it is done."""
+        return self._step_pool.submit(self.bitmask, req_ids, grammars)
+
     def bitmask(self, req_ids: list[str], grammars: list[Any]) -> GrammarBitmask:
-        """The allowed next tokens of each request (rows in ``req_ids`` order)."""
+        """The allowed next tokens of each request (rows in ``req_ids`` order), once every matcher
+        has advanced past the tokens recorded since its last bitmask."""
         import numpy as np
         import torch
 
+        self._advance([g for g in grammars if isinstance(g, RequestGrammar) and g.unseen])
         # (numpy's fill: torch's wakes its thread pool, milliseconds on a busy host)
         mask = torch.from_numpy(np.full((len(grammars), bitmask_words(self.vocab_size)), -1, dtype=np.int32))
         rows = [row for row, grammar in enumerate(grammars) if not grammar.failed]
@@ -214,16 +220,40 @@ class StructuredOutputManager:
             self._guidance.fill_rows([grammars[row] for row in guided], guided, mask)
             rows = [row for row in rows if not isinstance(grammars[row], guidance.GuidanceRequestGrammar)]
         if len(rows) > 1:  # xgrammar's threads fill the rows in parallel
-            if self._batch_matcher is None:
-                import xgrammar as xgr
-
-                self._batch_matcher = xgr.BatchGrammarMatcher(max(envs.FD_GRAMMAR_COMPILE_THREADS, 1))
             matchers = [grammars[row].matcher for row in rows]
-            self._batch_matcher.batch_fill_next_token_bitmask(matchers, mask, rows)
+            self._batch().batch_fill_next_token_bitmask(matchers, mask, rows)
         elif rows:
             grammars[rows[0]].fill(mask, rows[0])
         return GrammarBitmask(req_ids=list(req_ids), bitmask=mask.numpy().tobytes(), words=mask.shape[1])
 
+    def _advance(self, grammars: list[RequestGrammar]) -> None:
+        """Feed each matcher its unseen tokens, one token of every matcher per batched call (a token
+        after the grammar ended, such as EOS, is ignored; a refused one lifts the row's mask)."""
+        while grammars:
+            live, tokens = [], []
+            for grammar in grammars:
+                token = grammar.unseen.pop(0)
+                if not grammar.failed and not grammar.matcher.is_terminated():
+                    live.append(grammar)
+                    tokens.append(token)
+            accepted = self._batch().batch_accept_token([g.matcher for g in live], tokens) if live else []
+            for grammar, token, ok in zip(live, tokens, accepted):
+                if not ok:
+                    grammar.failed = True
+                    logger.error(
+                        "structured output: token %d does not follow the grammar; the mask is lifted", token
+                    )
+            grammars = [g for g in grammars if g.unseen]
+
+    def _batch(self) -> Any:
+        """xgrammar's batched matcher operations (its fill runs in ``FD_GRAMMAR_COMPILE_THREADS``)."""
+        if self._batch_matcher is None:
+            import xgrammar as xgr
+
+            self._batch_matcher = xgr.BatchGrammarMatcher(max(envs.FD_GRAMMAR_COMPILE_THREADS, 1))
+        return self._batch_matcher
+
     def shutdown(self) -> None:
+        self._step_pool.shutdown(wait=False, cancel_futures=True)
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._guidance_pool.shutdown(wait=False, cancel_futures=True)
