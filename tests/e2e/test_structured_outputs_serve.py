@@ -115,6 +115,32 @@ def test_json_schema_answers_validate_every_time(server, model_name):
         jsonschema.validate(json.loads(text), schema)
 
 
+@pytest.mark.slow  # (a second server: ~30 s)
+def test_async_scheduling_server_gives_the_same_answers(server, server_factory, model_name):
+    """With async scheduling each step's bitmask reaches the worker process with the next step:
+    the greedy answers equal the default server's, a batch of different schemas at once."""
+    overlapped = server_factory("--async-scheduling")
+    jobs = [(schema, prompt) for schema, prompt in zip(SCHEMAS, PROMPTS)]
+
+    def greedy(srv, schema, prompt):
+        reply = srv.openai().chat.completions.create(
+            model=model_name,
+            messages=[{"role": "user", "content": prompt}],
+            response_format=_format(schema),
+            max_tokens=100,
+            temperature=0,
+        )
+        return reply.choices[0].message.content, reply.choices[0].finish_reason
+
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        plain = list(pool.map(lambda job: greedy(server, *job), jobs))
+        overlap = list(pool.map(lambda job: greedy(overlapped, *job), jobs))
+    assert overlap == plain
+    for (schema, _), (text, finish) in zip(jobs, overlap):
+        assert finish == "stop", text
+        jsonschema.validate(json.loads(text), schema)
+
+
 def test_json_object_and_n(server, model_name):
     reply = server.openai().chat.completions.create(
         model=model_name,
