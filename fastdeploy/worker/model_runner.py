@@ -406,15 +406,21 @@ class ModelRunner:
         self, req_ids: list[str], grammar: GrammarBitmask
     ) -> tuple[torch.Tensor, list[int]] | None:
         """The step's bitmask on the device, one row per sampled row (all ones where no grammar
-        applies), and the rows a grammar masks."""
+        applies), and the rows a grammar masks. Only the grammar's rows are copied to the device
+        (half the bytes when half the batch is constrained); the batch's mask is laid out there."""
         row_of = {req_id: row for row, req_id in enumerate(req_ids)}
         pairs = [(row_of[r], i) for i, r in enumerate(grammar.req_ids) if r in row_of]
         if not pairs:
             return None
         rows = [row for row, _ in pairs]
-        mask = np.full((len(req_ids), grammar.words), -1, dtype=np.int32)
-        mask[rows] = grammar.array()[[i for _, i in pairs]]
-        return upload([mask], self.device)[0], rows
+        indices = [i for _, i in pairs]
+        compact = grammar.array()
+        if indices != list(range(len(compact))) or self.device.type != "cuda":
+            compact = compact[indices]  # (a copy: a CPU tensor cannot wrap the read-only received bytes)
+        compact, rows_on_device = upload([compact, np.asarray(rows, dtype=np.int64)], self.device)
+        mask = torch.full((len(req_ids), grammar.words), -1, dtype=torch.int32, device=self.device)
+        mask[rows_on_device] = compact
+        return mask, rows
 
     def _ended_before(self, state: StepState, previous: StepState, so: SchedulerOutput) -> bool:
         """Whether every request ``state`` would sample for already ended with ``previous``'s token.

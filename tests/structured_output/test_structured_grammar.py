@@ -247,3 +247,20 @@ def test_bitmask_travels_in_the_scheduler_output():
     np.testing.assert_array_equal(back.grammar.array(), mask)
     assert back.previous_grammar.req_ids == ["c"]
     np.testing.assert_array_equal(back.previous_grammar.array(), mask[:1])
+
+
+def test_worker_lays_the_grammar_rows_into_the_batch():
+    """Rows map by request id (in any order; a request no longer in the batch is dropped); the
+    other rows allow every token."""
+    from types import SimpleNamespace
+
+    from fastdeploy.core.step_io import GrammarBitmask
+    from fastdeploy.worker.model_runner import ModelRunner
+
+    received = np.arange(9, dtype=np.int32).reshape(3, 3)
+    grammar = GrammarBitmask(["c", "gone", "a"], received.tobytes(), 3)
+    runner = SimpleNamespace(device=torch.device("cpu"))
+    mask, rows = ModelRunner._token_bitmask(runner, ["a", "b", "c"], grammar)
+    assert rows == [2, 0]
+    np.testing.assert_array_equal(mask.numpy(), [received[2], [-1, -1, -1], received[0]])
+    assert ModelRunner._token_bitmask(runner, ["b"], grammar) is None
