@@ -4,9 +4,11 @@ compiling them, then the per-step work of decoding one JSON answer under each.
 Compile: every schema is distinct (benchmarks/structured_outputs.py's ``make_schema``) and all
 are submitted at once to the engine core's ``StructuredOutputManager``, as the benchmark's
 requests arrive. Steps: one matcher per schema walks the tokens of a valid answer; each step
-advances every matcher by one token (``accept``, in the scheduler), fills the rows' bitmask
-(``fill``), sends it as the executor does (``wire``: msgpack there and back) and lays it into the
-worker's batch of twice as many rows (``worker``, as ``ModelRunner._token_bitmask`` on a CPU).
+gives every matcher one token (``accept``: the scheduler's part), advances the matchers and fills
+the rows' bitmask (``fill``: with async scheduling this runs in the manager's thread while the
+engine loop goes on), sends it as the executor does (``wire``: msgpack there and back) and lays
+it into the worker's batch of twice as many rows (``worker``: ``ModelRunner._token_bitmask`` on
+a CPU).
 Means over the steps, in µs per structured row.
 
 ``FD_XGRAMMAR_CACHE_MB=0`` compiles without xgrammar's cache, ``FD_GRAMMAR_COMPILE_THREADS``
@@ -26,10 +28,11 @@ import os
 import statistics
 import sys
 import time
+from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import numpy as np  # noqa: E402
+import torch  # noqa: E402
 from structured_outputs import make_schema  # noqa: E402
 
 from fastdeploy import envs  # noqa: E402
@@ -37,6 +40,7 @@ from fastdeploy.core.sampling_params import StructuredOutputsParams  # noqa: E40
 from fastdeploy.core.step_io import GrammarBitmask  # noqa: E402
 from fastdeploy.engine.ipc import decode, encode  # noqa: E402
 from fastdeploy.structured_output.manager import StructuredOutputManager  # noqa: E402
+from fastdeploy.worker.model_runner import ModelRunner  # noqa: E402
 
 
 def load_tokenizer(path: str | None):
@@ -85,6 +89,10 @@ def step_costs(manager: StructuredOutputManager, compiled: list, answers: list[l
     grammars = [manager.new_request_grammar(c, [eos]) for c in compiled]
     req_ids = [f"r{i}" for i in range(len(grammars))]
     steps = min(len(tokens) for tokens in answers)
+    cpu_runner = SimpleNamespace(device=torch.device("cpu"))
+    batch = [
+        name for req_id in req_ids for name in (req_id, f"plain-{req_id}")
+    ]  # every other row constrained
     parts: dict[str, list[float]] = {"accept": [], "fill": [], "wire": [], "worker": []}
     for step in range(1, steps):
         t0 = time.perf_counter()
@@ -96,9 +104,7 @@ def step_costs(manager: StructuredOutputManager, compiled: list, answers: list[l
         wire = decode(encode(["sample_tokens", [dataclasses.asdict(bitmask)]]))
         received = GrammarBitmask(**wire[1][0])
         t3 = time.perf_counter()
-        rows = list(range(0, 2 * len(grammars), 2))  # every other row of the batch is constrained
-        mask = np.full((2 * len(grammars), received.words), -1, dtype=np.int32)
-        mask[rows] = received.array()
+        ModelRunner._token_bitmask(cpu_runner, batch, received)
         t4 = time.perf_counter()
         for name, seconds in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
             parts[name].append(seconds / len(grammars) * 1e6)

@@ -44,8 +44,10 @@ class RequestGrammar:
     Implements the scheduler's ``core.request.GrammarState`` protocol.
     """
 
-    def __init__(self, matcher: Any):
+    def __init__(self, matcher: Any, stop_token_ids: list[int]):
         self.matcher = matcher
+        self.stop_token_ids = list(stop_token_ids)
+        """What may follow once the grammar has ended (sampled on only with ``ignore_eos``)."""
         self.failed = False
         """A token the grammar refused was accepted anyway (never expected: it is logged once)."""
         self.unseen: list[int] = []
@@ -84,6 +86,10 @@ class StructuredOutputManager:
         self._batch_matcher: Any = None
         self._step_pool = ThreadPoolExecutor(1, "fd-grammar-step")
         """Fills a step's bitmask (:meth:`bitmask_later`) while the engine loop goes on."""
+        self._advance_threads = max(envs.FD_GRAMMAR_COMPILE_THREADS - 1, 1)
+        self._advance_pool = ThreadPoolExecutor(self._advance_threads, "fd-grammar-advance")
+        """Advances slices of the matchers next to the thread that fills (xgrammar's batched advance
+        is one thread; its fill has its own)."""
         self.num_compiles = 0
         """Grammars compiled so far (cache misses)."""
         self.backend = envs.FD_STRUCTURED_OUTPUTS_BACKEND
@@ -196,7 +202,7 @@ class StructuredOutputManager:
         import xgrammar as xgr
 
         stop = list(eos_token_ids) or self.eos_token_ids
-        return RequestGrammar(xgr.GrammarMatcher(compiled, override_stop_tokens=stop or None))
+        return RequestGrammar(xgr.GrammarMatcher(compiled, override_stop_tokens=stop or None), stop)
 
     # ---- bitmasks ------------------------------------------------------------------
 
@@ -213,8 +219,20 @@ class StructuredOutputManager:
 
         self._advance([g for g in grammars if isinstance(g, RequestGrammar) and g.unseen])
         # (numpy's fill: torch's wakes its thread pool, milliseconds on a busy host)
-        mask = torch.from_numpy(np.full((len(grammars), bitmask_words(self.vocab_size)), -1, dtype=np.int32))
+        array = np.full((len(grammars), bitmask_words(self.vocab_size)), -1, dtype=np.int32)
+        mask = torch.from_numpy(array)
         rows = [row for row, grammar in enumerate(grammars) if not grammar.failed]
+        ended = {
+            row
+            for row in rows
+            if isinstance(grammars[row], RequestGrammar) and grammars[row].matcher.is_terminated()
+        }
+        bits = array.view(np.uint32)
+        for row in ended:  # its stop token was taken (and ignored: ignore_eos): only stop tokens follow
+            bits[row] = 0
+            for token in grammars[row].stop_token_ids:
+                bits[row, token // 32] |= np.uint32(1 << (token % 32))
+        rows = [row for row in rows if row not in ended]
         guided = [row for row in rows if isinstance(grammars[row], guidance.GuidanceRequestGrammar)]
         if guided:  # llguidance's threads
             self._guidance.fill_rows([grammars[row] for row in guided], guided, mask)
@@ -236,14 +254,33 @@ class StructuredOutputManager:
                 if not grammar.failed and not grammar.matcher.is_terminated():
                     live.append(grammar)
                     tokens.append(token)
-            accepted = self._batch().batch_accept_token([g.matcher for g in live], tokens) if live else []
-            for grammar, token, ok in zip(live, tokens, accepted):
+            for grammar, token, ok in zip(live, tokens, self._accept([g.matcher for g in live], tokens)):
                 if not ok:
                     grammar.failed = True
                     logger.error(
                         "structured output: token %d does not follow the grammar; the mask is lifted", token
                     )
             grammars = [g for g in grammars if g.unseen]
+
+    ADVANCE_SLICE = 16
+    """Fewest matchers worth a thread of their own when advancing."""
+
+    def _accept(self, matchers: list[Any], tokens: list[int]) -> list[bool]:
+        """xgrammar's ``batch_accept_token`` (GIL released) over slices of the matchers in parallel."""
+        import xgrammar as xgr
+
+        slices = min(len(matchers) // self.ADVANCE_SLICE, self._advance_threads + 1)
+        if slices <= 1:
+            return xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
+        bounds = [len(matchers) * i // slices for i in range(slices + 1)]
+        futures = [
+            self._advance_pool.submit(xgr.BatchGrammarMatcher.batch_accept_token, matchers[a:b], tokens[a:b])
+            for a, b in zip(bounds[1:-1], bounds[2:])
+        ]
+        accepted = xgr.BatchGrammarMatcher.batch_accept_token(matchers[: bounds[1]], tokens[: bounds[1]])
+        for future in futures:
+            accepted += future.result()
+        return accepted
 
     def _batch(self) -> Any:
         """xgrammar's batched matcher operations (its fill runs in ``FD_GRAMMAR_COMPILE_THREADS``)."""
@@ -255,5 +292,6 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self._step_pool.shutdown(wait=False, cancel_futures=True)
+        self._advance_pool.shutdown(wait=False, cancel_futures=True)
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._guidance_pool.shutdown(wait=False, cancel_futures=True)

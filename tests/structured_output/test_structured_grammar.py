@@ -264,3 +264,55 @@ def test_worker_lays_the_grammar_rows_into_the_batch():
     assert rows == [2, 0]
     np.testing.assert_array_equal(mask.numpy(), [received[2], [-1, -1, -1], received[0]])
     assert ModelRunner._token_bitmask(runner, ["b"], grammar) is None
+
+
+def test_matchers_advance_in_parallel_slices_like_one_by_one(tokenizer, monkeypatch):
+    """The manager advances many matchers at once, in slices on several threads: each row's mask
+    equals that of a matcher advanced alone; a refused token lifts only its own row's mask."""
+    monkeypatch.setenv("FD_STRUCTURED_OUTPUTS_BACKEND", "xgrammar")
+    monkeypatch.setenv("FD_GRAMMAR_COMPILE_THREADS", "3")
+    monkeypatch.setattr(StructuredOutputManager, "ADVANCE_SLICE", 4)
+    vocab = len(tokenizer)
+    eos = tokenizer.eos_token_id
+    manager = StructuredOutputManager(lambda: tokenizer, vocab, [eos])
+    words = ["alpha", "bravo", "charlie", "delta"]
+    try:
+        compiled = manager.submit(StructuredOutputsParams(choice=words)).result(timeout=60)
+        grammars = [manager.new_request_grammar(compiled, [eos]) for _ in range(20)]
+        paths = [tokenizer.encode(words[i % 4], add_special_tokens=False)[: 1 + i % 2] for i in range(20)]
+        for grammar, path in zip(grammars, paths):
+            for token in path:
+                grammar.accept_token(token)
+        refused = tokenizer.encode(" zebra", add_special_tokens=False)[0]
+        grammars[7].accept_token(refused)
+        mask = manager.bitmask([str(i) for i in range(20)], grammars).array()
+    finally:
+        manager.shutdown()
+    reference = xgr.allocate_token_bitmask(1, vocab)
+    for i, path in enumerate(paths):
+        if i == 7:
+            assert grammars[7].failed and (mask[7] == -1).all()
+            continue
+        matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=[eos])
+        assert all(matcher.accept_token(t) for t in path)
+        matcher.fill_next_token_bitmask(reference)
+        np.testing.assert_array_equal(mask[i], reference[0].numpy(), err_msg=f"row {i}")
+        assert not grammars[i].failed
+
+
+def test_an_ended_grammar_lets_only_its_stop_tokens_through(tokenizer, monkeypatch):
+    """After the grammar took its stop token (sampling goes on with ``ignore_eos``), the row allows
+    exactly the request's stop tokens (63: the top bit of a word)."""
+    monkeypatch.setenv("FD_STRUCTURED_OUTPUTS_BACKEND", "xgrammar")
+    eos = tokenizer.eos_token_id
+    manager = StructuredOutputManager(lambda: tokenizer, len(tokenizer), [eos])
+    try:
+        compiled = manager.submit(StructuredOutputsParams(choice=["yes"])).result(timeout=60)
+        grammar = manager.new_request_grammar(compiled, [eos, 63])
+        for token in [*tokenizer.encode("yes", add_special_tokens=False), 63, eos]:
+            grammar.accept_token(token)
+        row = manager.bitmask(["a"], [grammar]).array()[0]
+    finally:
+        manager.shutdown()
+    allowed = [t for t in range(len(tokenizer)) if (int(row[t // 32]) >> (t % 32)) & 1]
+    assert allowed == sorted([eos, 63]) and not grammar.failed
