@@ -61,9 +61,10 @@ class SamplingTensors:
     """Host-side summary: the largest top-k of the batch (0: none). None: read from the device."""
     any_top_p: bool | None = None
     any_min_p: bool | None = None
-    token_bitmask: tuple[torch.Tensor, list[int]] | None = None
-    """Structured outputs: (``[rows, ceil(vocab / 32)]`` int32 bitmask, the rows it masks): those rows
-    may sample only the tokens whose bit is set (bit ``t % 32`` of word ``t // 32``)."""
+    token_bitmask: tuple[torch.Tensor, torch.Tensor | list[int]] | None = None
+    """Structured outputs: (``[rows, ceil(vocab / 32)]`` int32 bitmask, the rows it masks, best as a
+    tensor on the logits' device): those rows may sample only the tokens whose bit is set (bit
+    ``t % 32`` of word ``t // 32``)."""
 
 
 @dataclass
@@ -132,9 +133,10 @@ def apply_top_k_top_p_min_p(
     return logits.masked_fill(logits < keep_floor.unsqueeze(-1), float("-inf"))
 
 
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | list[int]) -> None:
     """In place: ``-inf`` for every token the rows ``rows`` may not sample (xgrammar's batched kernel:
-    C++ on a CPU, CUDA / Triton on a GPU).
+    C++ on a CPU, Triton on a GPU). ``rows`` on the logits' device spares a host-to-device copy
+    from pageable memory (which the driver may make wait for the stream) at every step.
 
     ``bitmask`` is ``[len(logits), words]`` int32 (bit ``t % 32`` of word ``t // 32`` allows token t);
     only the listed rows are masked. Tokens past the bitmask's width (an LM head padded past the

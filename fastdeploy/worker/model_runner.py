@@ -404,7 +404,7 @@ class ModelRunner:
 
     def _token_bitmask(
         self, req_ids: list[str], grammar: GrammarBitmask
-    ) -> tuple[torch.Tensor, list[int]] | None:
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The step's bitmask on the device, one row per sampled row (all ones where no grammar
         applies), and the rows a grammar masks. Only the grammar's rows are copied to the device
         (half the bytes when half the batch is constrained); the batch's mask is laid out there."""
@@ -420,7 +420,7 @@ class ModelRunner:
         compact, rows_on_device = upload([compact, np.asarray(rows, dtype=np.int64)], self.device)
         mask = torch.full((len(req_ids), grammar.words), -1, dtype=torch.int32, device=self.device)
         mask[rows_on_device] = compact
-        return mask, rows
+        return mask, rows_on_device
 
     def _ended_before(self, state: StepState, previous: StepState, so: SchedulerOutput) -> bool:
         """Whether every request ``state`` would sample for already ended with ``previous``'s token.

@@ -192,9 +192,10 @@ def test_apply_token_bitmask_matches_a_reference(vocab):
     bitmask = torch.randint(-(2**31), 2**31 - 1, (5, 4), generator=gen, dtype=torch.int32)
     bitmask[3] = -1  # all allowed
     expected = _reference_mask(logits, rows, bitmask[rows].numpy())
-    got = logits.clone()
-    apply_token_bitmask(got, bitmask, rows)
-    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    for given in (rows, torch.tensor(rows)):  # the rows as a list, or a tensor (as the worker gives them)
+        got = logits.clone()
+        apply_token_bitmask(got, bitmask, given)
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
 def test_sampler_samples_only_allowed_tokens():
@@ -261,7 +262,7 @@ def test_worker_lays_the_grammar_rows_into_the_batch():
     grammar = GrammarBitmask(["c", "gone", "a"], received.tobytes(), 3)
     runner = SimpleNamespace(device=torch.device("cpu"))
     mask, rows = ModelRunner._token_bitmask(runner, ["a", "b", "c"], grammar)
-    assert rows == [2, 0]
+    assert rows.tolist() == [2, 0]
     np.testing.assert_array_equal(mask.numpy(), [received[2], [-1, -1, -1], received[0]])
     assert ModelRunner._token_bitmask(runner, ["b"], grammar) is None
 
