@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import TYPE_CHECKING
 
@@ -77,6 +78,8 @@ class EngineCore:
         self._awaiting_grammar: dict[str, tuple[Request, Future]] = {}
         """Structured-output requests whose grammar is being compiled: not yet in the scheduler."""
         self._grammar_failures: list[EngineCoreOutput] = []
+        self.grammar_wait_s = 0.0
+        """Time the engine loop has spent waiting for grammar bitmasks (benchmarks report it)."""
         self.max_model_len = resolve_max_model_len(config, source)
         self.executor = executor_cls(config, source, self.max_model_len)
         try:
@@ -186,7 +189,12 @@ class EngineCore:
     def _take_in_flight_grammar(self) -> GrammarBitmask | None:
         """The bitmask of the step in flight (waiting for its fill to finish), or None."""
         future, self._in_flight_grammar = self._in_flight_grammar, None
-        return None if future is None else future.result()
+        if future is None:
+            return None
+        start = time.perf_counter()
+        bitmask = future.result()
+        self.grammar_wait_s += time.perf_counter() - start
+        return bitmask
 
     def abort_requests(self, request_ids: list[str]) -> EngineCoreOutputs:
         outputs = []
@@ -236,7 +244,9 @@ class EngineCore:
                     self._in_flight_grammar = self._grammar_bitmask(scheduler_output.structured_req_ids, True)
             else:
                 if scheduler_output.structured_req_ids:
+                    start = time.perf_counter()
                     scheduler_output.grammar = self._grammar_bitmask(scheduler_output.structured_req_ids)
+                    self.grammar_wait_s += time.perf_counter() - start
                 runner_output = self.executor.execute_model(scheduler_output)
                 outputs = self.scheduler.update_from_output(runner_output)
         except WorkerStepError as exc:
