@@ -5,8 +5,7 @@ Compile: every schema is distinct (benchmarks/structured_outputs.py's ``make_sch
 are submitted at once to the engine core's ``StructuredOutputManager``, as the benchmark's
 requests arrive. Steps: one matcher per schema walks the tokens of a valid answer; each step
 gives every matcher one token (``accept``: the scheduler's part), advances the matchers and fills
-the rows' bitmask (``fill``: with async scheduling this runs in the manager's thread while the
-engine loop goes on), sends it as the executor does (``wire``: msgpack there and back) and lays
+the rows' bitmask (``fill``: the advance in parallel slices, the fill in xgrammar's threads), sends it as the executor does (``wire``: msgpack there and back) and lays
 it into the worker's batch of twice as many rows (``worker``: ``ModelRunner._token_bitmask`` on
 a CPU).
 Means over the steps, in µs per structured row.

@@ -4,8 +4,8 @@ load unconstrained; plus the first-token latency of a request with a new schema.
 The structured run goes first; the unconstrained run then gives every request exactly the number of
 output tokens it produced there (``ignore_eos``), so both runs do the same token work and the ratio
 of their output tokens/s is the cost of the grammars (compiles, matchers, bitmask fill and masking).
-``grammar_wait_us_per_structured_token``: the time the engine loop waited for bitmasks (with async
-scheduling, for the thread that fills them while the step runs), per structured output token. Each of the N/2 schemas is distinct, so every
+``grammar_wait_us_per_structured_token``: the time the engine loop spent advancing matchers and
+filling bitmasks, per structured output token. Each of the N/2 schemas is distinct, so every
 one is compiled during the run, off the engine loop.
 
 Examples:

@@ -161,11 +161,8 @@ class SchedulerOutput:
     """Requests with a grammar that sample a token this step: their rows need a bitmask."""
     grammar: GrammarBitmask | None = None
     """Their bitmask, when known at scheduling time (no step in flight). With async scheduling it
-    depends on the token still in flight: the worker launches this step unsampled and the bitmask
-    comes with the next step, as its ``previous_grammar``."""
-    previous_grammar: GrammarBitmask | None = None
-    """With async scheduling: the bitmask of the previous step's grammar rows (filled by the engine
-    core while that step ran); the worker samples that step under it before this step's forward."""
+    depends on the token still in flight, so it comes after that step's output, through
+    ``sample_tokens``; the worker waits for it before sampling."""
 
     def to_wire(self) -> dict[str, Any]:
         """The ``dataclasses.asdict`` form, built shallowly: the lists are packed as they are (the
@@ -176,7 +173,6 @@ class SchedulerOutput:
             "new_reqs": [r.to_wire() for r in self.new_reqs],
             "cached_reqs": vars(self.cached_reqs),
             "grammar": vars(self.grammar) if self.grammar is not None else None,
-            "previous_grammar": vars(self.previous_grammar) if self.previous_grammar is not None else None,
         }
 
     @classmethod
@@ -191,7 +187,6 @@ class SchedulerOutput:
             evicted_mm_hashes=d.get("evicted_mm_hashes", []),
             structured_req_ids=d.get("structured_req_ids", []),
             grammar=GrammarBitmask(**d["grammar"]) if d.get("grammar") else None,
-            previous_grammar=GrammarBitmask(**d["previous_grammar"]) if d.get("previous_grammar") else None,
         )
 
 

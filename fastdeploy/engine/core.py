@@ -79,7 +79,7 @@ class EngineCore:
         """Structured-output requests whose grammar is being compiled: not yet in the scheduler."""
         self._grammar_failures: list[EngineCoreOutput] = []
         self.grammar_wait_s = 0.0
-        """Time the engine loop has spent waiting for grammar bitmasks (benchmarks report it)."""
+        """Time the engine loop has spent advancing matchers and filling bitmasks (benchmarks report it)."""
         self.max_model_len = resolve_max_model_len(config, source)
         self.executor = executor_cls(config, source, self.max_model_len)
         try:
@@ -109,9 +109,6 @@ class EngineCore:
         self.scheduler.async_scheduling = self.async_scheduling and self.source.pooler is None
         self._in_flight: SchedulerOutput | None = None
         """The step the worker holds (async scheduling): its output comes back with the next call."""
-        self._in_flight_grammar: Future | None = None
-        """The bitmask of the step in flight's grammar rows, being filled in a thread while the engine
-        returns outputs and schedules; sent with the next step (async scheduling)."""
         sched = config.scheduler
         logger.info(
             "engine limits: max_num_batched_tokens=%d, max_num_seqs=%d, max_model_len=%d, "
@@ -178,21 +175,13 @@ class EngineCore:
             )
             self.scheduler.add_request(request)
 
-    def _grammar_bitmask(self, req_ids: list[str], later: bool = False) -> GrammarBitmask | Future:
-        """The bitmask rows of the given requests (those still running with a grammar); ``later``:
-        a future of it, filled in the manager's thread (xgrammar releases the GIL)."""
+    def _grammar_bitmask(self, req_ids: list[str]) -> GrammarBitmask:
+        """The bitmask rows of the given requests (those still running with a grammar); the time it
+        takes counts in :attr:`grammar_wait_s`."""
+        start = time.perf_counter()
         requests = [self.scheduler.requests.get(r) for r in req_ids]
         kept = [(r, q.grammar) for r, q in zip(req_ids, requests) if q is not None and q.grammar is not None]
-        fill = self.structured.bitmask_later if later else self.structured.bitmask
-        return fill([r for r, _ in kept], [g for _, g in kept])
-
-    def _take_in_flight_grammar(self) -> GrammarBitmask | None:
-        """The bitmask of the step in flight (waiting for its fill to finish), or None."""
-        future, self._in_flight_grammar = self._in_flight_grammar, None
-        if future is None:
-            return None
-        start = time.perf_counter()
-        bitmask = future.result()
+        bitmask = self.structured.bitmask([r for r, _ in kept], [g for _, g in kept])
         self.grammar_wait_s += time.perf_counter() - start
         return bitmask
 
@@ -217,9 +206,8 @@ class EngineCore:
         With async scheduling the batch is launched and the previous batch's tokens
         come back instead, so the scheduler works on step N+1 while step N runs. Requests
         with a grammar get the bitmask of their next token: computed at scheduling time, or,
-        with async scheduling, once step N's tokens have advanced their matchers: step N+1
-        is launched unsampled, its bitmask is filled in a thread while N+1 runs and this
-        returns, and it goes to the worker with step N+2, which samples N+1 under it first.
+        with async scheduling, once step N's tokens have advanced their matchers (the worker
+        runs step N+1's forward meanwhile and samples it when the bitmask arrives).
         ``even_if_idle``: run the step with nothing scheduled too (the workers then run a dummy
         forward: expert parallelism over data-parallel replicas needs every replica's forward).
         """
@@ -235,18 +223,14 @@ class EngineCore:
         outputs: list[EngineCoreOutput] = []
         try:
             if self.async_scheduling:
-                scheduler_output.previous_grammar = self._take_in_flight_grammar()
                 runner_output = self.executor.execute_model_overlap(scheduler_output)
                 if runner_output is not None:
                     outputs = self.scheduler.update_from_output(runner_output)
                 if scheduler_output.structured_req_ids:
-                    # filled while this step runs and the caller takes the outputs; sent with the next
-                    self._in_flight_grammar = self._grammar_bitmask(scheduler_output.structured_req_ids, True)
+                    self.executor.sample_tokens(self._grammar_bitmask(scheduler_output.structured_req_ids))
             else:
                 if scheduler_output.structured_req_ids:
-                    start = time.perf_counter()
                     scheduler_output.grammar = self._grammar_bitmask(scheduler_output.structured_req_ids)
-                    self.grammar_wait_s += time.perf_counter() - start
                 runner_output = self.executor.execute_model(scheduler_output)
                 outputs = self.scheduler.update_from_output(runner_output)
         except WorkerStepError as exc:
@@ -255,7 +239,7 @@ class EngineCore:
             failed = list(scheduler_output.num_scheduled_tokens)
             if self._in_flight is not None:
                 failed += list(self._in_flight.num_scheduled_tokens)
-            self._in_flight = self._in_flight_grammar = None
+            self._in_flight = None
             aborted = self.scheduler.abort_requests(list(dict.fromkeys(failed)))
             message = str(exc).strip().splitlines()[-1] if str(exc).strip() else "engine step failed"
             for output in aborted:

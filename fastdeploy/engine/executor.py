@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fastdeploy.config import EngineConfig
-from fastdeploy.core.step_io import ModelRunnerOutput, SchedulerOutput
+from fastdeploy.core.step_io import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from fastdeploy.model_executor.model_loader import ModelSource
 from fastdeploy.worker.worker import Worker
 
@@ -27,6 +27,10 @@ class InProcExecutor:
     def execute_model_overlap(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Launch this step; return the previous step's output (None if there was none)."""
         return self.worker.execute_model_overlap(scheduler_output)
+
+    def sample_tokens(self, grammar: GrammarBitmask) -> None:
+        """Sample the step just launched with ``execute_model_overlap``, under ``grammar``."""
+        self.worker.sample_tokens(grammar)
 
     def check_health(self) -> None:
         """Raises if a worker is dead (never, in-process)."""

@@ -21,7 +21,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from fastdeploy import envs
 from fastdeploy.config import EngineConfig
-from fastdeploy.core.step_io import ModelRunnerOutput, SchedulerOutput
+from fastdeploy.core.step_io import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from fastdeploy.distributed import free_port_init_method
 from fastdeploy.distributed.multinode import (
     CONFIG_KEY,
@@ -151,6 +151,8 @@ def _serve_calls(
             elif method == "execute_model_overlap":
                 output = worker.execute_model_overlap(SchedulerOutput.from_wire(args[0]))
                 result = None if output is None else output.to_wire()
+            elif method == "sample_tokens":
+                result = worker.sample_tokens(GrammarBitmask(**args[0]))
             else:
                 result = getattr(worker, method)(*args)
                 if method == "initialize_cache":  # the last start-up call (KV cache, CUDA graphs)
@@ -202,6 +204,8 @@ class MultiprocExecutor:
             init_method = free_port_init_method()
         self._ready = False
         self._ranks: list[_RankHandle] = []
+        self._unanswered = 0
+        """Calls sent without waiting for the replies (``sample_tokens``): read before the next call."""
         self._store = None
         try:
             if layout is not None:
@@ -284,10 +288,20 @@ class MultiprocExecutor:
         return [reply["ok"] for reply in replies]
 
     def _call(self, method: str, *args: Any) -> list[Any]:
+        self._read_unanswered()
+        self._send(method, *args)
+        return self._gather()
+
+    def _send(self, method: str, *args: Any) -> None:
         frame = encode([method, list(args)])
         for handle in self._ranks:
             handle.socket.send(frame)
-        return self._gather()
+
+    def _read_unanswered(self) -> None:
+        """The replies of the calls sent without waiting (an error among them raises here)."""
+        while self._unanswered:
+            self._unanswered -= 1
+            self._gather()
 
     def determine_num_blocks(self) -> int:
         """The blocks every rank can hold (ranks with more heads need more memory per block)."""
@@ -303,6 +317,14 @@ class MultiprocExecutor:
         """Launch this step in the workers; the previous step's output comes back (or None)."""
         wire = self._call("execute_model_overlap", scheduler_output.to_wire())[0]
         return None if wire is None else ModelRunnerOutput.from_wire(wire)
+
+    def sample_tokens(self, grammar: GrammarBitmask) -> None:
+        """Sample the step just launched with ``execute_model_overlap``, under ``grammar``, without
+        waiting: the workers lay out the mask and launch the sampling while the engine core returns
+        the outputs and schedules; their replies are read before the next call (which a worker's
+        error then fails)."""
+        self._send("sample_tokens", dataclasses.asdict(grammar))
+        self._unanswered += 1
 
     def check_health(self) -> None:
         """Raises :class:`WorkerDiedError` if any worker process has exited, or a remote worker's connection

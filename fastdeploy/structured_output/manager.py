@@ -52,7 +52,7 @@ class RequestGrammar:
         """A token the grammar refused was accepted anyway (never expected: it is logged once)."""
         self.unseen: list[int] = []
         """Output tokens the matcher has not advanced past yet: the manager feeds them to all the
-        matchers at once (:meth:`StructuredOutputManager.bitmask`), off the engine loop."""
+        matchers at once, in parallel slices (:meth:`StructuredOutputManager.bitmask`)."""
 
     def accept_token(self, token_id: int) -> None:
         """Record an output token; the matcher advances past it before its next bitmask."""
@@ -84,12 +84,10 @@ class StructuredOutputManager:
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self.cache_size = envs.FD_GRAMMAR_CACHE_SIZE
         self._batch_matcher: Any = None
-        self._step_pool = ThreadPoolExecutor(1, "fd-grammar-step")
-        """Fills a step's bitmask (:meth:`bitmask_later`) while the engine loop goes on."""
         self._advance_threads = max(envs.FD_GRAMMAR_COMPILE_THREADS - 1, 1)
         self._advance_pool = ThreadPoolExecutor(self._advance_threads, "fd-grammar-advance")
-        """Advances slices of the matchers next to the thread that fills (xgrammar's batched advance
-        is one thread; its fill has its own)."""
+        """Advances slices of the matchers next to the calling thread (xgrammar's batched advance is
+        one thread; its fill has its own)."""
         self.num_compiles = 0
         """Grammars compiled so far (cache misses)."""
         self.backend = envs.FD_STRUCTURED_OUTPUTS_BACKEND
@@ -206,11 +204,6 @@ class StructuredOutputManager:
 
     # ---- bitmasks ------------------------------------------------------------------
 
-    def bitmask_later(self, req_ids: list[str], grammars: list[Any]) -> Future:
-        """A future of :meth:`bitmask`, computed in a thread: xgrammar's advance and fill release
-        the GIL, so the engine loop goes on meanwhile. Touch none of ``grammars`` until it is done."""
-        return self._step_pool.submit(self.bitmask, req_ids, grammars)
-
     def bitmask(self, req_ids: list[str], grammars: list[Any]) -> GrammarBitmask:
         """The allowed next tokens of each request (rows in ``req_ids`` order), once every matcher
         has advanced past the tokens recorded since its last bitmask."""
@@ -291,7 +284,6 @@ class StructuredOutputManager:
         return self._batch_matcher
 
     def shutdown(self) -> None:
-        self._step_pool.shutdown(wait=False, cancel_futures=True)
         self._advance_pool.shutdown(wait=False, cancel_futures=True)
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._guidance_pool.shutdown(wait=False, cancel_futures=True)

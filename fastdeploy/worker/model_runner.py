@@ -100,7 +100,7 @@ class ModelRunner:
         """The last sampled ids (on the device) and their slots: inputs of the next step's decodes."""
         self._pending: StepState | None = None
         self._unsampled: StepState | None = None
-        """A launched step whose grammar bitmask is still to come (with the next step)."""
+        """A launched step whose grammar bitmask is still to come (:meth:`sample_tokens`)."""
         self.graphs: DecodeGraphs | None = None
         """Captured decode CUDA graphs (GPU, unless --enforce-eager)."""
         self.forward_every_step = config.parallel.expert_parallel_spans_replicas
@@ -226,16 +226,9 @@ class ModelRunner:
         device), save N-1 (waits on N-1's event; the device keeps computing N), then
         postprocess N. N-1's tokens are in the host batch before N is sampled, so
         penalties and stop checks see the same history as the plain path. A step with
-        grammar rows and no bitmask yet is left unsampled: the engine advances the grammars
-        with N-1's tokens and fills the bitmask while N runs, and sends it with step N+1,
-        which samples N under it first (before N+1's forward, which takes N's tokens).
+        grammar rows and no bitmask yet is sampled later, by :meth:`sample_tokens`, once the
+        engine has advanced the grammars with N-1's tokens.
         """
-        unsampled, self._unsampled = self._unsampled, None
-        if unsampled is not None:
-            if scheduler_output.previous_grammar is None:
-                raise RuntimeError(f"step {unsampled.step_id} awaits its grammar bitmask, but none came")
-            self._postprocess(unsampled, scheduler_output.previous_grammar)
-            self._pending = unsampled
         state = self._preprocess_and_execute_model(scheduler_output)
         previous, self._pending = self._pending, None
         output = self._save_model_output(previous) if previous is not None else None
@@ -248,6 +241,15 @@ class ModelRunner:
         if scheduler_output.total_num_scheduled_tokens:
             self._pending = state
         return output
+
+    @torch.inference_mode()
+    def sample_tokens(self, grammar: GrammarBitmask) -> None:
+        """Sample the step launched last by :meth:`execute_model_overlap`, under ``grammar``."""
+        state, self._unsampled = self._unsampled, None
+        if state is None:
+            raise RuntimeError("sample_tokens without a launched step awaiting its grammar")
+        self._postprocess(state, grammar)
+        self._pending = state
 
     def _forward(self, inputs: StepInputs) -> GraphOutput:
         """The model's forward pass: a CUDA graph replay for decode-only steps that fit one.

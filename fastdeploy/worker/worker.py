@@ -8,7 +8,7 @@ import torch
 
 from fastdeploy import envs
 from fastdeploy.config import EngineConfig
-from fastdeploy.core.step_io import ModelRunnerOutput, SchedulerOutput
+from fastdeploy.core.step_io import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from fastdeploy.distributed import init_tensor_parallel
 from fastdeploy.distributed.multinode import node_layout, world_store
 from fastdeploy.model_executor.model_loader import ModelSource
@@ -104,3 +104,6 @@ class Worker:
 
     def execute_model_overlap(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         return self.runner.execute_model_overlap(scheduler_output)
+
+    def sample_tokens(self, grammar: GrammarBitmask) -> None:
+        self.runner.sample_tokens(grammar)

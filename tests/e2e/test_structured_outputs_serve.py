@@ -117,8 +117,9 @@ def test_json_schema_answers_validate_every_time(server, model_name):
 
 @pytest.mark.slow  # (a second server: ~30 s)
 def test_async_scheduling_server_gives_the_same_answers(server, server_factory, model_name):
-    """With async scheduling each step's bitmask reaches the worker process with the next step:
-    the greedy answers equal the default server's, a batch of different schemas at once."""
+    """With async scheduling each step's bitmask goes to the worker process after its forward was
+    launched (and the engine reads the worker's reply only with the next call): the greedy answers
+    equal the default server's, a batch of different schemas at once."""
     overlapped = server_factory("--async-scheduling")
     jobs = [(schema, prompt) for schema, prompt in zip(SCHEMAS, PROMPTS)]
 

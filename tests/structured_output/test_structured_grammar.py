@@ -240,14 +240,11 @@ def test_bitmask_travels_in_the_scheduler_output():
         [],
         structured_req_ids=["a", "b"],
         grammar=GrammarBitmask(["b", "a"], mask.tobytes(), 6),
-        previous_grammar=GrammarBitmask(["c"], mask[:1].tobytes(), 6),
     )
     back = SchedulerOutput.from_wire(decode(encode(out.to_wire())))
     assert back.structured_req_ids == ["a", "b"]
     assert back.grammar.req_ids == ["b", "a"]
     np.testing.assert_array_equal(back.grammar.array(), mask)
-    assert back.previous_grammar.req_ids == ["c"]
-    np.testing.assert_array_equal(back.previous_grammar.array(), mask[:1])
 
 
 def test_worker_lays_the_grammar_rows_into_the_batch():
