@@ -38,27 +38,32 @@ def choice_ebnf(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
-def build_grammar(kind: str, text: str) -> Any:
-    """The ``xgrammar.Grammar`` of a constraint key; ``ValueError`` saying what is wrong if invalid."""
+def build_grammar(kind: str, text: str, unroll: bool = True) -> Any:
+    """The ``xgrammar.Grammar`` of a constraint key; ``ValueError`` saying what is wrong if invalid.
+
+    ``unroll``: with bounded repetitions unrolled (:func:`unrolled`; ~1 ms a schema): what the
+    engine compiles, and not needed where the grammar is only checked."""
     import xgrammar as xgr
+
+    unrolled_if = unrolled if unroll else (lambda grammar: grammar)
 
     try:
         if kind == "json":
             schema = json.loads(text)
             if not isinstance(schema, (dict, bool)):
                 raise ValueError("a JSON schema must be an object")
-            return unrolled(xgr.Grammar.from_json_schema(text, any_whitespace=False))
+            return unrolled_if(xgr.Grammar.from_json_schema(text, any_whitespace=False))
         if kind == "json_object":
             return xgr.Grammar.from_json_schema(json.dumps(JSON_OBJECT_SCHEMA), any_whitespace=False)
         if kind == "regex":
-            return unrolled(xgr.Grammar.from_regex(text))
+            return unrolled_if(xgr.Grammar.from_regex(text))
         if kind == "choice":
             choices = json.loads(text)
             if not choices or not all(isinstance(c, str) and c for c in choices):
                 raise ValueError("choices must be a non-empty list of non-empty strings")
             return xgr.Grammar.from_ebnf(choice_ebnf(choices))
         if kind == "grammar":
-            return unrolled(xgr.Grammar.from_ebnf(text))
+            return unrolled_if(xgr.Grammar.from_ebnf(text))
         if kind == "structural_tag":
             return xgr.Grammar.from_structural_tag(text)
     except json.JSONDecodeError as exc:
@@ -94,7 +99,7 @@ def validate_structured_outputs(params: StructuredOutputsParams, field: str) -> 
     """Build the grammar of ``params``; a :class:`SamplingParamsError` naming ``field`` if it is invalid."""
     kind, text = constraint_key(params)
     try:
-        build_grammar(kind, text)
+        build_grammar(kind, text, unroll=False)
     except ImportError:
         raise SamplingParamsError(
             field,

@@ -78,6 +78,7 @@ def test_unrolled_json_schema_gives_the_same_masks(tokenizer_info, schema):
     original = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
     unrolled = build_grammar("json", json.dumps(schema))
     assert "__unrolled" in str(unrolled) and "__unrolled" not in str(original)
+    assert str(build_grammar("json", json.dumps(schema), unroll=False)) == str(original)  # (validation)
     assert _same_masks_on_walks(tokenizer_info, original, unrolled, walks=8, seed=0) > 5
 
 
