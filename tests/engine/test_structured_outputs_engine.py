@@ -71,8 +71,10 @@ def _requests() -> tuple[list[list[dict]], list[SamplingParams]]:
     return messages, params
 
 
-def _run(async_scheduling: bool) -> list:
-    llm = LLM(dtype="float32", num_threads=1, async_scheduling=async_scheduling, max_num_batched_tokens=32)
+def _run(async_scheduling: bool, **kwargs) -> list:
+    llm = LLM(
+        dtype="float32", num_threads=1, async_scheduling=async_scheduling, max_num_batched_tokens=32, **kwargs
+    )
     try:
         messages, params = _requests()
         outputs = llm.chat(messages, params)  # one batch: different schemas, greedy and sampled rows
@@ -109,6 +111,18 @@ def test_json_schema_outputs_validate(sync_run):
 @pytest.mark.slow
 def test_async_scheduling_gives_the_same_structured_outputs(sync_run):
     outputs, params = _run(True)
+    _check_valid(outputs, params)
+    sync_outputs, _ = sync_run
+    for mine, theirs, sp in zip(outputs, sync_outputs, params):
+        if sp.temperature == 0:
+            assert mine.outputs[0].token_ids == theirs.outputs[0].token_ids
+
+
+@pytest.mark.slow
+def test_async_scheduling_over_two_worker_processes(sync_run):
+    """Tensor parallel 2: worker processes, each given the bitmask without the engine waiting
+    for their replies (read with the next step); greedy rows equal the plain path's."""
+    outputs, params = _run(True, tensor_parallel_size=2)
     _check_valid(outputs, params)
     sync_outputs, _ = sync_run
     for mine, theirs, sp in zip(outputs, sync_outputs, params):
