@@ -5,7 +5,9 @@ The structured run goes first; the unconstrained run then gives every request ex
 output tokens it produced there (``ignore_eos``), so both runs do the same token work and the ratio
 of their output tokens/s is the cost of the grammars (compiles, matchers, bitmask fill and masking).
 ``grammar_wait_us_per_structured_token``: the time the engine loop spent advancing matchers and
-filling bitmasks, per structured output token. Each of the N/2 schemas is distinct, so every
+filling bitmasks, per structured output token. With ``FD_STEP_TRACE=1`` (and one process, TP=1)
+``launch_to_sampled_ms_*``: the median host time from a step's forward launch to its sampling
+launch, each run (how long grammar rows wait for their bitmask; None without the trace). Each of the N/2 schemas is distinct, so every
 one is compiled during the run, off the engine loop.
 
 Examples:
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 from fastdeploy import LLM, SamplingParams
@@ -52,6 +55,23 @@ def run(llm: LLM, messages: list, params: list[SamplingParams]) -> tuple[float, 
     start = time.perf_counter()
     outputs = llm.chat(messages, params, use_tqdm=False)
     return time.perf_counter() - start, outputs
+
+
+def launch_to_sampled_ms(llm: LLM) -> float | None:
+    """Median host time from a step's forward being launched (run, on a CPU) to its sampling being
+    launched, over the steps traced since the last call (``FD_STEP_TRACE=1``, single process);
+    grammar rows wait there for the engine's advance and fill. None without a trace."""
+    runner = getattr(getattr(llm.engine.core.executor, "worker", None), "runner", None)
+    if runner is None or runner.trace is None:
+        return None
+    launched = {step: t for stage, step, t in runner.trace if stage == "execute_end"}
+    gaps = [
+        t - launched[step]
+        for stage, step, t in runner.trace
+        if stage == "postprocess_end" and step in launched
+    ]
+    runner.trace.clear()
+    return round(statistics.median(gaps) * 1000, 2) if gaps else None
 
 
 def first_token_latency(llm: LLM, params: SamplingParams, tag: str) -> float:
@@ -118,7 +138,9 @@ def main() -> None:
     llm.chat([chat_messages(0)] * 2, warm, use_tqdm=False)  # loads the tokenizer info, warms the kernels
 
     waited = llm.engine.core.grammar_wait_s
+    launch_to_sampled_ms(llm)  # (drops the warm-up's trace)
     structured_s, outputs = run(llm, messages, structured)
+    structured_gap = launch_to_sampled_ms(llm)
     waited = llm.engine.core.grammar_wait_s - waited
     lengths = [len(o.outputs[0].token_ids) for o in outputs]
     structured_tokens = sum(lengths[0::2])
@@ -132,6 +154,7 @@ def main() -> None:
                 pass
     plain = [SamplingParams(temperature=0, max_tokens=max(k, 1), ignore_eos=True) for k in lengths]
     plain_s, plain_outputs = run(llm, messages, plain)
+    plain_gap = launch_to_sampled_ms(llm)
     tokens = sum(lengths)
     assert sum(len(o.outputs[0].token_ids) for o in plain_outputs) == sum(max(k, 1) for k in lengths)
 
@@ -153,6 +176,8 @@ def main() -> None:
         "unconstrained_tok_s": round(tokens / plain_s, 1),
         "throughput_ratio": round(plain_s / structured_s, 3),
         "grammar_wait_us_per_structured_token": round(waited / max(structured_tokens, 1) * 1e6, 1),
+        "launch_to_sampled_ms_structured": structured_gap,
+        "launch_to_sampled_ms_unconstrained": plain_gap,
         "ttft_new_schema_ms": round(ttft_new * 1000, 1),
         "ttft_cached_schema_ms": round(ttft_cached * 1000, 1),
         "ttft_unconstrained_ms": round(ttft_plain * 1000, 1),
