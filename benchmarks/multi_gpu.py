@@ -22,7 +22,11 @@ Sections:
 * ``moe``: as ``tp`` on the Qwen3-30B-A3B shape (``--moe-model``), on one GPU and at TP=N with
   expert parallelism, in bf16 and (on CUDA) with ``quantization="fp8"``.
 * ``moe_dp``: as ``dp`` on the MoE shape, DP=N with ``--enable-expert-parallel`` (attention
-  data-parallel, experts expert-parallel) against one GPU.
+  data-parallel, experts expert-parallel) against one GPU, per ``--moe-quantizations``.
+* ``vllm_tp``: vLLM's offline engine (``vllm_offline.py``) on the ``tp`` workload, TP=1 and TP=N.
+
+``--server vllm`` runs the ``dp`` sections against ``vllm serve`` instead (same client, same
+workload); ``--dp-extra "--api-server-count 2"`` adds serve arguments at DP=N only.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -55,7 +60,7 @@ from server_health import wait_healthy  # noqa: E402
 
 MODEL_MOE = str(CONFIGS / "qwen3-30b-a3b")
 
-SECTIONS = ("correctness", "tp", "dp", "moe", "moe_dp")
+SECTIONS = ("correctness", "tp", "dp", "moe", "moe_dp", "vllm_tp")
 ITL_PROMPT_LEN = 32
 """Prompt tokens of the batch-1 latency request."""
 
@@ -256,17 +261,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def serve_and_bench(args: argparse.Namespace, model: str, dp: int, out: Path, *extra: str) -> dict[str, Any]:
-    """Start ``fastdeploy serve`` of ``model`` at data-parallel size ``dp`` (plus ``extra`` serve
-    arguments), run ``fastdeploy bench serve`` against it, stop it."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    tag = f"{Path(model).name}_dp{dp}{''.join(extra).replace('-', '_')}"
-    serve = [sys.executable, "-m", "fastdeploy.entrypoints.cli.main", "serve", "--model", model,
-             "--load-format", "dummy", "--tokenizer", args.tokenizer, "--dtype", "bfloat16",
-             "--device", args.device, "--data-parallel-size", str(dp), "--port", str(port),
-             "--max-model-len", str(-(-(args.input_len + args.output_len + 1) // 16) * 16)]  # fmt: skip
-    serve += list(extra)
+def server_command(args: argparse.Namespace, model: str, dp: int, port: int) -> list[str]:
+    """``fastdeploy serve`` (or, with ``--server vllm``, ``vllm serve``) of ``model`` with dummy
+    bf16 weights at data-parallel size ``dp``, each with its own defaults otherwise."""
+    max_len = str(-(-(args.input_len + args.output_len + 1) // 16) * 16)
+    common = ["--load-format", "dummy", "--tokenizer", args.tokenizer, "--dtype", "bfloat16",
+              "--data-parallel-size", str(dp), "--port", str(port), "--max-model-len", max_len]  # fmt: skip
+    if args.server == "vllm":
+        return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, *common]
+    serve = [sys.executable, "-m", "fastdeploy.entrypoints.cli.main", "serve", "--model", model, *common,
+             "--device", args.device]  # fmt: skip
     if args.smoke:
         tiny = {**smoke_overrides(args, model), "vocab_size": 49152}  # the tokenizer's ids must fit
         serve += [
@@ -277,6 +281,16 @@ def serve_and_bench(args: argparse.Namespace, model: str, dp: int, out: Path, *e
             "--kv-cache-memory",
             "0.05",
         ]
+    return serve
+
+
+def serve_and_bench(args: argparse.Namespace, model: str, dp: int, out: Path, *extra: str) -> dict[str, Any]:
+    """Start the server of ``model`` at data-parallel size ``dp`` (plus ``extra`` serve
+    arguments), run ``fastdeploy bench serve`` against it, stop it."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    tag = f"{args.server}_{Path(model).name}_dp{dp}{''.join(extra).replace('-', '_')}"
+    serve = server_command(args, model, dp, port) + list(extra)
     log_file = open(out / f"serve_{tag}.log", "w")
     proc = subprocess.Popen(serve, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -300,7 +314,7 @@ def serve_and_bench(args: argparse.Namespace, model: str, dp: int, out: Path, *e
             "total_output_tokens",
             "duration",
         )
-        row = {"model": Path(model).name, "dp": dp, "serve_args": " ".join(extra)} | {
+        row = {"server": args.server, "model": Path(model).name, "dp": dp, "serve_args": " ".join(extra)} | {
             k: data.get(k) for k in keys
         }
         return row | {"median_ttft_ms": data["ttft_ms"]["median"], "median_tpot_ms": data["tpot_ms"]["median"],
@@ -316,21 +330,62 @@ def serve_and_bench(args: argparse.Namespace, model: str, dp: int, out: Path, *e
         log_file.close()
 
 
-def data_parallel(args: argparse.Namespace, model: str, out: Path, *extra: str) -> dict[str, Any]:
-    """:func:`serve_and_bench` at DP=1 and DP=N (``extra`` serve arguments at DP=N), and the ratio."""
+def data_parallel(
+    args: argparse.Namespace, model: str, out: Path, common: tuple[str, ...] = (), at_n: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """:func:`serve_and_bench` at DP=1 and DP=N (serve arguments ``common`` at both, ``at_n``
+    and ``--dp-extra`` at DP=N only), and the ratio."""
     if not args.tokenizer:
         return {"error": "--tokenizer is needed for the dp sections"}
     rows = []
-    for dp, more in ((1, ()), (args.tp, extra)):
+    sizes = [(1, common)] if not args.skip_one_gpu else []
+    if args.tp > 1:  # --tp 1: the one-GPU row alone
+        sizes.append((args.tp, (*common, *at_n, *shlex.split(args.dp_extra))))
+    for dp, more in sizes:
         try:
             rows.append(serve_and_bench(args, model, dp, out, *more))
         except Exception:
-            rows.append({"model": Path(model).name, "dp": dp, "error": error_text()})
-        log(f"{Path(model).name} dp={dp} {' '.join(more)}: {rows[-1]}")
+            rows.append({"server": args.server, "model": Path(model).name, "dp": dp, "error": error_text()})
+        log(f"{args.server} {Path(model).name} dp={dp} {' '.join(more)}: {rows[-1]}")
     result: dict[str, Any] = {"rows": rows}
-    if all(r.get("output_throughput") for r in rows):
+    if len(rows) == 2 and all(r.get("output_throughput") for r in rows):
         result["dp_speedup"] = rows[1]["output_throughput"] / rows[0]["output_throughput"]
     return result
+
+
+def moe_data_parallel(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """:func:`data_parallel` of the MoE model per ``--moe-quantizations``, expert-parallel at DP=N."""
+    runs = {}
+    for quant in [q for q in args.moe_quantizations.split(",") if q]:
+        common = () if quant == "none" else ("--quantization", quant)
+        runs[quant] = data_parallel(args, args.moe_model, out, common, ("--enable-expert-parallel",))
+    return {"rows": [r for run in runs.values() for r in run["rows"]],
+            "dp_speedup": {q: run.get("dp_speedup") for q, run in runs.items()}}  # fmt: skip
+
+
+def vllm_offline(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """``benchmarks/vllm_offline.py`` (vLLM's ``LLM``) on the ``tp`` section's model and workload,
+    at TP=1 and TP=N (only N with ``--skip-one-gpu``), each in its own process."""
+    rows = []
+    for tp in one_and_n(args):
+        result = out / f"vllm_offline_tp{tp}.json"
+        command = [sys.executable, str(Path(__file__).parent / "vllm_offline.py"), "--model", args.model,
+                   "--tokenizer", args.tokenizer, "--tp", str(tp), "--num-prompts", str(args.num_prompts),
+                   "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+                   "--itl-tokens", str(args.itl_tokens), "--out", str(result)]  # fmt: skip
+        with open(out / f"vllm_offline_tp{tp}.log", "w") as log_file:
+            done = subprocess.run(
+                command, stdout=log_file, stderr=subprocess.STDOUT, timeout=args.server_timeout_s
+            )
+        if done.returncode == 0 and result.exists():
+            rows.append(
+                {"model": Path(args.model).name, "tp": tp, "engine": "vllm", **json.loads(result.read_text())}
+            )
+        else:
+            rows.append({"model": Path(args.model).name, "tp": tp, "engine": "vllm",
+                         "error": f"exit {done.returncode}, log {log_file.name}"})  # fmt: skip
+        log(f"vllm offline tp={tp}: {rows[-1]}")
+    return {"rows": rows}
 
 
 # ---- report ---------------------------------------------------------------------------------------
@@ -348,7 +403,7 @@ def render(results: dict[str, Any]) -> str:
         lines += [f"| {r['model']} | {r.get('tp1_equals_tpn', r.get('error', '')[-80:])} | "
                   f"{r.get('tp1_equals_tpn_ep', '-')} | {r.get('tp1_equals_transformers', '-')} |" for r in corr]  # fmt: skip
         lines.append("")
-    for section in ("tp", "moe"):
+    for section in ("tp", "moe", "vllm_tp"):
         rows = results.get(section, {}).get("rows", [])
         if not rows:
             continue
@@ -356,28 +411,37 @@ def render(results: dict[str, Any]) -> str:
                   "| --- | --- | ---: | ---: | ---: |"]  # fmt: skip
         for r in rows:
             layout = ", ".join(
-                f"{k}={v}" for k, v in r.items() if k in ("tp", "enable_expert_parallel", "quantization")
+                f"{k}={v}"
+                for k, v in r.items()
+                if k in ("engine", "tp", "enable_expert_parallel", "quantization")
             )
             if "error" in r:
                 lines.append(f"| {r['model']} | {layout} | error: {r['error'][-120:]} | | |")
             else:
-                lines.append(f"| {r['model']} | {layout} | {r['batch1_itl_ms_mean']:.2f} | "
-                             f"{r['batch1_itl_ms_p50']:.2f} | {r['output_tok_per_s']:,.0f} |")  # fmt: skip
+                mean = r.get(
+                    "batch1_itl_ms_mean", r.get("batch1_itl_ms")
+                )  # vLLM's: one difference of two runs
+                p50 = f"{r['batch1_itl_ms_p50']:.2f}" if "batch1_itl_ms_p50" in r else "-"
+                lines.append(
+                    f"| {r['model']} | {layout} | {mean:.2f} | {p50} | {r['output_tok_per_s']:,.0f} |"
+                )
         lines.append("")
     for section in ("dp", "moe_dp"):
         dp = results.get(section, {})
         if not dp.get("rows"):
             continue
-        lines += ["| model | DP | serve args | online output tok/s | median TTFT (ms) | median TPOT (ms) | P99 ITL (ms) |",
-                  "| --- | ---: | --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
+        lines += ["| server | model | DP | serve args | online output tok/s | median TTFT (ms) | median TPOT (ms) | P99 ITL (ms) |",
+                  "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
         for r in dp["rows"]:
             if "error" in r:
-                lines.append(f"| {r['model']} | {r['dp']} | | error: {r['error'][-120:]} | | | |")
+                lines.append(
+                    f"| {r['server']} | {r['model']} | {r['dp']} | | error: {r['error'][-120:]} | | | |"
+                )
             else:
-                lines.append(f"| {r['model']} | {r['dp']} | {r['serve_args']} | {r['output_throughput']:,.0f} | "
+                lines.append(f"| {r['server']} | {r['model']} | {r['dp']} | {r['serve_args']} | {r['output_throughput']:,.0f} | "
                              f"{r['median_ttft_ms']:.0f} | {r['median_tpot_ms']:.1f} | {r['p99_itl_ms']:.0f} |")  # fmt: skip
-        if "dp_speedup" in dp:
-            lines.append(f"\nDP speed-up: {dp['dp_speedup']:.2f}x")
+        if dp.get("dp_speedup"):
+            lines.append(f"\nDP speed-up: {dp['dp_speedup']}")
         lines.append("")
     return "\n".join(lines)
 
@@ -397,7 +461,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--moe-model", default=MODEL_MOE, help="dummy-weight MoE config folder (moe sections)"
     )
-    parser.add_argument("--tokenizer", default=None, help="tokenizer folder for the dp sections")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer folder for the dp and vllm sections")
+    parser.add_argument("--server", choices=("fastdeploy", "vllm"), default="fastdeploy", help="dp sections")
+    parser.add_argument("--dp-extra", default="", help="dp sections: more serve arguments at DP=N only")
     parser.add_argument(
         "--moe-quantizations", default="none,fp8", help="moe section: none (bf16) and/or fp8 (needs a GPU)"
     )
@@ -437,7 +503,9 @@ def main(argv: list[str] | None = None) -> int:
             elif name == "moe":
                 results[name] = engine_runs(args, args.moe_model, moe_layouts(args))
             elif name == "moe_dp":
-                results[name] = data_parallel(args, args.moe_model, out, "--enable-expert-parallel")
+                results[name] = moe_data_parallel(args, out)
+            elif name == "vllm_tp":
+                results[name] = vllm_offline(args, out)
             else:
                 raise SystemExit(f"unknown section {name}; choose from {', '.join(SECTIONS)}")
         except Exception:

@@ -29,9 +29,19 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def default_model_path() -> str:
-    from fastdeploy.model_executor.model_loader.default_model import default_model_path
+    """The default model's GGUF file. Missing on a GPU machine (where the 94 MB package is not
+    carried) the test is skipped; missing elsewhere (CI installs it) the test fails."""
+    from fastdeploy.model_executor.model_loader.default_model import (
+        DefaultModelMissingError,
+        default_model_path,
+    )
 
-    return default_model_path()
+    try:
+        return default_model_path()
+    except DefaultModelMissingError:
+        if torch.cuda.is_available():
+            pytest.skip("the default model is not installed on this GPU machine")
+        raise
 
 
 @pytest.fixture(scope="session")

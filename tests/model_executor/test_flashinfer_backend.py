@@ -207,7 +207,7 @@ def test_gpu_flashinfer_decode_graph_replans_between_replays():
 
 
 @gpu_flashinfer
-def test_gpu_engine_flashinfer_agrees_with_triton(monkeypatch):
+def test_gpu_engine_flashinfer_agrees_with_triton(monkeypatch, default_model_path):
     """The default model in bf16 through the engine (chunked prefill, graphs, async scheduling):
     greedy tokens equal the triton backend's up to the first near-tie, where they may part."""
     from fastdeploy import LLM, SamplingParams
@@ -218,7 +218,7 @@ def test_gpu_engine_flashinfer_agrees_with_triton(monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
     outputs = {}
     for backend in ("triton", "flashinfer"):
-        llm = LLM(dtype="bfloat16", device="cuda", attention_backend=backend, max_num_seqs=8,
+        llm = LLM(model=default_model_path, dtype="bfloat16", device="cuda", attention_backend=backend, max_num_seqs=8,
                   max_num_batched_tokens=16, gpu_memory_utilization=0.3)  # fmt: skip
         assert llm.engine.core.executor.worker.runner.attn_backend.name == backend
         outputs[backend] = [o.outputs[0] for o in llm.generate(prompts, params)]

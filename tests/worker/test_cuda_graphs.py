@@ -22,7 +22,7 @@ def test_capture_sizes_cover_every_batch_up_to_the_maximum():
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["triton", "flashinfer"])
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_graphs_give_the_eager_tokens(async_scheduling, backend, monkeypatch):
+def test_graphs_give_the_eager_tokens(async_scheduling, backend, monkeypatch, default_model_path):
     """Default model in bfloat16 on the GPU: greedy tokens with graphs equal eager mode's."""
     from fastdeploy import LLM, SamplingParams
     from fastdeploy.model_executor.attention.flashinfer_backend import flashinfer_importable
@@ -38,6 +38,7 @@ def test_graphs_give_the_eager_tokens(async_scheduling, backend, monkeypatch):
     results = {}
     for eager in (True, False):
         llm = LLM(
+            model=default_model_path,
             dtype="bfloat16",
             device="cuda",
             enforce_eager=eager,
@@ -56,7 +57,7 @@ def test_graphs_give_the_eager_tokens(async_scheduling, backend, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_one_and_two_request_graphs_give_the_eager_tokens():
+def test_one_and_two_request_graphs_give_the_eager_tokens(default_model_path):
     """Batches of one and two: the decode graphs run the norm-fused small-M kernels (with the
     rotary and cache-write epilogue on qkv_proj); their greedy tokens equal eager mode's.
 
@@ -74,7 +75,12 @@ def test_one_and_two_request_graphs_give_the_eager_tokens():
     results = {}
     for eager in (True, False):
         llm = LLM(
-            dtype="bfloat16", device="cuda", enforce_eager=eager, max_num_seqs=4, gpu_memory_utilization=0.3
+            model=default_model_path,
+            dtype="bfloat16",
+            device="cuda",
+            enforce_eager=eager,
+            max_num_seqs=4,
+            gpu_memory_utilization=0.3,
         )
         results[eager] = [[o.outputs[0].token_ids for o in llm.generate(b, params)] for b in batches]
         llm.shutdown()
@@ -92,7 +98,7 @@ def test_fp8_kv_cache_is_refused_without_the_triton_backend():
 
 
 @pytest.mark.gpu
-def test_fp8_kv_cache_serves_close_to_bf16():
+def test_fp8_kv_cache_serves_close_to_bf16(default_model_path):
     """fp8_e4m3 KV cache (dynamic per-token, per-head scales) through the whole engine on a GPU."""
     from fastdeploy import LLM, SamplingParams
     from fastdeploy.ops._ext import has_cuda_ops
@@ -104,6 +110,7 @@ def test_fp8_kv_cache_serves_close_to_bf16():
     tokens = {}
     for kv_dtype in ("auto", "fp8_e4m3"):
         llm = LLM(
+            model=default_model_path,
             dtype="bfloat16",
             device="cuda",
             kv_cache_dtype=kv_dtype,

@@ -11,7 +11,7 @@ import torch
 
 
 @pytest.mark.gpu
-def test_fp8_decode_runs_the_gemv_and_graphs_give_the_eager_tokens():
+def test_fp8_decode_runs_the_gemv_and_graphs_give_the_eager_tokens(default_model_path):
     """Default model, ``quantization="fp8"`` (128 x 128 blocks; hidden 576 leaves a partial K
     block), batches of one and two. Eager decode and graph replays run the same FP8 kernels (the
     GEMV up to ``FD_FP8_SMALL_M_MAX`` rows in both), so their greedy tokens agree; 20 tokens,
@@ -28,7 +28,7 @@ def test_fp8_decode_runs_the_gemv_and_graphs_give_the_eager_tokens():
     for eager in (True, False):
         triton_fp8_gemv._warmed.clear()
         llm = LLM(
-            dtype="bfloat16", device="cuda", quantization="fp8", enforce_eager=eager, max_num_seqs=4,
+            model=default_model_path, dtype="bfloat16", device="cuda", quantization="fp8", enforce_eager=eager, max_num_seqs=4,
             gpu_memory_utilization=0.3,
         )  # fmt: skip
         results[eager] = [[o.outputs[0].token_ids for o in llm.generate(b, params)] for b in batches]
