@@ -35,12 +35,11 @@ def resolve_max_model_len(config: EngineConfig, source: ModelSource) -> int:
 
 
 def resolve_async_scheduling(config: EngineConfig) -> bool:
-    """``--async-scheduling``, or by default on for a GPU and off for a CPU (and off when expert
-    parallelism spans data-parallel replicas)."""
+    """``--async-scheduling``, or by default on for a GPU and off for a CPU. Replicas whose MoE
+    layers meet (expert parallelism over data-parallel replicas) overlap too: each engine core
+    step sends exactly one forward to its workers, so the replicas' forwards stay paired."""
     if config.scheduler.async_scheduling is not None:
         return config.scheduler.async_scheduling
-    if config.parallel.expert_parallel_spans_replicas:
-        return False  # the replicas' steps run in lockstep, one at a time
     from fastdeploy.platforms import resolve_device
 
     return resolve_device(config).type == "cuda"

@@ -80,8 +80,3 @@ def check_expert_parallel(config: EngineConfig, arch: ModelArchConfig) -> None:
             f"the model's {arch.num_experts} experts cannot be split evenly over "
             f"tensor_parallel_size x data_parallel_size = {size} expert-parallel ranks"
         )
-    if parallel.expert_parallel_spans_replicas and config.scheduler.async_scheduling:
-        raise ParallelLayoutError(
-            "async_scheduling is not supported when expert parallelism spans data-parallel replicas "
-            "(their steps run in lockstep)"
-        )

@@ -4,8 +4,8 @@
 two engine cores, each with its own worker, tokens and KV cache; each worker holds 4 experts and
 the MoE layers gather both ranks' tokens. Greedy float32 tokens must equal ``transformers``' with
 requests on both ranks at once and with one rank idle (its padding forwards keep the collectives
-meeting), under chunked prefill and prefix caching. Killing one engine core fails ``/health``
-(no hang), and SIGTERM stops everything.
+meeting), under chunked prefill and prefix caching, with and without async scheduling. Killing
+one engine core fails ``/health`` (no hang), and SIGTERM stops everything.
 """
 
 from __future__ import annotations
@@ -51,13 +51,16 @@ def tiny_moe(tmp_path_factory) -> tuple[Path, list[list[int]]]:
     return folder, transformers_greedy_tokens(reference, TOKEN_PROMPTS, MAX_TOKENS)
 
 
-@pytest.fixture(scope="module")
-def dp_ep_server(tiny_moe, tmp_path_factory) -> Iterator[RemoteServer]:
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async-scheduling"])
+def dp_ep_server(request, tiny_moe, tmp_path_factory) -> Iterator[RemoteServer]:
+    """The server, with each engine core's steps synchronous (the CPU default) and overlapped
+    (the GPU default: step N+1 is scheduled and sent while step N runs)."""
     folder, _ = tiny_moe
     log = tmp_path_factory.mktemp("dp-ep") / "server.log"
     args = ["--model", str(folder), "--skip-tokenizer-init", "--max-model-len", "256",
             "--data-parallel-size", "2", "--enable-expert-parallel",
-            "--block-size", "4", "--max-num-batched-tokens", "6", "--no-exit-on-engine-death"]  # fmt: skip
+            "--block-size", "4", "--max-num-batched-tokens", "6", "--no-exit-on-engine-death",
+            "--async-scheduling" if request.param else "--no-async-scheduling"]  # fmt: skip
     srv = RemoteServer(log, *args)
     try:
         yield srv

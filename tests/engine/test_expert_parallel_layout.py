@@ -30,20 +30,21 @@ def config(**kwargs) -> EngineConfig:
         ),
         ({}, {}, "tensor_parallel_size or data_parallel_size > 1"),
         ({"num_experts": 6}, {"tensor_parallel_size": 2, "data_parallel_size": 2}, "6 experts"),
-        ({}, {"data_parallel_size": 2, "async_scheduling": True}, "async_scheduling"),
     ],
-    ids=["dense-model", "one-worker", "uneven-experts", "dp-async"],
+    ids=["dense-model", "one-worker", "uneven-experts"],
 )
 def test_impossible_expert_parallel_layouts_are_refused(arch, kwargs, message):
     with pytest.raises(ParallelLayoutError, match=message):
         check_parallel_layout(config(**kwargs), ModelArchConfig.from_dict({**MOE, **arch}))
 
 
-def test_possible_layouts_pass_and_replicas_step_synchronously():
+def test_possible_layouts_pass_and_replicas_may_overlap_their_steps():
     arch = ModelArchConfig.from_dict(MOE)
     check_parallel_layout(config(tensor_parallel_size=2), arch)
     dp = config(data_parallel_size=2)
     check_parallel_layout(dp, arch)
     assert dp.parallel.expert_parallel_spans_replicas
     assert not config(tensor_parallel_size=2).parallel.expert_parallel_spans_replicas
-    assert resolve_async_scheduling(dp) is False
+    assert resolve_async_scheduling(dp) is False  # a CPU's default
+    check_parallel_layout(config(data_parallel_size=2, async_scheduling=True), arch)
+    assert resolve_async_scheduling(config(data_parallel_size=2, async_scheduling=True)) is True
