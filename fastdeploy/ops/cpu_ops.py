@@ -13,8 +13,9 @@ fallback. A build says what it does: a line when it starts, one every ``PROGRESS
 runs and one with the outcome, at WARNING so that they reach the console even from a process that
 configured no logging (a worker process).
 
-If the compiler, ninja or the sources are missing, or the build fails, ``load_cpu_ops()`` returns
-None and callers use their torch fallback; ``FD_DISABLE_CUSTOM_OPS=1`` forces that.
+If the CPU lacks AVX-512 (checked before compiling), the compiler, ninja or the sources are
+missing, or the build fails, ``load_cpu_ops()`` returns None and callers use their torch fallback;
+``FD_DISABLE_CUSTOM_OPS=1`` forces that.
 ``python -m fastdeploy.ops.cpu_ops`` builds ahead of time (e.g. while building an image).
 """
 
@@ -70,6 +71,9 @@ TORCH_LOCK_FILE = "lock"
 """torch's own lock file (``FileBaton``), which a build killed inside ``load()`` leaves behind."""
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 """The dtypes the kernels handle (the ops take their torch path for the others)."""
+REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl")
+"""The instruction sets the kernels are written in (``cpu_vec.h``); without them the build would
+fail after minutes of compiling, at every start."""
 
 
 def _sources_dir() -> Path:
@@ -93,6 +97,15 @@ def _cpu_id() -> str:
     return " ".join(
         [platform.machine(), platform.processor(), fields.get("model name", ""), fields.get("flags", "")]
     )
+
+
+def missing_cpu_flags(cpu_id: str) -> list[str]:
+    """The :data:`REQUIRED_CPU_FLAGS` that ``cpu_id`` (as :func:`_cpu_id` gives it) lacks; none
+    off x86 (another architecture fails its own way, at compile time)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return []
+    flags = set(cpu_id.split())
+    return [flag for flag in REQUIRED_CPU_FLAGS if flag not in flags]
 
 
 def _compiler_id() -> str:
@@ -308,6 +321,13 @@ def build_and_load(sources_dir: Path, cache_dir: str, timeout_s: float) -> Any |
 def load_cpu_ops() -> Any | None:
     """The compiled CPU extension module, or None when it cannot be had (callers use torch)."""
     if envs.FD_DISABLE_CUSTOM_OPS:
+        return None
+    missing = missing_cpu_flags(_cpu_id())
+    if missing:
+        logger.warning(
+            "CPU kernels unavailable, using the torch fallback: they need AVX-512 and this CPU lacks %s",
+            ", ".join(missing),
+        )
         return None
     return build_and_load(_sources_dir(), envs.FD_CACHE_DIR, envs.FD_CPU_OPS_BUILD_TIMEOUT_S)
 

@@ -333,3 +333,22 @@ def test_a_second_checkout_reuses_the_compiled_module(tmp_path, monkeypatch):
     assert "compiling" not in result.stderr
     assert so.stat().st_mtime_ns == built
     assert (so.parent / "build.ninja").read_text(encoding="utf-8") == ninja
+
+
+def test_a_cpu_without_avx512_skips_the_build(monkeypatch, caplog):
+    """An AVX2-only CPU would fail the build after minutes, at every start: it is not tried."""
+    monkeypatch.setattr(cpu_ops.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(cpu_ops, "_cpu_id", lambda: "x86_64 x86_64 Some CPU fpu sse2 avx avx2 fma f16c")
+    monkeypatch.setattr(cpu_ops, "build_and_load", lambda *a: pytest.fail("the build was tried"))
+    monkeypatch.delenv("FD_DISABLE_CUSTOM_OPS", raising=False)
+    caplog.set_level(logging.WARNING, LOGGER)
+    cpu_ops.load_cpu_ops.cache_clear()
+    try:
+        assert cpu_ops.load_cpu_ops() is None
+    finally:
+        cpu_ops.load_cpu_ops.cache_clear()
+    assert _messages(caplog)[-1] == (
+        "CPU kernels unavailable, using the torch fallback: they need AVX-512 and this CPU lacks "
+        "avx512f, avx512bw, avx512vl"
+    )
+    assert cpu_ops.missing_cpu_flags("x86_64 x86_64 CPU avx2 avx512f avx512bw avx512vl") == []
