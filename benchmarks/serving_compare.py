@@ -60,6 +60,16 @@ def server_command(kind: str, model: str, tokenizer: str, port: int, extra: list
     ]
 
 
+CLIENTS = ("vllm", "fastdeploy")
+
+
+def prompt_seed(workload: str, client: str) -> int:
+    """The prompts' seed of one (workload, client) run: the same on both servers, different for
+    every run on one server, so no run finds its prompts in the prefix cache of an earlier one
+    (with one seed for all, every run after the first was served from the cache)."""
+    return 1 + len(CLIENTS) * list(WORKLOADS).index(workload) + CLIENTS.index(client)
+
+
 def client_command(client: str, workload: str, port: int, tokenizer: str, rate: float, out: str) -> list[str]:
     """One benchmark client run of ``workload``, writing its JSON to ``out``."""
     spec = WORKLOADS[workload]
@@ -88,7 +98,7 @@ def client_command(client: str, workload: str, port: int, tokenizer: str, rate: 
         ]  # fmt: skip
     if spec["concurrency"]:
         cmd += ["--max-concurrency", str(spec["concurrency"])]
-    return cmd
+    return cmd + ["--seed", str(prompt_seed(workload, client))]
 
 
 def summarize(client: str, path: str) -> dict[str, Any]:
