@@ -160,7 +160,9 @@ inline vf16 select(tail16 t, vf16 a, vf16 b) {
   return vf16{_mm256_blendv_ps(b.lo, a.lo, lanes_lo(t)), _mm256_blendv_ps(b.hi, a.hi, lanes_hi(t))};
 }
 // valid lanes of t: a, others: 0
-inline vf16 zero_beyond(tail16 t, vf16 a) { return vf16{_mm256_and_ps(a.lo, lanes_lo(t)), _mm256_and_ps(a.hi, lanes_hi(t))}; }
+inline vf16 zero_beyond(tail16 t, vf16 a) {
+  return vf16{_mm256_and_ps(a.lo, lanes_lo(t)), _mm256_and_ps(a.hi, lanes_hi(t))};
+}
 // valid lanes of t: max(a, b), others: a
 inline vf16 max_where(tail16 t, vf16 a, vf16 b) { return select(t, max(a, b), a); }
 
@@ -175,7 +177,8 @@ inline __m256 bf16_bits_to_float8(__m128i bits) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
 inline vf16 bf16_bits_to_float(__m256i bits) {
-  return vf16{bf16_bits_to_float8(_mm256_castsi256_si128(bits)), bf16_bits_to_float8(_mm256_extracti128_si256(bits, 1))};
+  return vf16{bf16_bits_to_float8(_mm256_castsi256_si128(bits)),
+              bf16_bits_to_float8(_mm256_extracti128_si256(bits, 1))};
 }
 inline vf16 load16(const bf16* p) { return bf16_bits_to_float(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline vf16 load16(const bf16* p, tail16 t) {

@@ -1,6 +1,7 @@
-// Paged prefill attention for x86-64 CPUs with AVX-512 or AVX2 (cpu_vec.h): query chunks of any length that sit at
-// the end of their sequence (fresh prompts and chunked prefill with cached context), GQA, keys
-// and values read in place from the NHD paged cache (this step's keys are already written).
+// Paged prefill attention for x86-64 CPUs with AVX-512 or AVX2 (cpu_vec.h): query chunks of any
+// length that sit at the end of their sequence (fresh prompts and chunked prefill with cached
+// context), GQA, keys and values read in place from the NHD paged cache (this step's keys are
+// already written).
 // Flash-style: per (request, kv head, tile of 16 query tokens), each key tile of 16 is transposed
 // once, and the query heads of the group take 16 scores each with plain FMAs (several rows at a
 // time for independent FMA chains); softmax is online in float32. An optional per-token key
