@@ -16,8 +16,8 @@ configured no logging (a worker process).
 The kernels are written once against the 16-float vector of ``cpu_vec.h``, which compiles to
 AVX-512 (F, BW, VL) or to AVX2 + FMA, whichever ``-march=native`` offers; the CPU flags are part of
 the key, so each instruction set gets its own build. If the CPU has neither (checked before
-compiling), the compiler, ninja or the sources are missing, or the build fails, ``load_cpu_ops()`` returns None and callers use their torch fallback;
-``FD_DISABLE_CUSTOM_OPS=1`` forces that.
+compiling), the compiler, ninja or the sources are missing, or the build fails, ``load_cpu_ops()``
+returns None and callers use their torch fallback; ``FD_DISABLE_CUSTOM_OPS=1`` forces that.
 ``python -m fastdeploy.ops.cpu_ops`` builds ahead of time (e.g. while building an image).
 """
 

@@ -367,6 +367,6 @@ def test_a_cpu_without_avx2_skips_the_build(monkeypatch, caplog):
         "CPU kernels unavailable, using the torch fallback: they need AVX-512 or AVX2 + FMA and this CPU "
         "lacks avx2, fma"
     )
-    # AVX-512 without its BW/VL parts is not enough for that path, but AVX2 + FMA still is
+    # AVX-512F without BW/VL counts for nothing: such a CPU needs AVX2 + FMA (and cpu_vec.h takes that path)
     assert cpu_ops.missing_cpu_flags("x86_64 x86_64 CPU avx avx512f fma") == ["avx2"]
     assert cpu_ops.missing_cpu_flags("x86_64 x86_64 CPU avx avx2 fma avx512f") == []
