@@ -18,16 +18,16 @@ inline int64_t grain_for(int64_t row_elems) { return std::max<int64_t>(1, 16384 
 
 template <typename T>
 void rms_norm_row(T* out, const T* x, const T* w, int64_t n, float eps) {
-  __m512 acc = _mm512_setzero_ps();
+  vf16 acc = zero16();
   for (int64_t i = 0; i < n; i += 16) {
-    __m512 v = load16(x + i, tail_mask(n - i));
-    acc = _mm512_fmadd_ps(v, v, acc);
+    vf16 v = load16(x + i, tail_mask(n - i));
+    acc = fmadd(v, v, acc);
   }
-  const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(acc) / float(n) + eps));
+  const vf16 inv = set1(1.f / std::sqrt(reduce_add(acc) / float(n) + eps));
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = tail_mask(n - i);
-    __m512 normed = round_as(x, _mm512_mul_ps(load16(x + i, m), inv));
-    store16(out + i, _mm512_mul_ps(load16(w + i, m), normed), m);
+    const tail16 m = tail_mask(n - i);
+    vf16 normed = round_as(x, mul(load16(x + i, m), inv));
+    store16(out + i, mul(load16(w + i, m), normed), m);
   }
 }
 
@@ -53,8 +53,8 @@ void fused_add_rms_norm_impl(torch::Tensor& x, torch::Tensor& residual, const to
       T* xr = xp + r * xs;
       T* rr = rp + r * rs;
       for (int64_t i = 0; i < n; i += 16) {
-        const __mmask16 m = tail_mask(n - i);
-        store16(rr + i, _mm512_add_ps(load16(xr + i, m), load16(rr + i, m)), m);
+        const tail16 m = tail_mask(n - i);
+        store16(rr + i, add(load16(xr + i, m), load16(rr + i, m)), m);
       }
       rms_norm_row(xr, rr, wp, n, float(eps));
     }
@@ -76,12 +76,12 @@ void rotary_impl(const torch::Tensor& positions, torch::Tensor& qkv, const torch
       for (int64_t h = 0; h < rotated_heads; ++h) {
         T* x = base + r * rs + h * head_dim;
         for (int64_t i = 0; i < half; i += 16) {
-          const __mmask16 m = tail_mask(half - i);
+          const tail16 m = tail_mask(half - i);
           // cos/sin are rounded to the activation dtype first, as in the torch fallback
-          const __m512 cv = round_as(x, load16(c + i, m)), sv = round_as(x, load16(s + i, m));
-          const __m512 x1 = load16(x + i, m), x2 = load16(x + half + i, m);
-          store16(x + i, _mm512_sub_ps(_mm512_mul_ps(x1, cv), _mm512_mul_ps(x2, sv)), m);
-          store16(x + half + i, _mm512_add_ps(_mm512_mul_ps(x2, cv), _mm512_mul_ps(x1, sv)), m);
+          const vf16 cv = round_as(x, load16(c + i, m)), sv = round_as(x, load16(s + i, m));
+          const vf16 x1 = load16(x + i, m), x2 = load16(x + half + i, m);
+          store16(x + i, sub(mul(x1, cv), mul(x2, sv)), m);
+          store16(x + half + i, add(mul(x2, cv), mul(x1, sv)), m);
         }
       }
     }
@@ -98,10 +98,10 @@ void silu_and_mul_impl(torch::Tensor& out, const torch::Tensor& gate_up) {
       const T* gr = g + r * gs;
       T* orow = o + r * os;
       for (int64_t i = 0; i < n; i += 16) {
-        const __mmask16 m = tail_mask(n - i);
-        const __m512 x = load16(gr + i, m);
-        const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
-        store16(orow + i, _mm512_mul_ps(round_as(orow, silu), load16(gr + n + i, m)), m);
+        const tail16 m = tail_mask(n - i);
+        const vf16 x = load16(gr + i, m);
+        const vf16 silu = div(x, add(set1(1.f), exp16(sub(zero16(), x))));
+        store16(orow + i, mul(round_as(orow, silu), load16(gr + n + i, m)), m);
       }
     }
   });

@@ -1,7 +1,8 @@
-// Paged decode attention for x86-64 CPUs with AVX-512: one query token per request, read in
-// place from the NHD paged KV cache (no gathered copy), float accumulation, parallel over
-// (request, kv head); head_dim is a template parameter so accumulators live in registers. Built on first use by fastdeploy/ops/cpu_ops.py; without AVX-512 the build fails and the
-// torch path is used.
+// Paged decode attention for x86-64 CPUs with AVX-512 or AVX2 (cpu_vec.h): one query token per
+// request, read in place from the NHD paged KV cache (no gathered copy), float accumulation,
+// parallel over (request, kv head); head_dim is a template parameter so accumulators live in
+// registers. Built on first use by fastdeploy/ops/cpu_ops.py; on a CPU with neither ISA the
+// build is not tried and the torch path is used.
 #include "cpu_ops.h"
 
 #include <ATen/Parallel.h>
@@ -27,50 +28,49 @@ void decode_item(T* out, const T* q, const T* kc, const T* vc, const int32_t* bl
   scores.resize(G * len);
   for (int64_t g0 = 0; g0 < G; g0 += GB) {
     const int64_t nb = std::min<int64_t>(GB, G - g0);
-    __m512 qv[GB][C];
+    vf16 qv[GB][C];
     for (int64_t b = 0; b < GB; ++b)
-      for (int c = 0; c < C; ++c)
-        qv[b][c] = b < nb ? _mm512_mul_ps(load16(q + (g0 + b) * D + c * 16), _mm512_set1_ps(scale)) : _mm512_setzero_ps();
+      for (int c = 0; c < C; ++c) qv[b][c] = b < nb ? mul(load16(q + (g0 + b) * D + c * 16), set1(scale)) : zero16();
     for (int64_t t0 = 0, blk = 0; t0 < len; t0 += BS, ++blk) {
       const T* k = kc + (int64_t(blocks[blk]) * BS * KVH + h) * D;
       const int64_t n = std::min(BS, len - t0);
       for (int64_t o = 0; o < n; ++o, k += row_stride) {
-        __m512 kv[C];
+        vf16 kv[C];
         for (int c = 0; c < C; ++c) kv[c] = load16(k + c * 16);
         for (int64_t b = 0; b < nb; ++b) {
-          __m512 s = _mm512_mul_ps(qv[b][0], kv[0]);
-          for (int c = 1; c < C; ++c) s = _mm512_fmadd_ps(qv[b][c], kv[c], s);
-          scores[(g0 + b) * len + t0 + o] = _mm512_reduce_add_ps(s);
+          vf16 s = mul(qv[b][0], kv[0]);
+          for (int c = 1; c < C; ++c) s = fmadd(qv[b][c], kv[c], s);
+          scores[(g0 + b) * len + t0 + o] = reduce_add(s);
         }
       }
     }
     for (int64_t b = 0; b < nb; ++b) {
       float* s = scores.data() + (g0 + b) * len;
-      __m512 mx = _mm512_set1_ps(-3.0e38f);
-      for (int64_t t = 0; t < len; t += 16) mx = _mm512_mask_max_ps(mx, tail_mask(len - t), mx, load16(s + t, tail_mask(len - t)));
-      const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-      __m512 sum = _mm512_setzero_ps();
+      vf16 mx = set1(-3.0e38f);
+      for (int64_t t = 0; t < len; t += 16) mx = max_where(tail_mask(len - t), mx, load16(s + t, tail_mask(len - t)));
+      const vf16 m = set1(reduce_max(mx));
+      vf16 sum = zero16();
       for (int64_t t = 0; t < len; t += 16) {
-        const __mmask16 tm = tail_mask(len - t);
-        const __m512 e = _mm512_maskz_mov_ps(tm, exp16(_mm512_sub_ps(load16(s + t, tm), m)));
+        const tail16 tm = tail_mask(len - t);
+        const vf16 e = zero_beyond(tm, exp16(sub(load16(s + t, tm), m)));
         store16(s + t, e, tm);
-        sum = _mm512_add_ps(sum, e);
+        sum = add(sum, e);
       }
-      const float inv = 1.f / _mm512_reduce_add_ps(sum);
-      for (int64_t t = 0; t < len; t += 16) store16(s + t, _mm512_mul_ps(load16(s + t, tail_mask(len - t)), _mm512_set1_ps(inv)), tail_mask(len - t));
+      const float inv = 1.f / reduce_add(sum);
+      for (int64_t t = 0; t < len; t += 16) store16(s + t, mul(load16(s + t, tail_mask(len - t)), set1(inv)), tail_mask(len - t));
     }
-    __m512 acc[GB][C];
+    vf16 acc[GB][C];
     for (int64_t b = 0; b < GB; ++b)
-      for (int c = 0; c < C; ++c) acc[b][c] = _mm512_setzero_ps();
+      for (int c = 0; c < C; ++c) acc[b][c] = zero16();
     for (int64_t t0 = 0, blk = 0; t0 < len; t0 += BS, ++blk) {
       const T* v = vc + (int64_t(blocks[blk]) * BS * KVH + h) * D;
       const int64_t n = std::min(BS, len - t0);
       for (int64_t o = 0; o < n; ++o, v += row_stride) {
-        __m512 vv[C];
+        vf16 vv[C];
         for (int c = 0; c < C; ++c) vv[c] = load16(v + c * 16);
         for (int64_t b = 0; b < nb; ++b) {
-          const __m512 p = _mm512_set1_ps(scores[(g0 + b) * len + t0 + o]);
-          for (int c = 0; c < C; ++c) acc[b][c] = _mm512_fmadd_ps(p, vv[c], acc[b][c]);
+          const vf16 p = set1(scores[(g0 + b) * len + t0 + o]);
+          for (int c = 0; c < C; ++c) acc[b][c] = fmadd(p, vv[c], acc[b][c]);
         }
       }
     }

@@ -1,6 +1,7 @@
-// Paged prefill attention for x86-64 CPUs with AVX-512: query chunks of any length that sit at
-// the end of their sequence (fresh prompts and chunked prefill with cached context), GQA, keys
-// and values read in place from the NHD paged cache (this step's keys are already written).
+// Paged prefill attention for x86-64 CPUs with AVX-512 or AVX2 (cpu_vec.h): query chunks of any
+// length that sit at the end of their sequence (fresh prompts and chunked prefill with cached
+// context), GQA, keys and values read in place from the NHD paged cache (this step's keys are
+// already written).
 // Flash-style: per (request, kv head, tile of 16 query tokens), each key tile of 16 is transposed
 // once, and the query heads of the group take 16 scores each with plain FMAs (several rows at a
 // time for independent FMA chains); softmax is online in float32. An optional per-token key
@@ -32,24 +33,24 @@ struct RowState {
 
 // Online-softmax update of one query row with the scores of one key tile (masked lanes excluded).
 template <int C>
-inline void update_row(RowState& st, float* o, __m512 scores, __mmask16 vis, const float* vt, int64_t visible) {
+inline void update_row(RowState& st, float* o, vf16 scores, tail16 vis, const float* vt, int64_t visible) {
   constexpr int64_t D = 16 * C;
-  const __m512 sc = _mm512_mask_blend_ps(vis, _mm512_set1_ps(MASKED), scores);
-  const float m_new = std::max(st.max, _mm512_reduce_max_ps(sc));
+  const vf16 sc = select(vis, scores, set1(MASKED));
+  const float m_new = std::max(st.max, reduce_max(sc));
   const float correction = expf(st.max - m_new);
-  const __m512 pv = _mm512_maskz_mov_ps(vis, exp16(_mm512_sub_ps(sc, _mm512_set1_ps(m_new))));
+  const vf16 pv = zero_beyond(vis, exp16(sub(sc, set1(m_new))));
   alignas(64) float p[TILE];
-  _mm512_store_ps(p, pv);
-  st.sum = st.sum * correction + _mm512_reduce_add_ps(pv);
+  store16(p, pv);
+  st.sum = st.sum * correction + reduce_add(pv);
   st.max = m_new;
-  const __m512 corr = _mm512_set1_ps(correction);
-  __m512 a[C];  // one accumulator per 16 lanes of head_dim: independent FMA chains in registers
-  for (int64_t c = 0; c < C; ++c) a[c] = _mm512_mul_ps(_mm512_loadu_ps(o + c * 16), corr);
+  const vf16 corr = set1(correction);
+  vf16 a[C];  // one accumulator per 16 lanes of head_dim: independent FMA chains in registers
+  for (int64_t c = 0; c < C; ++c) a[c] = mul(load16(o + c * 16), corr);
   for (int64_t j = 0; j < visible; ++j) {
-    const __m512 pj = _mm512_set1_ps(p[j]);
-    for (int64_t c = 0; c < C; ++c) a[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vt + j * D + c * 16), a[c]);
+    const vf16 pj = set1(p[j]);
+    for (int64_t c = 0; c < C; ++c) a[c] = fmadd(pj, load16(vt + j * D + c * 16), a[c]);
   }
-  for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(o + c * 16, a[c]);
+  for (int64_t c = 0; c < C; ++c) store16(o + c * 16, a[c]);
 }
 
 template <typename T, int C>
@@ -94,7 +95,7 @@ void prefill_kernel(T* out, const T* q, const T* kc, const T* vc, const int32_t*
           const T* k = kc + (slot * KVH + it.kv_head) * D;
           const T* v = vc + (slot * KVH + it.kv_head) * D;
           for (int64_t d = 0; d < D; ++d) kt[d * TILE + j] = to_float(k[d]);
-          for (int64_t c = 0; c < D; c += 16) _mm512_storeu_ps(&vt[j * D + c], load16(v + c));
+          for (int64_t c = 0; c < D; c += 16) store16(&vt[j * D + c], load16(v + c));
         }
         for (int64_t i = 0; i < rows; ++i) {
           const int64_t visible = std::min<int64_t>(keys, limit[i] - k0);
@@ -106,15 +107,15 @@ void prefill_kernel(T* out, const T* q, const T* kc, const T* vc, const int32_t*
             const float* q1 = &qf[(std::min(g0 + 1, G - 1) * TILE + i) * D];
             const float* q2 = &qf[(std::min(g0 + 2, G - 1) * TILE + i) * D];
             const float* q3 = &qf[(std::min(g0 + 3, G - 1) * TILE + i) * D];
-            __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+            vf16 s0 = zero16(), s1 = s0, s2 = s0, s3 = s0;
             for (int64_t d = 0; d < D; ++d) {
-              const __m512 kd = _mm512_loadu_ps(&kt[d * TILE]);
-              s0 = _mm512_fmadd_ps(_mm512_set1_ps(q0[d]), kd, s0);
-              s1 = _mm512_fmadd_ps(_mm512_set1_ps(q1[d]), kd, s1);
-              s2 = _mm512_fmadd_ps(_mm512_set1_ps(q2[d]), kd, s2);
-              s3 = _mm512_fmadd_ps(_mm512_set1_ps(q3[d]), kd, s3);
+              const vf16 kd = load16(&kt[d * TILE]);
+              s0 = fmadd(set1(q0[d]), kd, s0);
+              s1 = fmadd(set1(q1[d]), kd, s1);
+              s2 = fmadd(set1(q2[d]), kd, s2);
+              s3 = fmadd(set1(q3[d]), kd, s3);
             }
-            const __m512 s[RB] = {s0, s1, s2, s3};
+            const vf16 s[RB] = {s0, s1, s2, s3};
             for (int64_t b = 0; b < nb; ++b) {
               const int64_t row = (g0 + b) * TILE + i;
               update_row<C>(state[row], &acc[row * D], s[b], tail_mask(visible), vt.data(), visible);
@@ -126,9 +127,9 @@ void prefill_kernel(T* out, const T* q, const T* kc, const T* vc, const int32_t*
         const int64_t token = q_start[it.req] + it.first + i;
         for (int64_t g = 0; g < G; ++g) {
           const int64_t row = g * TILE + i;
-          const __m512 inv = _mm512_set1_ps(state[row].sum > 0.f ? 1.f / state[row].sum : 0.f);
+          const vf16 inv = set1(state[row].sum > 0.f ? 1.f / state[row].sum : 0.f);
           T* o = out + token * out_stride + (it.kv_head * G + g) * D;
-          for (int64_t c = 0; c < D; c += 16) store16(o + c, _mm512_mul_ps(_mm512_loadu_ps(&acc[row * D + c]), inv));
+          for (int64_t c = 0; c < D; c += 16) store16(o + c, mul(load16(&acc[row * D + c]), inv));
         }
       }
     }

@@ -13,9 +13,11 @@ fallback. A build says what it does: a line when it starts, one every ``PROGRESS
 runs and one with the outcome, at WARNING so that they reach the console even from a process that
 configured no logging (a worker process).
 
-If the CPU lacks AVX-512 (checked before compiling), the compiler, ninja or the sources are
-missing, or the build fails, ``load_cpu_ops()`` returns None and callers use their torch fallback;
-``FD_DISABLE_CUSTOM_OPS=1`` forces that.
+The kernels are written once against the 16-float vector of ``cpu_vec.h``, which compiles to
+AVX-512 (F, BW, VL) or to AVX2 + FMA, whichever ``-march=native`` offers; the CPU flags are part of
+the key, so each instruction set gets its own build. If the CPU has neither (checked before
+compiling), the compiler, ninja or the sources are missing, or the build fails, ``load_cpu_ops()``
+returns None and callers use their torch fallback; ``FD_DISABLE_CUSTOM_OPS=1`` forces that.
 ``python -m fastdeploy.ops.cpu_ops`` builds ahead of time (e.g. while building an image).
 """
 
@@ -71,9 +73,9 @@ TORCH_LOCK_FILE = "lock"
 """torch's own lock file (``FileBaton``), which a build killed inside ``load()`` leaves behind."""
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 """The dtypes the kernels handle (the ops take their torch path for the others)."""
-REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl")
-"""The instruction sets the kernels are written in (``cpu_vec.h``); without them the build would
-fail after minutes of compiling, at every start."""
+REQUIRED_CPU_FLAGS = (("avx512f", "avx512bw", "avx512vl"), ("avx2", "fma"))
+"""The instruction sets ``cpu_vec.h`` compiles to, preferred first: a CPU needs all the flags of one
+of them; without any the build would fail after minutes of compiling, at every start."""
 
 
 def _sources_dir() -> Path:
@@ -100,12 +102,17 @@ def _cpu_id() -> str:
 
 
 def missing_cpu_flags(cpu_id: str) -> list[str]:
-    """The :data:`REQUIRED_CPU_FLAGS` that ``cpu_id`` (as :func:`_cpu_id` gives it) lacks; none
-    off x86 (another architecture fails its own way, at compile time)."""
+    """What ``cpu_id`` (as :func:`_cpu_id` gives it) lacks for the kernels: empty when it has every
+    flag of one of the :data:`REQUIRED_CPU_FLAGS` sets, else the flags of the least demanding set
+    (AVX2 + FMA) that it lacks; empty off x86 (another architecture fails its own way, at compile
+    time)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return []
     flags = set(cpu_id.split())
-    return [flag for flag in REQUIRED_CPU_FLAGS if flag not in flags]
+    missing = [[flag for flag in isa if flag not in flags] for isa in REQUIRED_CPU_FLAGS]
+    if any(not m for m in missing):
+        return []
+    return missing[-1]
 
 
 def _compiler_id() -> str:
@@ -325,7 +332,8 @@ def load_cpu_ops() -> Any | None:
     missing = missing_cpu_flags(_cpu_id())
     if missing:
         logger.warning(
-            "CPU kernels unavailable, using the torch fallback: they need AVX-512 and this CPU lacks %s",
+            "CPU kernels unavailable, using the torch fallback: they need AVX-512 or AVX2 + FMA "
+            "and this CPU lacks %s",
             ", ".join(missing),
         )
         return None

@@ -335,20 +335,38 @@ def test_a_second_checkout_reuses_the_compiled_module(tmp_path, monkeypatch):
     assert (so.parent / "build.ninja").read_text(encoding="utf-8") == ninja
 
 
-def test_a_cpu_without_avx512_skips_the_build(monkeypatch, caplog):
-    """An AVX2-only CPU would fail the build after minutes, at every start: it is not tried."""
+def _load_on(cpu_id: str, monkeypatch) -> list[str]:
+    """``load_cpu_ops()`` on an x86 CPU with the flags of ``cpu_id``; a build is recorded, not run."""
+    builds: list[str] = []
     monkeypatch.setattr(cpu_ops.platform, "machine", lambda: "x86_64")
-    monkeypatch.setattr(cpu_ops, "_cpu_id", lambda: "x86_64 x86_64 Some CPU fpu sse2 avx avx2 fma f16c")
-    monkeypatch.setattr(cpu_ops, "build_and_load", lambda *a: pytest.fail("the build was tried"))
+    monkeypatch.setattr(cpu_ops, "_cpu_id", lambda: cpu_id)
+    monkeypatch.setattr(cpu_ops, "build_and_load", lambda *a: builds.append(cpu_id) or SimpleNamespace())
     monkeypatch.delenv("FD_DISABLE_CUSTOM_OPS", raising=False)
-    caplog.set_level(logging.WARNING, LOGGER)
     cpu_ops.load_cpu_ops.cache_clear()
     try:
-        assert cpu_ops.load_cpu_ops() is None
+        cpu_ops.load_cpu_ops()
     finally:
         cpu_ops.load_cpu_ops.cache_clear()
+    return builds
+
+
+@pytest.mark.parametrize(
+    "flags", ["fpu sse2 avx avx2 fma f16c", "fpu sse2 avx avx2 fma avx512f avx512bw avx512vl avx512_bf16"]
+)
+def test_an_avx2_or_avx512_cpu_builds(flags, monkeypatch):
+    assert _load_on(f"x86_64 x86_64 Some CPU {flags}", monkeypatch) == [f"x86_64 x86_64 Some CPU {flags}"]
+    assert cpu_ops.missing_cpu_flags(f"x86_64 x86_64 CPU {flags}") == []
+
+
+def test_a_cpu_without_avx2_skips_the_build(monkeypatch, caplog):
+    """A CPU with neither AVX-512 nor AVX2 + FMA would fail the build after minutes, at every start:
+    it is not tried."""
+    caplog.set_level(logging.WARNING, LOGGER)
+    assert _load_on("x86_64 x86_64 Old CPU fpu sse2 sse4_2 avx f16c", monkeypatch) == []
     assert _messages(caplog)[-1] == (
-        "CPU kernels unavailable, using the torch fallback: they need AVX-512 and this CPU lacks "
-        "avx512f, avx512bw, avx512vl"
+        "CPU kernels unavailable, using the torch fallback: they need AVX-512 or AVX2 + FMA and this CPU "
+        "lacks avx2, fma"
     )
-    assert cpu_ops.missing_cpu_flags("x86_64 x86_64 CPU avx2 avx512f avx512bw avx512vl") == []
+    # AVX-512F without BW/VL counts for nothing: such a CPU needs AVX2 + FMA (and cpu_vec.h takes that path)
+    assert cpu_ops.missing_cpu_flags("x86_64 x86_64 CPU avx avx512f fma") == ["avx2"]
+    assert cpu_ops.missing_cpu_flags("x86_64 x86_64 CPU avx avx2 fma avx512f") == []
