@@ -25,7 +25,6 @@ import psutil
 import pytest
 
 from fastdeploy.config import EngineConfig
-from fastdeploy.engine.engine_cores import rank_config
 from fastdeploy.engine.dp_router import (
     PREFIX_ROUTING_SLACK,
     RankLoad,
@@ -33,6 +32,7 @@ from fastdeploy.engine.dp_router import (
     choose_rank,
     prefix_block_hashes,
 )
+from fastdeploy.engine.engine_cores import rank_config
 from tests.e2e.conftest import RemoteServer
 from tests.e2e.test_failures import start_long_stream
 from tests.e2e.test_lifecycle import ipc_leftovers
