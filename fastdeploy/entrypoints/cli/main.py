@@ -67,6 +67,11 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if func is None:
         parser.print_help()
         return 2
+    with STOP_SIGNALS.shielded():
+        # torch's C++ module init calls back into Python: an interrupt raised there cannot pass
+        # through pybind11 and aborts the process, so a SIGTERM or SIGINT waits for the import
+        import torch  # noqa: F401
+
     from fastdeploy.engine.async_llm import EngineStartupError
 
     try:
