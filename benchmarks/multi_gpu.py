@@ -57,6 +57,7 @@ from gpubench.engine_bench import greedy, measure_itl  # noqa: E402
 from gpubench.measure import error_text, free_memory, random_prompts  # noqa: E402
 from gpubench.settings import CONFIGS, MODEL_8B, TINY_OVERRIDES  # noqa: E402
 from server_health import wait_healthy  # noqa: E402
+from serving_compare import server_command as serve_command  # noqa: E402
 
 MODEL_MOE = str(CONFIGS / "qwen3-30b-a3b")
 
@@ -262,26 +263,23 @@ def free_port() -> int:
 
 
 def server_command(args: argparse.Namespace, model: str, dp: int, port: int) -> list[str]:
-    """``fastdeploy serve`` (or, with ``--server vllm``, ``vllm serve``) of ``model`` with dummy
-    bf16 weights at data-parallel size ``dp``, each with its own defaults otherwise."""
+    """``serving_compare.py``'s command for ``--server`` (its defaults, dummy weights, the tokenizer)
+    in bf16 at data-parallel size ``dp``, with the workload's context length."""
     max_len = str(-(-(args.input_len + args.output_len + 1) // 16) * 16)
-    common = ["--load-format", "dummy", "--tokenizer", args.tokenizer, "--dtype", "bfloat16",
-              "--data-parallel-size", str(dp), "--port", str(port), "--max-model-len", max_len]  # fmt: skip
-    if args.server == "vllm":
-        return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, *common]
-    serve = [sys.executable, "-m", "fastdeploy.entrypoints.cli.main", "serve", "--model", model, *common,
-             "--device", args.device]  # fmt: skip
-    if args.smoke:
-        tiny = {**smoke_overrides(args, model), "vocab_size": 49152}  # the tokenizer's ids must fit
-        serve += [
-            "--hf-config-overrides",
-            json.dumps(tiny),
-            "--num-threads",
-            "1",
-            "--kv-cache-memory",
-            "0.05",
-        ]
-    return serve
+    extra = ["--dtype", "bfloat16", "--data-parallel-size", str(dp), "--max-model-len", max_len]
+    if args.server == "fastdeploy":
+        extra += ["--device", args.device]
+        if args.smoke:
+            tiny = {**smoke_overrides(args, model), "vocab_size": 49152}  # the tokenizer's ids must fit
+            extra += [
+                "--hf-config-overrides",
+                json.dumps(tiny),
+                "--num-threads",
+                "1",
+                "--kv-cache-memory",
+                "0.05",
+            ]
+    return serve_command(args.server, model, args.tokenizer, port, extra)
 
 
 def serve_and_bench(args: argparse.Namespace, model: str, dp: int, out: Path, *extra: str) -> dict[str, Any]:
