@@ -57,11 +57,12 @@ class ModelConfig:
     load_format: str = "auto"
     """How to read weights: auto, safetensors, gguf, or dummy (random weights
     from the config, seeded, for benchmarking large shapes)."""
-    quantization: Literal["fp8"] | None = None
+    quantization: Literal["fp8", "ptpc_fp8"] | None = None
     """Quantize the weights at load time: fp8 (e4m3 weights in 128x128 blocks, activations
-    quantized per token and 128 columns at run time; GPU of compute capability 8.9 or newer, or the torch path on a
-    CPU). Checkpoints whose config.json has a quantization_config (quant_method fp8) are read
-    quantized without it."""
+    quantized per token and 128 columns at run time) or ptpc_fp8 (one weight scale per output
+    channel, activations per token: coarser, faster GEMMs at large batches); a GPU of compute
+    capability 8.9 or newer, or the torch path on a CPU. Checkpoints whose config.json has a
+    quantization_config (quant_method fp8) are read quantized without it."""
     seed: int = 0
     """Seed of dummy weights and of unseeded sampling."""
     max_model_len: int | None = None

@@ -77,6 +77,15 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         _bool("FD_STEP_TRACE", "0"),
         "Record (stage, step id, time) of every model-runner stage in ModelRunner.trace (benchmarks).",
     ),
+    "FD_TORCH_PROFILER_DIR": (
+        lambda: os.environ.get("FD_TORCH_PROFILER_DIR", ""),
+        "Folder where each worker writes a torch profile (Chrome trace and a text summary) of the "
+        "steps FD_PROFILE_STEPS names (worker/step_profiler.py). Unset: no profiling.",
+    ),
+    "FD_PROFILE_STEPS": (
+        lambda: os.environ.get("FD_PROFILE_STEPS", "100:20"),
+        "first:count of the steps each worker profiles when FD_TORCH_PROFILER_DIR is set.",
+    ),
     "FD_USE_UVLOOP": (
         _bool("FD_USE_UVLOOP", "1"),
         "Run the API server on uvloop's event loop when it is installed (a dependency); 0: asyncio's.",

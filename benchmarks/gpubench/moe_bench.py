@@ -1,7 +1,7 @@
 """Fused-MoE layer benchmark on Qwen3-30B-A3B's expert shapes: the whole layer, against its floor.
 
-One MoE layer: 128 experts, top-8, hidden 2048, moe_intermediate 768, bf16 and FP8 (128 x 128
-block-scaled weights). Each row times ``FusedMoE.forward`` from the router logits: the top-k
+One MoE layer: 128 experts, top-8, hidden 2048, moe_intermediate 768, bf16, ``fp8`` (128 x 128
+block-scaled weights) and ``ptpc_fp8`` (per-channel weight scales, per-token activation scales). Each row times ``FusedMoE.forward`` from the router logits: the top-k
 softmax routing (and the load statistic), the expert sort/pad, both expert GEMMs with
 SiLU-and-multiply (and FP8 activation quantization), the weighted top-k combine; eager and
 replayed from a CUDA graph (what decode steps run). For each token count and path:
@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from fastdeploy.model_executor.layers.fused_moe import FusedMoE, select_experts, select_experts_torch
-from fastdeploy.model_executor.layers.quantization import Fp8Config
+from fastdeploy.model_executor.layers.quantization import Fp8Config, PtpcFp8Config
 from fastdeploy.ops import triton_fused_moe as moe
 from fastdeploy.ops import triton_moe_gemv as gemv
 from fastdeploy.ops.triton_moe_routing import moe_align_block_size
@@ -76,13 +76,22 @@ ROTATE_BYTES = 256 << 20
 MAX_SETS = 4
 
 
-def _candidates(tokens: int, fp8: bool) -> list[moe.MoEKernelConfig]:
-    """The sweep's configurations for ``tokens`` (latency shapes for decode, throughput for prefill)."""
+QUANT_CONFIGS = {"bf16": None, "fp8": Fp8Config, "ptpc_fp8": PtpcFp8Config}
+"""The dtypes a run can take (``--dtypes``) and the quantization each builds its layer with."""
+
+
+def _is_fp8(dtype: str) -> bool:
+    return QUANT_CONFIGS[dtype] is not None
+
+
+def _candidates(tokens: int, dtype: str) -> list[moe.MoEKernelConfig]:
+    """The sweep's configurations for ``tokens`` (latency shapes for decode, throughput for prefill;
+    block-scaled FP8 needs ``block_k`` dividing its 128-column scale blocks)."""
     cfg = moe.MoEKernelConfig
     if tokens <= 128:
-        ks = (128,) if fp8 else (64, 128, 256)
+        ks = {"fp8": (128,), "ptpc_fp8": (128, 256)}.get(dtype, (64, 128, 256))
         return [cfg(16, n, k, 1, 4, s) for n in (32, 64, 128) for k in ks for s in (3, 4, 5)]
-    ks = (128,) if fp8 else (64, 128)
+    ks = (128,) if _is_fp8(dtype) else (64, 128)
     return [
         cfg(m, n, k, g, w, s)
         for m, n in ((32, 128), (64, 128), (64, 256), (128, 128), (128, 256))
@@ -99,12 +108,12 @@ class Layer:
     weight_bytes_per_expert: int
 
 
-def make_layer(shape: MoeShape, fp8: bool, device: torch.device, seed: int) -> Layer:
+def make_layer(shape: MoeShape, dtype: str, device: torch.device, seed: int) -> Layer:
     """Random experts (std 1/sqrt(fan_in)) in a FusedMoE built without allocating its empty weights."""
     with torch.device("meta"):
         layer = FusedMoE(
             shape.experts, shape.top_k, shape.hidden, shape.intermediate, renormalize=True,
-            quant_config=Fp8Config() if fp8 else None,
+            quant_config=QUANT_CONFIGS[dtype]() if _is_fp8(dtype) else None,
         )  # fmt: skip
     g = torch.Generator(device=device).manual_seed(seed)
     e, h, i = shape.experts, shape.hidden, shape.intermediate
@@ -113,11 +122,9 @@ def make_layer(shape: MoeShape, fp8: bool, device: torch.device, seed: int) -> L
     layer.gate_up_proj = nn.Parameter(w13, requires_grad=False)
     layer.down_proj = nn.Parameter(w2, requires_grad=False)
     layer.routed_tokens = torch.zeros(shape.experts, dtype=torch.int64, device=device)
-    if fp8:
-        layer.process_weights_after_loading()  # 128 x 128 block quantization, expert by expert
-    per_expert = sum(
-        t[0].numel() * t.element_size() for t in layer.parameters() if t.dim() == 3
-    )  # weights and their scales
+    if _is_fp8(dtype):
+        layer.process_weights_after_loading()  # block or per-channel quantization, expert by expert
+    per_expert = sum(t[0].numel() * t.element_size() for t in layer.parameters())  # weights and scales
     return Layer(layer, per_expert)
 
 
@@ -150,7 +157,14 @@ def _forward(layer: Layer, x, logits, config: moe.MoEKernelConfig | None) -> tor
     m = layer.module
     weights, ids = select_experts(logits, m.top_k, m.renormalize, None, m.routed_tokens)
     s13, s2 = m.expert_scales()
-    return moe.fused_experts(x, m.gate_up_proj, m.down_proj, weights, ids, s13, s2, config=config)
+    return moe.fused_experts(
+        x, m.gate_up_proj, m.down_proj, weights, ids, s13, s2, _block(m), config=config
+    )  # fmt: skip
+
+
+def _block(m: FusedMoE) -> tuple[int, int] | None:
+    """The scale layout the kernels take for ``m``'s experts (None: per channel)."""
+    return m.fp8.block if m.fp8 is not None else (128, 128)
 
 
 def _graph_time(calls: list, device: torch.device, iters: int) -> float:
@@ -198,7 +212,7 @@ def route_align_times(shape: MoeShape, tokens: int, block_m: int, device: torch.
 
 
 def bench_row(
-    shape: MoeShape, layers: list[Layer], fp8: bool, tokens: int, device: torch.device, path: str,
+    shape: MoeShape, layers: list[Layer], dtype: str, tokens: int, device: torch.device, path: str,
     config: moe.MoEKernelConfig | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Time the whole layer on ``tokens`` tokens along ``path``, rotating over ``layers``; rates and error."""
@@ -211,9 +225,9 @@ def bench_row(
     repeats = 5
     if device.type != "cuda":  # the interpreter: a script check, one timed call
         iters = repeats = 1
-    row: dict[str, Any] = {"dtype": "fp8" if fp8 else "bf16", "tokens": tokens, "path": path}
+    row: dict[str, Any] = {"dtype": dtype, "tokens": tokens, "path": path}
     if path == "grouped":
-        row["config"] = asdict(config or moe.default_config(tokens, fp8))
+        row["config"] = asdict(config or _default_config(tokens, dtype))
     with _path(path):
         row["eager_seconds"], row["graph_seconds"] = _time(calls, device, iters, repeats)
         out = calls[0]().double()
@@ -234,15 +248,19 @@ def bench_row(
     return row
 
 
+def _default_config(tokens: int, dtype: str) -> moe.MoEKernelConfig:
+    return moe.default_config(tokens, _is_fp8(dtype), per_channel=dtype == "ptpc_fp8")
+
+
 def sweep(
-    shape: MoeShape, layers: list[Layer], fp8: bool, tokens: int, device: torch.device
+    shape: MoeShape, layers: list[Layer], dtype: str, tokens: int, device: torch.device
 ) -> dict[str, Any]:
     """The fastest candidate configuration (CUDA-graph time) for one size."""
     best: dict[str, Any] | None = None
     tried = 0
-    for config in _candidates(tokens, fp8):
+    for config in _candidates(tokens, dtype):
         try:
-            row = bench_row(shape, layers, fp8, tokens, device, "grouped", config)
+            row = bench_row(shape, layers, dtype, tokens, device, "grouped", config)
         except Exception:  # a configuration the compiler refuses (shared memory): skip it
             continue
         tried += 1
@@ -261,7 +279,7 @@ def _gemv_candidates(fp8: bool) -> list[gemv.GemvConfig]:
 
 
 def sweep_gemv(
-    shape: MoeShape, layers: list[Layer], fp8: bool, tokens: int, device: torch.device
+    shape: MoeShape, layers: list[Layer], dtype: str, tokens: int, device: torch.device
 ) -> dict[str, Any]:
     """The two GEMV kernels' fastest configurations by coordinate descent: gate_up's with the
     default down, then down's with that gate_up. Times the experts alone (routing precomputed)."""
@@ -270,6 +288,7 @@ def sweep_gemv(
         x, logits = _inputs(shape, tokens, device, seed=100 + j)
         routed.append((x, *select_experts(logits, shape.top_k, True)))
     iters = 20 if device.type == "cuda" else 1
+    fp8 = _is_fp8(dtype)
 
     def seconds(configs: tuple[gemv.GemvConfig, gemv.GemvConfig]) -> float:
         calls = []
@@ -278,7 +297,7 @@ def sweep_gemv(
             s13, s2 = m.expert_scales()
             calls.append(
                 lambda m=m, x=x, w=w, ids=ids, s13=s13, s2=s2: gemv.fused_experts_gemv(
-                    x, m.gate_up_proj, m.down_proj, w, ids, s13, s2, configs=configs
+                    x, m.gate_up_proj, m.down_proj, w, ids, s13, s2, _block(m), configs=configs
                 )
             )
         eager, graph = _time(calls, device, iters, 3 if device.type == "cuda" else 1)
@@ -314,30 +333,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     copy_bw = copy_bandwidth(device, 1 << 30)["bytes_per_s"] if device.type == "cuda" else None
     results["copy_bytes_per_s"] = copy_bw
     for dtype in args.dtypes.split(","):
-        fp8 = dtype == "fp8"
+        fp8 = _is_fp8(dtype)
         layer_bytes = 3 * shape.experts * shape.hidden * shape.intermediate * (1 if fp8 else 2)
         sets = (
             1 if device.type != "cuda" else max(1, min(MAX_SETS, math.ceil(ROTATE_BYTES * 8 / layer_bytes)))
         )
-        layers = [make_layer(shape, fp8, device, seed=j) for j in range(sets)]
+        layers = [make_layer(shape, dtype, device, seed=j) for j in range(sets)]
         for tokens in tokens_list:
             use = layers if tokens <= 64 else layers[:1]
             paths = ("gemv", "grouped") if tokens <= GEMV_COMPARE_MAX else ("grouped",)
             route = {}
             try:
-                route = route_align_times(shape, tokens, moe.default_config(tokens, fp8).block_m, device)
+                route = route_align_times(shape, tokens, _default_config(tokens, dtype).block_m, device)
             except Exception:
                 route = {"route_align_error": error_text()}
             for path in paths:
                 try:
-                    row = bench_row(shape, use, fp8, tokens, device, path)
+                    row = bench_row(shape, use, dtype, tokens, device, path)
                     row.update(route)
                     if copy_bw:
                         row["floor_seconds"] = row["weight_bytes"] / copy_bw
                         row["x_floor"] = (row["graph_seconds"] or row["eager_seconds"]) / row["floor_seconds"]
                     if args.sweep:
                         search = sweep if path == "grouped" else sweep_gemv
-                        row["sweep"] = search(shape, use, fp8, tokens, device)
+                        row["sweep"] = search(shape, use, dtype, tokens, device)
                 except Exception:
                     row = {"dtype": dtype, "tokens": tokens, "path": path, "error": error_text()}
                 print(json.dumps(row, default=str), flush=True)
@@ -407,7 +426,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", required=True, help="folder for results.json and results.md")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--dtypes", default="bf16,fp8", help="comma-separated: bf16, fp8")
+    parser.add_argument(
+        "--dtypes", default="bf16,fp8,ptpc_fp8", help="comma-separated: " + ", ".join(QUANT_CONFIGS)
+    )
     parser.add_argument("--tokens", default="", help="comma-separated token counts (default: 1 to 8192)")
     parser.add_argument("--sweep", action="store_true", help="also time candidate configurations per size")
     parser.add_argument(

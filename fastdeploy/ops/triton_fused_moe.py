@@ -15,11 +15,18 @@ padded end (the grid is sized from shapes only, so nothing syncs the host) exit 
 tile's weight columns are read once for all its rows, so at decode sizes the kernel is a pass
 over the touched experts' weights and at prefill sizes a tensor-core GEMM per expert.
 
-FP8 (``w13``/``w2`` in ``float8_e4m3fn``): weights carry ``[E, ceil(N/bn), ceil(K/bk)]`` block
-scales (``weight_scale_inv``, default 128 x 128 blocks), the activations are quantized per token
-and ``bk`` columns (dynamic 1 x 128 scales, :mod:`fastdeploy.ops.fp8_quant`) before each GEMM;
-each ``BLOCK_K`` step's fp8 dot is scaled by its row and column scales into a float32
-accumulator, so ``BLOCK_K`` must divide ``bk``.
+FP8 (``w13``/``w2`` in ``float8_e4m3fn``), two scale layouts:
+
+* block-scaled (``block_shape = (bn, bk)``, default 128 x 128): weights carry
+  ``[E, ceil(N/bn), ceil(K/bk)]`` scales (``weight_scale_inv``), the activations are quantized
+  per token and ``bk`` columns (dynamic 1 x 128 scales, :mod:`fastdeploy.ops.fp8_quant`) before
+  each GEMM; each ``BLOCK_K`` step's fp8 dot is scaled by its row and column scales into a
+  float32 accumulator, so ``BLOCK_K`` must divide ``bk``.
+* per channel (``block_shape = None``, ``--quantization ptpc_fp8``): weights carry ``[E, N]``
+  scales, the activations one dynamic scale per token. The K loop is then plain fp8 dots into
+  one accumulator (pipelined tensor-core MMAs, as in a bf16 GEMM) and both scales multiply the
+  tile once, after it: at prefill sizes the block-scaled loop's per-step rescale is what keeps
+  its FP8 GEMM below bf16's rate.
 
 Meta-parameters come from a small table keyed on the token count (:func:`default_config`:
 latency configurations for decode batches, throughput ones for prefill); any call can pass its
@@ -32,11 +39,15 @@ import torch
 import triton
 import triton.language as tl
 
-from fastdeploy.ops.fp8_quant import FP8_DTYPE, quantize_activation_per_token_group
+from fastdeploy.ops.fp8_quant import (
+    FP8_DTYPE,
+    quantize_activation_per_token,
+    quantize_activation_per_token_group,
+)
 from fastdeploy.ops.layer_ops import silu_and_mul
 from fastdeploy.ops.tile_config import TileConfig, table_config
 from fastdeploy.ops.triton_env import triton_interpreting
-from fastdeploy.ops.triton_moe_gemv import fused_experts_gemv, small_batch_max_tokens
+from fastdeploy.ops.triton_moe_gemv import fused_experts_gemv, scale_groups, small_batch_max_tokens
 from fastdeploy.ops.triton_moe_routing import moe_align_block_size, padded_length
 from fastdeploy.ops.triton_pdl import pdl_kwargs, pdl_prologue, pdl_trigger
 
@@ -63,16 +74,23 @@ FP8_CONFIGS: tuple[tuple[int, MoEKernelConfig], ...] = (
     (128, MoEKernelConfig(16, 128, 128, 1, 4, 4)),
     (1 << 62, MoEKernelConfig(64, 128, 128, 16, 4, 4)),
 )
+FP8_CHANNEL_CONFIGS: tuple[tuple[int, MoEKernelConfig], ...] = (
+    (128, MoEKernelConfig(16, 128, 128, 1, 4, 4)),
+    (512, MoEKernelConfig(64, 128, 128, 8, 4, 4)),
+    (1 << 62, MoEKernelConfig(128, 256, 128, 16, 8, 3)),
+)
 INTERPRETER_CONFIG = MoEKernelConfig(16, 64, 64, 1, 4, 1)
 """The configuration under ``TRITON_INTERPRET=1`` (CPU tests): small tiles, quick."""
 
 
-def default_config(num_tokens: int, fp8: bool) -> MoEKernelConfig:
-    """The table's configuration for a batch of ``num_tokens`` tokens (the interpreter's under
-    ``TRITON_INTERPRET=1``)."""
+def default_config(num_tokens: int, fp8: bool, per_channel: bool = False) -> MoEKernelConfig:
+    """The table's configuration for a batch of ``num_tokens`` tokens (``per_channel``: FP8 with
+    per-channel scales; the interpreter's under ``TRITON_INTERPRET=1``)."""
     if triton_interpreting():
         return INTERPRETER_CONFIG
-    return table_config(FP8_CONFIGS if fp8 else BF16_CONFIGS, num_tokens)
+    if fp8:
+        return table_config(FP8_CHANNEL_CONFIGS if per_channel else FP8_CONFIGS, num_tokens)
+    return table_config(BF16_CONFIGS, num_tokens)
 
 
 def align_block_size_torch(
@@ -134,6 +152,7 @@ def _moe_gemm_kernel(
     A_DIV: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
     FP8: tl.constexpr,
+    CHANNEL: tl.constexpr,
     GROUP_N: tl.constexpr,
     GROUP_K: tl.constexpr,
     DOT_FP32: tl.constexpr,
@@ -145,7 +164,8 @@ def _moe_gemm_kernel(
     USE_PDL: tl.constexpr,
 ):
     """``c[pair, n] = (w[pair]) * sum_k a[pair // A_DIV, k] * b[expert, n, k]`` for the pairs of one
-    ``BLOCK_M`` block of ``sorted_ids`` (one expert) and ``BLOCK_N`` columns."""
+    ``BLOCK_M`` block of ``sorted_ids`` (one expert) and ``BLOCK_N`` columns (``CHANNEL``: FP8 with
+    per-token and per-channel scales, applied after the K loop)."""
     pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(EM, BLOCK_M)
@@ -182,19 +202,24 @@ def _moe_gemm_kernel(
             k_mask = (k0 + offs_k) < K
             a = tl.load(a_ptrs, mask=pair_mask[:, None] & k_mask[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
-        if DOT_FP32:
-            part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-        else:
-            part = tl.dot(a, b)
-        if FP8:
+        if FP8 and not CHANNEL:
+            if DOT_FP32:
+                part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+            else:
+                part = tl.dot(a, b)
             a_s = tl.load(a_scale_ptrs + k0 // GROUP_K, mask=pair_mask, other=0.0)
             b_s = tl.load(b_scale_ptrs + k0 // GROUP_K)
             acc += part * a_s[:, None] * b_s[None, :]
+        elif DOT_FP32:
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
         else:
-            acc += part
+            acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     pdl_trigger(USE_PDL)
+    if FP8 and CHANNEL:
+        a_s = tl.load(a_scale_ptrs, mask=pair_mask, other=0.0)
+        acc = acc * a_s[:, None] * tl.load(b_scale_ptrs)[None, :]
     if MUL_WEIGHT:
         w = tl.load(weights_ptr + pair, mask=pair_mask, other=0.0).to(tl.float32)
         acc = acc * w[:, None]
@@ -211,13 +236,14 @@ def _launch(
     routing: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     topk_weights: torch.Tensor | None,
     a_div: int,
-    block_shape: tuple[int, int],
+    block_shape: tuple[int, int] | None,
     config: MoEKernelConfig,
 ) -> None:
     """One grouped GEMM: ``out [P, N] = a[pair // a_div] @ w[expert].T`` (times ``topk_weights``)."""
     sorted_ids, expert_ids, num_padded = routing
     n, k = w.shape[1], w.shape[2]
     fp8 = w.dtype == FP8_DTYPE
+    group_n, group_k = scale_groups(block_shape)
     interpreting = triton_interpreting()
     dot_fp32 = a.dtype == torch.float32 or interpreting  # the interpreter's low-precision dot is wrong
     grid = (triton.cdiv(sorted_ids.numel(), config.block_m) * triton.cdiv(n, config.block_n),)
@@ -245,8 +271,9 @@ def _launch(
         A_DIV=a_div,
         MUL_WEIGHT=topk_weights is not None,
         FP8=fp8,
-        GROUP_N=block_shape[0],
-        GROUP_K=block_shape[1],
+        CHANNEL=block_shape is None,
+        GROUP_N=group_n,
+        GROUP_K=group_k,
         DOT_FP32=dot_fp32,
         EVEN_K=k % config.block_k == 0,
         BLOCK_M=config.block_m,
@@ -267,7 +294,7 @@ def _check(
     topk_ids: torch.Tensor,
     w13_scale: torch.Tensor | None,
     w2_scale: torch.Tensor | None,
-    block_shape: tuple[int, int],
+    block_shape: tuple[int, int] | None,
     config: MoEKernelConfig,
 ) -> None:
     if hidden.dim() != 2 or hidden.dtype not in DTYPES:
@@ -283,14 +310,20 @@ def _check(
     fp8 = w13.dtype == FP8_DTYPE
     if fp8:
         if w2.dtype != FP8_DTYPE or w13_scale is None or w2_scale is None:
-            raise ValueError("FP8 experts need both weights in float8_e4m3fn and both block scales")
-        bn, bk = block_shape
+            raise ValueError("FP8 experts need both weights in float8_e4m3fn and both scales")
         for name, w, s in (("w13", w13, w13_scale), ("w2", w2, w2_scale)):
-            want = (e, triton.cdiv(w.shape[1], bn), triton.cdiv(w.shape[2], bk))
-            if s.shape != want or s.dtype != torch.float32:
-                raise ValueError(f"{name}_scale must be float32 {want}, got {s.dtype} {tuple(s.shape)}")
-        if bk % config.block_k:
-            raise ValueError(f"block_k ({config.block_k}) must divide the scale block's columns ({bk})")
+            if block_shape is None:  # per output channel
+                want = (e, w.shape[1])
+            else:
+                want = (e, triton.cdiv(w.shape[1], block_shape[0]), triton.cdiv(w.shape[2], block_shape[1]))
+            if s.shape != want or s.dtype != torch.float32 or s.stride(-1) != 1:
+                raise ValueError(
+                    f"{name}_scale must be float32 {want} with unit last stride, got {s.dtype} {tuple(s.shape)}"
+                )
+        if block_shape is not None and block_shape[1] % config.block_k:
+            raise ValueError(
+                f"block_k ({config.block_k}) must divide the scale block's columns ({block_shape[1]})"
+            )
     elif w13.dtype != hidden.dtype or w2.dtype != hidden.dtype:
         raise ValueError(
             f"weights ({w13.dtype}, {w2.dtype}) must be FP8 or share hidden's dtype {hidden.dtype}"
@@ -298,6 +331,16 @@ def _check(
     for name, t in (("w13", w13), ("w2", w2), ("hidden", hidden)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have unit stride in its last dimension, got {t.stride()}")
+
+
+def _quantize_activation(
+    x: torch.Tensor, block_shape: tuple[int, int] | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 ``x`` and its dynamic scales: per token and ``bk`` columns for block-scaled weights,
+    per token (``[M, 1]``) for per-channel ones."""
+    if block_shape is None:
+        return quantize_activation_per_token(x)
+    return quantize_activation_per_token_group(x, block_shape[1])
 
 
 def fused_experts(
@@ -308,7 +351,7 @@ def fused_experts(
     topk_ids: torch.Tensor,
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
-    block_shape: tuple[int, int] = (128, 128),
+    block_shape: tuple[int, int] | None = (128, 128),
     config: MoEKernelConfig | None = None,
     skip_negative_ids: bool = False,
 ) -> torch.Tensor:
@@ -320,7 +363,9 @@ def fused_experts(
     ``hidden [T, H]``; ``w13 [E, 2I, H]`` (each expert's ``[gate | up]``) and ``w2 [E, H, I]`` in
     ``hidden.dtype``, or both in ``float8_e4m3fn`` with ``w13_scale [E, ceil(2I/bn), ceil(H/bk)]``
     and ``w2_scale [E, ceil(H/bn), ceil(I/bk)]`` float32 block scales (``block_shape = (bn, bk)``),
-    in which case the activations are quantized per token and ``bk`` columns. Returns ``[T, H]``
+    in which case the activations are quantized per token and ``bk`` columns, or with
+    ``block_shape = None`` per-channel scales ``w13_scale [E, 2I]`` and ``w2_scale [E, H]`` and
+    activations quantized per token. Returns ``[T, H]``
     in ``hidden.dtype``; float32 accumulation, intermediates rounded to ``hidden.dtype`` as the
     unfused torch path rounds them. ``config`` overrides the table's meta-parameters.
 
@@ -329,7 +374,7 @@ def fused_experts(
     (FP8 weights against unquantized activations there).
     """
     explicit_config = config
-    config = config or default_config(hidden.shape[0], w13.dtype == FP8_DTYPE)
+    config = config or default_config(hidden.shape[0], w13.dtype == FP8_DTYPE, block_shape is None)
     _check(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block_shape, config)
     num_tokens, top_k = topk_ids.shape
     if num_tokens == 0:
@@ -342,11 +387,11 @@ def fused_experts(
         )  # fmt: skip
     routing = moe_align_block_size(topk_ids, config.block_m, w13.shape[0])
     pairs = num_tokens * top_k
-    a, a_scale = quantize_activation_per_token_group(hidden, block_shape[1]) if fp8 else (hidden, None)
+    a, a_scale = _quantize_activation(hidden, block_shape) if fp8 else (hidden, None)
     gate_up = torch.empty((pairs, w13.shape[1]), dtype=hidden.dtype, device=hidden.device)
     _launch(a, a_scale, w13, w13_scale, gate_up, routing, None, top_k, block_shape, config)
     act = silu_and_mul(gate_up)
-    a, a_scale = quantize_activation_per_token_group(act, block_shape[1]) if fp8 else (act, None)
+    a, a_scale = _quantize_activation(act, block_shape) if fp8 else (act, None)
     new_out = torch.zeros if skip_negative_ids else torch.empty  # skipped pairs' rows are summed too
     out = new_out((pairs, w2.shape[1]), dtype=hidden.dtype, device=hidden.device)
     weights = topk_weights.reshape(-1).contiguous()

@@ -21,8 +21,9 @@ GEMM while the tokens' experts are distinct (always at batch 1), more when token
 (8 tokens x top-8 of 128 experts: 64 pair reads of ~50 distinct experts, +27%, less what L2
 catches). Hence :data:`SMALL_BATCH_MAX_TOKENS` (``FD_MOE_GEMV_MAX_TOKENS``).
 
-FP8 block-scaled experts are read as FP8 and dequantized in registers (each row's 1 x
-``BLOCK_K`` slice times its block scale; ``BLOCK_K`` divides the scale block), against
+FP8 experts are read as FP8 and dequantized in registers (each row's 1 x ``BLOCK_K`` slice
+times its block scale, ``BLOCK_K`` dividing the scale block; per-channel scales are the blocks
+of one row by every column, :func:`scale_groups`), against
 activations kept in their dtype (w8a16): quantizing the few activation rows would cost two
 kernels and add error, and saves nothing when the weights' bytes are the time.
 """
@@ -39,6 +40,15 @@ from fastdeploy import envs
 from fastdeploy.ops.fp8_quant import FP8_DTYPE
 from fastdeploy.ops.triton_env import triton_interpreting
 from fastdeploy.ops.triton_pdl import pdl_kwargs, pdl_prologue, pdl_trigger
+
+CHANNEL_GROUP_K = 1 << 30
+"""Columns one per-channel weight scale covers, as the kernels' ``GROUP_K`` (more than any K)."""
+
+
+def scale_groups(block_shape: tuple[int, int] | None) -> tuple[int, int]:
+    """``(GROUP_N, GROUP_K)``: the weight rows and columns one FP8 scale covers, as the kernels take
+    them; per-channel scales (``block_shape`` None, ``[E, N]``) are blocks of one row by every column."""
+    return (1, CHANNEL_GROUP_K) if block_shape is None else block_shape
 
 
 def small_batch_max_tokens() -> int:
@@ -242,7 +252,7 @@ def fused_experts_gemv(
     topk_ids: torch.Tensor,
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
-    block_shape: tuple[int, int] = (128, 128),
+    block_shape: tuple[int, int] | None = (128, 128),
     configs: tuple[GemvConfig, GemvConfig] | None = None,
     skip_negative_ids: bool = False,
 ) -> torch.Tensor:
@@ -254,6 +264,7 @@ def fused_experts_gemv(
     inter = two_i // 2
     fp8 = w13.dtype == FP8_DTYPE
     gate_up_cfg, down_cfg = configs or default_configs(fp8, num_tokens)
+    block_shape = scale_groups(block_shape)
     # FP8: where a tile's rows share one scale row the scales multiply the activations (any
     # block_k); otherwise each row's scale multiplies its tile row (block_k divides the block)
     gate_up_on_x = fp8 and block_shape[0] % gate_up_cfg.block_n == 0 and inter % block_shape[0] == 0

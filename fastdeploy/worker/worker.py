@@ -15,6 +15,7 @@ from fastdeploy.model_executor.model_loader import ModelSource
 from fastdeploy.ops import cpu_ops
 from fastdeploy.platforms import configure_threads, kv_cache_budget_bytes, resolve_device
 from fastdeploy.worker.model_runner import ModelRunner
+from fastdeploy.worker.step_profiler import StepProfiler
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,8 @@ class Worker:
         )
         torch.manual_seed(config.model.seed)
         self.runner = ModelRunner(config, source, self.device, max_model_len)
+        self.profiler = StepProfiler.from_env(f"dp{parallel.data_parallel_rank}-rank{rank}", self.device)
+        """A torch profile of a window of steps (``FD_TORCH_PROFILER_DIR``), or None."""
         cpu_ops.preload_cpu_ops(self.device, self.runner.dtype)  # compile (or wait) before reporting ready
 
     def load_model(self) -> None:
@@ -100,10 +103,22 @@ class Worker:
         self.runner.initialize_kv_cache(num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute_model(scheduler_output)
+        if self.profiler is None:
+            return self.runner.execute_model(scheduler_output)
+        self.profiler.step_begin(scheduler_output.total_num_scheduled_tokens)
+        try:
+            return self.runner.execute_model(scheduler_output)
+        finally:
+            self.profiler.step_end()
 
     def execute_model_overlap(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        return self.runner.execute_model_overlap(scheduler_output)
+        if self.profiler is None:
+            return self.runner.execute_model_overlap(scheduler_output)
+        self.profiler.step_begin(scheduler_output.total_num_scheduled_tokens)
+        try:
+            return self.runner.execute_model_overlap(scheduler_output)
+        finally:
+            self.profiler.step_end()
 
     def sample_tokens(self, grammar: GrammarBitmask) -> None:
         self.runner.sample_tokens(grammar)

@@ -17,19 +17,19 @@ pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU smoke run only")
 
 
-def test_moe_bench_smoke(tmp_path):
+@pytest.mark.parametrize("dtype", ["bf16", "ptpc_fp8"])
+def test_moe_bench_smoke(tmp_path, dtype):
     from benchmarks.gpubench import moe_bench
 
-    assert (
-        moe_bench.main(
-            ["--smoke", "--device", "cpu", "--tokens", "2", "--dtypes", "bf16", "--out", str(tmp_path)]
-        )
-        == 0
-    )
+    args = ["--smoke", "--device", "cpu", "--tokens", "2", "--dtypes", dtype, "--out", str(tmp_path)]
+    assert moe_bench.main(args) == 0
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
     assert [r["path"] for r in rows] == ["gemv", "grouped"]
     for r in rows:
         assert "error" not in r, r
-        assert r["rel_err_vs_torch"] < 2e-2 and r["touched_experts"] >= 2
+        # FP8 in bf16: the GEMV path is w8a16 against the torch path's w8a8, and in the grouped
+        # path the interpreter's truncated bf16 intermediates flip e4m3 roundings: FP8 precision
+        tol = 2e-2 if dtype == "bf16" else 0.08
+        assert r["rel_err_vs_torch"] < tol and r["touched_experts"] >= 2
         assert r["route_align_triton_seconds"] > 0 and r["route_align_torch_seconds"] > 0
-    assert "| bf16 | 2 | gemv |" in (tmp_path / "results.md").read_text()
+    assert f"| {dtype} | 2 | gemv |" in (tmp_path / "results.md").read_text()

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 
 from fastdeploy import distributed as fdist
 from fastdeploy.model_executor.layers.fused_moe import FusedMoE
-from fastdeploy.model_executor.layers.quantization import Fp8Config
+from fastdeploy.model_executor.layers.quantization import Fp8Config, PtpcFp8Config
 
 EXPERTS, HIDDEN, INTER, TOP_K = 8, 16, 12, 2
 CPU = torch.device("cpu")
@@ -31,12 +31,12 @@ def expert_weights(seed: int = 0) -> dict[str, torch.Tensor]:
     return weights
 
 
-def build_moe(fp8: bool = False) -> FusedMoE:
+def build_moe(fp8: bool = False, per_channel: bool = False) -> FusedMoE:
     """A FusedMoE for this process's groups, loaded through its per-expert loaders (``fp8``: its
-    experts quantized at load to 128 x 128 block-scaled e4m3, as ``--quantization fp8`` does)."""
-    layer = FusedMoE(
-        EXPERTS, TOP_K, HIDDEN, INTER, renormalize=True, quant_config=Fp8Config() if fp8 else None
-    )
+    experts quantized at load to 128 x 128 block-scaled e4m3, as ``--quantization fp8`` does, or
+    per output channel with ``per_channel``, as ``--quantization ptpc_fp8`` does)."""
+    quant_config = (PtpcFp8Config() if per_channel else Fp8Config()) if fp8 else None
+    layer = FusedMoE(EXPERTS, TOP_K, HIDDEN, INTER, renormalize=True, quant_config=quant_config)
     for shard, tensor in expert_weights().items():
         param = layer.down_proj if shard.endswith("down_proj") else layer.gate_up_proj
         param.weight_loader(param, tensor, shard)
@@ -107,6 +107,7 @@ def _tp_ep(rank: int, init_method: str, results: dict) -> None:
         hidden, logits = inputs(5, seed=5)
         outs.append(layer(hidden, logits, shared))
         outs.append(build_moe(fp8=True)(*inputs(7, seed=7)))  # each rank quantizes only its experts
+        outs.append(build_moe(fp8=True, per_channel=True)(*inputs(7, seed=7)))
         results[rank] = outs
     finally:
         fdist.destroy_tensor_parallel()
@@ -124,6 +125,9 @@ def test_tensor_parallel_ranks_with_expert_parallel_equal_one_process():
     assert fp8_reference.gate_up_proj.dtype == torch.float8_e4m3fn
     expected.append(fp8_reference(*inputs(7, seed=7)))
     assert (expected[-1] - reference(*inputs(7, seed=7))).abs().max() > 0  # quantized: not the bf16 output
+    channel_reference = build_moe(fp8=True, per_channel=True)
+    assert channel_reference.gate_up_proj_scale.shape == (EXPERTS, 2 * INTER)
+    expected.append(channel_reference(*inputs(7, seed=7)))
     for rank in range(2):
         for got, want in zip(results[rank], expected):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -86,6 +86,14 @@ def test_flag_quantizes_at_load_in_128_blocks():
     assert resolve_quant_config(None, {}) is None
 
 
+def test_ptpc_flag_quantizes_per_channel():
+    config = resolve_quant_config("ptpc_fp8", {})
+    assert isinstance(config, Fp8Config) and config.name == "ptpc_fp8"
+    assert config.weight_block_size is None and not config.is_checkpoint_fp8
+    with pytest.raises(ValueError, match="contradicts"):
+        resolve_quant_config("ptpc_fp8", {"quantization_config": {"quant_method": "fp8"}})
+
+
 def test_checkpoint_config_is_read_quantized_and_dummy_weights_quantize_online():
     qc = {
         "quant_method": "fp8",
@@ -134,6 +142,8 @@ def test_serve_flag_sets_the_model_config():
 
     parser = make_parser()
     assert engine_config_from_args(parser.parse_args(["--quantization", "fp8"])).model.quantization == "fp8"
+    ptpc = engine_config_from_args(parser.parse_args(["--quantization", "ptpc_fp8"]))
+    assert ptpc.model.quantization == "ptpc_fp8"
     assert engine_config_from_args(parser.parse_args([])).model.quantization is None
     with pytest.raises(SystemExit):
         parser.parse_args(["--quantization", "int3"])
@@ -163,15 +173,20 @@ def test_offline_llm_generates_with_fp8(llama_folder):
     assert [len(o.outputs[0].token_ids) for o in outs] == [6] * len(TOKEN_PROMPTS)
 
 
-def test_qwen3_moe_fp8_quantizes_projections_and_experts_and_stays_close(qwen3_moe_folder):
+@pytest.mark.parametrize("quantization", ["fp8", "ptpc_fp8"])
+def test_qwen3_moe_fp8_quantizes_projections_and_experts_and_stays_close(qwen3_moe_folder, quantization):
     _, reference = model_logits(qwen3_moe_folder)
-    model, logits = model_logits(qwen3_moe_folder, "fp8")
+    model, logits = model_logits(qwen3_moe_folder, quantization)
     block = model.model.layers[0].mlp
-    assert model.model.layers[0].self_attn.o_proj.weight.dtype == torch.float8_e4m3fn
+    o_proj = model.model.layers[0].self_attn.o_proj
+    assert o_proj.weight.dtype == torch.float8_e4m3fn
     assert block.experts.gate_up_proj.dtype == torch.float8_e4m3fn
+    if quantization == "ptpc_fp8":  # one scale per output channel, dense and experts
+        assert o_proj.weight_scale.shape == (o_proj.weight.shape[0],)
+        assert block.experts.gate_up_proj_scale.shape == block.experts.gate_up_proj.shape[:2]
     assert block.gate.weight.dtype == torch.float32  # the router stays unquantized
     assert 1e-3 < rel_err(logits, reference) < LOGIT_REL_TOL
-    llm = LLM(model=qwen3_moe_folder, quantization="fp8", **TINY_ENGINE)
+    llm = LLM(model=qwen3_moe_folder, quantization=quantization, **TINY_ENGINE)
     try:
         outs = llm.generate(TOKEN_PROMPTS[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     finally:

@@ -16,7 +16,7 @@ import torch
 
 from fastdeploy.model_executor.layers import fused_moe as fm
 from fastdeploy.model_executor.layers.fused_moe import FusedMoE, select_experts
-from fastdeploy.model_executor.layers.quantization import Fp8Config
+from fastdeploy.model_executor.layers.quantization import Fp8Config, PtpcFp8Config
 from fastdeploy.ops import fp8_quant as fq
 
 E, K, H, INTER = 8, 2, 128, 256
@@ -143,27 +143,94 @@ def test_fp8_checkpoint_shards_must_be_whole_blocks(monkeypatch):
         FusedMoE(E, K, H, INTER, renormalize=True, quant_config=_Fp8(is_checkpoint_fp8=True))
 
 
-def test_rejects_unsupported_quantization():
-    with pytest.raises(ValueError, match="per-channel FP8"):
-        FusedMoE(E, K, H, INTER, renormalize=True, quant_config=_Fp8(weight_block_size=None))
+def test_per_channel_online_quantization():
+    """``--quantization ptpc_fp8``: ``[E, N]`` scales, one per output row of each expert."""
+    tensors = _checkpoint(seed=4)
+    plain = FusedMoE(E, K, H, INTER, renormalize=True)
+    quant = FusedMoE(E, K, H, INTER, renormalize=True, quant_config=PtpcFp8Config())
+    _load(plain, tensors)
+    _load(quant, tensors)
+    quant.process_weights_after_loading()
+    assert quant.gate_up_proj.dtype == quant.down_proj.dtype == fq.FP8_DTYPE
+    assert quant.gate_up_proj_scale.shape == (E, 2 * INTER) and quant.down_proj_scale.shape == (E, H)
+    assert not hasattr(quant, "gate_up_proj_scale_inv")
+    deq = quant.gate_up_proj.data.float() * quant.gate_up_proj_scale.data[..., None]
+    assert _rel(deq, plain.gate_up_proj.data) < 0.05
+    x, weights, ids = _inputs()
+    assert _rel(quant.compute_experts(x, weights, ids), plain.compute_experts(x, weights, ids)) < 0.12
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+def test_per_channel_checkpoint_loads(per_row, monkeypatch):
+    """An FP8 checkpoint without ``weight_block_size`` (AutoFP8): each projection's ``weight_scale``
+    (a scalar, or one per output row) fills its rows of the stacked ``[E, N]`` scales, also as
+    tensor-parallel shards whose partial outputs sum to the whole layer's."""
+    weights, scales = {}, {}
+    for key, w in _checkpoint(seed=6).items():
+        if per_row:
+            weights[key], scales[key] = fq.quantize_weight_per_channel(w)
+        else:  # one scale for the projection (per-tensor)
+            scale = w.abs().max() / fq.FP8_MAX
+            weights[key], scales[key] = (w / scale).to(fq.FP8_DTYPE), scale.reshape(())
+    config = Fp8Config(weight_block_size=None, is_checkpoint_fp8=True)
+
+    def load(layer):
+        for (e, proj), w in weights.items():
+            param = layer.down_proj if proj == "down_proj" else layer.gate_up_proj
+            param.weight_loader(param, w, f"{e}.{proj}")
+            scale = layer.down_proj_scale if proj == "down_proj" else layer.gate_up_proj_scale
+            scale.weight_loader(scale, scales[(e, proj)], f"{e}.{proj}")
+
+    whole = FusedMoE(E, K, H, INTER, renormalize=True, quant_config=config)
+    load(whole)
+    whole.process_weights_after_loading()
+    expect = scales[(3, "up_proj")].expand(INTER) if not per_row else scales[(3, "up_proj")]
+    torch.testing.assert_close(whole.gate_up_proj_scale[3, INTER:], expect)
+    plain = FusedMoE(E, K, H, INTER, renormalize=True)
+    _load(
+        plain,
+        {
+            key: w.float() * (scales[key].reshape(-1, 1) if per_row else scales[key])
+            for key, w in weights.items()
+        },
+    )
+    x, w, ids = _inputs(seed=7)
+    out = whole.compute_experts(x, w, ids)
+    assert _rel(out, plain.compute_experts(x, w, ids)) < 0.12
+    partials = []
+    for rank in range(2):
+        monkeypatch.setattr(fm, "tp_rank", lambda rank=rank: rank)
+        monkeypatch.setattr(fm, "tp_size", lambda: 2)
+        shard = FusedMoE(E, K, H, INTER, renormalize=True, quant_config=config)
+        load(shard)
+        torch.testing.assert_close(
+            shard.gate_up_proj_scale[:, : INTER // 2],
+            whole.gate_up_proj_scale[:, rank * INTER // 2 : (rank + 1) * INTER // 2],
+        )
+        partials.append(shard.compute_experts(x, w, ids))
+    # each shard quantizes its half of silu(gate) * up with its own per-token scale (one e4m3
+    # rounding of that operand differs: ~0.026 RMS; a wrong row or scale is O(1))
+    assert _rel(partials[0] + partials[1], out) < 0.06
 
 
 @pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
     reason="no GPU and the Triton interpreter is off",
 )
-@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("fp8", [None, "block", "channel"])
 def test_torch_path_matches_the_kernel(fp8):
     """The layer's parameters as the Triton kernel takes them: same result as the torch path."""
     kernel = pytest.importorskip("fastdeploy.ops.triton_fused_moe")
-    layer = FusedMoE(E, K, H, INTER, renormalize=True, quant_config=_Fp8() if fp8 else None)
+    config = {None: None, "block": _Fp8(), "channel": PtpcFp8Config()}[fp8]
+    layer = FusedMoE(E, K, H, INTER, renormalize=True, quant_config=config)
     _load(layer, _checkpoint(seed=3))
     layer.process_weights_after_loading()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     layer.to(device)
     x, w, ids = (t.to(device) for t in _inputs(tokens=21, seed=13))
     s13, s2 = layer.expert_scales()
-    out = kernel.fused_experts(x, layer.gate_up_proj, layer.down_proj, w, ids, s13, s2, BLOCK)
+    block = None if fp8 == "channel" else BLOCK
+    out = kernel.fused_experts(x, layer.gate_up_proj, layer.down_proj, w, ids, s13, s2, block)
     # on a GPU the kernel's float32 dots run in TF32 (10-bit mantissa): ~1e-3 relative
     tol = 2e-3 if device == "cuda" else 1e-5
     torch.testing.assert_close(out, layer.compute_experts_torch(x, w, ids), rtol=tol, atol=tol)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fastdeploy.model_executor.layers.fused_moe import FusedMoE, select_experts, select_experts_torch
-from fastdeploy.model_executor.layers.fused_moe_fp8 import SCALE_SUFFIX
+from fastdeploy.model_executor.layers.fused_moe_fp8 import BLOCK_SCALE_SUFFIX as SCALE_SUFFIX
 from fastdeploy.model_executor.layers.quantization import Fp8Config
 
 pytestmark = pytest.mark.gpu

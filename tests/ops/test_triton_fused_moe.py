@@ -182,6 +182,39 @@ def test_fp8_matches_references(tokens, hidden, inter):
     assert _rel_err(out, emulated) < 1e-5
 
 
+def _token_quant(t):
+    q, s = fq.quantize_activation_per_token(t.float())
+    return (q.float() * s).double()
+
+
+@needs_backend
+@pytest.mark.parametrize("tokens", [1, 6, 21])
+@pytest.mark.parametrize("hidden,inter", [(128, 128), (192, 96)])
+def test_fp8_per_channel_matches_references(tokens, hidden, inter):
+    """FP8 w8a8 with per-channel weight scales ``[E, N]`` and per-token activation scales
+    (``block_shape=None``, ``--quantization ptpc_fp8``): the scales multiply once after the K loop."""
+    x, w13, w2, weights, ids = _problem(tokens, hidden, inter, torch.bfloat16, seed=tokens + 50)
+    (q13, s13), (q2, s2) = (
+        fq.quantize_weight_per_channel(w13.float()),
+        fq.quantize_weight_per_channel(w2.float()),
+    )
+    out = moe.fused_experts(*_on(DEVICE, x, q13, q2, weights, ids, s13, s2), block_shape=None)
+    assert out.shape == x.shape and out.dtype == torch.bfloat16
+    assert _rel_err(out, _reference(x, w13, w2, weights, ids)) < 0.12
+    xf, wf = x.float(), weights.float()
+    out = moe.fused_experts(*_on(DEVICE, xf, q13, q2, wf, ids, s13, s2), block_shape=None)
+    deq13, deq2 = q13.float() * s13[..., None], q2.float() * s2[..., None]
+    emulated = _reference(xf, deq13, deq2, wf, ids, act_quant=_token_quant)
+    assert _rel_err(out, emulated) < 1e-5
+    if tokens == 1:
+        return  # (all of token 0's pairs are dropped below)
+    dropped = _drop_pairs(ids, 2)
+    out = moe.fused_experts(
+        *_on(DEVICE, xf, q13, q2, wf, dropped, s13, s2), block_shape=None, skip_negative_ids=True
+    )
+    assert _rel_err(out, _reference(xf, deq13, deq2, wf, dropped, act_quant=_token_quant)) < 1e-5
+
+
 @needs_backend
 def test_fp8_extreme_scales_stay_finite():
     """Weights of 1e-6 and 1e4 magnitude and a token of zeros: finite output, right relative size."""
@@ -240,7 +273,13 @@ def test_rejects_bad_inputs():
     x, w13, w2, weights, ids = _problem(3, 64, 32, torch.float32)
     with pytest.raises(ValueError, match="w13 \\[E, 2I, H\\]"):
         moe.fused_experts(x, w13, w2[:, :, :16], weights, ids)
-    with pytest.raises(ValueError, match="block scales"):
+    with pytest.raises(ValueError, match="both scales"):
         moe.fused_experts(x, w13.to(fq.FP8_DTYPE), w2.to(fq.FP8_DTYPE), weights, ids)
+    q13, s13 = fq.quantize_weight_block(w13.float())
+    q2, s2 = fq.quantize_weight_block(w2.float())
+    with pytest.raises(
+        ValueError, match="w13_scale must be float32 \\(8, 64\\)"
+    ):  # block scales, per-channel call
+        moe.fused_experts(x, q13, q2, weights, ids, s13, s2, block_shape=None)
     with pytest.raises(ValueError, match="share hidden's dtype"):
         moe.fused_experts(x, w13.bfloat16(), w2.bfloat16(), weights, ids)

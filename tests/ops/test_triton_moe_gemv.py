@@ -98,6 +98,26 @@ def test_gemv_fp8_scale_paths(gate_up, down):
     assert _rel_err(out, _reference(x, deq13, deq2, weights, ids)) < 1e-5
 
 
+@pytest.mark.parametrize("tokens,hidden,inter", [(1, 128, 128), (3, 192, 96)])
+def test_gemv_fp8_per_channel_weights(tokens, hidden, inter):
+    """Per-channel FP8 weights (scales ``[E, N]``, ``block_shape=None``): the dequantized weights'
+    result, and near the unquantized one; pairs with id -1 skipped."""
+    x, w13, w2, weights, ids = _problem(tokens, hidden, inter, torch.float32, seed=hidden + tokens)
+    (q13, s13), (q2, s2) = fq.quantize_weight_per_channel(w13), fq.quantize_weight_per_channel(w2)
+    assert s13.shape == (w13.shape[0], 2 * inter) and s2.shape == (w2.shape[0], hidden)
+    out = gemv.fused_experts_gemv(*_on(DEVICE, x, q13, q2, weights, ids, s13, s2), block_shape=None)
+    deq13, deq2 = q13.float() * s13[..., None], q2.float() * s2[..., None]
+    assert _rel_err(out, _reference(x, deq13, deq2, weights, ids)) < 1e-5
+    assert _rel_err(out, _reference(x, w13, w2, weights, ids)) < 0.08
+    if tokens == 1:
+        return  # (all of token 0's pairs are dropped below)
+    dropped = _drop_pairs(ids, 1)
+    out = gemv.fused_experts_gemv(
+        *_on(DEVICE, x, q13, q2, weights, dropped, s13, s2), block_shape=None, skip_negative_ids=True
+    )
+    assert _rel_err(out, _reference(x, deq13, deq2, weights, dropped)) < 1e-5
+
+
 def test_gemv_fp8_rejects_k_tiles_across_blocks_with_per_row_scales():
     x, w13, w2, weights, ids = _problem(1, 256, 256, torch.float32, seed=12)
     q13, s13 = fq.quantize_weight_block(w13)

@@ -48,14 +48,11 @@ from fastdeploy.distributed import (
     tp_rank,
     tp_size,
 )
-from fastdeploy.model_executor.layers.fused_moe_fp8 import Fp8MoEMethod, expert_matmul
+from fastdeploy.model_executor.layers.fused_moe_fp8 import EXPERT_PROJECTIONS, Fp8MoEMethod, expert_matmul
 from fastdeploy.model_executor.layers.quantization.base import QuantizationConfig
 from fastdeploy.model_executor.layers.weight_loading import ShardId, copy_rows, set_weight_loader
 from fastdeploy.ops.fp8_quant import DEFAULT_BLOCK, FP8_DTYPE
 from fastdeploy.ops.layer_ops import silu_and_mul, triton_module
-
-EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-"""Checkpoint names of an expert's three projections (``...experts.{e}.{name}.weight``)."""
 
 
 def select_experts_torch(
@@ -168,10 +165,10 @@ class FusedMoE(nn.Module):
             self.fp8.process_weights_after_loading(self)
 
     def expert_scales(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The FP8 block scales of ``gate_up_proj`` / ``down_proj``, or ``(None, None)`` (not FP8)."""
+        """The FP8 scales of ``gate_up_proj`` / ``down_proj`` (block or per channel), or ``(None, None)`` (not FP8)."""
         if self.gate_up_proj.dtype != FP8_DTYPE:
             return None, None
-        return Fp8MoEMethod.scales(self)
+        return self.fp8.scales(self)
 
     def local_expert(self, shard_id: ShardId) -> tuple[int | None, str]:
         """``"{expert}.{proj}"`` → (the expert's index among this rank's stacked experts, or None when

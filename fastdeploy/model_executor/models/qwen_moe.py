@@ -26,7 +26,7 @@ from fastdeploy.model_executor.models.llama import LlamaForCausalLM, LlamaMLP
 from fastdeploy.transformers_utils.config import ModelArchConfig
 
 _EXPERT_TENSOR = re.compile(
-    r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv)$"
+    r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv|weight_scale)$"
 )
 
 
@@ -99,14 +99,14 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
 
     def parameter_of(self, name: str) -> tuple[str, ShardId]:
         """``...experts.{e}.{proj}.weight`` → the stacked ``...experts.{gate_up|down}_proj``
-        with shard id ``"{e}.{proj}"`` (an FP8 checkpoint's ``.weight_scale_inv`` → the stacked
-        ``..._proj_scale_inv``); every other name as llama.py maps it."""
+        with shard id ``"{e}.{proj}"`` (an FP8 checkpoint's ``.weight_scale_inv`` / ``.weight_scale``
+        → the stacked ``..._proj_scale_inv`` / ``..._proj_scale``); every other name as llama.py maps it."""
         match = _EXPERT_TENSOR.match(name)
         if match is None:
             return super().parameter_of(name)
         prefix, expert, proj, kind = match.groups()
         stacked = "down_proj" if proj == "down_proj" else "gate_up_proj"
-        suffix = "_scale_inv" if kind == "weight_scale_inv" else ""
+        suffix = kind.removeprefix("weight")
         return f"{prefix}.{stacked}{suffix}", f"{expert}.{proj}"
 
 

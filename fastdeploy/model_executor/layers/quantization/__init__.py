@@ -13,10 +13,11 @@ from typing import Any
 import torch
 
 from fastdeploy.model_executor.layers.quantization.base import LinearMethod, QuantizationConfig
-from fastdeploy.model_executor.layers.quantization.fp8 import Fp8Config, Fp8LinearMethod
+from fastdeploy.model_executor.layers.quantization.fp8 import Fp8Config, Fp8LinearMethod, PtpcFp8Config
 
 QUANTIZATION_METHODS: dict[str, type[QuantizationConfig]] = {
     Fp8Config.name: Fp8Config,
+    PtpcFp8Config.name: PtpcFp8Config,
 }
 
 
@@ -80,6 +81,7 @@ __all__ = [
     "Fp8Config",
     "Fp8LinearMethod",
     "LinearMethod",
+    "PtpcFp8Config",
     "QuantizationConfig",
     "check_quantization_supported",
     "process_weights_after_loading",

@@ -10,7 +10,8 @@ Two weight layouts, both with float32 *dequantization* scales (``w ≈ w_fp8 * s
   ``weight_block_size``, as AutoFP8 writes it) holds one scalar ``weight_scale`` per projection,
   spread over that projection's rows here.
 
-Online quantization (``--quantization fp8`` on a bf16/fp32 checkpoint) loads the weights as
+``--quantization fp8`` quantizes a bf16/fp32 checkpoint in 128 x 128 blocks, ``--quantization
+ptpc_fp8`` (per token, per channel; vLLM's name for it) per output channel. Online quantization loads the weights as
 usual and quantizes each layer's shard in :meth:`Fp8LinearMethod.process_weights_after_loading`.
 FP8 checkpoints are loaded as they are: the fp8 weight and its scales go through the layer's
 shard loaders (block scales split with their weight blocks under tensor parallelism).
@@ -95,6 +96,26 @@ class Fp8Config(QuantizationConfig):
 
     def online(self) -> Fp8Config:
         return Fp8Config(self.weight_block_size, self.activation_scheme, is_checkpoint_fp8=False)
+
+
+@dataclass(frozen=True)
+class PtpcFp8Config(Fp8Config):
+    """``--quantization ptpc_fp8``: weights quantized at load with one scale per output channel,
+    activations one dynamic scale per token. Coarser than 128 x 128 blocks, but every FP8 GEMM
+    then accumulates whole rows before scaling once (row-wise ``torch._scaled_mm`` for the dense
+    layers, a plain fp8 K loop in the fused-MoE kernel), the faster kernels at large batches."""
+
+    name: ClassVar[str] = "ptpc_fp8"
+
+    weight_block_size: tuple[int, int] | None = None
+
+    @classmethod
+    def from_checkpoint(cls, quantization_config: dict[str, Any]) -> Fp8Config:
+        """No checkpoint format has this name: an FP8 checkpoint's ``quant_method`` is ``fp8``."""
+        raise ValueError(
+            "ptpc_fp8 quantizes a bf16/fp32 checkpoint at load; a quant_method: ptpc_fp8 checkpoint "
+            "is not a known format (FP8 checkpoints say quant_method: fp8)"
+        )
 
 
 def replace_parameter(layer: nn.Module, name: str, data: torch.Tensor) -> nn.Parameter:
