@@ -6,8 +6,8 @@ step whose replicas wait on each other) happen minutes in, in a worker process. 
 (``first:count`` of the calls that launch a step) with ``torch.profiler`` (CPU and, on a GPU,
 CUDA kernels, those replayed inside CUDA graphs included) and writes, per rank:
 
-* ``<folder>/dp<d>-rank<r>.trace.json.gz``: the Chrome / Perfetto trace;
-* ``<folder>/dp<d>-rank<r>.txt``: the step timings (start-to-start interval, time inside the step
+* ``<folder>/dp<d>-rank<r>-pid<p>.trace.json.gz``: the Chrome / Perfetto trace;
+* ``<folder>/dp<d>-rank<r>-pid<p>.txt``: the step timings (start-to-start interval, time inside the step
   call, tokens per step: an interval much longer than the call means the worker waited for its
   engine core) and the operators and kernels by total device time.
 
@@ -60,7 +60,8 @@ class StepProfiler:
     first: int
     count: int
     name: str
-    """File stem of this worker's outputs (``dp0-rank1``)."""
+    """File stem of this worker's outputs (``dp0-rank1-pid123``: one server after another may write
+    to the same folder)."""
     device: torch.device
     steps_seen: int = 0
     timings: list[StepTiming] = field(default_factory=list)
@@ -74,7 +75,7 @@ class StepProfiler:
             return None
         first, count = parse_window(envs.FD_PROFILE_STEPS)
         os.makedirs(folder, exist_ok=True)
-        return cls(folder, first, count, name, device)
+        return cls(folder, first, count, f"{name}-pid{os.getpid()}", device)
 
     def step_begin(self, num_tokens: int) -> None:
         """Called as a step call starts: starts the profile at the window's first step, and writes

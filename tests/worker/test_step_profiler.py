@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 
 import pytest
 import torch
@@ -34,10 +35,11 @@ def test_profiles_the_window_and_writes_trace_and_summary(tmp_path, monkeypatch)
         torch.mm(x, x)
         profiler.step_end()
     assert [t.tokens for t in profiler.timings] == [12, 13, 14]  # steps 2, 3, 4 only
-    summary = (tmp_path / "prof" / "dp0-rank0.txt").read_text()
+    stem = tmp_path / "prof" / f"dp0-rank0-pid{os.getpid()}"
+    summary = stem.with_suffix(".txt").read_text()
     assert "steps 2-4 (3 timed)" in summary and "tokens per step: min 12" in summary
     assert "aten::mm" in summary  # the operator table
-    with gzip.open(tmp_path / "prof" / "dp0-rank0.trace.json.gz", "rt") as f:
+    with gzip.open(f"{stem}.trace.json.gz", "rt") as f:
         trace = json.load(f)
     assert any(e.get("name") == "aten::mm" for e in trace["traceEvents"])
 
@@ -61,5 +63,6 @@ def test_offline_run_writes_the_profile(tmp_path, monkeypatch):
         llm.generate(TOKEN_PROMPTS[:1], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     finally:
         llm.shutdown()
-    summary = (tmp_path / "prof" / "dp0-rank0.txt").read_text()
+    (summary_file,) = (tmp_path / "prof").glob("dp0-rank0-pid*.txt")
+    summary = summary_file.read_text()
     assert "steps 1-2 (2 timed)" in summary and "tokens per step: min 1" in summary
