@@ -227,6 +227,61 @@ def _moe_gemm_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=pair_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _silu_and_mul_pairs_kernel(gu_ptr, ids_ptr, out_ptr, gu_stride, out_stride, n, BLOCK: tl.constexpr):
+    """``silu(gate) * up`` of one pair's row, nothing for a pair whose expert id is negative."""
+    row = tl.program_id(0).to(tl.int64)
+    if tl.load(ids_ptr + row) < 0:
+        return
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n
+    g = tl.load(gu_ptr + row * gu_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + row * gu_stride + n + cols, mask=mask, other=0.0).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * out_stride + cols, (act * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _sum_pairs_kernel(
+    x_ptr, ids_ptr, out_ptr, H, stride_x, stride_o, TOP_K: tl.constexpr, BLOCK: tl.constexpr
+):
+    """``out[token] = sum of x[pair]`` over the token's k pairs whose expert id is not negative
+    (float32 accumulation, rounded once)."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < H
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        pair = token * TOP_K + j
+        end = tl.where(tl.load(ids_ptr + pair) >= 0, H, 0)  # a skipped pair: every load masked off
+        acc += tl.load(x_ptr + pair * stride_x + cols, mask=cols < end, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul_pairs(gate_up: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of each pair's ``[gate | up]`` row whose expert id (``ids [P]``) is not
+    negative; the other rows are left unwritten (no kernel reads them)."""
+    rows, n = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((rows, n), dtype=gate_up.dtype, device=gate_up.device)
+    if rows:
+        block = min(1024, triton.next_power_of_2(n))
+        grid = (rows, triton.cdiv(n, block))
+        _silu_and_mul_pairs_kernel[grid](gate_up, ids, out, gate_up.stride(0), out.stride(0), n, BLOCK=block)
+    return out
+
+
+def sum_pairs(x: torch.Tensor, ids: torch.Tensor, top_k: int) -> torch.Tensor:
+    """``[T, H]``: each token's sum of its ``top_k`` pair rows of ``x [T * top_k, H]``, leaving out
+    the pairs whose id (``ids [T * top_k]``) is negative (their rows are never read)."""
+    tokens, h = x.shape[0] // top_k, x.shape[1]
+    out = torch.empty((tokens, h), dtype=x.dtype, device=x.device)
+    if tokens:
+        block = min(1024, triton.next_power_of_2(h))
+        grid = (tokens, triton.cdiv(h, block))
+        _sum_pairs_kernel[grid](x, ids, out, h, x.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block)
+    return out
+
+
 def _launch(
     a: torch.Tensor,
     a_scale: torch.Tensor | None,
@@ -390,10 +445,14 @@ def fused_experts(
     a, a_scale = _quantize_activation(hidden, block_shape) if fp8 else (hidden, None)
     gate_up = torch.empty((pairs, w13.shape[1]), dtype=hidden.dtype, device=hidden.device)
     _launch(a, a_scale, w13, w13_scale, gate_up, routing, None, top_k, block_shape, config)
-    act = silu_and_mul(gate_up)
+    # skipped pairs (another rank's experts: about (n-1)/n of them when the tokens of n
+    # data-parallel ranks are gathered) get no activation and are left out of the sum
+    ids = topk_ids.reshape(-1).contiguous() if skip_negative_ids else None
+    act = silu_and_mul_pairs(gate_up, ids) if skip_negative_ids else silu_and_mul(gate_up)
     a, a_scale = _quantize_activation(act, block_shape) if fp8 else (act, None)
-    new_out = torch.zeros if skip_negative_ids else torch.empty  # skipped pairs' rows are summed too
-    out = new_out((pairs, w2.shape[1]), dtype=hidden.dtype, device=hidden.device)
+    out = torch.empty((pairs, w2.shape[1]), dtype=hidden.dtype, device=hidden.device)
     weights = topk_weights.reshape(-1).contiguous()
     _launch(a, a_scale, w2, w2_scale, out, routing, weights, 1, block_shape, config)
+    if skip_negative_ids:
+        return sum_pairs(out, ids, top_k)
     return out.view(num_tokens, top_k, -1).sum(dim=1)

@@ -241,8 +241,12 @@ class FusedMoE(nn.Module):
         shares = [base + (r < extra) for r in range(self.tp_size)]
         start, mine = sum(shares[: self.tp_rank]), shares[self.tp_rank]
         rows = -(-ep_max_tokens(num_tokens, hidden.device) // self.tp_size)  # every rank's padded share
-        send = hidden.new_zeros((rows, hidden.shape[1]))
-        send[:mine] = hidden[start : start + mine]
+        if mine == rows:  # this rank has the step's most tokens: no padding
+            send = hidden[start : start + mine]
+        else:
+            send = hidden.new_empty((rows, hidden.shape[1]))
+            send[:mine] = hidden[start : start + mine]
+            send[mine:].zero_()  # (padding rows route nowhere; zeros keep them finite)
         meta = torch.zeros((rows, 2 * top_k), dtype=torch.float32, device=hidden.device)
         meta[:, :top_k] = -1  # padding rows route nowhere
         meta[:mine, :top_k] = topk_ids[start : start + mine]  # exact in float32
