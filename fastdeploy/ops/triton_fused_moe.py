@@ -127,7 +127,7 @@ def align_block_size_torch(
     return sorted_ids, expert_ids.to(torch.int32), padded_end[-1:].to(torch.int32)
 
 
-@triton.jit(do_not_specialize=["num_valid"])
+@triton.jit(do_not_specialize=["EM", "num_valid"])  # batch-dependent: no recompile per size class
 def _moe_gemm_kernel(
     a_ptr,
     b_ptr,

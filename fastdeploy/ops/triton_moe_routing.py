@@ -138,7 +138,7 @@ def _chunk_counts(ids_ptr, first, P, offs_e, CHUNK: tl.constexpr, SUB: tl.conste
     return counts
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])  # batch-dependent: no recompile when T*k changes class
 def _count_kernel(ids_ptr, counts_ptr, P, CHUNK: tl.constexpr, SUB: tl.constexpr, BLOCK_E: tl.constexpr):
     """``counts[c, e]``: the pairs of chunk ``c`` routed to expert ``e``."""
     c = tl.program_id(0)
@@ -147,7 +147,7 @@ def _count_kernel(ids_ptr, counts_ptr, P, CHUNK: tl.constexpr, SUB: tl.constexpr
     tl.store(counts_ptr + c * BLOCK_E + offs_e, counts)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P", "num_chunks"])  # as _count_kernel
 def _align_kernel(
     ids_ptr,
     counts_ptr,
