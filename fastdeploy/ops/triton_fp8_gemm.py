@@ -46,7 +46,7 @@ def default_config(m: int) -> Fp8GemmConfig:
     return table_config(CONFIGS, m)
 
 
-@triton.jit(do_not_specialize=["M"])  # batch-dependent: no recompile per size class
+@triton.jit
 def _fp8_block_gemm_kernel(
     a_ptr,
     b_ptr,

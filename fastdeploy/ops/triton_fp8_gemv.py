@@ -110,7 +110,7 @@ def _store_row(out_ptr, row, M, acc, s_n, bias, offs_n, n_mask, PER_CHANNEL: tl.
     tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_mask & ((offs_n * 0 + row) < M))
 
 
-@triton.jit(do_not_specialize=["M"])  # batch-dependent: no recompile per size class
+@triton.jit
 def _fp8_gemv_kernel(
     x_ptr,
     w_ptr,

@@ -42,10 +42,12 @@ from fastdeploy.worker.step_state import (
 
 logger = logging.getLogger(__name__)
 
-WARM_UP_QUERY_LENS = (2, 4, 8, 16, 32, 64, 128, 256)
+WARM_UP_QUERY_LENS = (2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096)
 """Query lengths of the start-up prefills: powers of two, so that for any GQA group one of them
 falls in each row-block class of the attention kernel and of either class of Triton's integer
-specialization (multiples of 16 or not)."""
+specialization (multiples of 16 or not); 1,024 and 4,096 for the fused-MoE kernels' larger tile
+and expert-sort chunk classes (the profile run covers the token budget's), which a fresh
+machine otherwise compiled in the first requests' steps (~1.2 s, ``benchmarks/gpubench/cold_start.py``)."""
 
 
 class ModelRunner:
