@@ -43,11 +43,19 @@ from fastdeploy.worker.step_state import (
 logger = logging.getLogger(__name__)
 
 WARM_UP_QUERY_LENS = (2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096)
-"""Query lengths of the start-up prefills: powers of two, so that for any GQA group one of them
-falls in each row-block class of the attention kernel and of either class of Triton's integer
-specialization (multiples of 16 or not); 1,024 and 4,096 for the fused-MoE kernels' larger tile
-and expert-sort chunk classes (the profile run covers the token budget's), which a fresh
-machine otherwise compiled in the first requests' steps (~1.2 s, ``benchmarks/gpubench/cold_start.py``)."""
+"""Token counts of the start-up prefills (capped at the step token budget, which is warmed up
+too): powers of two, so that for any GQA group one of them falls in each row-block class of the
+attention kernel and of either class of Triton's integer specialization (multiples of 16 or
+not); 1,024, 4,096 and the budget for the fused-MoE kernels' larger tile and expert-sort chunk
+classes, which a fresh machine otherwise compiled in the first requests' steps (~1.2 s,
+``benchmarks/gpubench/cold_start.py``). A count above ``max_model_len`` runs as several requests."""
+
+
+def warm_up_request_lens(num_tokens: int, max_model_len: int) -> list[int]:
+    """The prompt lengths of a warm-up step of ``num_tokens`` tokens: one request, or requests of
+    ``max_model_len`` tokens and the rest (a step may hold more tokens than one request can)."""
+    full, rest = divmod(num_tokens, max_model_len)
+    return [max_model_len] * full + ([rest] if rest else [])
 
 
 class ModelRunner:
@@ -170,8 +178,8 @@ class ModelRunner:
         if self.mm is not None:
             return
         start = time.perf_counter()
-        limit = min(self.max_model_len, self.config.scheduler.max_num_batched_tokens)
-        query_lens = sorted({min(n, limit) for n in WARM_UP_QUERY_LENS})
+        budget = self.config.scheduler.max_num_batched_tokens
+        query_lens = sorted({min(n, budget) for n in WARM_UP_QUERY_LENS} | {budget})
         for query_len in query_lens:
             self._warm_up_prefill(query_len)
         decode_sizes: list[int] = []
@@ -187,26 +195,27 @@ class ModelRunner:
             time.perf_counter() - start,
         )
 
-    def _warm_up_prefill(self, query_len: int) -> None:
-        """One forward of a single request of ``query_len`` new tokens that writes no cache slot."""
+    def _warm_up_prefill(self, num_tokens: int) -> None:
+        """One forward of ``num_tokens`` new prompt tokens that writes no cache slot: one request, or
+        as many of at most ``max_model_len`` as a step of that many tokens needs."""
         width = self.batch.block_table.table.shape[1]
-        seq_lens = np.array([query_len], dtype=np.int64)
-        query_start_loc = np.array([0, query_len], dtype=np.int64)
+        seq_lens = np.array(warm_up_request_lens(num_tokens, self.max_model_len), dtype=np.int64)
+        query_start_loc = np.concatenate([[0], np.cumsum(seq_lens)]).astype(np.int64)
         no_tokens = np.zeros(0, dtype=np.int64)
         host = StepArrays(
             query_start_loc=query_start_loc.astype(np.int32),
             seq_lens=seq_lens.astype(np.int32),
-            block_table=np.zeros((1, width), dtype=np.int32),
-            slot_mapping=np.full(query_len, -1, dtype=np.int64),
-            input_ids=np.zeros(query_len, dtype=np.int64),
-            positions=np.arange(query_len, dtype=np.int64),
-            logits_indices=np.array([query_len - 1], dtype=np.int64),
+            block_table=np.zeros((len(seq_lens), width), dtype=np.int32),
+            slot_mapping=np.full(num_tokens, -1, dtype=np.int64),
+            input_ids=np.zeros(num_tokens, dtype=np.int64),
+            positions=np.concatenate([np.arange(n, dtype=np.int64) for n in seq_lens]),
+            logits_indices=query_start_loc[1:] - 1,
             unsaved_tokens=no_tokens,
             unsaved_rows=no_tokens,
-            length_codes=np.zeros(1, dtype=np.int32),
+            length_codes=np.zeros(len(seq_lens), dtype=np.int32),
         )
         dev = host.upload(self.device)
-        attn_metadata = self._attention_metadata(host, dev, query_start_loc, seq_lens, query_len)
+        attn_metadata = self._attention_metadata(host, dev, query_start_loc, seq_lens, int(seq_lens.max()))
         with set_forward_context(attn_metadata):
             hidden = self.model(dev.input_ids, dev.positions)
         self.model.compute_logits(hidden[dev.logits_indices])

@@ -4,7 +4,9 @@ against float32/float64 references on random inputs.
 Tolerances (norm-relative over the whole output; a wrong block scale, row or column is O(1)):
 
 * Triton against the torch path on the same quantized operands, float32 output: 1e-5 (the two
-  sum the same products in a different order).
+  sum the same products in a different order); 5e-4 on a GPU, whose FP8 tensor-core MMAs
+  accumulate with fewer mantissa bits than float32 (Hopper keeps about 22: measured 1.2e-4 on
+  an H200 at 37 rows).
 * either against the unquantized float64 product: 0.08. e4m3 keeps 3 mantissa bits, so each
   weight and activation element is off by at most 2^-4 relative, ~0.026 RMS; the two quantized
   operands add in quadrature over the dot products, ~0.037 (measured 0.03-0.04). Twice that
@@ -60,7 +62,7 @@ def test_triton_block_gemm_matches_torch_path_and_float64(m, block):
     x, w, wq, ws = _block_operands(m, n, k, block, seed=m)
     got = gemm.fp8_block_linear(x, wq, ws, block)
     same_math = fp8_linear_torch(x.cpu(), wq.cpu(), ws.cpu(), block)
-    assert _rel(got.cpu(), same_math) < 1e-5
+    assert _rel(got.cpu(), same_math) < (5e-4 if CUDA else 1e-5)
     assert 1e-3 < _rel(got.cpu(), x.cpu().double() @ w.cpu().double().t()) < QUANT_TOL
 
 

@@ -59,13 +59,33 @@ def test_warm_up_lengths_cover_each_block_class_and_respect_the_limits(monkeypat
 
     seen: list[int] = []
     monkeypatch.setattr(model_runner.ModelRunner, "_warm_up_prefill", lambda self, n: seen.append(n))
-    llm = LLM(**{**ENGINE, "max_model_len": 48})
+    llm = LLM(**{**ENGINE, "max_model_len": 48, "max_num_batched_tokens": 300})
     try:
         llm.engine.core.executor.worker.runner.warm_up_kernels()
     finally:
         llm.shutdown()
-    assert seen == [2, 4, 8, 16, 32, 48]  # 64, 128 and 256 capped at max_model_len, once
+    # up to the step token budget (which is warmed too), each size once
+    assert seen == [2, 4, 8, 16, 32, 64, 128, 256, 300]
     assert max(WARM_UP_QUERY_LENS) >= 128  # a prompt long enough for the largest query block
+
+
+def test_a_warm_up_step_past_max_model_len_is_several_requests():
+    from fastdeploy.worker.model_runner import warm_up_request_lens
+
+    assert warm_up_request_lens(32, 48) == [32]
+    assert warm_up_request_lens(300, 48) == [48] * 6 + [12]
+    assert warm_up_request_lens(96, 48) == [48, 48]
+
+
+def test_warm_up_of_a_step_of_several_requests_writes_no_cache():
+    """A warm-up step larger than max_model_len runs as several requests and leaves the cache empty."""
+    llm = LLM(**{**ENGINE, "max_model_len": 48, "max_num_batched_tokens": 200})
+    try:
+        runner = llm.engine.core.executor.worker.runner
+        runner._warm_up_prefill(200)
+        assert all(not k.any() and not v.any() for k, v in runner.kv_caches)
+    finally:
+        llm.shutdown()
 
 
 @pytest.mark.gpu
