@@ -72,7 +72,7 @@ def test_triton_block_gemm_bias_in_the_epilogue():
     bias = _rand(200, seed=10)
     got = gemm.fp8_block_linear(x, wq, ws, (128, 128), bias)
     same_math = fp8_linear_torch(x.cpu(), wq.cpu(), ws.cpu(), (128, 128)) + bias.cpu()
-    assert _rel(got.cpu(), same_math) < 1e-5
+    assert _rel(got.cpu(), same_math) < (5e-4 if CUDA else 1e-5)
 
 
 @needs_backend
