@@ -18,7 +18,21 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--run-slow",
+        action="store_true",
+        help="also run the tests marked slow (long variants of covered paths; or FD_RUN_SLOW_TESTS=1)",
+    )
+
+
 def pytest_collection_modifyitems(config, items):
+    run_slow = config.getoption("--run-slow") or os.environ.get("FD_RUN_SLOW_TESTS") == "1"
+    if not run_slow:  # the default run (CI) stays within its time budget
+        skip_slow = pytest.mark.skip(reason="slow: run with --run-slow or FD_RUN_SLOW_TESTS=1")
+        for item in items:
+            if "slow" in item.keywords:
+                item.add_marker(skip_slow)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")

@@ -220,7 +220,7 @@ def test_multimodal_requests_on_both_api_servers(server_factory, qwen2_vl_dummy,
     assert srv.send_signal_and_wait(signal.SIGTERM) == 143
 
 
-@pytest.mark.parametrize("phase", ["loading", "serving"])
+@pytest.mark.parametrize("phase", ["loading", pytest.param("serving", marks=pytest.mark.slow)])
 def test_sigterm_stops_everything_and_leaves_no_files(server_factory, monkeypatch, phase):
     """SIGTERM while the engine core loads its model, or while serving (after a request): exit 143
     within a few seconds, no process left, no socket file or metrics directory left in TMPDIR."""
@@ -247,6 +247,7 @@ def test_sigterm_stops_everything_and_leaves_no_files(server_factory, monkeypatc
         shutil.rmtree(tmpdir, ignore_errors=True)
 
 
+@pytest.mark.slow
 def test_dead_engine_core_without_exit_gives_503_from_every_api_server(server_factory):
     """``--no-exit-on-engine-death``: a killed engine core turns ``/health`` to 503 on both API
     servers (each watches the engine core's pid) and the server stays up until SIGTERM."""

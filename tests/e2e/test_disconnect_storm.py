@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import httpx
 import psutil
+import pytest
 
 from tests.e2e.conftest import RemoteServer
 
@@ -240,6 +241,7 @@ def wait_settled(server: RemoteServer, idle_kv: float) -> dict[str, float]:
     return m
 
 
+@pytest.mark.slow
 def test_disconnect_storm(server_factory) -> None:
     server: RemoteServer = server_factory(*SERVER_ARGS)
     model = server.model_name()

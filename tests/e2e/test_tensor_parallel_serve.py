@@ -52,6 +52,7 @@ def test_tp2_streams(tp_server, model_name):
     assert text == greedy_completions(tp_server, model_name)[0][: len(text)] and text
 
 
+@pytest.mark.slow
 def test_dp2_x_tp2_greedy_tokens_equal_tp1(server, server_factory, model_name):
     """Two replicas of two tensor-parallel workers each (four workers): the same tokens as one worker."""
     from tests.e2e.conftest import API_KEY
