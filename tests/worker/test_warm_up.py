@@ -116,3 +116,31 @@ def test_first_requests_compile_no_attention_kernel_on_a_gpu(enforce_eager, monk
         assert attention == []
     finally:
         llm.shutdown()
+
+
+@pytest.mark.gpu
+def test_moe_steps_past_max_model_len_compile_nothing_after_start_up(monkeypatch):
+    """A MoE engine whose max_model_len is below its token budget: a burst that fills whole steps
+    of several requests compiles no kernel after start-up (the warm-up runs steps up to the budget;
+    before, the expert sort's larger chunk class compiled in the first requests' steps)."""
+    triton = pytest.importorskip("triton")
+    if not hasattr(getattr(triton, "knobs", None), "runtime"):
+        pytest.skip("this triton has no JIT hooks (triton.knobs)")
+    compiled: list[str] = []
+    monkeypatch.setattr(
+        triton.knobs.runtime, "jit_post_compile_hook", lambda *a, **kw: compiled.append(kw.get("repr", ""))
+    )
+    vocab = 1024
+    llm = LLM(
+        model=str(ROOT / "benchmarks" / "configs" / "qwen3-30b-a3b"), load_format="dummy",
+        skip_tokenizer_init=True, hf_config_overrides={"num_hidden_layers": 2, "vocab_size": vocab},
+        device="cuda", dtype="bfloat16", max_model_len=256, max_num_batched_tokens=4096, max_num_seqs=64,
+        seed=0,
+    )  # fmt: skip
+    try:
+        compiled.clear()
+        prompts = random_prompts(48, 200, vocab, seed=5)  # 9,600 prompt tokens: whole 4,096-token steps
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        assert compiled == []
+    finally:
+        llm.shutdown()
