@@ -117,7 +117,11 @@ def test_killed_engine_process_fails_requests_and_health(server_factory, victim)
     assert srv.send_signal_and_wait(signal.SIGTERM) == 128 + signal.SIGTERM
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize(
+    "sig",  # SIGINT takes the same stop path as SIGTERM (tests/e2e/test_lifecycle.py sends both at start-up)
+    [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)],
+    ids=["SIGTERM", "SIGINT"],
+)
 def test_signal_stops_every_child_process(server_factory, sig):
     srv = server_factory()
     children = srv.descendants()

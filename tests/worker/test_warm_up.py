@@ -25,6 +25,7 @@ from gpubench.settings import MODEL_1B, TINY_OVERRIDES  # noqa: E402
 ENGINE = dict(
     model=MODEL_1B, load_format="dummy", skip_tokenizer_init=True, hf_config_overrides=TINY_OVERRIDES,
     dtype="float32", device="cpu", num_threads=1, max_num_seqs=4, max_model_len=96, seed=0,
+    max_num_batched_tokens=128,  # (the warm-up runs steps up to it: small for the interpreter)
 )  # fmt: skip
 PROMPTS = random_prompts(3, 20, TINY_OVERRIDES["vocab_size"], seed=3)
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
