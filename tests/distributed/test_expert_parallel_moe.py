@@ -73,6 +73,9 @@ def _dp_ep(rank: int, init_method: str, results: dict) -> None:
             for case, (n0, n1, only) in enumerate(DP_CASES):
                 hidden, logits = inputs((n0, n1)[rank], seed=10 * case + rank, only_experts=only)
                 outs.append(layer(hidden, logits))
+        # bf16: the routing travels bit for bit as bf16 columns of the hidden states' all-gather
+        hidden, logits = inputs((5, 7)[rank], seed=90 + rank)
+        outs.append(layer.to(torch.bfloat16)(hidden.bfloat16(), logits.bfloat16()))
         results[rank] = outs
     finally:
         fdist.destroy_tensor_parallel()
@@ -86,7 +89,12 @@ def test_experts_across_data_parallel_ranks_equal_one_process():
     reference = build_moe()  # one process, every expert
     for rank in range(2):
         got_all = results[rank]
-        assert len(got_all) == 2 * len(DP_CASES)
+        assert len(got_all) == 2 * len(DP_CASES) + 1
+        hidden, logits = inputs((5, 7)[rank], seed=90 + rank)
+        expected = build_moe().to(torch.bfloat16)(hidden.bfloat16(), logits.bfloat16())
+        assert got_all[-1].dtype == torch.bfloat16 and expected.abs().max() > 0.05
+        # the two ranks' partial sums add in bf16 (one rounding more than one process): 2^-7 scale
+        torch.testing.assert_close(got_all.pop(), expected, rtol=2e-2, atol=2e-2)
         for index, got in enumerate(got_all):
             case = index % len(DP_CASES)
             n = DP_CASES[case][rank]

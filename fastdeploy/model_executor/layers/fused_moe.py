@@ -241,19 +241,22 @@ class FusedMoE(nn.Module):
         shares = [base + (r < extra) for r in range(self.tp_size)]
         start, mine = sum(shares[: self.tp_rank]), shares[self.tp_rank]
         rows = -(-ep_max_tokens(num_tokens, hidden.device) // self.tp_size)  # every rank's padded share
-        if mine == rows:  # this rank has the step's most tokens: no padding
-            send = hidden[start : start + mine]
-        else:
-            send = hidden.new_empty((rows, hidden.shape[1]))
-            send[:mine] = hidden[start : start + mine]
-            send[mine:].zero_()  # (padding rows route nowhere; zeros keep them finite)
+        width = hidden.shape[1]
         meta = torch.zeros((rows, 2 * top_k), dtype=torch.float32, device=hidden.device)
         meta[:, :top_k] = -1  # padding rows route nowhere
         meta[:mine, :top_k] = topk_ids[start : start + mine]  # exact in float32
         meta[:mine, top_k:] = topk_weights[start : start + mine]
-        every_hidden, every_meta = ep_all_gather(send), ep_all_gather(meta)
+        # one all-gather: each row is its hidden state and then its routing, the float32 ids and
+        # weights carried bit for bit as hidden-dtype columns
+        meta_bits = meta.view(hidden.dtype)
+        send = hidden.new_empty((rows, width + meta_bits.shape[1]))
+        send[:mine, :width] = hidden[start : start + mine]
+        send[mine:, :width].zero_()  # (padding rows route nowhere; zeros keep them finite)
+        send[:, width:] = meta_bits
+        every = ep_all_gather(send)
+        every_meta = every[:, width:].contiguous().view(torch.float32)
         ids = self.local_expert_ids(every_meta[:, :top_k].long())
-        partial = self.compute_experts(every_hidden, every_meta[:, top_k:].to(hidden.dtype), ids)
+        partial = self.compute_experts(every[:, :width], every_meta[:, top_k:].to(hidden.dtype), ids)
         return tp_all_gather_rows(ep_reduce_scatter(partial)[:mine], shares)
 
     def compute_experts(
