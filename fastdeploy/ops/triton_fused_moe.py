@@ -258,6 +258,64 @@ def _sum_pairs_kernel(
     tl.store(out_ptr + token * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _silu_mul_quant_kernel(
+    gu_ptr, ids_ptr, q_ptr, s_ptr, n, gu_stride, q_stride, s_stride_m, s_stride_g, WIDTH: tl.constexpr,
+    BLOCK: tl.constexpr, SKIP: tl.constexpr, FP8_MAX_C: tl.constexpr, MIN_AMAX_C: tl.constexpr,
+):  # fmt: skip
+    """``silu(gate) * up`` of ``WIDTH`` columns of one pair's row, rounded to the activation dtype
+    as :func:`silu_and_mul` rounds it, then quantized to FP8 with one scale for those columns, as
+    :mod:`fastdeploy.ops.triton_fp8_quant` quantizes them (the same bits, one kernel)."""
+    row = tl.program_id(0).to(tl.int64)
+    group = tl.program_id(1)
+    if SKIP:
+        if tl.load(ids_ptr + row) < 0:  # another rank's expert: nothing to compute
+            return
+    offs = tl.arange(0, BLOCK)
+    cols = group * WIDTH + offs
+    mask = (offs < WIDTH) & (cols < n)
+    dtype = gu_ptr.dtype.element_ty
+    g = tl.load(gu_ptr + row * gu_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + row * gu_stride + n + cols, mask=mask, other=0.0).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+    val = (act * u).to(dtype).to(tl.float32)
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(val), axis=0), MIN_AMAX_C), FP8_MAX_C)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(val, scale), -FP8_MAX_C), FP8_MAX_C)
+    tl.store(q_ptr + row * q_stride + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row * s_stride_m + group * s_stride_g, scale)
+
+
+SILU_QUANT_MAX_BLOCK = 8192
+"""Widest intermediate size the fused SiLU + per-token quantization holds in one program."""
+
+
+def silu_mul_quant(
+    gate_up: torch.Tensor, block_shape: tuple[int, int] | None, ids: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``silu(gate) * up`` of ``gate_up [P, 2I]`` quantized to FP8 for the down GEMM in one kernel:
+    ``(act_fp8 [P, I], scale)`` with ``scale [P, ceil(I/bk)]`` (1 x ``bk`` groups of
+    ``block_shape``) or ``[P, 1]`` (per token, ``block_shape`` None). The same bits as
+    :func:`silu_and_mul` then the activation quantization of :mod:`fastdeploy.ops.fp8_quant`,
+    without the activation's round trip through memory. With ``ids [P]`` the rows of pairs whose
+    id is negative are skipped (left unwritten)."""
+    from fastdeploy.ops.fp8_quant import FP8_MAX, MIN_AMAX
+
+    rows, n = gate_up.shape[0], gate_up.shape[1] // 2
+    width = n if block_shape is None else block_shape[1]
+    groups = triton.cdiv(n, width)
+    interpreting = triton_interpreting()  # (the interpreter's e4m3 cast does not round: torch casts)
+    q = torch.empty((rows, n), dtype=torch.float32 if interpreting else FP8_DTYPE, device=gate_up.device)
+    scale = torch.empty((rows, groups), dtype=torch.float32, device=gate_up.device)
+    if rows:
+        block = triton.next_power_of_2(width)
+        _silu_mul_quant_kernel[(rows, groups)](
+            gate_up, ids if ids is not None else gate_up, q, scale, n, gate_up.stride(0), q.stride(0),
+            scale.stride(0), scale.stride(1), WIDTH=width, BLOCK=block, SKIP=ids is not None,
+            FP8_MAX_C=FP8_MAX, MIN_AMAX_C=MIN_AMAX, num_warps=4 if block <= 1024 else 8,
+        )  # fmt: skip
+    return (q.to(FP8_DTYPE) if interpreting else q), scale
+
+
 def silu_and_mul_pairs(gate_up: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of each pair's ``[gate | up]`` row whose expert id (``ids [P]``) is not
     negative; the other rows are left unwritten (no kernel reads them)."""
@@ -448,8 +506,11 @@ def fused_experts(
     # skipped pairs (another rank's experts: about (n-1)/n of them when the tokens of n
     # data-parallel ranks are gathered) get no activation and are left out of the sum
     ids = topk_ids.reshape(-1).contiguous() if skip_negative_ids else None
-    act = silu_and_mul_pairs(gate_up, ids) if skip_negative_ids else silu_and_mul(gate_up)
-    a, a_scale = _quantize_activation(act, block_shape) if fp8 else (act, None)
+    if fp8 and (block_shape is not None or w2.shape[2] <= SILU_QUANT_MAX_BLOCK):
+        a, a_scale = silu_mul_quant(gate_up, block_shape, ids)
+    else:
+        act = silu_and_mul_pairs(gate_up, ids) if skip_negative_ids else silu_and_mul(gate_up)
+        a, a_scale = _quantize_activation(act, block_shape) if fp8 else (act, None)
     out = torch.empty((pairs, w2.shape[1]), dtype=hidden.dtype, device=hidden.device)
     weights = topk_weights.reshape(-1).contiguous()
     _launch(a, a_scale, w2, w2_scale, out, routing, weights, 1, block_shape, config)

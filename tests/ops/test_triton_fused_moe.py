@@ -216,6 +216,35 @@ def test_fp8_per_channel_matches_references(tokens, hidden, inter):
 
 
 @needs_backend
+@pytest.mark.parametrize("block_shape", [(128, 128), None], ids=["1x128-groups", "per-token"])
+@pytest.mark.parametrize("inter", [256, 96])  # 96: a partial group
+def test_silu_mul_quant_equals_the_two_kernels(block_shape, inter):
+    """The fused SiLU-and-multiply + FP8 activation quantization: the same bits as the activation
+    of silu_and_mul quantized by fp8_quant (bf16 rows, large and tiny values, a zero row), and
+    skipped rows left out."""
+    from fastdeploy.ops.triton_layer_ops import silu_and_mul  # the GPU path's kernel (also on a CPU here)
+
+    gate_up = (_rand(9, 2 * inter, seed=inter) * 3).bfloat16()
+    gate_up[2] *= 1e-4
+    gate_up[5] = 0
+    gate_up = gate_up.to(DEVICE)
+    q, scale = moe.silu_mul_quant(gate_up, block_shape)
+    act = silu_and_mul(gate_up)
+    if block_shape is None:
+        want_q, want_scale = fq.quantize_activation_per_token(act)
+    else:
+        want_q, want_scale = fq.quantize_activation_per_token_group(act, block_shape[1])
+    assert q.dtype == fq.FP8_DTYPE and scale.shape == want_scale.shape
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(scale, want_scale)
+    ids = torch.tensor([0, -1, 3, -1, 2, 1, -1, 0, 5], device=DEVICE)
+    q_skip, scale_skip = moe.silu_mul_quant(gate_up, block_shape, ids)
+    kept = ids >= 0
+    assert torch.equal(q_skip[kept].view(torch.uint8), want_q[kept].view(torch.uint8))
+    assert torch.equal(scale_skip[kept], want_scale[kept])
+
+
+@needs_backend
 def test_fp8_extreme_scales_stay_finite():
     """Weights of 1e-6 and 1e4 magnitude and a token of zeros: finite output, right relative size."""
     (x, w13, w2, weights, ids), _ = _fp8_problem(4, 128, 128, seed=3)
