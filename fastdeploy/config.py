@@ -233,10 +233,11 @@ class ServerConfig:
     """How tool calls are read out of chat answers: hermes, llama3_json or mistral (docs/api.md);
     unset: chosen from the chat template (<tool_call> hermes, [TOOL_CALLS] mistral, <|python_tag|>
     llama3_json, otherwise hermes)."""
-    api_server_count: int = 1
+    api_server_count: int | None = None
     """API server processes sharing the port (HTTP, tokenization, detokenization, streaming), each
     talking to the same engine core(s), as vLLM's flag: raise it when one process's event loop is
-    the limit (many concurrent streams). 1: the API server runs in the serve process itself."""
+    the limit (many concurrent streams). 1: the API server runs in the serve process itself.
+    Unset: one per data-parallel engine core on a GPU (as vLLM does), 1 elsewhere."""
     headless: bool = False
     """Run no API server: only this node's workers of a multi-host launch (with --nnodes and a
     --node-rank above 0), which join node 0's engine."""

@@ -303,3 +303,24 @@ def test_serve_refuses_bad_options_before_starting(capsys, argv, message):
     err = capsys.readouterr().err
     assert code == 2
     assert message in err and err.count("\n") == 1, err
+
+
+def test_api_server_count_defaults_to_one_per_data_parallel_engine_core_on_a_gpu(monkeypatch):
+    """Unset: one API server per DP engine core when the engine runs on a GPU (as vllm serve), one
+    on a CPU, with DP=1 or headless; a given count is kept."""
+    import torch
+
+    from fastdeploy.entrypoints.cli.serve import default_api_server_count
+
+    def args(*argv):
+        return resolve_args(make_parser().parse_args(list(argv)))
+
+    assert args().api_server_count is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert default_api_server_count(args("--data-parallel-size", "2")) == 2
+    assert default_api_server_count(args("--data-parallel-size", "2", "--device", "cpu")) == 1
+    assert default_api_server_count(args("--data-parallel-size", "2", "--api-server-count", "1")) == 1
+    assert default_api_server_count(args()) == 1
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert default_api_server_count(args("--data-parallel-size", "2")) == 1
+    assert default_api_server_count(args("--data-parallel-size", "4", "--device", "cuda")) == 4
