@@ -28,6 +28,7 @@ import torch.nn.functional as F
 moe = pytest.importorskip("fastdeploy.ops.triton_fused_moe")
 
 from fastdeploy.ops import fp8_quant as fq  # noqa: E402
+from fastdeploy.ops import triton_moe_act as act_kernels  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -228,7 +229,7 @@ def test_silu_mul_quant_equals_the_two_kernels(block_shape, inter):
     gate_up[2] *= 1e-4
     gate_up[5] = 0
     gate_up = gate_up.to(DEVICE)
-    q, scale = moe.silu_mul_quant(gate_up, block_shape)
+    q, scale = act_kernels.silu_mul_quant(gate_up, block_shape)
     act = silu_and_mul(gate_up)
     if block_shape is None:
         want_q, want_scale = fq.quantize_activation_per_token(act)
@@ -238,7 +239,7 @@ def test_silu_mul_quant_equals_the_two_kernels(block_shape, inter):
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
     assert torch.equal(scale, want_scale)
     ids = torch.tensor([0, -1, 3, -1, 2, 1, -1, 0, 5], device=DEVICE)
-    q_skip, scale_skip = moe.silu_mul_quant(gate_up, block_shape, ids)
+    q_skip, scale_skip = act_kernels.silu_mul_quant(gate_up, block_shape, ids)
     kept = ids >= 0
     assert torch.equal(q_skip[kept].view(torch.uint8), want_q[kept].view(torch.uint8))
     assert torch.equal(scale_skip[kept], want_scale[kept])
