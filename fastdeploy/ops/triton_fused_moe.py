@@ -78,7 +78,7 @@ FP8_CONFIGS: tuple[tuple[int, MoEKernelConfig], ...] = (
 FP8_CHANNEL_CONFIGS: tuple[tuple[int, MoEKernelConfig], ...] = (
     (128, MoEKernelConfig(16, 128, 128, 1, 4, 4)),
     (512, MoEKernelConfig(64, 128, 128, 8, 4, 4)),
-    (1 << 62, MoEKernelConfig(128, 256, 128, 16, 8, 3)),
+    (1 << 62, MoEKernelConfig(128, 256, 128, 16, 8, 4)),  # H200 sweep: 4 stages 4% faster at 2,048
 )
 INTERPRETER_CONFIG = MoEKernelConfig(16, 64, 64, 1, 4, 1)
 """The configuration under ``TRITON_INTERPRET=1`` (CPU tests): small tiles, quick."""
