@@ -149,6 +149,16 @@ def _qk_norm_rotary_kernel(
 
 
 @triton.jit
+def silu_mul_cols(gu_ptr, row, gu_stride, n, cols, mask):
+    """``silu(gate) * up`` in float32 of the columns ``cols`` of row ``row`` of ``gu = [gate | up]``
+    (``n`` columns each), ``silu(gate)`` rounded to the row's dtype first, as the unfused torch
+    path rounds it (callers round the product)."""
+    g = tl.load(gu_ptr + row * gu_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + row * gu_stride + n + cols, mask=mask, other=0.0).to(tl.float32)
+    return (g / (1.0 + tl.exp(-g))).to(gu_ptr.dtype.element_ty).to(tl.float32) * u
+
+
+@triton.jit
 def _silu_and_mul_kernel(
     gu_ptr, out_ptr, gu_stride, out_stride, n, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
 ):
@@ -156,10 +166,8 @@ def _silu_and_mul_kernel(
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
-    g = tl.load(gu_ptr + row * gu_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(gu_ptr + row * gu_stride + n + cols, mask=mask, other=0.0).to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * out_stride + cols, (act * u).to(out_ptr.dtype.element_ty), mask=mask)
+    val = silu_mul_cols(gu_ptr, row, gu_stride, n, cols, mask)
+    tl.store(out_ptr + row * out_stride + cols, val.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _row_block(n: int) -> int:

@@ -21,6 +21,7 @@ import triton.language as tl
 
 from fastdeploy.ops.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_AMAX
 from fastdeploy.ops.triton_env import triton_interpreting
+from fastdeploy.ops.triton_layer_ops import silu_mul_cols
 
 
 @triton.jit
@@ -31,10 +32,8 @@ def _silu_and_mul_pairs_kernel(gu_ptr, ids_ptr, out_ptr, gu_stride, out_stride, 
         return
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
-    g = tl.load(gu_ptr + row * gu_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(gu_ptr + row * gu_stride + n + cols, mask=mask, other=0.0).to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * out_stride + cols, (act * u).to(out_ptr.dtype.element_ty), mask=mask)
+    val = silu_mul_cols(gu_ptr, row, gu_stride, n, cols, mask)
+    tl.store(out_ptr + row * out_stride + cols, val.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -70,11 +69,7 @@ def _silu_mul_quant_kernel(
     offs = tl.arange(0, BLOCK)
     cols = group * WIDTH + offs
     mask = (offs < WIDTH) & (cols < n)
-    dtype = gu_ptr.dtype.element_ty
-    g = tl.load(gu_ptr + row * gu_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(gu_ptr + row * gu_stride + n + cols, mask=mask, other=0.0).to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-    val = (act * u).to(dtype).to(tl.float32)
+    val = silu_mul_cols(gu_ptr, row, gu_stride, n, cols, mask).to(gu_ptr.dtype.element_ty).to(tl.float32)
     scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(val), axis=0), MIN_AMAX_C), FP8_MAX_C)
     q = tl.minimum(tl.maximum(tl.math.div_rn(val, scale), -FP8_MAX_C), FP8_MAX_C)
     tl.store(q_ptr + row * q_stride + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
