@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -103,20 +105,18 @@ class Worker:
         self.runner.initialize_kv_cache(num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        if self.profiler is None:
-            return self.runner.execute_model(scheduler_output)
-        self.profiler.step_begin(scheduler_output.total_num_scheduled_tokens)
-        try:
-            return self.runner.execute_model(scheduler_output)
-        finally:
-            self.profiler.step_end()
+        return self._step(self.runner.execute_model, scheduler_output)
 
     def execute_model_overlap(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        return self._step(self.runner.execute_model_overlap, scheduler_output)
+
+    def _step(self, run: Callable[[SchedulerOutput], Any], scheduler_output: SchedulerOutput) -> Any:
+        """``run(scheduler_output)``, inside the step profiler's window when there is one."""
         if self.profiler is None:
-            return self.runner.execute_model_overlap(scheduler_output)
+            return run(scheduler_output)
         self.profiler.step_begin(scheduler_output.total_num_scheduled_tokens)
         try:
-            return self.runner.execute_model_overlap(scheduler_output)
+            return run(scheduler_output)
         finally:
             self.profiler.step_end()
 

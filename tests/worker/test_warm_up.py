@@ -96,10 +96,8 @@ def test_warm_up_of_a_step_of_several_requests_writes_no_cache():
         llm.shutdown()
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("enforce_eager", [True, False])
-def test_first_requests_compile_no_attention_kernel_on_a_gpu(enforce_eager, monkeypatch):
-    """After start-up, prompts and decode batches of new sizes find their kernels compiled."""
+def _compile_log(monkeypatch) -> list[str]:
+    """The names of the Triton kernels compiled from now on (skips without triton's JIT hooks)."""
     triton = pytest.importorskip("triton")
     if not hasattr(getattr(triton, "knobs", None), "runtime"):
         pytest.skip("this triton has no JIT hooks (triton.knobs)")
@@ -107,6 +105,14 @@ def test_first_requests_compile_no_attention_kernel_on_a_gpu(enforce_eager, monk
     monkeypatch.setattr(
         triton.knobs.runtime, "jit_post_compile_hook", lambda *a, **kw: compiled.append(kw.get("repr", ""))
     )
+    return compiled
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_first_requests_compile_no_attention_kernel_on_a_gpu(enforce_eager, monkeypatch):
+    """After start-up, prompts and decode batches of new sizes find their kernels compiled."""
+    compiled = _compile_log(monkeypatch)
     llm = LLM(**{**ENGINE, "device": "cuda", "dtype": "bfloat16", "attention_backend": "triton",
                  "enforce_eager": enforce_eager, "max_num_seqs": 8})  # fmt: skip
     try:
@@ -124,13 +130,7 @@ def test_moe_steps_past_max_model_len_compile_nothing_after_start_up(monkeypatch
     """A MoE engine whose max_model_len is below its token budget: a burst that fills whole steps
     of several requests compiles no kernel after start-up (the warm-up runs steps up to the budget;
     before, the expert sort's larger chunk class compiled in the first requests' steps)."""
-    triton = pytest.importorskip("triton")
-    if not hasattr(getattr(triton, "knobs", None), "runtime"):
-        pytest.skip("this triton has no JIT hooks (triton.knobs)")
-    compiled: list[str] = []
-    monkeypatch.setattr(
-        triton.knobs.runtime, "jit_post_compile_hook", lambda *a, **kw: compiled.append(kw.get("repr", ""))
-    )
+    compiled = _compile_log(monkeypatch)
     vocab = 1024
     llm = LLM(
         model=str(ROOT / "benchmarks" / "configs" / "qwen3-30b-a3b"), load_format="dummy",
