@@ -14,11 +14,16 @@ from fastdeploy.model_executor.attention.backend import AttentionBackend, Attent
 from fastdeploy.model_executor.attention.registry import choose_attention_backend
 
 
+def device_name(choice: str) -> str:
+    """``--device`` with ``auto`` resolved: cuda when available, else cpu."""
+    if choice == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return choice
+
+
 def resolve_device(config: EngineConfig) -> torch.device:
     """``cpu`` / ``cuda`` from ``--device`` (``auto``: cuda when available)."""
-    name = config.device.device
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
+    name = device_name(config.device.device)
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError("--device cuda was requested but no CUDA device is available")
     return torch.device(name)

@@ -200,7 +200,7 @@ class ModelRunner:
         as many of at most ``max_model_len`` as a step of that many tokens needs."""
         width = self.batch.block_table.table.shape[1]
         seq_lens = np.array(warm_up_request_lens(num_tokens, self.max_model_len), dtype=np.int64)
-        query_start_loc = np.concatenate([[0], np.cumsum(seq_lens)]).astype(np.int64)
+        query_start_loc = np.concatenate([[0], np.cumsum(seq_lens)])
         no_tokens = np.zeros(0, dtype=np.int64)
         host = StepArrays(
             query_start_loc=query_start_loc.astype(np.int32),

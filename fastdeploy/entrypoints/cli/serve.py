@@ -115,12 +115,9 @@ def default_api_server_count(args: argparse.Namespace) -> int:
     dp = getattr(args, "data_parallel_size", 1)
     if dp <= 1 or getattr(args, "headless", False):
         return 1
-    device = str(getattr(args, "device", "auto"))
-    if device == "auto":
-        import torch
+    from fastdeploy.platforms.device import device_name
 
-        return dp if torch.cuda.is_available() else 1
-    return dp if device.startswith("cuda") else 1
+    return dp if device_name(str(getattr(args, "device", "auto"))).startswith("cuda") else 1
 
 
 def check_api_server_count(args: argparse.Namespace) -> str | None:
