@@ -35,24 +35,6 @@ def compiled_kernels(cache: Path) -> collections.Counter:
     return names
 
 
-def variant_details(cache: Path, names: set[str], before: set[Path]) -> list[str]:
-    """The compile-time keys (constants, specialized arguments) of the variants of ``names`` compiled
-    since ``before``, and of their older siblings, to see which key the warm-up missed."""
-    lines = []
-    for meta in sorted(cache.glob("*/*.json")):
-        if meta.stem in names:
-            data = json.loads(meta.read_text())
-            keep = {
-                k: data[k]
-                for k in ("constants", "attrs", "signature", "num_warps", "num_stages")
-                if k in data
-            }
-            lines.append(
-                f"{'NEW ' if meta not in before else 'old '}{meta.stem}: {json.dumps(keep, default=str)[:600]}"
-            )
-    return lines
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config", nargs="?", default=MODEL_8B)
@@ -85,15 +67,12 @@ def main() -> None:
     try:
         for burst in (1, 2):
             before = compiled_kernels(cache)
-            before_files = set(cache.glob("*/*.json"))
             prompts = random_prompts(args.num_prompts, args.input_len, vocab, seed=burst)
             start = time.perf_counter()
             llm.generate(prompts, params)
             seconds = time.perf_counter() - start
             new = compiled_kernels(cache) - before
             print(f"burst {burst}: {seconds:.2f} s, compiled during it: {dict(new) or 'nothing'}")
-            for line in variant_details(cache, set(new), before_files):
-                print("  " + line)
     finally:
         llm.shutdown()
 
