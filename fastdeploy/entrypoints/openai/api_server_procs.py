@@ -40,6 +40,9 @@ API_SERVER_STOP_GRACE_S = GRACEFUL_SHUTDOWN_S + 3.0
 """On stopping, how long the API servers get after SIGTERM (their graceful HTTP shutdown plus their
 engine client's) before they are killed."""
 
+LISTEN_BACKLOG = 2048
+"""Pending-connection queue of each API server socket (uvicorn's default)."""
+
 EXIT_PROCESS_DIED = 1
 """Exit status when an API server or engine core process died."""
 
@@ -107,6 +110,11 @@ def run_api_servers(args: argparse.Namespace) -> int:
         ready = cores.wait_ready()
         env = {**os.environ, MULTIPROC_DIR_ENV: metrics_dir}
         options = argparse.Namespace(**{k: v for k, v in vars(args).items() if not callable(v)})  # picklable
+        for sock in sockets:
+            # Every socket listens before its API server starts: a connection the kernel hashes to a
+            # process still starting waits in that socket's backlog. (A socket bound but not yet
+            # listening takes no connections, so all of them went to the process up first.)
+            sock.listen(LISTEN_BACKLOG)
         for index, sock in enumerate(sockets):
             attach = EngineAttachment(
                 ipc_dir, index, count, cores.pids, ready["max_model_len"], ready["num_blocks"]
