@@ -169,6 +169,16 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "Threads of the engine core that compile structured-output grammars (off the engine loop) "
         "and fill their bitmasks; default: half the CPU cores, between 2 and 8.",
     ),
+    "FD_RESPONSES_STORE_DIR": (
+        lambda: os.environ.get("FD_RESPONSES_STORE_DIR", ""),
+        "Directory of the stored /v1/responses (store: true), shared by the API server processes of one "
+        "server; set by serve for its API servers (empty: a private temporary directory).",
+    ),
+    "FD_RESPONSES_STORE_MB": (
+        lambda: float(os.environ.get("FD_RESPONSES_STORE_MB", "256")),
+        "Most MiB of stored /v1/responses each API server process keeps; past it, its oldest go first "
+        "(0: nothing is stored, and previous_response_id cannot be used).",
+    ),
     "FD_CUDA_ARCHS": (
         lambda: os.environ.get("FD_CUDA_ARCHS", "9.0a;8.0+PTX"),
         "GPU architectures setup_ops.py compiles fastdeploy_ops for, ';'-separated "

@@ -40,6 +40,7 @@ from fastdeploy.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
+    ResponsesRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     parse_request,
@@ -47,10 +48,12 @@ from fastdeploy.entrypoints.openai.protocol import (
 )
 from fastdeploy.entrypoints.openai.reasoning import get_reasoning_parser
 from fastdeploy.entrypoints.openai.request_body import BodySizeLimitMiddleware, read_json
+from fastdeploy.entrypoints.openai.responses_store import ResponseStore
 from fastdeploy.entrypoints.openai.serving_chat import OpenAIServingChat
 from fastdeploy.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from fastdeploy.entrypoints.openai.serving_embedding import OpenAIServingEmbedding, check_generation_model
 from fastdeploy.entrypoints.openai.serving_engine import ClientDisconnectedError, to_openai_error
+from fastdeploy.entrypoints.openai.serving_responses import OpenAIServingResponses
 from fastdeploy.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
 from fastdeploy.entrypoints.openai.tokenizer_lanes import TokenizerLanes
 from fastdeploy.entrypoints.openai.tool_parsers import get_tool_parser
@@ -196,6 +199,9 @@ def build_app(
         max_prompts_per_request=server.max_prompts_per_request,
     )
 
+    responses = OpenAIServingResponses(chat, ResponseStore())
+    app.state.responses_store = responses.store
+
     received = api_server_request_counter(served_model_names[0], api_server_index)
     v1 = APIRouter(prefix="/v1", route_class=OpenAIRoute, dependencies=auth)
 
@@ -214,6 +220,28 @@ def build_app(
         request = parse_request(ChatCompletionRequest, await read_json(raw_request), strict_fields=strict)
         check_generation_model(engine_client)
         return await chat.create_chat_completion(request, raw_request)
+
+    @v1.post("/responses", openapi_extra=json_body(ResponsesRequest))
+    async def create_response(raw_request: Request) -> Response:
+        raw_request.state.received = time.monotonic()
+        received.inc()
+        request = parse_request(ResponsesRequest, await read_json(raw_request), strict_fields=strict)
+        check_generation_model(engine_client)
+        return await responses.create_response(request, raw_request)
+
+    @v1.get("/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> Response:
+        return JSONResponse(await responses.retrieve(response_id))
+
+    @v1.delete("/responses/{response_id}")
+    async def delete_response(response_id: str) -> Response:
+        return JSONResponse(await responses.delete(response_id))
+
+    @v1.get("/responses/{response_id}/input_items")
+    async def list_input_items(
+        response_id: str, order: str = "desc", limit: int = 20, after: str | None = None
+    ) -> Response:
+        return JSONResponse(await responses.list_input_items(response_id, order, limit, after))
 
     @v1.post("/embeddings", openapi_extra=json_body(EmbeddingRequest))
     async def create_embedding(raw_request: Request) -> Response:

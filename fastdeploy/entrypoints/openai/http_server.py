@@ -238,6 +238,7 @@ async def run_server(
         sock = bind_socket(args.host, args.port)
     index = attach.client_index if attach is not None else 0
     engine: Any = None
+    responses_store: Any = None
     logger.info("tensor backend: %s", backend_version())
     try:
         from fastdeploy.engine.async_llm import AsyncLLM
@@ -246,6 +247,7 @@ async def run_server(
         if inspect.isawaitable(engine):
             engine = await engine
         app = build_app(engine, served_model_names, server_config, api_server_index=index)
+        responses_store = app.state.responses_store
         freeze_startup_heap("API server" if attach is None else f"API server {index}")
         STOP_SIGNALS.raise_if_received()  # a signal whose interrupt got lost while loading
         engine_died = await serve_http(
@@ -260,6 +262,8 @@ async def run_server(
     finally:
         with STOP_SIGNALS.shielded():
             sock.close()
+            if responses_store is not None:
+                responses_store.close()
             if engine is not None:
                 started = time.monotonic()
                 engine.shutdown()

@@ -105,6 +105,19 @@ class ChatOptions:
         )
 
 
+@dataclass
+class PreparedChat:
+    """A chat request validated, rendered and tokenized: ready to start on the engine."""
+
+    model: str
+    """The served model name the answer reports."""
+    prompts: list[EnginePrompt]
+    """The one engine prompt (its ``params.n`` choices)."""
+    options: ChatOptions
+    tokenized: float
+    """``time.monotonic()`` when the prompt was tokenized (the request timeline)."""
+
+
 class OpenAIServingChat(OpenAIServing):
     """Handler of the chat completions endpoint (text, and image / video feature parts).
 
@@ -140,8 +153,10 @@ class OpenAIServingChat(OpenAIServing):
             self._mm_inputs = MultimodalChatInputs(self.engine)
         return self._mm_inputs
 
-    async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
-        """Validate, render, tokenize, run and answer one chat request."""
+    async def prepare(self, request: ChatCompletionRequest) -> PreparedChat:
+        """Validate, render and tokenize one chat request (a 400 naming the field if it is wrong):
+        the engine prompt and what the answer reports besides its text. ``/v1/responses`` runs
+        its requests through here too."""
         model = self.resolve_model(request.model)
         params = request.to_sampling_params()
         tools = self.tool_calling.plan(request)
@@ -163,30 +178,33 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = resolve_max_tokens(
             len(token_ids), params.max_tokens, self.engine.max_model_len, prompt_kind="messages"
         )
-        prompts = [
-            EnginePrompt(
-                token_ids=token_ids,
-                params=params.clone(max_tokens=max_tokens),
-                text=text,
-                mm_items=mm_items or None,
-            )
-        ]
-
-        request_id = random_id("chatcmpl")
+        prompt = EnginePrompt(
+            token_ids=token_ids,
+            params=params.clone(max_tokens=max_tokens),
+            text=text,
+            mm_items=mm_items or None,
+        )
         options = ChatOptions.of(request)
         if self.reasoning_parser is not None and not tools.forced:
             options.reasoning = self.reasoning_parser(text, request.chat_template_kwargs)
         if tools.parser is not None:
             options.tools = tools
+        return PreparedChat(model=model, prompts=[prompt], options=options, tokenized=tokenized)
+
+    async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
+        """Validate, render, tokenize, run and answer one chat request."""
+        chat = await self.prepare(request)
+        model, prompts, options = chat.model, chat.prompts, chat.options
+        request_id = random_id("chatcmpl")
         started = await self.start_requests([request_id], prompts)
         if request.stream:
-            recorder = TimelineRecorder(getattr(raw_request.state, "received", None), tokenized)
+            recorder = TimelineRecorder(getattr(raw_request.state, "received", None), chat.tokenized)
             return SSEResponse(
                 self._stream(request_id, model, started, prompts, options, recorder), on_close=started.close
             )
         try:
             response = await run_until_disconnected(
-                raw_request, self._collect(request_id, model, started, prompts, options)
+                raw_request, self.collect(request_id, model, started, prompts, options)
             )
         finally:
             await started.close()
@@ -270,7 +288,7 @@ class OpenAIServingChat(OpenAIServing):
         exclude = None if options.include_usage else {"usage"}
         pending_prompt_lps = None  # sent with the next chunk after they arrive
         pending_prompt_ids = list(prompts[0].token_ids) if options.return_token_ids else None
-        splits = [_ChoiceSplit(options) for _ in range(n)]
+        splits = [ChoiceSplit(options) for _ in range(n)]
         created = int(time.time())  # one creation time for every chunk of the stream, as OpenAI's
         plain = (
             options.reasoning is None
@@ -348,7 +366,7 @@ class OpenAIServingChat(OpenAIServing):
         if recorder is not None:
             recorder.finish()
 
-    async def _collect(
+    async def collect(
         self,
         request_id: str,
         model: str,
@@ -356,6 +374,7 @@ class OpenAIServingChat(OpenAIServing):
         prompts: list[EnginePrompt],
         options: ChatOptions,
     ) -> ChatCompletionResponse:
+        """The whole answer of started chat requests (every choice)."""
         n = prompts[0].params.n
         num_top = prompts[0].params.logprobs
         texts: list[list[str]] = [[options.echo_text] for _ in range(n)]
@@ -380,13 +399,13 @@ class OpenAIServingChat(OpenAIServing):
                             finish[c.index], stop_reason[c.index] = c.finish_reason, c.stop_reason
         except Exception as exc:
             raise to_openai_error(exc) from exc
-        messages = [_message("".join(texts[k][1:]), options) for k in range(n)]
+        messages = [answer_message("".join(texts[k][1:]), options) for k in range(n)]
         choices = [
             ChatCompletionResponseChoice(
                 index=k,
                 message=messages[k],
                 logprobs=None if num_top is None else chat_logprobs(token_ids[k], logprobs[k], num_top),
-                finish_reason=_finish_reason(finish[k] or "abort", bool(messages[k].tool_calls)),
+                finish_reason=finish_reason_of(finish[k] or "abort", bool(messages[k].tool_calls)),
                 stop_reason=stop_reason[k],
                 token_ids=token_ids[k] if options.return_token_ids else None,
             )
@@ -402,12 +421,12 @@ class OpenAIServingChat(OpenAIServing):
         )
 
 
-def _finish_reason(reason: str | None, called: bool) -> str | None:
+def finish_reason_of(reason: str | None, called: bool) -> str | None:
     """``tool_calls`` for an answer that called tools and stopped by itself, else ``reason``."""
     return "tool_calls" if called and reason == "stop" else reason
 
 
-class _ChoiceSplit:
+class ChoiceSplit:
     """One streamed answer split into deltas: reasoning first (``--reasoning-parser``), then the
     content through the tool-call parser (with tools)."""
 
@@ -438,7 +457,7 @@ class _ChoiceSplit:
         )
 
     def finish_reason(self, reason: str | None) -> str | None:
-        return _finish_reason(reason, self.called)
+        return finish_reason_of(reason, self.called)
 
 
 def _delta_tool_calls(calls: list[ToolCallDelta]) -> list[DeltaToolCall]:
@@ -460,7 +479,7 @@ def _delta_tool_calls(calls: list[ToolCallDelta]) -> list[DeltaToolCall]:
     return out
 
 
-def _message(text: str, options: ChatOptions) -> ChatMessageOut:
+def answer_message(text: str, options: ChatOptions) -> ChatMessageOut:
     """The assistant message of a whole answer: ``echo`` text first, reasoning split out, then the
     tool calls read out of the content."""
     if options.reasoning is None and options.tools is None:

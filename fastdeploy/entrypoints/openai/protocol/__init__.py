@@ -15,6 +15,7 @@ The models live in modules by concern, all re-exported here:
 - :mod:`.completion`: ``/v1/completions``;
 - :mod:`.chat`: ``/v1/chat/completions``, messages and their content parts;
 - :mod:`.tools`: tools, ``tool_choice``, tool calls in messages and answers, the forced-call schema;
+- :mod:`.responses`: ``/v1/responses`` (OpenAI's Responses API), served as a chat request;
 - :mod:`.embeddings`: ``/v1/embeddings``;
 - :mod:`.tokenization`: ``/tokenize`` and ``/detokenize``;
 - :mod:`.models`: ``/v1/models``.
@@ -63,6 +64,7 @@ from fastdeploy.entrypoints.openai.protocol.embeddings import (
     EmbeddingUsage,
 )
 from fastdeploy.entrypoints.openai.protocol.models import ModelCard, ModelList
+from fastdeploy.entrypoints.openai.protocol.responses import ResponseObject, ResponsesRequest
 from fastdeploy.entrypoints.openai.protocol.sampling import (
     MAX_N,
     SamplingRequest,
@@ -133,6 +135,8 @@ __all__ = [
     "PromptLogprobs",
     "PromptTokensDetails",
     "ResponseModel",
+    "ResponseObject",
+    "ResponsesRequest",
     "SamplingRequest",
     "StreamOptions",
     "TextContentPart",

@@ -1,0 +1,133 @@
+"""The stored responses of ``/v1/responses`` (``store: true``): one JSON file per response in a
+directory every API server process of the server shares, so that ``GET /v1/responses/{id}`` and
+``previous_response_id`` work whichever process a connection lands on.
+
+A stored response holds the response object, the chat messages of its turn (its input, without
+the instructions, then its output) and the id of the response it continued: a conversation is
+read back by following ``previous_response_id`` links. Each process bounds what it wrote itself
+(``FD_RESPONSES_STORE_MB``), dropping its oldest first. The directory is ``FD_RESPONSES_STORE_DIR``
+(set by ``serve`` for several API servers, removed by it at exit) or else a private temporary one,
+made on the first store and removed when the process ends. Nothing from these files is executed
+or unpickled: they are JSON, read back only by id (checked against the id format).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+import threading
+import weakref
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from fastdeploy import envs
+
+_ID = re.compile(r"resp_[0-9a-f]{32}")
+"""The ids this server gives (``new_id("resp")``): nothing else names a file."""
+
+MAX_CHAIN = 10_000
+"""Most responses one ``previous_response_id`` chain may follow (a cycle cannot be made, but a
+damaged directory must not loop forever)."""
+
+
+@dataclass
+class StoredResponse:
+    """One stored response."""
+
+    response: dict[str, Any]
+    """The response object, as ``GET /v1/responses/{id}`` returns it."""
+    messages: list[dict[str, Any]]
+    """This turn as chat messages: its input (not its instructions), then its output."""
+    input_items: list[dict[str, Any]] = field(default_factory=list)
+    """Its ``input`` items, as ``GET /v1/responses/{id}/input_items`` lists them."""
+    previous_response_id: str | None = None
+
+
+class ResponseStore:
+    """Stored responses in a directory (module docstring); safe to call from several threads."""
+
+    def __init__(self, directory: str | None = None, max_bytes: int | None = None):
+        self._directory = directory or envs.FD_RESPONSES_STORE_DIR or None
+        self.max_bytes = int(envs.FD_RESPONSES_STORE_MB * 2**20) if max_bytes is None else max_bytes
+        """Bytes of files this process keeps (0: nothing is stored)."""
+        self._written: deque[tuple[str, int]] = deque()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self._cleanup: weakref.finalize | None = None
+
+    @property
+    def enabled(self) -> bool:
+        """Whether responses are stored at all."""
+        return self.max_bytes > 0
+
+    def _dir(self) -> str:
+        if self._directory is None:
+            self._directory = tempfile.mkdtemp(prefix="fastdeploy-responses-")
+            self._cleanup = weakref.finalize(self, shutil.rmtree, self._directory, True)
+        return self._directory
+
+    def _path(self, response_id: str) -> str | None:
+        return os.path.join(self._dir(), f"{response_id}.json") if _ID.fullmatch(response_id) else None
+
+    def save(self, response_id: str, stored: StoredResponse) -> None:
+        """Store a response (its oldest ones dropped past the byte bound)."""
+        path = self._path(response_id)
+        if not self.enabled or path is None:
+            return
+        data = json.dumps(asdict(stored), ensure_ascii=False).encode()
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)  # a reader never sees half a file
+        with self._lock:
+            self._written.append((response_id, len(data)))
+            self._bytes += len(data)
+            while self._bytes > self.max_bytes and len(self._written) > 1:
+                old, size = self._written.popleft()
+                self._bytes -= size
+                self.delete(old)
+
+    def load(self, response_id: str) -> StoredResponse | None:
+        """The stored response ``response_id`` (None: never stored, dropped or deleted)."""
+        path = self._path(response_id)
+        if path is None:
+            return None
+        try:
+            with open(path, "rb") as f:
+                data = json.loads(f.read())
+        except (FileNotFoundError, ValueError):
+            return None
+        return StoredResponse(**data)
+
+    def delete(self, response_id: str) -> bool:
+        """Forget ``response_id``; whether it was stored."""
+        path = self._path(response_id)
+        if path is None:
+            return False
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def conversation(self, response_id: str) -> list[dict[str, Any]] | None:
+        """The chat messages of every turn up to and including ``response_id``, oldest first
+        (None: a response of the chain is not stored)."""
+        turns: list[list[dict[str, Any]]] = []
+        current: str | None = response_id
+        while current is not None and len(turns) < MAX_CHAIN:
+            stored = self.load(current)
+            if stored is None:
+                return None
+            turns.append(stored.messages)
+            current = stored.previous_response_id
+        return [message for turn in reversed(turns) for message in turn]
+
+    def close(self) -> None:
+        """Remove the private directory (a shared one belongs to ``serve``)."""
+        if self._cleanup is not None:
+            self._cleanup()

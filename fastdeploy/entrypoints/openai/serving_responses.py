@@ -1,0 +1,392 @@
+"""``/v1/responses``: create (whole or streamed), retrieve, delete and list the input items of a
+response (OpenAI's Responses API).
+
+A request runs as the chat request it amounts to (``protocol/responses.py``) through the chat
+handler's validation, template and tool / reasoning set-up (:meth:`OpenAIServingChat.prepare`);
+the answer's pieces, split into reasoning, text and tool calls as a streamed chat answer is
+(``ChoiceSplit``), become output items: a ``reasoning`` item, a ``message`` item with one
+``output_text`` part, and a ``function_call`` item per call. :class:`ResponseOutput` builds the
+items and the stream's events in one pass, so a whole response and the last event of its
+stream carry the same items.
+
+A stream is OpenAI's event sequence (``event: TYPE`` and ``data: {...}`` with a
+``sequence_number``): ``response.created``, ``response.in_progress``, then per item
+``response.output_item.added``, ``response.content_part.added``, the deltas
+(``response.reasoning_text.delta``, ``response.output_text.delta``,
+``response.function_call_arguments.delta``), their ``.done`` events and
+``response.output_item.done``, and last ``response.completed`` (``response.incomplete`` when
+``max_output_tokens`` cut it). A failure ends it with ``error`` and ``response.failed``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from fastdeploy.core.outputs import CompletionOutput
+from fastdeploy.entrypoints.openai.errors import BadRequestError, NotFoundError
+from fastdeploy.entrypoints.openai.logprobs import chat_logprobs
+from fastdeploy.entrypoints.openai.protocol.responses import (
+    ResponseObject,
+    ResponsesRequest,
+    ResponseUsage,
+    function_call_item,
+    input_items,
+    message_item,
+    new_id,
+    output_messages,
+    reasoning_item,
+    responses_error,
+)
+from fastdeploy.entrypoints.openai.responses_store import ResponseStore, StoredResponse
+from fastdeploy.entrypoints.openai.serving_chat import ChatOptions, ChoiceSplit, OpenAIServingChat
+from fastdeploy.entrypoints.openai.serving_engine import (
+    SSEResponse,
+    StartedRequests,
+    UsageTracker,
+    run_until_disconnected,
+    to_openai_error,
+)
+
+Event = dict[str, Any]
+
+
+@dataclass
+class _OpenItem:
+    """The output item being generated."""
+
+    kind: str
+    """``reasoning``, ``message`` or ``function_call``."""
+    id: str
+    output_index: int
+    text: str = ""
+    """Its reasoning or message text, or a call's arguments."""
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    call_id: str = ""
+    name: str = ""
+
+
+class ResponseOutput:
+    """The output items of one answer, built from its streamed pieces, and the events that tell them."""
+
+    def __init__(self, options: ChatOptions, num_top: int | None):
+        self._split = ChoiceSplit(options)
+        self._num_top = num_top
+        self.items: list[dict[str, Any]] = []
+        """The finished output items, in order."""
+        self._open: _OpenItem | None = None
+        self._pending_logprobs: list[dict[str, Any]] = []
+        """Logprobs of tokens whose text has not come out yet (held back by a parser)."""
+        self.finish_reason: str | None = None
+        self.reasoning_tokens = 0
+        """Output tokens whose piece was reasoning only (an estimate where a piece mixes both)."""
+
+    def feed(self, c: CompletionOutput) -> list[Event]:
+        """Take one streamed piece of the answer; the events it makes."""
+        delta = self._split.delta(c)
+        if c.logprobs and self._num_top is not None:
+            entries = chat_logprobs(c.token_ids, c.logprobs, self._num_top).content or []
+            self._pending_logprobs += [e.model_dump() for e in entries]
+        events: list[Event] = []
+        if delta.reasoning_content:
+            if not delta.content and not delta.tool_calls:
+                self.reasoning_tokens += len(c.token_ids)
+            item = self._switch_to("reasoning", events)
+            item.text += delta.reasoning_content
+            events.append(
+                self._part_event("response.reasoning_text.delta", item, delta=delta.reasoning_content)
+            )
+        if delta.content:
+            item = self._switch_to("message", events)
+            item.text += delta.content
+            logprobs, self._pending_logprobs = self._pending_logprobs, []
+            item.logprobs += logprobs
+            events.append(
+                self._part_event("response.output_text.delta", item, delta=delta.content, logprobs=logprobs)
+            )
+        for call in delta.tool_calls or []:
+            if call.id is not None:
+                item = self._switch_to(
+                    "function_call", events, call_id=call.id, name=call.function.name or ""
+                )
+            item = self._open
+            if item is None or item.kind != "function_call":
+                continue  # (a parser never sends arguments before the call's id)
+            if call.function.arguments:
+                item.text += call.function.arguments
+                events.append(
+                    {
+                        "type": "response.function_call_arguments.delta",
+                        "item_id": item.id,
+                        "output_index": item.output_index,
+                        "delta": call.function.arguments,
+                    }
+                )
+        if c.finish_reason is not None:
+            self.finish_reason = self._split.finish_reason(c.finish_reason)
+        return events
+
+    def finish(self) -> list[Event]:
+        """Close the last item (an empty message when the answer had none); the events that makes."""
+        events: list[Event] = []
+        if self._open is None and not self.items:
+            self._switch_to("message", events)
+        self._close(events, "incomplete" if self.finish_reason == "length" else "completed")
+        return events
+
+    # ---- items ----------------------------------------------------------------------
+
+    def _switch_to(self, kind: str, events: list[Event], call_id: str = "", name: str = "") -> _OpenItem:
+        """The open item if it is of ``kind`` (and not a new call), else a new one after closing it."""
+        if self._open is not None and self._open.kind == kind and kind != "function_call":
+            return self._open
+        self._close(events, "completed")
+        prefix = {"reasoning": "rs", "message": "msg", "function_call": "fc"}[kind]
+        item = _OpenItem(kind, new_id(prefix), len(self.items), call_id=call_id, name=name)
+        self._open = item
+        events.append(
+            {
+                "type": "response.output_item.added",
+                "output_index": item.output_index,
+                "item": self._item(item, "in_progress"),
+            }
+        )
+        if kind != "function_call":
+            events.append(self._part_event("response.content_part.added", item, part=self._part(item, "")))
+        return item
+
+    def _close(self, events: list[Event], status: str) -> None:
+        item, self._open = self._open, None
+        if item is None:
+            return
+        if item.kind == "reasoning":
+            events.append(self._part_event("response.reasoning_text.done", item, text=item.text))
+        elif item.kind == "message":
+            item.logprobs += self._pending_logprobs
+            self._pending_logprobs = []
+            events.append(
+                self._part_event("response.output_text.done", item, text=item.text, logprobs=item.logprobs)
+            )
+        else:
+            events.append(
+                {
+                    "type": "response.function_call_arguments.done",
+                    "item_id": item.id,
+                    "output_index": item.output_index,
+                    "name": item.name,
+                    "arguments": item.text,
+                }
+            )
+        if item.kind != "function_call":
+            events.append(
+                self._part_event("response.content_part.done", item, part=self._part(item, item.text))
+            )
+        done = self._item(item, status)
+        self.items.append(done)
+        events.append({"type": "response.output_item.done", "output_index": item.output_index, "item": done})
+
+    def _item(self, item: _OpenItem, status: str) -> dict[str, Any]:
+        final = status != "in_progress"
+        if item.kind == "reasoning":
+            out = reasoning_item(item.id, item.text, status)
+            if not final:
+                out["content"] = []
+            return out
+        if item.kind == "message":
+            out = message_item(
+                item.id, item.text, status, item.logprobs if self._num_top is not None else None
+            )
+            if not final:
+                out["content"] = []
+            return out
+        return function_call_item(item.id, item.call_id, item.name, item.text if final else "", status)
+
+    def _part(self, item: _OpenItem, text: str) -> dict[str, Any]:
+        if item.kind == "reasoning":
+            return {"type": "reasoning_text", "text": text}
+        part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
+        if self._num_top is not None:
+            part["logprobs"] = item.logprobs if text else []
+        return part
+
+    @staticmethod
+    def _part_event(kind: str, item: _OpenItem, **fields: Any) -> Event:
+        return {
+            "type": kind,
+            "item_id": item.id,
+            "output_index": item.output_index,
+            "content_index": 0,
+            **fields,
+        }
+
+
+class OpenAIServingResponses:
+    """Handler of ``/v1/responses``, on top of the chat handler, with its stored responses."""
+
+    def __init__(self, chat: OpenAIServingChat, store: ResponseStore):
+        self.chat = chat
+        self.store = store
+
+    async def create_response(self, request: ResponsesRequest, raw_request: Request) -> Response:
+        """Validate, run and answer one Responses request (streamed or whole)."""
+        history: list[dict[str, Any]] = []
+        if request.previous_response_id is not None:
+            found = await asyncio.to_thread(self.store.conversation, request.previous_response_id)
+            if found is None:
+                raise NotFoundError(
+                    f"Previous response with id '{request.previous_response_id}' not found (never stored, "
+                    "deleted, or dropped past the store's size bound)",
+                    param="previous_response_id",
+                )
+            history = found
+        try:
+            prepared = await self.chat.prepare(request.to_chat_request(history))
+        except BadRequestError as exc:
+            raise responses_error(exc) from None
+        response_id = new_id("resp")
+        base = ResponseObject.of(response_id, prepared.model, request)
+        base.store = request.stores and self.store.enabled
+        num_top = prepared.prompts[0].params.logprobs
+        output = ResponseOutput(prepared.options, num_top)
+        started = await self.chat.start_requests([response_id], prepared.prompts)
+        if request.stream:
+            return SSEResponse(self._stream(request, base, started, output), on_close=started.close)
+        try:
+            response = await run_until_disconnected(
+                raw_request, self._collect(request, base, started, output)
+            )
+        finally:
+            await started.close()
+        return JSONResponse(response)
+
+    async def _collect(
+        self,
+        request: ResponsesRequest,
+        base: ResponseObject,
+        started: StartedRequests,
+        output: ResponseOutput,
+    ) -> dict[str, Any]:
+        try:
+            async with contextlib.aclosing(started.outputs()) as outputs:
+                async for _, out in outputs:
+                    for c in out.outputs:
+                        output.feed(c)
+        except Exception as exc:
+            raise to_openai_error(exc) from exc
+        output.finish()
+        return await self._finished(request, base, output, started.tracker)
+
+    async def _stream(
+        self,
+        request: ResponsesRequest,
+        base: ResponseObject,
+        started: StartedRequests,
+        output: ResponseOutput,
+    ) -> AsyncIterator[str]:
+        sequence = 0
+
+        def event(body: Event) -> str:
+            nonlocal sequence
+            body["sequence_number"] = sequence
+            sequence += 1
+            return f"event: {body['type']}\ndata: {json.dumps(body)}\n\n"
+
+        yield event({"type": "response.created", "response": base.model_dump()})
+        yield event({"type": "response.in_progress", "response": base.model_dump()})
+        try:
+            async with contextlib.aclosing(started.outputs()) as outputs:
+                async for _, out in outputs:
+                    for c in out.outputs:
+                        for body in output.feed(c):
+                            yield event(body)
+            for body in output.finish():
+                yield event(body)
+            final = await self._finished(request, base, output, started.tracker)
+            kind = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(
+                final["status"], "response.failed"
+            )
+            yield event({"type": kind, "response": final})
+        except Exception as exc:
+            error = to_openai_error(exc)
+            yield event({"type": "error", "code": error.code, "message": error.message, "param": error.param})
+            failed = base.model_copy(update={"status": "failed", "output": output.items})
+            failed.error = {"code": error.code or "server_error", "message": error.message}
+            yield event({"type": "response.failed", "response": failed.model_dump()})
+
+    async def _finished(
+        self, request: ResponsesRequest, base: ResponseObject, output: ResponseOutput, tracker: UsageTracker
+    ) -> dict[str, Any]:
+        """The finished response object (stored when asked)."""
+        usage = tracker.usage()
+        response = base.model_copy(update={"output": output.items, "completed_at": int(time.time())})
+        response.usage = ResponseUsage.build(
+            usage.prompt_tokens, sum(tracker.cached_tokens), usage.completion_tokens, output.reasoning_tokens
+        )
+        if output.finish_reason == "length":
+            response.status, response.incomplete_details = "incomplete", {"reason": "max_output_tokens"}
+        elif output.finish_reason in ("stop", "tool_calls"):
+            response.status = "completed"
+        else:
+            response.status = "failed"
+            response.error = {"code": "server_error", "message": "the request was aborted"}
+        body = response.model_dump()
+        if response.store:
+            stored = StoredResponse(
+                response=body,
+                messages=request.input_messages() + output_messages(output.items),
+                input_items=input_items(request),
+                previous_response_id=request.previous_response_id,
+            )
+            await asyncio.to_thread(self.store.save, response.id, stored)
+        return body
+
+    # ---- stored responses -------------------------------------------------------------
+
+    async def _stored(self, response_id: str) -> StoredResponse:
+        stored = await asyncio.to_thread(self.store.load, response_id)
+        if stored is None:
+            raise NotFoundError(f"Response with id '{response_id}' not found", param="response_id")
+        return stored
+
+    async def retrieve(self, response_id: str) -> dict[str, Any]:
+        """``GET /v1/responses/{id}``: a stored response (404 if it is not stored)."""
+        return (await self._stored(response_id)).response
+
+    async def delete(self, response_id: str) -> dict[str, Any]:
+        """``DELETE /v1/responses/{id}``: forget a stored response (404 if it is not stored)."""
+        if not await asyncio.to_thread(self.store.delete, response_id):
+            raise NotFoundError(f"Response with id '{response_id}' not found", param="response_id")
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    async def list_input_items(
+        self, response_id: str, order: str = "desc", limit: int = 20, after: str | None = None
+    ) -> dict[str, Any]:
+        """``GET /v1/responses/{id}/input_items``: the input items of a stored response, a page at a time."""
+        if order not in ("asc", "desc"):
+            raise BadRequestError(f"order must be 'asc' or 'desc', got {order!r}", param="order")
+        if not 1 <= limit <= 100:
+            raise BadRequestError(f"limit must be in [1, 100], got {limit}", param="limit")
+        items = (await self._stored(response_id)).input_items
+        if order == "desc":
+            items = items[::-1]
+        if after is not None:
+            ids = [item.get("id") for item in items]
+            if after not in ids:
+                raise BadRequestError(f"no input item with id '{after}'", param="after")
+            items = items[ids.index(after) + 1 :]
+        page = items[:limit]
+        return {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(items) > limit,
+        }
