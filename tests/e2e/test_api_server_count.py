@@ -169,6 +169,38 @@ def test_aborted_streams_free_their_blocks_on_either_api_server(two_servers, mod
     assert generated < 1500 * dropped / 2, generated
 
 
+def test_stored_responses_are_shared_by_both_api_servers(two_servers, model_name):
+    """``/v1/responses`` on new connections until both processes made some: every response is read
+    back and continued (``previous_response_id``) on new connections, whichever process answers."""
+    before = two_servers.wait_idle()
+    made = []
+    for _ in range(16):
+        with two_servers.http() as http:  # a new connection each time
+            body = {"model": model_name, "input": f"Say {len(made)}.", "max_output_tokens": 2}
+            response = http.post("/v1/responses", json=body)
+        assert response.status_code == 200, response.text
+        made.append(response.json())
+        m = two_servers.metrics()
+        if len(made) >= 4 and all(
+            m[PER_SERVER.format(i)] > before.get(PER_SERVER.format(i), 0.0) for i in (0, 1)
+        ):
+            break
+    assert all(m[PER_SERVER.format(i)] > before.get(PER_SERVER.format(i), 0.0) for i in (0, 1)), m
+    for first in made:
+        with two_servers.http() as http:
+            assert http.get(f"/v1/responses/{first['id']}").json() == first
+        with two_servers.http() as http:
+            body = {
+                "model": model_name,
+                "input": "Again.",
+                "max_output_tokens": 2,
+                "previous_response_id": first["id"],
+            }
+            response = http.post("/v1/responses", json=body)
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["input_tokens"] > first["usage"]["input_tokens"]
+
+
 @pytest.mark.slow
 def test_dp2_with_two_api_servers(server, server_factory, model_name):
     """Two engine cores, two API servers (each routing its own requests over both ranks): the same
@@ -236,7 +268,10 @@ def test_sigterm_stops_everything_and_leaves_no_files(server_factory, monkeypatc
             with srv.http() as http:
                 body = {"model": srv.model_name(), "prompt": "Hello", "max_tokens": 2}
                 assert http.post("/v1/completions", json=body).status_code == 200
+                body = {"model": srv.model_name(), "input": "Hello", "max_output_tokens": 2}
+                assert http.post("/v1/responses", json=body).status_code == 200  # a stored response
             assert any(p.name.startswith("fastdeploy-metrics-") for p in tmpdir.iterdir())
+            assert any(any(p.iterdir()) for p in tmpdir.glob("fastdeploy-responses-*"))
         started = time.monotonic()
         assert srv.send_signal_and_wait(signal.SIGTERM) == 143
         assert time.monotonic() - started < 3.0  # as with one API server (test_lifecycle.py)

@@ -104,7 +104,10 @@ def test_idle_shutdown_is_fast_and_clean(server_factory, server_tmpdir):
             assert client.get("/metrics").status_code == 200
         body = {"model": srv.model_name(), "prompt": "Hello", "max_tokens": 2}
         assert client.post("/v1/completions", json=body).status_code == 200
+        body = {"model": srv.model_name(), "input": "Hello", "max_output_tokens": 2}
+        assert client.post("/v1/responses", json=body).status_code == 200  # stored in TMPDIR
     srv.wait_idle()
+    assert list(server_tmpdir.glob("fastdeploy-responses-*/resp_*.json"))
 
     started = time.monotonic()
     code = srv.send_signal_and_wait(signal.SIGTERM)  # also asserts every child process is gone
