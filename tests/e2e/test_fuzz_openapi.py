@@ -23,7 +23,7 @@ from schemathesis import GenerationMode
 
 API_KEY = "fuzz-key"
 EXAMPLES = {"POST": int(os.environ.get("FD_FUZZ_EXAMPLES", "250")), "GET": 25}
-MAX_TOKEN_FIELDS = ("max_tokens", "max_completion_tokens")
+MAX_TOKEN_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +47,8 @@ def bounded(body: Any, model_name: str) -> Any:
             body[key] = max(min(body[key], 4), -1)
     if "messages" in body or "prompt" in body:
         body.setdefault("max_tokens", 4)
+    if "input" in body:
+        body.setdefault("max_output_tokens", 4)
     if isinstance(body.get("n"), int) and not isinstance(body.get("n"), bool):
         body["n"] = min(body["n"], 2)
     if isinstance(body.get("model"), str) and hash(json.dumps(body, sort_keys=True, default=str)) % 2:
@@ -105,6 +107,8 @@ def test_fuzz_every_route_no_5xx_and_memory_returns(fuzz_server):
     assert {f"{op.method.upper()} {op.path}" for op in operations} >= {
         "POST /v1/completions",
         "POST /v1/chat/completions",
+        "POST /v1/responses",
+        "GET /v1/responses/{response_id}",
         "POST /tokenize",
         "POST /detokenize",
         "GET /v1/models",
