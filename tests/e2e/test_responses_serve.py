@@ -247,3 +247,40 @@ def test_what_cannot_be_served_is_a_400_naming_the_field(server, model_name):
             "/v1/responses", json={"model": model_name, "input": "x", "previous_response_id": "resp_1"}
         )
         assert server.check_error(response, 404)["param"] == "previous_response_id"
+
+
+def test_langchain_on_the_responses_api(server, model_name):
+    """LangChain's ``ChatOpenAI(use_responses_api=True)``: chat, stream, ``with_structured_output``
+    (both methods) and a ``bind_tools`` round trip, unchanged."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+
+    @tool
+    def get_weather(city: str, unit: str) -> str:
+        """Weather in a city; unit is celsius or fahrenheit."""
+        return f"12 degrees {unit} in {city}"
+
+    llm = langchain_openai.ChatOpenAI(
+        base_url=server.url + "/v1",
+        api_key=server.api_key,
+        model=model_name,
+        temperature=0,
+        max_tokens=64,
+        use_responses_api=True,
+    )
+    reply = llm.invoke("Hello!")
+    streamed = [chunk for chunk in llm.stream("Hello!")]
+    assert reply.text and "".join(chunk.text for chunk in streamed) == reply.text
+    for method in ("json_schema", "function_calling"):
+        assert isinstance(llm.with_structured_output(City, method=method).invoke("Describe Paris."), City)
+    ai = llm.bind_tools([get_weather], tool_choice="get_weather").invoke("Weather in Paris, in celsius?")
+    [call] = ai.tool_calls
+    assert call["name"] == "get_weather" and set(call["args"]) >= {"city", "unit"}
+    messages = [
+        HumanMessage("Weather in Paris, in celsius?"),
+        ai,
+        ToolMessage(get_weather.invoke(call["args"]), tool_call_id=call["id"]),
+    ]
+    answer = llm.bind_tools([get_weather]).invoke(messages)
+    assert answer.text or answer.tool_calls
