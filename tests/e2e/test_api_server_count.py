@@ -201,6 +201,29 @@ def test_stored_responses_are_shared_by_both_api_servers(two_servers, model_name
         assert response.json()["usage"]["input_tokens"] > first["usage"]["input_tokens"]
 
 
+def test_background_responses_are_cancelled_from_either_api_server(two_servers, model_name):
+    """Background responses started and cancelled on new connections (so often on different processes:
+    the cancel then goes through the store's marker): every one ends cancelled, nothing left running."""
+    body = {
+        "model": model_name,
+        "input": "Tell a long story.",
+        "background": True,
+        "max_output_tokens": 1500,
+        "ignore_eos": True,
+    }
+    for _ in range(4):
+        with two_servers.http() as http:
+            queued = http.post("/v1/responses", json=body).json()
+        assert queued["status"] == "queued", queued
+        with two_servers.http() as http:
+            cancelled = http.post(f"/v1/responses/{queued['id']}/cancel").json()
+        assert cancelled["status"] == "cancelled", cancelled
+        with two_servers.http() as http:
+            assert http.get(f"/v1/responses/{queued['id']}").json()["status"] == "cancelled"
+    m = two_servers.wait_idle(timeout=10)
+    assert m["fastdeploy:num_requests_running"] == 0 and m["fastdeploy:kv_cache_usage_perc"] == 0, m
+
+
 @pytest.mark.slow
 def test_dp2_with_two_api_servers(server, server_factory, model_name):
     """Two engine cores, two API servers (each routing its own requests over both ranks): the same

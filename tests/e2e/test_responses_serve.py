@@ -11,6 +11,7 @@ cannot be served is a 400 naming the field.
 from __future__ import annotations
 
 import json
+import time
 from typing import Literal
 
 import jsonschema
@@ -227,7 +228,7 @@ def test_logprobs_come_with_the_text(client, model_name):
 def test_what_cannot_be_served_is_a_400_naming_the_field(server, model_name):
     cases = [
         ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
-        ({"input": "x", "background": True}, "background"),
+        ({"input": "x", "background": True, "store": False}, "background"),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
         ({"input": "x", "text": {"format": {"type": "json_schema", "name": "s", "schema": {"type": "nope"}}}}, "text.format.schema"),
         ({"input": "x", "max_output_tokens": 10**6}, "input"),
@@ -284,3 +285,43 @@ def test_langchain_on_the_responses_api(server, model_name):
     ]
     answer = llm.bind_tools([get_weather]).invoke(messages)
     assert answer.text or answer.tool_calls
+
+
+def wait_until_ended(client, response_id: str, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        response = client.responses.retrieve(response_id)
+        if response.status not in ("queued", "in_progress") or time.monotonic() > deadline:
+            return response
+        time.sleep(0.1)
+
+
+def test_background_response_runs_and_can_be_cancelled(server, client, model_name):
+    queued = client.responses.create(model=model_name, input="Name a color.", background=True, **GREEDY)
+    assert queued.status == "queued" and queued.background and not queued.output
+    done = wait_until_ended(client, queued.id)
+    assert done.status in ("completed", "incomplete") and done.background
+    whole = client.responses.create(model=model_name, input="Name a color.", store=False, **GREEDY)
+    assert done.output_text == whole.output_text
+    assert client.responses.cancel(done.id).status == done.status  # ended: returned as it is
+
+    with pytest.raises(openai.BadRequestError, match="background can only be used when `store` is true"):
+        client.responses.create(model=model_name, input="x", background=True, store=False)
+    synchronous = client.responses.create(model=model_name, input="Hi", max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="Cannot cancel a synchronous response."):
+        client.responses.cancel(synchronous.id)
+
+    long = client.responses.create(
+        model=model_name,
+        input="Tell a long story.",
+        background=True,
+        max_output_tokens=1500,
+        extra_body={"ignore_eos": True},
+    )
+    time.sleep(0.5)
+    cancelled = client.responses.cancel(long.id)
+    assert cancelled.status == "cancelled"
+    time.sleep(1.0)
+    assert client.responses.retrieve(long.id).status == "cancelled"
+    m = server.wait_idle(timeout=10)
+    assert m["fastdeploy:num_requests_running"] == 0 and m["fastdeploy:kv_cache_usage_perc"] == 0

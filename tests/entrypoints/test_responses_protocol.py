@@ -134,7 +134,8 @@ def test_errors_name_the_responses_field():
         tool_choice={"type": "file_search"},
     )
     bad_request("text.format.type", input="x", text={"format": {"type": "xml"}})
-    bad_request("background", input="x", background=True)
+    bad_request("background", input="x", background=True, store=False)
+    bad_request("stream", input="x", background=True, stream=True)
     bad_request("conversation", input="x", conversation="conv_1")
     bad_request("prompt", input="x", prompt={"id": "pmpt_1"})
     bad_request("top_logprobs", input="x", top_logprobs=99)
@@ -332,3 +333,20 @@ def test_tool_calls_are_function_call_items():
     assert all(c["call_id"].startswith("call_") and c["id"].startswith("fc_") for c in calls)
     assert output.finish_reason == "tool_calls"
     check_events(events, output.items)
+
+
+def test_cancel_markers(tmp_path):
+    store = ResponseStore(str(tmp_path), max_bytes=1 << 20)
+    rid = new_id("resp")
+    store.save(rid, stored("x"))
+    store.save(rid, stored("xy"))  # saved again as a background response progresses: counted once
+    assert store._bytes == os.path.getsize(tmp_path / f"{rid}.json")
+    assert not store.cancel_requested(rid)
+    store.request_cancel(rid)
+    assert ResponseStore(str(tmp_path)).cancel_requested(rid)  # seen by the process running it
+    store.clear_cancel(rid)
+    assert not store.cancel_requested(rid)
+    store.request_cancel(rid)
+    assert store.delete(rid) and not store.cancel_requested(rid) and store._bytes == 0
+    store.request_cancel("../x")  # not an id: nothing written
+    assert sorted(os.listdir(tmp_path)) == []

@@ -237,6 +237,10 @@ def build_app(
     async def delete_response(response_id: str) -> Response:
         return JSONResponse(await responses.delete(response_id))
 
+    @v1.post("/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str) -> Response:
+        return JSONResponse(await responses.cancel(response_id))
+
     @v1.get("/responses/{response_id}/input_items")
     async def list_input_items(
         response_id: str, order: str = "desc", limit: int = 20, after: str | None = None

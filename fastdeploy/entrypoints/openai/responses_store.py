@@ -13,6 +13,7 @@ or unpickled: they are JSON, read back only by id (checked against the id format
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -20,7 +21,7 @@ import shutil
 import tempfile
 import threading
 import weakref
-from collections import deque
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -54,7 +55,8 @@ class ResponseStore:
         self._directory = directory or envs.FD_RESPONSES_STORE_DIR or None
         self.max_bytes = int(envs.FD_RESPONSES_STORE_MB * 2**20) if max_bytes is None else max_bytes
         """Bytes of files this process keeps (0: nothing is stored)."""
-        self._written: deque[tuple[str, int]] = deque()
+        self._written: OrderedDict[str, int] = OrderedDict()
+        """Ids this process stored, oldest first, with their file sizes."""
         self._bytes = 0
         self._lock = threading.Lock()
         self._cleanup: weakref.finalize | None = None
@@ -84,12 +86,12 @@ class ResponseStore:
             f.write(data)
         os.replace(tmp, path)  # a reader never sees half a file
         with self._lock:
-            self._written.append((response_id, len(data)))
-            self._bytes += len(data)
+            self._bytes += len(data) - self._written.pop(response_id, 0)  # (a background response is
+            self._written[response_id] = len(data)  # saved again as it progresses)
             while self._bytes > self.max_bytes and len(self._written) > 1:
-                old, size = self._written.popleft()
+                old, size = self._written.popitem(last=False)
                 self._bytes -= size
-                self.delete(old)
+                self._unlink(old)
 
     def load(self, response_id: str) -> StoredResponse | None:
         """The stored response ``response_id`` (None: never stored, dropped or deleted)."""
@@ -105,14 +107,40 @@ class ResponseStore:
 
     def delete(self, response_id: str) -> bool:
         """Forget ``response_id``; whether it was stored."""
+        with self._lock:
+            self._bytes -= self._written.pop(response_id, 0)
+        return self._unlink(response_id)
+
+    def _unlink(self, response_id: str) -> bool:
         path = self._path(response_id)
         if path is None:
             return False
+        self.clear_cancel(response_id)
         try:
             os.unlink(path)
         except FileNotFoundError:
             return False
         return True
+
+    def request_cancel(self, response_id: str) -> None:
+        """Ask the process running background response ``response_id`` to cancel it (a marker file
+        it polls: the cancel may reach another API server process than the one running it)."""
+        path = self._path(response_id)
+        if path is not None and self.enabled:
+            with open(f"{path}.cancel", "wb"):
+                pass
+
+    def cancel_requested(self, response_id: str) -> bool:
+        """Whether a cancel of ``response_id`` was asked (:meth:`request_cancel`)."""
+        path = self._path(response_id)
+        return path is not None and os.path.exists(f"{path}.cancel")
+
+    def clear_cancel(self, response_id: str) -> None:
+        """Drop the cancel marker of ``response_id`` (its run is over)."""
+        path = self._path(response_id)
+        if path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"{path}.cancel")
 
     def conversation(self, response_id: str) -> list[dict[str, Any]] | None:
         """The chat messages of every turn up to and including ``response_id``, oldest first

@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -139,7 +139,7 @@ class ResponseOutput:
         events: list[Event] = []
         if self._open is None and not self.items:
             self._switch_to("message", events)
-        self._close(events, "incomplete" if self.finish_reason == "length" else "completed")
+        self._close(events, "completed" if self.finish_reason in ("stop", "tool_calls") else "incomplete")
         return events
 
     # ---- items ----------------------------------------------------------------------
@@ -231,14 +231,32 @@ class ResponseOutput:
 class OpenAIServingResponses:
     """Handler of ``/v1/responses``, on top of the chat handler, with its stored responses."""
 
+    CANCEL_POLL_S = 0.1
+    """How often a background run checks for a cancel asked through another API server process."""
+    CANCEL_WAIT_S = 10.0
+    """How long a cancel waits for the run to stop (on whichever process runs it)."""
+
     def __init__(self, chat: OpenAIServingChat, store: ResponseStore):
         self.chat = chat
         self.store = store
+        self._background: dict[str, asyncio.Task] = {}
+        """The background responses this process runs, by id."""
 
     async def create_response(self, request: ResponsesRequest, raw_request: Request) -> Response:
         """Validate, run and answer one Responses request (streamed or whole)."""
         history: list[dict[str, Any]] = []
+        if request.background and not self.store.enabled:
+            raise BadRequestError(
+                "background responses need the response store (FD_RESPONSES_STORE_MB is 0)",
+                param="background",
+            )
         if request.previous_response_id is not None:
+            previous = await asyncio.to_thread(self.store.load, request.previous_response_id)
+            if previous is not None and previous.response.get("status") in ("queued", "in_progress"):
+                raise BadRequestError(
+                    f"Previous response '{request.previous_response_id}' is still in progress",
+                    param="previous_response_id",
+                )
             found = await asyncio.to_thread(self.store.conversation, request.previous_response_id)
             if found is None:
                 raise NotFoundError(
@@ -257,6 +275,8 @@ class OpenAIServingResponses:
         num_top = prepared.prompts[0].params.logprobs
         output = ResponseOutput(prepared.options, num_top)
         started = await self.chat.start_requests([response_id], prepared.prompts)
+        if request.background:
+            return JSONResponse(await self._start_background(request, base, started, output))
         if request.stream:
             return SSEResponse(self._stream(request, base, started, output), on_close=started.close)
         try:
@@ -273,10 +293,14 @@ class OpenAIServingResponses:
         base: ResponseObject,
         started: StartedRequests,
         output: ResponseOutput,
+        on_first: Callable[[], Awaitable[None]] | None = None,
     ) -> dict[str, Any]:
         try:
             async with contextlib.aclosing(started.outputs()) as outputs:
                 async for _, out in outputs:
+                    if on_first is not None:
+                        await on_first()
+                        on_first = None
                     for c in out.outputs:
                         output.feed(c)
         except Exception as exc:
@@ -347,6 +371,92 @@ class OpenAIServingResponses:
             )
             await asyncio.to_thread(self.store.save, response.id, stored)
         return body
+
+    # ---- background responses ---------------------------------------------------------
+
+    async def _save(self, request: ResponsesRequest, response: ResponseObject) -> None:
+        """Store a background response as it stands (its turn's messages come once it has ended)."""
+        stored = StoredResponse(
+            response=response.model_dump(),
+            messages=[],
+            input_items=input_items(request),
+            previous_response_id=request.previous_response_id,
+        )
+        await asyncio.to_thread(self.store.save, response.id, stored)
+
+    async def _start_background(
+        self,
+        request: ResponsesRequest,
+        base: ResponseObject,
+        started: StartedRequests,
+        output: ResponseOutput,
+    ) -> dict[str, Any]:
+        """Store the response as ``queued`` and run it in a task of its own: the client polls
+        ``GET /v1/responses/{id}`` and may cancel it (``POST /v1/responses/{id}/cancel``)."""
+        queued = base.model_copy(update={"status": "queued"})
+        await self._save(request, queued)
+        task = asyncio.create_task(self._run_background(request, base, started, output))
+        self._background[base.id] = task
+        task.add_done_callback(lambda _: self._background.pop(base.id, None))
+        return queued.model_dump()
+
+    async def _run_background(
+        self,
+        request: ResponsesRequest,
+        base: ResponseObject,
+        started: StartedRequests,
+        output: ResponseOutput,
+    ) -> None:
+        watcher = asyncio.create_task(self._watch_cancel(base.id, asyncio.current_task()))
+
+        async def in_progress() -> None:
+            await self._save(request, base.model_copy(update={"status": "in_progress"}))
+
+        try:
+            await self._collect(request, base, started, output, on_first=in_progress)
+        except asyncio.CancelledError:
+            await started.close()
+            output.finish()
+            await self._save(request, base.model_copy(update={"status": "cancelled", "output": output.items}))
+        except Exception as exc:  # the engine failed or the server is stopping
+            error = to_openai_error(exc)
+            failed = base.model_copy(update={"status": "failed", "output": output.items})
+            failed.error = {"code": error.code or "server_error", "message": error.message}
+            await self._save(request, failed)
+        finally:
+            watcher.cancel()
+            await started.close()
+            await asyncio.to_thread(self.store.clear_cancel, base.id)
+
+    async def _watch_cancel(self, response_id: str, task: asyncio.Task | None) -> None:
+        """Cancel ``task`` once another process asks (the store's cancel marker)."""
+        while task is not None:
+            await asyncio.sleep(self.CANCEL_POLL_S)
+            if await asyncio.to_thread(self.store.cancel_requested, response_id):
+                task.cancel()
+                return
+
+    async def cancel(self, response_id: str) -> dict[str, Any]:
+        """``POST /v1/responses/{id}/cancel``: stop a background response (it ends ``cancelled``, with
+        the output made so far); an ended one is returned as it is."""
+        stored = await self._stored(response_id)
+        if not stored.response.get("background"):
+            raise BadRequestError("Cannot cancel a synchronous response.", param="response_id")
+        if stored.response.get("status") not in ("queued", "in_progress"):
+            return stored.response
+        task = self._background.get(response_id)
+        if task is not None:
+            task.cancel()
+            await asyncio.wait({task})
+        else:  # another API server process runs it
+            await asyncio.to_thread(self.store.request_cancel, response_id)
+            deadline = time.monotonic() + self.CANCEL_WAIT_S
+            while time.monotonic() < deadline:
+                stored = await self._stored(response_id)
+                if stored.response.get("status") not in ("queued", "in_progress"):
+                    break
+                await asyncio.sleep(self.CANCEL_POLL_S)
+        return (await self._stored(response_id)).response
 
     # ---- stored responses -------------------------------------------------------------
 

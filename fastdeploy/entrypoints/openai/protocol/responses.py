@@ -12,7 +12,7 @@ tool calling (forced calls under a grammar) and the reasoning split behave as on
 
 Every field of OpenAI's create-response request is declared: used, ignored with a warning
 logged once (:attr:`ResponsesRequest.IGNORED_FIELDS`), or, where ignoring would change what the
-client gets (``background``, ``conversation``, ``prompt``, hosted tools), a 400 that says so.
+client gets (``conversation``, ``prompt``, hosted tools), a 400 that says so.
 """
 
 from __future__ import annotations
@@ -135,8 +135,6 @@ class ResponsesRequest(OpenAIModel):
     """Fields accepted and ignored: name → (why, the values that need no warning)."""
 
     UNSUPPORTED: ClassVar[dict[str, str]] = {
-        "background": "background responses are not supported by this server; send the request "
-        "without 'background' (or stream it)",
         "conversation": "the Conversations API is not supported by this server; use "
         "'previous_response_id' to continue a conversation",
         "prompt": "prompt templates are not supported by this server; send 'instructions' and 'input'",
@@ -159,6 +157,13 @@ class ResponsesRequest(OpenAIModel):
             value = getattr(self, name)
             if value is not None and value is not False:
                 raise BadRequestError(why, param=name)
+        if self.background and not self.stores:
+            raise BadRequestError("background can only be used when `store` is true", param="background")
+        if self.background and self.stream:
+            raise BadRequestError(
+                "a background response cannot be streamed here; poll GET /v1/responses/{id} instead",
+                param="stream",
+            )
         if self.input is None and self.previous_response_id is None:
             raise BadRequestError("'input' is required", param="input")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
@@ -429,7 +434,7 @@ class ResponseObject(ResponseModel):
     id: str
     object: Literal["response"] = "response"
     created_at: int = Field(default_factory=lambda: int(time.time()))
-    status: Literal["completed", "incomplete", "in_progress", "failed"] = "in_progress"
+    status: Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"] = "in_progress"
     completed_at: int | None = None
     error: dict[str, Any] | None = None
     incomplete_details: dict[str, str] | None = None
@@ -478,6 +483,7 @@ class ResponseObject(ResponseModel):
             top_logprobs=request.top_logprobs,
             top_p=request.top_p,
             truncation=request.truncation or "disabled",
+            background=bool(request.background),
             user=request.user,
             metadata=dict(request.metadata or {}),
         )
