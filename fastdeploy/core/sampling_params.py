@@ -26,6 +26,10 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     structural_tag: str | None = None
+    reasoning_prefix: str | None = None
+    """An EBNF grammar of the reasoning a reasoning model writes before its answer (set by the front
+    end with ``--reasoning-parser``): the constraint applies to what follows it, so the model
+    thinks freely and the answer alone follows the schema (not a constraint of its own)."""
 
     def __post_init__(self) -> None:
         chosen = [name for name in self.CONSTRAINTS if getattr(self, name) not in (None, False)]

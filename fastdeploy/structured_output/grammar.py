@@ -17,8 +17,9 @@ _CPP_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")
 """xgrammar's error messages start with ``[time] /path/file.cc:line:``; clients need only the rest."""
 
 
-def constraint_key(params: StructuredOutputsParams) -> tuple[str, str]:
-    """``(kind, canonical text)``: equal for equal constraints, so the engine compiles each once."""
+def constraint_key(params: StructuredOutputsParams) -> tuple[str, str, str]:
+    """``(kind, canonical text, reasoning prefix or "")``: equal for equal constraints, so the engine
+    compiles each once."""
     kind = params.kind
     value = getattr(params, kind)
     if kind == "json":
@@ -30,7 +31,29 @@ def constraint_key(params: StructuredOutputsParams) -> tuple[str, str]:
         text = json.dumps(list(value), ensure_ascii=False)
     else:
         text = value
-    return kind, text
+    return kind, text, params.reasoning_prefix or ""
+
+
+def reasoning_prefix_ebnf(start_tag: str, end_tag: str, starts_inside: bool) -> str:
+    """The EBNF of a reasoning block before an answer: any text up to the first ``end_tag`` and the
+    whitespace after it when the output ``starts_inside`` the reasoning (the prompt opened it), else
+    an optional ``start_tag`` … ``end_tag`` block (a model that may answer at once).
+
+    "Any text without ``end_tag``" is the star of: a character other than the tag's first, or a
+    proper prefix of the tag followed by a character that does not continue it."""
+    alternatives = [f"[^{_char_class(end_tag[0])}]"]
+    for i in range(1, len(end_tag)):
+        alternatives.append(f"{json.dumps(end_tag[:i])} [^{_char_class(end_tag[i])}]")
+    body = f"({' | '.join(alternatives)})*"
+    block = f"{body} {json.dumps(end_tag)} [ \\n\\t\\r]*"
+    if starts_inside:
+        return f"root ::= {block}"
+    return f"root ::= ({json.dumps(start_tag)} {block})?"
+
+
+def _char_class(char: str) -> str:
+    """``char`` escaped for an EBNF character class."""
+    return "\\" + char if char in "\\]^-" else char
 
 
 def choice_ebnf(choices: list[str]) -> str:
@@ -38,11 +61,21 @@ def choice_ebnf(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
-def build_grammar(kind: str, text: str, unroll: bool = True) -> Any:
+def build_grammar(kind: str, text: str, reasoning_prefix: str = "", unroll: bool = True) -> Any:
     """The ``xgrammar.Grammar`` of a constraint key; ``ValueError`` saying what is wrong if invalid.
 
-    ``unroll``: with bounded repetitions unrolled (:func:`unrolled`; ~1 ms a schema): what the
-    engine compiles, and not needed where the grammar is only checked."""
+    ``reasoning_prefix``: the EBNF of a reasoning block the constraint follows
+    (:func:`reasoning_prefix_ebnf`). ``unroll``: with bounded repetitions unrolled (:func:`unrolled`;
+    ~1 ms a schema): what the engine compiles, and not needed where the grammar is only checked."""
+    import xgrammar as xgr
+
+    grammar = _build_constraint(kind, text, unroll)
+    if not reasoning_prefix:
+        return grammar
+    return xgr.Grammar.concat(xgr.Grammar.from_ebnf(reasoning_prefix), grammar)
+
+
+def _build_constraint(kind: str, text: str, unroll: bool) -> Any:
     import xgrammar as xgr
 
     unrolled_if = unrolled if unroll else (lambda grammar: grammar)
@@ -97,7 +130,7 @@ def clean_message(message: str) -> str:
 
 def validate_structured_outputs(params: StructuredOutputsParams, field: str) -> None:
     """Build the grammar of ``params``; a :class:`SamplingParamsError` naming ``field`` if it is invalid."""
-    kind, text = constraint_key(params)
+    kind, text, _ = constraint_key(params)
     try:
         build_grammar(kind, text, unroll=False)
     except ImportError:

@@ -130,17 +130,20 @@ class StructuredOutputManager:
         """A future of what :meth:`new_request_grammar` takes for ``params``: xgrammar's compiled
         grammar (cached per constraint), or, where the backend says so, an llguidance grammar."""
         key = constraint_key(params)
-        if self.backend == "guidance" or (self.backend == "auto" and key[0] in guidance.SUPPORTED_KINDS):
+        uses_guidance = self.backend == "guidance" or (
+            self.backend == "auto" and key[0] in guidance.SUPPORTED_KINDS
+        )
+        if uses_guidance and not params.reasoning_prefix:  # (a reasoning prefix: xgrammar's concat)
             compiled = self._cache.get(key) if self.backend == "auto" else None
             if compiled is None and self.backend == "auto":
                 self._compile_later(key)  # for the requests that repeat this constraint
             elif compiled is not None and compiled.done() and compiled.exception() is None:
                 self._cache.move_to_end(key)
                 return compiled
-            return self._guidance_pool.submit(self._guidance_grammar, *key)
+            return self._guidance_pool.submit(self._guidance_grammar, *key[:2])
         return self._compile_later(key)
 
-    def _compile_later(self, key: tuple[str, str]) -> Future:
+    def _compile_later(self, key: tuple[str, str, str]) -> Future:
         """The xgrammar compile of ``key``: the cached future, or a new one in the pool."""
         future = self._cache.get(key)
         if future is not None and not (future.done() and future.exception() is not None):
@@ -185,10 +188,10 @@ class StructuredOutputManager:
                 raise ValueError("structured outputs need a tokenizer; this model has none")
         return self._hf_tokenizer
 
-    def _compile(self, kind: str, text: str) -> Any:
+    def _compile(self, kind: str, text: str, reasoning_prefix: str = "") -> Any:
         compiler = self.compiler()
         self.num_compiles += 1
-        return compiler.compile_grammar(build_grammar(kind, text))
+        return compiler.compile_grammar(build_grammar(kind, text, reasoning_prefix))
 
     def new_request_grammar(
         self, compiled: Any, eos_token_ids: list[int]

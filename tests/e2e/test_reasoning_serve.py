@@ -6,11 +6,15 @@ lines that ends inside an open ``<think>``: the answer starts in the reasoning
 (the prompt opened it) and the model, copying the pattern, closes it with a
 ``</think>`` of its own, split over several tokens. Greedy decoding makes the
 raw text fixed; it is read back through ``return_token_ids`` and ``/detokenize``
-and must split exactly at its first ``</think>``, whole and streamed alike.
+and must split exactly at its first ``</think>``, whole and streamed alike. Under a JSON schema the
+reasoning stays the same and only the answer after it follows the schema.
 """
 
 from __future__ import annotations
 
+import json
+
+import jsonschema
 import openai
 import pytest
 
@@ -65,6 +69,31 @@ def test_reasoning_parser_end_to_end(server_factory):
     assert "".join(streamed_reasoning) == (reasoning or "")
     assert "".join(streamed_content) == content
     assert "".join(kinds).lstrip("r").strip("c") == ""  # never reasoning after content
+
+    # a JSON schema constrains the answer after the reasoning, which stays as free as without it
+    schema = {
+        "type": "object",
+        "properties": {"word": {"type": "string", "enum": ["ping", "pong"]}},
+        "required": ["word"],
+        "additionalProperties": False,
+    }
+    response_format = {"type": "json_schema", "json_schema": {"name": "w", "schema": schema}}
+    for stream in (False, True):
+        reply = client.chat.completions.create(
+            model=model, messages=MESSAGES, max_tokens=48, temperature=0, stream=stream,
+            extra_body={**PREFILL, "response_format": response_format},
+        )  # fmt: skip
+        if stream:
+            pieces = [c.choices[0].delta for c in reply if c.choices]
+            got_reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in pieces)
+            got_content = "".join(d.content or "" for d in pieces)
+        else:
+            got_reasoning, got_content = (
+                reply.choices[0].message.reasoning_content,
+                reply.choices[0].message.content,
+            )
+        assert got_reasoning == reasoning
+        jsonschema.validate(json.loads(got_content), schema)
 
     # cut by max_tokens inside the reasoning: all of it is reasoning, content null
     short = client.chat.completions.create(

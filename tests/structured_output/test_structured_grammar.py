@@ -12,7 +12,12 @@ import xgrammar as xgr
 
 from fastdeploy.core.sampling_params import SamplingParamsError, StructuredOutputsParams
 from fastdeploy.model_executor.sampler import Sampler, SamplingTensors, apply_token_bitmask
-from fastdeploy.structured_output.grammar import build_grammar, constraint_key, validate_structured_outputs
+from fastdeploy.structured_output.grammar import (
+    build_grammar,
+    constraint_key,
+    reasoning_prefix_ebnf,
+    validate_structured_outputs,
+)
 from fastdeploy.structured_output.manager import StructuredOutputManager, bitmask_words
 
 SCHEMA = {
@@ -34,7 +39,7 @@ def test_equal_constraints_have_one_key():
     assert constraint_key(StructuredOutputsParams(json=SCHEMA)) != constraint_key(
         StructuredOutputsParams(json={"type": "object"})
     )
-    assert constraint_key(StructuredOutputsParams(choice=["x", "y"])) == ("choice", '["x", "y"]')
+    assert constraint_key(StructuredOutputsParams(choice=["x", "y"])) == ("choice", '["x", "y"]', "")
 
 
 def test_keys_come_in_the_schema_order(tokenizer):
@@ -80,10 +85,10 @@ def test_exactly_one_constraint():
         StructuredOutputsParams(regex="a", choice=["a"])
 
 
-def _string_matches(kind: str, text: str, candidate: str) -> bool:
+def _string_matches(kind: str, text: str, prefix: str, candidate: str) -> bool:
     """Whether ``candidate`` is a complete sentence of the constraint (byte-level matcher, no tokenizer)."""
     info = xgr.TokenizerInfo([chr(i) for i in range(128)])
-    matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_grammar(build_grammar(kind, text)))
+    matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_grammar(build_grammar(kind, text, prefix)))
     return matcher.accept_string(candidate) and matcher.is_completed()
 
 
@@ -314,3 +319,26 @@ def test_an_ended_grammar_lets_only_its_stop_tokens_through(tokenizer, monkeypat
         manager.shutdown()
     allowed = [t for t in range(len(tokenizer)) if (int(row[t // 32]) >> (t % 32)) & 1]
     assert allowed == sorted([eos, 63]) and not grammar.failed
+
+
+SMALL = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize("starts_inside", [True, False])
+def test_reasoning_prefix_leaves_the_thinking_free_and_constrains_the_answer(starts_inside):
+    """With a reasoning prefix the constraint applies after the first end tag: any reasoning (tags'
+    look-alikes included), then whitespace, then the answer; the key tells the two apart."""
+    prefix = reasoning_prefix_ebnf("<think>", "</think>", starts_inside)
+    key = constraint_key(StructuredOutputsParams(json=SMALL, reasoning_prefix=prefix))
+    assert key[2] == prefix and key != constraint_key(StructuredOutputsParams(json=SMALL))
+    opened = "" if starts_inside else "<think>"
+    thoughts = 'Let me see: a < b, </th is not the end, {"a": "x"} nor </thinking is. Done!'
+    assert _string_matches(*key, f'{opened}{thoughts}</think>\n\n{{"a": 3}}')
+    assert _string_matches(*key, f'{opened}</think>{{"a": 3}}')
+    assert not _string_matches(
+        *key, f'{opened}{thoughts}</think>\n\n{{"a": "x"}}'
+    )  # the answer follows the schema
+    assert not _string_matches(*key, f'{opened}{thoughts}</think> sure: {{"a": 3}}')
+    assert not _string_matches(*key, f"{opened}{thoughts}")  # it must end its reasoning
+    # without a reasoning block: the answer at once, where the output does not start inside one
+    assert _string_matches(*key, '{"a": 3}') is not starts_inside

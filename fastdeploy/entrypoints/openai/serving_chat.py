@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from fastdeploy.core.outputs import CompletionOutput
+from fastdeploy.core.sampling_params import SamplingParams
 from fastdeploy.engine.protocol import EngineClient
 from fastdeploy.entrypoints.openai.errors import BadRequestError
 from fastdeploy.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs_json
@@ -69,6 +71,7 @@ from fastdeploy.entrypoints.openai.timeline_log import TimelineRecorder
 from fastdeploy.entrypoints.openai.tokenizer_lanes import TokenizerLanes
 from fastdeploy.entrypoints.openai.tool_calling import ToolCalling, ToolPlan
 from fastdeploy.entrypoints.openai.tool_parsers import ToolCallDelta, ToolCallStream
+from fastdeploy.structured_output.grammar import reasoning_prefix_ebnf
 
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 """Marks the end of the final message in the rendered text, for ``continue_final_message``."""
@@ -178,6 +181,10 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = resolve_max_tokens(
             len(token_ids), params.max_tokens, self.engine.max_model_len, prompt_kind="messages"
         )
+        reasoning = None
+        if self.reasoning_parser is not None and not tools.forced:
+            reasoning = self.reasoning_parser(text, request.chat_template_kwargs)
+            params = _constrain_after_reasoning(params, reasoning)
         prompt = EnginePrompt(
             token_ids=token_ids,
             params=params.clone(max_tokens=max_tokens),
@@ -185,8 +192,7 @@ class OpenAIServingChat(OpenAIServing):
             mm_items=mm_items or None,
         )
         options = ChatOptions.of(request)
-        if self.reasoning_parser is not None and not tools.forced:
-            options.reasoning = self.reasoning_parser(text, request.chat_template_kwargs)
+        options.reasoning = reasoning
         if tools.parser is not None:
             options.tools = tools
         return PreparedChat(model=model, prompts=[prompt], options=options, tokenized=tokenized)
@@ -419,6 +425,16 @@ class OpenAIServingChat(OpenAIServing):
             prompt_logprobs=prompt_lps,
             prompt_token_ids=list(prompts[0].token_ids) if options.return_token_ids else None,
         )
+
+
+def _constrain_after_reasoning(params: SamplingParams, reasoning: ReasoningParser) -> SamplingParams:
+    """``params`` whose structured-output constraint (if any) applies to the answer after the model's
+    reasoning (which the grammar leaves free), when this request can have reasoning."""
+    constraint = params.structured_outputs
+    if constraint is None or not reasoning.enabled():
+        return params
+    prefix = reasoning_prefix_ebnf(reasoning.start_tag, reasoning.end_tag, reasoning.starts_in_reasoning())
+    return params.clone(structured_outputs=dataclasses.replace(constraint, reasoning_prefix=prefix))
 
 
 def finish_reason_of(reason: str | None, called: bool) -> str | None:
