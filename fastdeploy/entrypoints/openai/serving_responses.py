@@ -394,7 +394,11 @@ class OpenAIServingResponses:
         """Store the response as ``queued`` and run it in a task of its own: the client polls
         ``GET /v1/responses/{id}`` and may cancel it (``POST /v1/responses/{id}/cancel``)."""
         queued = base.model_copy(update={"status": "queued"})
-        await self._save(request, queued)
+        try:
+            await self._save(request, queued)
+        except BaseException:
+            await started.close()
+            raise
         task = asyncio.create_task(self._run_background(request, base, started, output))
         self._background[base.id] = task
         task.add_done_callback(lambda _: self._background.pop(base.id, None))
