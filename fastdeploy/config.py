@@ -226,6 +226,10 @@ class ServerConfig:
     strict_request_fields: bool = False
     """Refuse (400) request fields that are neither OpenAI's nor a supported extension; off: ignore
     them with a warning logged once per field name, as vLLM does."""
+    return_tokens_as_token_ids: bool = False
+    """Write each token of the logprobs as 'token_id:N' instead of its text (vLLM's flag; a request
+    can ask the same with its return_tokens_as_token_ids field): for tokens that are not valid text
+    on their own."""
     reasoning_parser: str | None = None
     """Split the model's reasoning (between think tags) out of chat answers into reasoning_content:
     qwen3 or deepseek_r1 (docs/api.md); unset: the answer is all content."""

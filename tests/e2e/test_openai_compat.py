@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import time
 
+import httpx
 import openai
 import pytest
 
@@ -261,3 +262,59 @@ def test_max_tokens_cut_inside_a_character_sends_no_broken_character(client, mod
         model=model_name, messages=CHAT, max_tokens=1, logit_bias={str(EMOJI_START): 100}
     )
     assert reply.choices[0].message.content == " "
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(server, client, model_name):
+    """vLLM's ``truncate_prompt_tokens``: a prompt longer than the context is cut to its last N tokens
+    (the answer is the answer to those N); -1 keeps the last ``max_model_len``; too many is a 400."""
+    long = [504, 3458, 314, 4649, 325] * (server.max_model_len // 5 + 10)
+    kept = long[-40:]
+    cut = client.completions.create(
+        model=model_name,
+        prompt=long,
+        extra_body={"truncate_prompt_tokens": 40, "return_token_ids": True},
+        **GREEDY,
+    )
+    whole = client.completions.create(model=model_name, prompt=kept, **GREEDY)
+    assert cut.usage.prompt_tokens == 40 and cut.choices[0].text == whole.choices[0].text
+    assert cut.choices[0].prompt_token_ids == kept
+    chat = client.chat.completions.create(
+        model=model_name, messages=CHAT, extra_body={"truncate_prompt_tokens": 5}, **GREEDY
+    )
+    assert chat.usage.prompt_tokens == 5
+    for value, param in (
+        (server.max_model_len + 1, "truncate_prompt_tokens"),
+        (0, "truncate_prompt_tokens"),
+        (-1, "prompt"),
+    ):
+        with pytest.raises(openai.BadRequestError) as info:  # (-1: the whole context, no room left)
+            client.completions.create(
+                model=model_name, prompt=long, extra_body={"truncate_prompt_tokens": value}, **GREEDY
+            )
+        assert info.value.body["param"] == param, (value, info.value.body)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_return_tokens_as_token_ids(client, model_name, chat):
+    """vLLM's ``return_tokens_as_token_ids``: every logprobs token is ``token_id:N``, N the sampled id."""
+    extra = {"return_tokens_as_token_ids": True, "return_token_ids": True}
+    if chat:
+        reply = client.chat.completions.create(
+            model=model_name, messages=CHAT, logprobs=True, top_logprobs=2, extra_body=extra, **GREEDY
+        )
+        entries = reply.choices[0].logprobs.content
+        tokens = [e.token for e in entries]
+        tops = [t.token for e in entries for t in e.top_logprobs]
+    else:
+        reply = client.completions.create(
+            model=model_name, prompt=PROMPT, logprobs=2, extra_body=extra, **GREEDY
+        )
+        tokens = reply.choices[0].logprobs.tokens
+        tops = [t for entry in reply.choices[0].logprobs.top_logprobs for t in entry]
+    assert tokens == [f"token_id:{t}" for t in reply.choices[0].token_ids]
+    assert tops and all(t.startswith("token_id:") and t[9:].isdigit() for t in tops)
+
+
+def test_ping_answers_like_health(server):
+    for method in ("GET", "POST"):
+        assert httpx.request(method, server.url + "/ping", timeout=10).status_code == 200  # no API key needed

@@ -18,6 +18,7 @@ from fastdeploy.entrypoints.cli.args import (
     engine_config_from_args,
     load_config_file,
     resolve_args,
+    server_config_from_args,
 )
 from fastdeploy.entrypoints.cli.serve import make_parser
 
@@ -135,6 +136,9 @@ def test_bad_flag_values_exit_2(argv, capsys):
 def test_server_flags():
     ns = resolve_args(parse("--host", "0.0.0.0", "--port", "0", "--api-key", "k"))
     assert (ns.host, ns.port, ns.api_key) == ("0.0.0.0", 0, "k")
+    assert not server_config_from_args(ns).return_tokens_as_token_ids
+    ns = resolve_args(parse("--return-tokens-as-token-ids"))  # vLLM's flag
+    assert server_config_from_args(ns).return_tokens_as_token_ids
 
 
 def test_positional_model():

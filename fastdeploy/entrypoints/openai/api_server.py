@@ -147,7 +147,7 @@ def build_app(
     ``server`` sets the limits of each request, how unknown request fields are
     treated (``strict_request_fields``), the reasoning and tool-call parsers of chat answers (an
     unknown name is a ``ValueError`` listing the known ones) and the API key: with a key set,
-    every route needs ``Authorization: Bearer <key>`` except ``/health``,
+    every route needs ``Authorization: Bearer <key>`` except ``/health`` (and ``/ping``),
     ``/metrics`` and ``/version`` (what load balancers and Prometheus poll).
     ``app.state.begin_shutdown()`` ends the requests in flight with a 503 (the
     server calls it when it starts stopping). ``api_server_index``: which of the
@@ -178,6 +178,7 @@ def build_app(
         tokenizers,
         shutdown_event,
         max_prompts_per_request=server.max_prompts_per_request,
+        return_tokens_as_token_ids=server.return_tokens_as_token_ids,
     )
     reasoning_parser = get_reasoning_parser(server.reasoning_parser) if server.reasoning_parser else None
     if server.tool_call_parser:
@@ -189,6 +190,7 @@ def build_app(
         shutdown_event,
         reasoning_parser=reasoning_parser,
         tool_call_parser=server.tool_call_parser,
+        return_tokens_as_token_ids=server.return_tokens_as_token_ids,
     )
     tokenization = OpenAIServingTokenization(engine_client, served_model_names, tokenizers, shutdown_event)
     embeddings = OpenAIServingEmbedding(
@@ -264,6 +266,7 @@ def build_app(
     app.include_router(v1)
 
     @app.get("/health")
+    @app.api_route("/ping", methods=["GET", "POST"])  # SageMaker's health check, as vLLM answers it
     async def health() -> Response:
         if engine_client.is_healthy:
             return Response(status_code=200)

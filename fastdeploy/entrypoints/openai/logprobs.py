@@ -3,8 +3,8 @@
 Chat (``logprobs: true`` + ``top_logprobs: N``): ``{"content": [{token, logprob,
 bytes, top_logprobs: [{token, logprob, bytes}]}]}``. Legacy completions
 (``logprobs: N``): ``{tokens, token_logprobs, top_logprobs, text_offset}``.
-Token strings are each token decoded alone; ``-inf`` becomes -9999.0 (JSON has no
-infinity), as vLLM does.
+Token strings are each token decoded alone, or ``token_id:N`` with ``as_ids`` (vLLM's
+``return_tokens_as_token_ids``); ``-inf`` becomes -9999.0 (JSON has no infinity), as vLLM does.
 """
 
 from __future__ import annotations
@@ -27,18 +27,18 @@ def _finite(value: float) -> float:
     return max(value, -9999.0) if not math.isnan(value) else -9999.0
 
 
-def _token_str(token: int, lp: Logprob) -> str:
-    return lp.decoded_token if lp.decoded_token is not None else f"token_id:{token}"
+def _token_str(token: int, lp: Logprob, as_ids: bool = False) -> str:
+    return lp.decoded_token if lp.decoded_token is not None and not as_ids else f"token_id:{token}"
 
 
 def chat_logprobs(
-    token_ids: list[int], logprobs: list[dict[int, Logprob]], num_top: int
+    token_ids: list[int], logprobs: list[dict[int, Logprob]], num_top: int, as_ids: bool = False
 ) -> ChatCompletionLogProbs:
     """The ``logprobs`` object of a chat choice (or of one streamed delta)."""
     content = []
     for token, entry in zip(token_ids, logprobs):
         sampled = entry[token]
-        text = _token_str(token, sampled)
+        text = _token_str(token, sampled, as_ids)
         top = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None), key=lambda x: x[1].rank)
         top = [(t, lp) for t, lp in top if lp.rank <= num_top][:num_top]
         content.append(
@@ -48,9 +48,9 @@ def chat_logprobs(
                 bytes=list(text.encode("utf-8")),
                 top_logprobs=[
                     ChatCompletionLogProb(
-                        token=_token_str(t, lp),
+                        token=_token_str(t, lp, as_ids),
                         logprob=_finite(lp.logprob),
-                        bytes=list(_token_str(t, lp).encode()),
+                        bytes=list(_token_str(t, lp, as_ids).encode()),
                     )
                     for t, lp in top
                 ],
@@ -65,6 +65,7 @@ def completion_logprobs(
     num_top: int,
     text_offset: int,
     decode: Callable[[int], str] | None = None,
+    as_ids: bool = False,
 ) -> CompletionLogProbs:
     """The legacy ``logprobs`` object; ``text_offset`` is where the first token's text starts.
 
@@ -77,7 +78,7 @@ def completion_logprobs(
     offset = text_offset
     for token, entry in zip(token_ids, logprobs):
         if entry is None:
-            text = decode(token) if decode is not None else f"token_id:{token}"
+            text = decode(token) if decode is not None and not as_ids else f"token_id:{token}"
             out.tokens.append(text)
             out.token_logprobs.append(None)
             out.top_logprobs.append(None)
@@ -85,23 +86,23 @@ def completion_logprobs(
             offset += len(text)
             continue
         sampled = entry[token]
-        text = _token_str(token, sampled)
+        text = _token_str(token, sampled, as_ids)
         out.tokens.append(text)
         out.token_logprobs.append(_finite(sampled.logprob))
         out.text_offset.append(offset)
         offset += len(text)
-        out.top_logprobs.append(_top_logprobs(token, entry, num_top))
+        out.top_logprobs.append(_top_logprobs(token, entry, num_top, as_ids))
     return out
 
 
-def _top_logprobs(token: int, entry: dict[int, Logprob], num_top: int) -> dict[str, float]:
+def _top_logprobs(token: int, entry: dict[int, Logprob], num_top: int, as_ids: bool) -> dict[str, float]:
     """A legacy ``top_logprobs`` entry: the ``num_top`` most likely tokens and, always, the sampled
     one (OpenAI: "up to logprobs+1 elements"; with ``logprobs: 0`` just the sampled token)."""
     chosen = [(token, entry[token])] + [
         (t, lp) for t, lp in entry.items() if t != token and lp.rank is not None and lp.rank <= num_top
     ]
     chosen.sort(key=lambda x: -x[1].logprob)
-    return {_token_str(t, lp): _finite(lp.logprob) for t, lp in chosen}
+    return {_token_str(t, lp, as_ids): _finite(lp.logprob) for t, lp in chosen}
 
 
 def prompt_logprobs_json(

@@ -95,6 +95,8 @@ class ChatOptions:
     """Splits each answer's reasoning from its content (None: all content)."""
     tools: ToolPlan | None = None
     """Reads tool calls out of each answer's content (None: no tools)."""
+    tokens_as_ids: bool = False
+    """Logprobs tokens as ``token_id:N`` (``return_tokens_as_token_ids``)."""
 
     @classmethod
     def of(cls, request: ChatCompletionRequest) -> ChatOptions:
@@ -136,8 +138,11 @@ class OpenAIServingChat(OpenAIServing):
         shutdown_event: asyncio.Event | None = None,
         reasoning_parser: type[ReasoningParser] | None = None,
         tool_call_parser: str | None = None,
+        return_tokens_as_token_ids: bool = False,
     ):
-        super().__init__(engine_client, served_model_names, tokenizers, shutdown_event)
+        super().__init__(
+            engine_client, served_model_names, tokenizers, shutdown_event, return_tokens_as_token_ids
+        )
         self.reasoning_parser = reasoning_parser
         self.tool_call_parser = tool_call_parser
         self._tool_calling: ToolCalling | None = None
@@ -176,6 +181,14 @@ class OpenAIServingChat(OpenAIServing):
         token_ids = await self.encode(text, add_special_tokens=False, param="messages")
         if not token_ids:
             raise BadRequestError("The chat template produced an empty prompt", param="messages")
+        kept = self.keep_last(token_ids, request.truncate_prompt_tokens)
+        if len(kept) < len(token_ids):
+            if items:
+                raise BadRequestError(
+                    "truncate_prompt_tokens would cut a prompt with image or video parts",
+                    param="truncate_prompt_tokens",
+                )
+            token_ids = kept
         token_ids, mm_items = await self.mm_inputs.place(token_ids, items)
         tokenized = time.monotonic()
         max_tokens = resolve_max_tokens(
@@ -193,6 +206,7 @@ class OpenAIServingChat(OpenAIServing):
         )
         options = ChatOptions.of(request)
         options.reasoning = reasoning
+        options.tokens_as_ids = bool(request.return_tokens_as_token_ids) or self.return_tokens_as_token_ids
         if tools.parser is not None:
             options.tools = tools
         return PreparedChat(model=model, prompts=[prompt], options=options, tokenized=tokenized)
@@ -271,7 +285,7 @@ class OpenAIServingChat(OpenAIServing):
         return ChatCompletionStreamChoice(
             index=c.index,
             delta=delta,
-            logprobs=chat_logprobs(c.token_ids, c.logprobs, num_top)
+            logprobs=chat_logprobs(c.token_ids, c.logprobs, num_top, options.tokens_as_ids)
             if c.logprobs and num_top is not None
             else None,
             finish_reason=finish_reason,
@@ -410,7 +424,9 @@ class OpenAIServingChat(OpenAIServing):
             ChatCompletionResponseChoice(
                 index=k,
                 message=messages[k],
-                logprobs=None if num_top is None else chat_logprobs(token_ids[k], logprobs[k], num_top),
+                logprobs=None
+                if num_top is None
+                else chat_logprobs(token_ids[k], logprobs[k], num_top, options.tokens_as_ids),
                 finish_reason=finish_reason_of(finish[k] or "abort", bool(messages[k].tool_calls)),
                 stop_reason=stop_reason[k],
                 token_ids=token_ids[k] if options.return_token_ids else None,

@@ -56,6 +56,8 @@ class CompletionExtras:
     """Report each choice's ``prompt_token_ids`` and ``token_ids`` (vLLM's extension)."""
     continuous_usage: bool = False
     """Streaming: the usage so far in every chunk (vLLM's ``continuous_usage_stats``)."""
+    tokens_as_ids: bool = False
+    """Logprobs tokens as ``token_id:N`` (``return_tokens_as_token_ids``)."""
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -95,6 +97,9 @@ class OpenAIServingCompletion(OpenAIServing):
             else:
                 text, token_ids = None, list(prompt)
                 self.check_token_ids(token_ids, "prompt")
+            kept = self.keep_last(token_ids, request.truncate_prompt_tokens)
+            if len(kept) < len(token_ids):  # cut: the prompt is its kept tokens (echo decodes them)
+                text, token_ids = None, kept
             max_tokens = resolve_max_tokens(
                 len(token_ids),
                 params.max_tokens,
@@ -111,6 +116,7 @@ class OpenAIServingCompletion(OpenAIServing):
             num_prompt_logprobs=request.prompt_logprobs,
             return_token_ids=bool(request.return_token_ids),
             continuous_usage=request.continuous_usage,
+            tokens_as_ids=bool(request.return_tokens_as_token_ids) or self.return_tokens_as_token_ids,
         )
         if request.echo:  # token-id prompts echo as their decoded text
             extras.echo_texts = [
@@ -185,7 +191,9 @@ class OpenAIServingCompletion(OpenAIServing):
         def logprobs_of(k: int, token_ids: list[int], logprobs: list) -> object:
             if num_top is None or not logprobs:
                 return None
-            lp = completion_logprobs(token_ids, logprobs, num_top, offsets[k], self._decode_token)
+            lp = completion_logprobs(
+                token_ids, logprobs, num_top, offsets[k], self._decode_token, extras.tokens_as_ids
+            )
             offsets[k] += sum(len(t) for t in lp.tokens)
             return lp
 
@@ -303,7 +311,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     text=text,
                     logprobs=None
                     if num_top is None
-                    else completion_logprobs(ids, lps, num_top, 0, self._decode_token),
+                    else completion_logprobs(ids, lps, num_top, 0, self._decode_token, extras.tokens_as_ids),
                     finish_reason=finish[k] or "abort",
                     stop_reason=stop_reason[k],
                     token_ids=token_ids[k] if extras.return_token_ids else None,

@@ -73,12 +73,7 @@ class OpenAIServingEmbedding(OpenAIServing):
                 param="input",
             )
         max_len = self.engine.max_model_len
-        keep = max_len if request.truncate_prompt_tokens == -1 else request.truncate_prompt_tokens
-        if keep is not None and keep > max_len:
-            raise BadRequestError(
-                f"truncate_prompt_tokens is {keep}, more than this model's maximum context length of {max_len}",
-                param="truncate_prompt_tokens",
-            )
+        self.keep_last([], request.truncate_prompt_tokens)  # (a 400 before any tokenizing if too large)
         params = pooler.params()
         prompts = []
         for item in request.input:
@@ -97,8 +92,7 @@ class OpenAIServingEmbedding(OpenAIServing):
             else:
                 text, token_ids = None, list(item)
                 self.check_token_ids(token_ids, "input")
-            if keep is not None:
-                token_ids = token_ids[-keep:]
+            token_ids = self.keep_last(token_ids, request.truncate_prompt_tokens)
             if len(token_ids) > max_len:
                 raise BadRequestError(
                     f"an input has {len(token_ids)} tokens, more than this model's maximum context length "

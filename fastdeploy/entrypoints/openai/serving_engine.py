@@ -333,6 +333,7 @@ class OpenAIServing:
         served_model_names: list[str],
         tokenizers: TokenizerLanes | None = None,
         shutdown_event: asyncio.Event | None = None,
+        return_tokens_as_token_ids: bool = False,
     ):
         if not served_model_names:
             raise ValueError("at least one served model name is needed")
@@ -341,6 +342,8 @@ class OpenAIServing:
         self.tokenizers = tokenizers or TokenizerLanes()
         self.shutdown_event = shutdown_event
         """Set when the server stops: requests in flight end with a 503."""
+        self.return_tokens_as_token_ids = return_tokens_as_token_ids
+        """Every request's logprobs tokens as ``token_id:N`` (``--return-tokens-as-token-ids``)."""
         self._vocab_size: int | None = None
         self._max_token_chars: int | None = None
 
@@ -414,6 +417,20 @@ class OpenAIServing:
                 param=param,
                 code="context_length_exceeded",
             )
+
+    def keep_last(self, token_ids: list[int], truncate_prompt_tokens: int | None) -> list[int]:
+        """``token_ids`` cut to their last ``truncate_prompt_tokens`` (-1: the last ``max_model_len``;
+        None: all), vLLM's left truncation; a 400 if it asks for more than the context."""
+        if truncate_prompt_tokens is None:
+            return token_ids
+        max_len = self.engine.max_model_len
+        keep = max_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+        if keep > max_len:
+            raise BadRequestError(
+                f"truncate_prompt_tokens is {keep}, more than this model's maximum context length of {max_len}",
+                param="truncate_prompt_tokens",
+            )
+        return token_ids[-keep:]
 
     async def encode(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
         """Token ids of ``text`` (a 400 naming ``param`` if it cannot fit the context)."""

@@ -80,6 +80,7 @@ class ResponseOutput:
     def __init__(self, options: ChatOptions, num_top: int | None):
         self._split = ChoiceSplit(options)
         self._num_top = num_top
+        self._tokens_as_ids = options.tokens_as_ids
         self.items: list[dict[str, Any]] = []
         """The finished output items, in order."""
         self._open: _OpenItem | None = None
@@ -93,7 +94,7 @@ class ResponseOutput:
         """Take one streamed piece of the answer; the events it makes."""
         delta = self._split.delta(c)
         if c.logprobs and self._num_top is not None:
-            entries = chat_logprobs(c.token_ids, c.logprobs, self._num_top).content or []
+            entries = chat_logprobs(c.token_ids, c.logprobs, self._num_top, self._tokens_as_ids).content or []
             self._pending_logprobs += [e.model_dump() for e in entries]
         events: list[Event] = []
         if delta.reasoning_content:

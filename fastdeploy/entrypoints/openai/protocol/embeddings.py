@@ -8,6 +8,7 @@ from pydantic import Field, WithJsonSchema, field_validator
 
 from fastdeploy.entrypoints.openai.protocol.common import OpenAIModel, ResponseModel, _now
 from fastdeploy.entrypoints.openai.protocol.completion import PROMPT_FORMS_SCHEMA, normalize_prompts
+from fastdeploy.entrypoints.openai.protocol.sampling import check_truncate_prompt_tokens
 
 
 class EmbeddingRequest(OpenAIModel):
@@ -39,9 +40,7 @@ class EmbeddingRequest(OpenAIModel):
     @field_validator("truncate_prompt_tokens")
     @classmethod
     def _check_truncate(cls, value: int | None) -> int | None:
-        if value is not None and value < 1 and value != -1:
-            raise ValueError("must be at least 1, or -1 for the model's maximum context length")
-        return value
+        return check_truncate_prompt_tokens(value)
 
     @field_validator("dimensions")
     @classmethod

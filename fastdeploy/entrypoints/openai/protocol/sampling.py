@@ -51,6 +51,13 @@ def _is_off(value: Any, off_values: tuple[Any, ...]) -> bool:
     return any(off is not None and not isinstance(off, bool) and off == value for off in off_values)
 
 
+def check_truncate_prompt_tokens(value: int | None) -> int | None:
+    """``truncate_prompt_tokens``: at least 1, or -1 (the model's maximum context length)."""
+    if value is not None and value < 1 and value != -1:
+        raise ValueError("must be at least 1, or -1 for the model's maximum context length")
+    return value
+
+
 def _check_stop(value: Any) -> Any:
     if value is None or isinstance(value, str):
         return value
@@ -92,6 +99,10 @@ class SamplingRequest(StructuredOutputsRequest):
     """Logprobs of the prompt tokens plus this many top alternatives each (vLLM's field)."""
     return_token_ids: bool | None = None
     """vLLM's: the prompt's token ids (``prompt_token_ids``) and each choice's (``token_ids``) in the response."""
+    return_tokens_as_token_ids: bool | None = None
+    """vLLM's: each token of the logprobs written ``token_id:N`` instead of its text."""
+    truncate_prompt_tokens: int | None = None
+    """vLLM's: keep only the last N prompt tokens (-1: the last ``max_model_len``)."""
 
     IGNORED_FIELDS: ClassVar[dict[str, tuple[str, tuple[Any, ...]]]] = {
         "user": ("end-user ids are not used by this server", (None,)),
@@ -107,6 +118,11 @@ class SamplingRequest(StructuredOutputsRequest):
     @classmethod
     def _check_stop_token_ids(cls, v: Any) -> Any:
         return v if v is None else _check_token_ids(v)
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _check_truncate(cls, v: int | None) -> int | None:
+        return check_truncate_prompt_tokens(v)
 
     @field_validator("n")
     @classmethod
