@@ -61,7 +61,10 @@ def start_long_stream(server) -> tuple[threading.Thread, dict]:
     return thread, result
 
 
-@pytest.mark.parametrize("victim", ["worker", "engine_core"])
+@pytest.mark.parametrize(
+    "victim",  # a killed worker with the default --exit-on-engine-death: test_lifecycle.py
+    [pytest.param("worker", marks=pytest.mark.slow), "engine_core"],
+)
 def test_killed_engine_process_fails_requests_and_health(server_factory, victim):
     srv = server_factory("--no-exit-on-engine-death")
     model = srv.model_name()
