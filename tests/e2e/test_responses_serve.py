@@ -325,3 +325,40 @@ def test_background_response_runs_and_can_be_cancelled(server, client, model_nam
     assert client.responses.retrieve(long.id).status == "cancelled"
     m = server.wait_idle(timeout=10)
     assert m["fastdeploy:num_requests_running"] == 0 and m["fastdeploy:kv_cache_usage_perc"] == 0
+
+
+def test_openai_agents_sdk_runs_on_the_responses_api(server, model_name):
+    """The OpenAI Agents SDK (which speaks the Responses API) unchanged: a plain answer, a streamed
+    run, a tool loop (call, tool output, answer) and a structured ``output_type``."""
+    agents = pytest.importorskip("agents")
+    import asyncio
+
+    agents.set_tracing_disabled(True)
+    model = agents.OpenAIResponsesModel(model=model_name, openai_client=server.async_openai())
+    settings = agents.ModelSettings(temperature=0, max_tokens=60)
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """Weather in a city."""
+        return f"Sunny in {city}"
+
+    async def run() -> None:
+        plain = agents.Agent(name="plain", instructions="Be brief.", model=model, model_settings=settings)
+        answer = await agents.Runner.run(plain, "Say hello.")
+        assert isinstance(answer.final_output, str) and answer.final_output
+        streamed = agents.Runner.run_streamed(plain, "Say hello.")
+        async for _ in streamed.stream_events():
+            pass
+        assert streamed.final_output == answer.final_output  # greedy: the same text either way
+
+        forced = settings.resolve(agents.ModelSettings(tool_choice="required"))
+        tooled = agents.Agent(name="tools", model=model, tools=[get_weather], model_settings=forced)
+        result = await agents.Runner.run(tooled, "Weather in Paris?", max_turns=4)
+        kinds = [type(item).__name__ for item in result.new_items]
+        assert kinds[:2] == ["ToolCallItem", "ToolCallOutputItem"] and kinds[-1] == "MessageOutputItem", kinds
+        assert result.new_items[1].output.startswith("Sunny in ")
+
+        structured = agents.Agent(name="json", model=model, output_type=City, model_settings=settings)
+        assert isinstance((await agents.Runner.run(structured, "Describe Paris.")).final_output, City)
+
+    asyncio.run(run())
