@@ -341,11 +341,15 @@ class ModelRunner:
     @torch.inference_mode()
     def profile_run(self) -> None:
         """One forward pass of ``max_num_batched_tokens`` tokens plus sampling of ``max_num_seqs``
-        rows, without a KV cache, so that the peak activation memory can be measured."""
+        rows, without a KV cache, so that the peak activation memory can be measured. A budget past
+        ``max_model_len`` is the prompts of several requests, as a real step of that size is (their
+        positions restart; the cache-less attention reads them as one causal run)."""
         sched = self.config.scheduler
-        num_tokens = min(sched.max_num_batched_tokens, self.max_model_len)
+        num_tokens = sched.max_num_batched_tokens
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-        positions = torch.arange(num_tokens, dtype=torch.int64, device=self.device)
+        positions = torch.cat(
+            [torch.arange(n, dtype=torch.int64) for n in warm_up_request_lens(num_tokens, self.max_model_len)]
+        ).to(self.device)
         hidden = self.model(ids, positions)
         rows = min(sched.max_num_seqs, num_tokens)
         logits = self.model.compute_logits(hidden[:rows])

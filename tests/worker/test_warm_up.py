@@ -145,3 +145,23 @@ def test_moe_steps_past_max_model_len_compile_nothing_after_start_up(monkeypatch
         assert compiled == []
     finally:
         llm.shutdown()
+
+
+def test_profile_run_covers_the_whole_token_budget(monkeypatch):
+    """The memory profile runs the whole step budget, past max_model_len as several prompts whose
+    positions stay inside the context (a CUDA-only call at start-up; here called directly)."""
+    llm = LLM(**{**ENGINE, "max_model_len": 48, "max_num_batched_tokens": 200})
+    try:
+        runner = llm.engine.core.executor.worker.runner
+        seen = []
+        model = runner.model
+        monkeypatch.setattr(
+            runner, "model", lambda ids, positions: seen.append(positions) or model(ids, positions)
+        )
+        monkeypatch.setattr(runner.model, "compute_logits", model.compute_logits, raising=False)
+        runner.profile_run()
+        (positions,) = seen
+        assert len(positions) == 200 and int(positions.max()) == 47
+        assert positions.tolist()[:50] == list(range(48)) + [0, 1]
+    finally:
+        llm.shutdown()
