@@ -154,11 +154,19 @@ def test_profile_run_covers_the_whole_token_budget(monkeypatch):
     try:
         runner = llm.engine.core.executor.worker.runner
         seen = []
-        model = runner.model
-        monkeypatch.setattr(
-            runner, "model", lambda ids, positions: seen.append(positions) or model(ids, positions)
-        )
-        monkeypatch.setattr(runner.model, "compute_logits", model.compute_logits, raising=False)
+
+        class Spy:  # the model, recording the positions of each forward
+            def __init__(self, model):
+                self.model = model
+
+            def __call__(self, ids, positions):
+                seen.append(positions)
+                return self.model(ids, positions)
+
+            def __getattr__(self, name):
+                return getattr(self.model, name)
+
+        monkeypatch.setattr(runner, "model", Spy(runner.model))
         runner.profile_run()
         (positions,) = seen
         assert len(positions) == 200 and int(positions.max()) == 47
