@@ -350,3 +350,12 @@ def test_cancel_markers(tmp_path):
     assert store.delete(rid) and not store.cancel_requested(rid) and store._bytes == 0
     store.request_cancel("../x")  # not an id: nothing written
     assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_an_unwritable_store_keeps_nothing_and_raises_nothing(tmp_path):
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    store = ResponseStore(str(blocked / "responses"), max_bytes=1 << 20)
+    rid = new_id("resp")
+    assert store.save(rid, stored("x")) is False
+    assert store.load(rid) is None and not store.delete(rid) and store.conversation(rid) is None

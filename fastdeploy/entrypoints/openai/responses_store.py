@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -26,6 +27,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from fastdeploy import envs
+
+logger = logging.getLogger(__name__)
 
 _ID = re.compile(r"resp_[0-9a-f]{32}")
 """The ids this server gives (``new_id("resp")``): nothing else names a file."""
@@ -75,16 +78,23 @@ class ResponseStore:
     def _path(self, response_id: str) -> str | None:
         return os.path.join(self._dir(), f"{response_id}.json") if _ID.fullmatch(response_id) else None
 
-    def save(self, response_id: str, stored: StoredResponse) -> None:
-        """Store a response (its oldest ones dropped past the byte bound)."""
-        path = self._path(response_id)
-        if not self.enabled or path is None:
-            return
+    def save(self, response_id: str, stored: StoredResponse) -> bool:
+        """Store a response (its oldest ones dropped past the byte bound); whether it was stored (a
+        full or unwritable disk is logged, and the response is just not kept)."""
+        if not self.enabled:
+            return False
         data = json.dumps(asdict(stored), ensure_ascii=False).encode()
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)  # a reader never sees half a file
+        try:
+            path = self._path(response_id)
+            if path is None:
+                return False
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)  # a reader never sees half a file
+        except OSError as exc:
+            logger.warning("could not store response %s in %s: %s", response_id, self._directory, exc)
+            return False
         with self._lock:
             self._bytes += len(data) - self._written.pop(response_id, 0)  # (a background response is
             self._written[response_id] = len(data)  # saved again as it progresses)
@@ -92,6 +102,7 @@ class ResponseStore:
                 old, size = self._written.popitem(last=False)
                 self._bytes -= size
                 self._unlink(old)
+        return True
 
     def load(self, response_id: str) -> StoredResponse | None:
         """The stored response ``response_id`` (None: never stored, dropped or deleted)."""
@@ -101,7 +112,7 @@ class ResponseStore:
         try:
             with open(path, "rb") as f:
                 data = json.loads(f.read())
-        except (FileNotFoundError, ValueError):
+        except (OSError, ValueError):
             return None
         return StoredResponse(**data)
 
@@ -118,7 +129,7 @@ class ResponseStore:
         self.clear_cancel(response_id)
         try:
             os.unlink(path)
-        except FileNotFoundError:
+        except OSError:
             return False
         return True
 
@@ -139,7 +150,7 @@ class ResponseStore:
         """Drop the cancel marker of ``response_id`` (its run is over)."""
         path = self._path(response_id)
         if path is not None:
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(OSError):
                 os.unlink(f"{path}.cancel")
 
     def conversation(self, response_id: str) -> list[dict[str, Any]] | None:

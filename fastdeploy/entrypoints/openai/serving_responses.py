@@ -32,7 +32,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from fastdeploy.core.outputs import CompletionOutput
-from fastdeploy.entrypoints.openai.errors import BadRequestError, NotFoundError
+from fastdeploy.entrypoints.openai.errors import BadRequestError, NotFoundError, ServiceUnavailableError
 from fastdeploy.entrypoints.openai.logprobs import chat_logprobs
 from fastdeploy.entrypoints.openai.protocol.responses import (
     ResponseObject,
@@ -370,12 +370,13 @@ class OpenAIServingResponses:
                 input_items=input_items(request),
                 previous_response_id=request.previous_response_id,
             )
-            await asyncio.to_thread(self.store.save, response.id, stored)
+            if not await asyncio.to_thread(self.store.save, response.id, stored):
+                body["store"] = False  # (logged by the store: the disk refused it)
         return body
 
     # ---- background responses ---------------------------------------------------------
 
-    async def _save(self, request: ResponsesRequest, response: ResponseObject) -> None:
+    async def _save(self, request: ResponsesRequest, response: ResponseObject) -> bool:
         """Store a background response as it stands (its turn's messages come once it has ended)."""
         stored = StoredResponse(
             response=response.model_dump(),
@@ -383,7 +384,7 @@ class OpenAIServingResponses:
             input_items=input_items(request),
             previous_response_id=request.previous_response_id,
         )
-        await asyncio.to_thread(self.store.save, response.id, stored)
+        return await asyncio.to_thread(self.store.save, response.id, stored)
 
     async def _start_background(
         self,
@@ -396,7 +397,11 @@ class OpenAIServingResponses:
         ``GET /v1/responses/{id}`` and may cancel it (``POST /v1/responses/{id}/cancel``)."""
         queued = base.model_copy(update={"status": "queued"})
         try:
-            await self._save(request, queued)
+            if not await self._save(request, queued):
+                raise ServiceUnavailableError(
+                    "background responses cannot be stored now (the server's disk refused it)",
+                    code="response_store_unavailable",
+                )
         except BaseException:
             await started.close()
             raise
