@@ -214,6 +214,9 @@ class ServerConfig:
     api_key: str | None = None
     """If set, every route but /health, /metrics and /version needs 'Authorization: Bearer <key>'
     (else 401), /docs and /openapi.json included."""
+    root_path: str = ""
+    """The path prefix a reverse proxy serves this server under (e.g. /llm): routes answer both with
+    and without it, and /docs links carry it (vLLM's and uvicorn's flag)."""
     max_request_body_bytes: int = 8 * 1024 * 1024
     """Largest request body accepted, in bytes; a larger one is refused with 413 before it is
     read. Raise it for large inline image_embeds."""

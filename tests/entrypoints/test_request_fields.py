@@ -293,3 +293,16 @@ def test_a_choice_cut_inside_a_character_drops_the_incomplete_tail(tokenizer, te
         assert text.startswith(detok.text)
         complete = tokenizer.decode(ids[:cut]).rstrip("\ufffd")
         assert detok.text == complete
+
+
+def test_root_path_serves_routes_with_and_without_the_prefix():
+    """``--root-path /llm`` (a reverse proxy's prefix): /llm/v1/... and /v1/... both answer, as vLLM's;
+    the API key still applies to both."""
+    app = build_app(fake_engine(), ["m"], ServerConfig(api_key="k", root_path="/llm/"))
+    headers = {"Authorization": "Bearer k"}
+    with TestClient(app) as client:
+        for path in ("/llm/v1/models", "/v1/models"):
+            assert client.get(path, headers=headers).json()["data"][0]["id"] == "m", path
+            assert client.get(path).status_code == 401
+        assert client.get("/llm/health").status_code == 503  # (the fake engine is unhealthy)
+        assert client.get("/other/v1/models", headers=headers).status_code == 404

@@ -162,6 +162,7 @@ def build_app(
         redoc_url=None,
         openapi_url=None,
     )
+    app.root_path = server.root_path.rstrip("/")  # (as vLLM: /PREFIX/v1/... and /v1/... both answer)
     app.router.route_class = OpenAIRoute
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=server.max_request_body_bytes)
     _install_exception_handlers(app)
