@@ -169,6 +169,11 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "Threads of the engine core that compile structured-output grammars (off the engine loop) "
         "and fill their bitmasks; default: half the CPU cores, between 2 and 8.",
     ),
+    "FD_API_KEY": (
+        lambda: os.environ.get("FD_API_KEY") or None,
+        "The API key when serve gets no --api-key (as vLLM's VLLM_API_KEY): a key in the environment "
+        "does not show in the process list, as a command-line argument does.",
+    ),
     "FD_RESPONSES_STORE_DIR": (
         lambda: os.environ.get("FD_RESPONSES_STORE_DIR", ""),
         "Directory of the stored /v1/responses (store: true), shared by the API server processes of one "

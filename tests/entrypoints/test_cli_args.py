@@ -141,6 +141,14 @@ def test_server_flags():
     assert server_config_from_args(ns).return_tokens_as_token_ids
 
 
+def test_api_key_from_the_environment(monkeypatch):
+    monkeypatch.setenv("FD_API_KEY", "from-env")
+    assert server_config_from_args(parse()).api_key == "from-env"
+    assert server_config_from_args(parse("--api-key", "flag")).api_key == "flag"  # the flag wins
+    monkeypatch.setenv("FD_API_KEY", "")
+    assert server_config_from_args(parse()).api_key is None
+
+
 def test_positional_model():
     assert config_of("/models/smol").model.model == "/models/smol"
     assert config_of("/models/smol", "--model", "/models/smol").model.model == "/models/smol"

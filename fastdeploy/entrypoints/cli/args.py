@@ -24,6 +24,7 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from fastdeploy import envs
 from fastdeploy.config import EngineConfig, ServerConfig, field_docs
 
 
@@ -133,7 +134,10 @@ SERVER_FLAGS: tuple[FlagSpec, ...] = tuple(
 def server_config_from_args(ns: argparse.Namespace) -> ServerConfig:
     """The :class:`ServerConfig` described by parsed ``serve`` arguments (file and defaults merged in)."""
     resolved = vars(resolve_args(ns))
-    return ServerConfig(**{spec.key: resolved[spec.key] for spec in SERVER_FLAGS})
+    config = ServerConfig(**{spec.key: resolved[spec.key] for spec in SERVER_FLAGS})
+    if config.api_key is None and envs.FD_API_KEY:
+        config.api_key = envs.FD_API_KEY
+    return config
 
 
 def all_flag_specs() -> list[FlagSpec]:
