@@ -224,7 +224,7 @@ class OpenAIServingChat(OpenAIServing):
             )
         try:
             response = await run_until_disconnected(
-                raw_request, self.collect(request_id, model, started, prompts, options)
+                raw_request, self._collect(request_id, model, started, prompts, options)
             )
         finally:
             await started.close()
@@ -386,7 +386,7 @@ class OpenAIServingChat(OpenAIServing):
         if recorder is not None:
             recorder.finish()
 
-    async def collect(
+    async def _collect(
         self,
         request_id: str,
         model: str,
@@ -419,7 +419,7 @@ class OpenAIServingChat(OpenAIServing):
                             finish[c.index], stop_reason[c.index] = c.finish_reason, c.stop_reason
         except Exception as exc:
             raise to_openai_error(exc) from exc
-        messages = [answer_message("".join(texts[k][1:]), options) for k in range(n)]
+        messages = [_message("".join(texts[k][1:]), options) for k in range(n)]
         choices = [
             ChatCompletionResponseChoice(
                 index=k,
@@ -427,7 +427,7 @@ class OpenAIServingChat(OpenAIServing):
                 logprobs=None
                 if num_top is None
                 else chat_logprobs(token_ids[k], logprobs[k], num_top, options.tokens_as_ids),
-                finish_reason=finish_reason_of(finish[k] or "abort", bool(messages[k].tool_calls)),
+                finish_reason=_finish_reason(finish[k] or "abort", bool(messages[k].tool_calls)),
                 stop_reason=stop_reason[k],
                 token_ids=token_ids[k] if options.return_token_ids else None,
             )
@@ -453,7 +453,7 @@ def _constrain_after_reasoning(params: SamplingParams, reasoning: ReasoningParse
     return params.clone(structured_outputs=dataclasses.replace(constraint, reasoning_prefix=prefix))
 
 
-def finish_reason_of(reason: str | None, called: bool) -> str | None:
+def _finish_reason(reason: str | None, called: bool) -> str | None:
     """``tool_calls`` for an answer that called tools and stopped by itself, else ``reason``."""
     return "tool_calls" if called and reason == "stop" else reason
 
@@ -489,7 +489,7 @@ class ChoiceSplit:
         )
 
     def finish_reason(self, reason: str | None) -> str | None:
-        return finish_reason_of(reason, self.called)
+        return _finish_reason(reason, self.called)
 
 
 def _delta_tool_calls(calls: list[ToolCallDelta]) -> list[DeltaToolCall]:
@@ -511,7 +511,7 @@ def _delta_tool_calls(calls: list[ToolCallDelta]) -> list[DeltaToolCall]:
     return out
 
 
-def answer_message(text: str, options: ChatOptions) -> ChatMessageOut:
+def _message(text: str, options: ChatOptions) -> ChatMessageOut:
     """The assistant message of a whole answer: ``echo`` text first, reasoning split out, then the
     tool calls read out of the content."""
     if options.reasoning is None and options.tools is None:
