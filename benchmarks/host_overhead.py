@@ -46,7 +46,7 @@ def main() -> None:
     print("| batch | in / out tokens | best of | elapsed (s) | ms per step | µs per request per step |")
     print("| ---: | --- | ---: | ---: | ---: | ---: |")
     per_step = best / args.output_len
-    print(f"| {args.batch} | {args.input_len} / {args.output_len} | {args.repeats} | {best:.2f} | "
+    print(f"| {args.batch} | {args.input_len} / {args.output_len} | {args.repeats} | {best:.3f} | "
           f"{per_step * 1e3:.2f} | {per_step / args.batch * 1e6:.1f} |")  # fmt: skip
 
 
