@@ -4,14 +4,17 @@ compiling them, then the per-step work of decoding one JSON answer under each.
 Compile: every schema is distinct (benchmarks/structured_outputs.py's ``make_schema``) and all
 are submitted at once to the engine core's ``StructuredOutputManager``, as the benchmark's
 requests arrive. Steps: one matcher per schema walks the tokens of a valid answer; each step
-gives every matcher one token (``accept``: the scheduler's part), advances the matchers and fills
-the rows' bitmask (``fill``: the advance in parallel slices, the fill in xgrammar's threads), sends it as the executor does (``wire``: msgpack there and back) and lays
+gives every matcher one token (``accept``: the scheduler's part), advances the matchers
+(``advance``: in parallel slices) and fills the rows' bitmask (``fill``: xgrammar's threads) — the
+two make ``StructuredOutputManager.bitmask`` — sends it as the executor does (``wire``: msgpack
+there and back) and lays
 it into the worker's batch of twice as many rows (``worker``: ``ModelRunner._token_bitmask`` on
 a CPU).
 Means over the steps, in µs per structured row.
 
 ``FD_XGRAMMAR_CACHE_MB=0`` compiles without xgrammar's cache, ``FD_GRAMMAR_COMPILE_THREADS``
-sets the threads (compiles and fills).
+sets the threads (compiles and fills), ``--no-unroll`` keeps bounded repetitions as they are
+(``structured_output/repetition.py``).
 
 Examples:
     python benchmarks/grammar_cost.py --vocab-size 128256          # the default model's tokenizer, 8B vocab
@@ -92,20 +95,22 @@ def step_costs(manager: StructuredOutputManager, compiled: list, answers: list[l
     batch = [
         name for req_id in req_ids for name in (req_id, f"plain-{req_id}")
     ]  # every other row constrained
-    parts: dict[str, list[float]] = {"accept": [], "fill": [], "wire": [], "worker": []}
+    parts: dict[str, list[float]] = {"accept": [], "advance": [], "fill": [], "wire": [], "worker": []}
     for step in range(1, steps):
         t0 = time.perf_counter()
         for grammar, tokens in zip(grammars, answers):
             grammar.accept_token(tokens[step - 1])
         t1 = time.perf_counter()
-        bitmask = manager.bitmask(req_ids, grammars)
+        manager._advance(grammars)  # what bitmask() does first; then it has nothing left to advance
         t2 = time.perf_counter()
+        bitmask = manager.bitmask(req_ids, grammars)
+        t3 = time.perf_counter()
         wire = decode(encode(["sample_tokens", [dataclasses.asdict(bitmask)]]))
         received = GrammarBitmask(**wire[1][0])
-        t3 = time.perf_counter()
-        ModelRunner._token_bitmask(cpu_runner, batch, received)
         t4 = time.perf_counter()
-        for name, seconds in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+        ModelRunner._token_bitmask(cpu_runner, batch, received)
+        t5 = time.perf_counter()
+        for name, seconds in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
             parts[name].append(seconds / len(grammars) * 1e6)
     if any(getattr(g, "failed", False) for g in grammars):
         raise RuntimeError("an answer left its grammar")
@@ -121,7 +126,12 @@ def main() -> None:
     parser.add_argument("--tokenizer", default=None, help="tokenizer folder; default: the embedded SmolLM2")
     parser.add_argument("--vocab-size", type=int, default=None, help="the model's vocabulary (logits' width)")
     parser.add_argument("--num-schemas", type=int, default=128)
+    parser.add_argument("--no-unroll", action="store_true", help="keep bounded repetitions as they are")
     args = parser.parse_args()
+    if args.no_unroll:
+        import fastdeploy.structured_output.grammar as grammar
+
+        grammar.unrolled = lambda g: g
 
     tokenizer = load_tokenizer(args.tokenizer)
     vocab = args.vocab_size or len(tokenizer)
@@ -134,7 +144,7 @@ def main() -> None:
         result.update(step_costs(manager, compiled, answers, eos))
     finally:
         manager.shutdown()
-    head = {"num_schemas": args.num_schemas, "vocab_size": vocab}
+    head = {"num_schemas": args.num_schemas, "vocab_size": vocab, "unrolled": not args.no_unroll}
     head.update(compile_threads=envs.FD_GRAMMAR_COMPILE_THREADS, xgrammar_cache_mb=envs.FD_XGRAMMAR_CACHE_MB)
     print(json.dumps({**head, **result}))
 
