@@ -359,3 +359,37 @@ def test_an_unwritable_store_keeps_nothing_and_raises_nothing(tmp_path):
     rid = new_id("resp")
     assert store.save(rid, stored("x")) is False
     assert store.load(rid) is None and not store.delete(rid) and store.conversation(rid) is None
+
+
+def test_a_cancel_reaches_the_process_running_the_background_response(tmp_path):
+    """Two API server processes share the store: B's cancel, with no task of its own, leaves the
+    marker; A's watcher cancels its run, which stores the response as cancelled; B returns that."""
+    import asyncio
+
+    from fastdeploy.entrypoints.openai.serving_responses import OpenAIServingResponses
+
+    rid = new_id("resp")
+    running = {"id": rid, "background": True, "status": "in_progress"}
+    a = OpenAIServingResponses(None, ResponseStore(str(tmp_path), max_bytes=1 << 20))
+    b = OpenAIServingResponses(None, ResponseStore(str(tmp_path), max_bytes=1 << 20))
+    a.CANCEL_POLL_S = b.CANCEL_POLL_S = 0.01
+
+    async def scenario() -> dict:
+        a.store.save(rid, StoredResponse(response=running, messages=[]))
+
+        async def run() -> None:  # stands for A's _run_background
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                a.store.save(rid, StoredResponse(response={**running, "status": "cancelled"}, messages=[]))
+                raise
+
+        task = asyncio.create_task(run())
+        watcher = asyncio.create_task(a._watch_cancel(rid, task))
+        result = await asyncio.wait_for(b.cancel(rid), timeout=10)
+        await asyncio.wait({task, watcher})
+        assert task.cancelled()
+        return result
+
+    assert asyncio.run(scenario())["status"] == "cancelled"
+    assert a.store.load(rid).response["status"] == "cancelled"
