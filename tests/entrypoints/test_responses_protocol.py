@@ -393,3 +393,10 @@ def test_a_cancel_reaches_the_process_running_the_background_response(tmp_path):
 
     assert asyncio.run(scenario())["status"] == "cancelled"
     assert a.store.load(rid).response["status"] == "cancelled"
+
+
+def test_feature_parts_pass_through_to_the_chat_message():
+    part = {"type": "image_feature_url", "image_feature_url": {"url": "file:///x.npy", "grid_thw": [1, 2, 2]}}
+    content = [{"type": "input_text", "text": "What is this?"}, part]
+    (message,) = request(input=[{"role": "user", "content": content}]).to_chat_request([]).messages
+    assert message.content == [{"type": "text", "text": "What is this?"}, part]
