@@ -118,6 +118,9 @@ class ResponsesRequest(OpenAIModel):
     presence_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    bad_words: list[str] | None = None
+    include_stop_str_in_output: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
     IGNORED_FIELDS: ClassVar[dict[str, tuple[str, tuple[Any, ...]]]] = {
@@ -232,7 +235,8 @@ class ResponsesRequest(OpenAIModel):
         for name in (
             "temperature", "top_p", "top_k", "min_p", "min_tokens", "seed", "stop", "stop_token_ids",
             "ignore_eos", "skip_special_tokens", "frequency_penalty", "presence_penalty",
-            "repetition_penalty", "logit_bias", "chat_template_kwargs",
+            "repetition_penalty", "logit_bias", "bad_words", "include_stop_str_in_output",
+            "return_tokens_as_token_ids", "chat_template_kwargs",
         ):  # fmt: skip
             data[name] = getattr(self, name)
         data = {k: v for k, v in data.items() if v is not None}
