@@ -400,3 +400,43 @@ def test_feature_parts_pass_through_to_the_chat_message():
     content = [{"type": "input_text", "text": "What is this?"}, part]
     (message,) = request(input=[{"role": "user", "content": content}]).to_chat_request([]).messages
     assert message.content == [{"type": "text", "text": "What is this?"}, part]
+
+
+def test_a_stream_that_fails_ends_with_error_and_response_failed(tmp_path):
+    """The engine dying mid-stream: the events so far, then ``error`` and ``response.failed`` carrying
+    the output made so far (nothing stored as completed)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from fastdeploy.engine.protocol import EngineDeadError
+    from fastdeploy.entrypoints.openai.protocol.responses import ResponseObject
+    from fastdeploy.entrypoints.openai.serving_engine import UsageTracker
+    from fastdeploy.entrypoints.openai.serving_responses import OpenAIServingResponses
+
+    async def outputs():
+        yield 0, SimpleNamespace(outputs=[CompletionOutput(index=0, text="Hel", token_ids=[1])])
+        raise EngineDeadError("the engine core exited")
+
+    started = SimpleNamespace(outputs=outputs, tracker=UsageTracker(["r"], []))
+    handler = OpenAIServingResponses(None, ResponseStore(str(tmp_path), max_bytes=1 << 20))
+    req = request(input="Hi")
+    base = ResponseObject.of(new_id("resp"), "m", req)
+
+    async def collect() -> list[dict]:
+        chunks = [c async for c in handler._stream(req, base, started, ResponseOutput(ChatOptions(), None))]
+        return [json.loads(c.split("data: ", 1)[1]) for c in chunks]
+
+    events = asyncio.run(collect())
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert [e["type"] for e in events][:5] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.content_part.added", "response.output_text.delta",
+    ]  # fmt: skip
+    error, failed = events[-2:]
+    assert error["type"] == "error" and "engine" in error["message"]
+    assert failed["type"] == "response.failed" and failed["response"]["status"] == "failed"
+    assert failed["response"]["error"]["code"] == "engine_dead"
+    (item,) = failed["response"]["output"]  # the message so far, closed as incomplete
+    assert item["status"] == "incomplete" and item["content"][0]["text"] == "Hel"
+    assert events[-3]["type"] == "response.output_item.done" and events[-3]["item"] == item
+    assert handler.store.load(base.id) is None

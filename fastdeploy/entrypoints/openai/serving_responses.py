@@ -143,6 +143,12 @@ class ResponseOutput:
         self._close(events, "completed" if self.finish_reason in ("stop", "tool_calls") else "incomplete")
         return events
 
+    def abandon(self) -> list[Event]:
+        """Close the item being generated as ``incomplete`` (the request failed); its events."""
+        events: list[Event] = []
+        self._close(events, "incomplete")
+        return events
+
     # ---- items ----------------------------------------------------------------------
 
     def _switch_to(self, kind: str, events: list[Event], call_id: str = "", name: str = "") -> _OpenItem:
@@ -341,6 +347,8 @@ class OpenAIServingResponses:
             yield event({"type": kind, "response": final})
         except Exception as exc:
             error = to_openai_error(exc)
+            for body in output.abandon():
+                yield event(body)
             yield event({"type": "error", "code": error.code, "message": error.message, "param": error.param})
             failed = base.model_copy(update={"status": "failed", "output": output.items})
             failed.error = {"code": error.code or "server_error", "message": error.message}
@@ -426,10 +434,11 @@ class OpenAIServingResponses:
             await self._collect(request, base, started, output, on_first=in_progress)
         except asyncio.CancelledError:
             await started.close()
-            output.finish()
+            output.abandon()
             await self._save(request, base.model_copy(update={"status": "cancelled", "output": output.items}))
         except Exception as exc:  # the engine failed or the server is stopping
             error = to_openai_error(exc)
+            output.abandon()
             failed = base.model_copy(update={"status": "failed", "output": output.items})
             failed.error = {"code": error.code or "server_error", "message": error.message}
             await self._save(request, failed)
