@@ -25,7 +25,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, ValidationError
 
 from fastdeploy.core.sampling_params import MAX_LOGPROBS
-from fastdeploy.entrypoints.openai.errors import BadRequestError, from_pydantic
+from fastdeploy.entrypoints.openai.errors import BadRequestError, encodable, from_pydantic
 from fastdeploy.entrypoints.openai.protocol.chat import ChatCompletionRequest
 from fastdeploy.entrypoints.openai.protocol.common import OpenAIModel, ResponseModel, warn_once
 from fastdeploy.multimodal.parts import is_feature_part
@@ -194,9 +194,10 @@ class ResponsesRequest(OpenAIModel):
                 )
         for value in self.include or []:
             if value != LOGPROBS_INCLUDE:
+                shown = encodable(value[:100])
                 warn_once(
-                    f"responses:include:{value}",
-                    f"'include' value {value!r} is accepted but ignored (only {LOGPROBS_INCLUDE!r} "
+                    f"responses:include:{shown}",
+                    f"'include' value {shown!r} is accepted but ignored (only {LOGPROBS_INCLUDE!r} "
                     "adds anything here)",
                 )
 
