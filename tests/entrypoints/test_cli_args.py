@@ -295,6 +295,7 @@ def test_serve_whose_engine_cannot_start_names_the_cause(capsys):
         (["--tensor-parallel-size", "4", "--device", "cpu"], "cannot split 9 attention heads"),
         (["--data-parallel-size", "0", "--device", "cpu"], "must be >= 1"),
         (["--api-server-count", "0"], "argument --api-server-count: must be at least 1 (got 0)"),
+        (["--chat-template", "/no/such/template.jinja"], "argument --chat-template: "),
         (
             ["--api-server-count", "2", "--headless", "--nnodes", "2", "--node-rank", "1"],
             "argument --api-server-count: --headless runs no API server",
@@ -306,6 +307,7 @@ def test_serve_whose_engine_cannot_start_names_the_cause(capsys):
         "heads",
         "dp-zero",
         "api-servers-zero",
+        "chat-template",
         "api-servers-headless",
     ],
 )
@@ -336,3 +338,22 @@ def test_api_server_count_defaults_to_one_per_data_parallel_engine_core_on_a_gpu
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert default_api_server_count(args("--data-parallel-size", "2")) == 1
     assert default_api_server_count(args("--data-parallel-size", "4", "--device", "cuda")) == 4
+
+
+def test_chat_template_replaces_the_tokenizers(tmp_path):
+    """``--chat-template``: a file or the template text itself becomes the tokenizer's template."""
+    from fastdeploy.config import ModelConfig
+    from fastdeploy.model_executor.model_loader import load_tokenizer, resolve_model
+
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    path = tmp_path / "template.jinja"
+    path.write_text(template)
+    for value in (str(path), template):
+        config = ModelConfig(chat_template=value)
+        tokenizer = load_tokenizer(config, resolve_model(config))
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+        assert text == "<user>hi"
+    ns = resolve_args(parse("--chat-template", str(path), "--trust-remote-code", "--enable-auto-tool-choice"))
+    assert engine_config_from_args(ns).model.chat_template == str(path)
+    assert engine_config_from_args(ns).model.trust_remote_code
+    assert server_config_from_args(ns).enable_auto_tool_choice

@@ -57,6 +57,20 @@ def check_model_path(args: argparse.Namespace) -> str | None:
     return None
 
 
+def check_chat_template(args: argparse.Namespace) -> str | None:
+    """Why ``--chat-template`` is neither a file nor a template (a mistyped path), or None."""
+    value = getattr(args, "chat_template", None)
+    if not value:
+        return None
+    from fastdeploy.model_executor.model_loader import read_chat_template
+
+    try:
+        read_chat_template(value)
+    except (ValueError, OSError) as exc:
+        return f"argument --chat-template: {exc}"
+    return None
+
+
 def check_reasoning_parser(args: argparse.Namespace) -> str | None:
     """Why ``--reasoning-parser`` names no known parser, or None."""
     name = getattr(args, "reasoning_parser", None)
@@ -165,6 +179,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
         parser.error(str(exc))
     problem = (
         check_model_path(args)
+        or check_chat_template(args)
         or check_reasoning_parser(args)
         or check_tool_call_parser(args)
         or check_backend(args)

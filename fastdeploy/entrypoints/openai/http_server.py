@@ -184,6 +184,7 @@ async def serve_http(
     sock: socket.socket | None = None,
     on_ready: Callable[[str, int], None] | None = _print_ready,
     log_level: str | None = None,
+    access_log: bool = True,
     engine: EngineClient | None = None,
     exit_on_engine_death: bool = False,
 ) -> bool:
@@ -202,6 +203,7 @@ async def serve_http(
         host=host,
         port=port,
         log_level=log_level,
+        access_log=access_log,
         lifespan="off",
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
@@ -256,6 +258,8 @@ async def run_server(
             args.port,
             sock=sock,
             on_ready=_print_ready if index == 0 else None,
+            log_level=server_config.uvicorn_log_level,
+            access_log=not server_config.disable_uvicorn_access_log,
             engine=engine,
             exit_on_engine_death=server_config.exit_on_engine_death,
         )

@@ -206,12 +206,29 @@ def load_tokenizer(config: ModelConfig, source: ModelSource):
 
     from fastdeploy.model_executor.model_loader.gguf_loader import load_gguf_tokenizer
 
+    remote = {"trust_remote_code": True} if config.trust_remote_code else {}
     if config.tokenizer:
-        return AutoTokenizer.from_pretrained(config.tokenizer)
-    if source.is_gguf:
-        return load_gguf_tokenizer(source.path)
-    has_tokenizer = any(
+        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer, **remote)
+    elif source.is_gguf:
+        tokenizer = load_gguf_tokenizer(source.path)
+    elif any(
         os.path.isfile(os.path.join(source.folder, f))
         for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-    )
-    return AutoTokenizer.from_pretrained(source.folder) if has_tokenizer else None
+    ):
+        tokenizer = AutoTokenizer.from_pretrained(source.folder, **remote)
+    else:
+        return None
+    if config.chat_template:
+        tokenizer.chat_template = read_chat_template(config.chat_template)
+    return tokenizer
+
+
+def read_chat_template(value: str) -> str:
+    """``--chat-template``: the file at ``value`` if it is one, else ``value`` itself when it looks
+    like a Jinja template; a ``ValueError`` saying which otherwise (a mistyped path)."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
