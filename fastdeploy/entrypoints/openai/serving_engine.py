@@ -342,6 +342,10 @@ class OpenAIServing:
         self.tokenizers = tokenizers or TokenizerLanes()
         self.shutdown_event = shutdown_event
         """Set when the server stops: requests in flight end with a 503."""
+        self.sampling_defaults: dict[str, Any] = dict(
+            getattr(engine_client, "generation_defaults", None) or {}
+        )
+        """The model's sampling defaults for unset request fields (``--generation-config``)."""
         self.return_tokens_as_token_ids = return_tokens_as_token_ids
         """Every request's logprobs tokens as ``token_id:N`` (``--return-tokens-as-token-ids``)."""
         self._vocab_size: int | None = None

@@ -7,6 +7,7 @@ model given, the embedded default model is used.
 
 from __future__ import annotations
 
+import logging
 import os
 import zlib
 from dataclasses import dataclass
@@ -36,6 +37,8 @@ from fastdeploy.transformers_utils.pooling import PoolerConfig, resolve_pooler
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -221,6 +224,25 @@ def load_tokenizer(config: ModelConfig, source: ModelSource):
     if config.chat_template:
         tokenizer.chat_template = read_chat_template(config.chat_template)
     return tokenizer
+
+
+def load_generation_defaults(config: ModelConfig, source: ModelSource) -> dict[str, float | int]:
+    """The sampling defaults of requests that leave them unset (``--generation-config``; a GGUF file
+    has no generation_config.json to read under ``auto``), logged once when there are any."""
+    from fastdeploy.transformers_utils.config import read_generation_defaults
+
+    setting = config.generation_config
+    if setting == "auto" and source.is_gguf:
+        return {}
+    defaults = read_generation_defaults(setting, source.folder)
+    if defaults:
+        logger.info(
+            "default sampling parameters from %s/generation_config.json: %s (--generation-config none "
+            "for the OpenAI defaults)",
+            source.folder if setting == "auto" else setting,
+            defaults,
+        )
+    return defaults
 
 
 def read_chat_template(value: str) -> str:

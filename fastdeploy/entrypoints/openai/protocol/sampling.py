@@ -12,6 +12,7 @@ are a 400 that says so otherwise.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from pydantic import field_validator
@@ -186,12 +187,19 @@ class SamplingRequest(StructuredOutputsRequest):
         """Whether ``max_tokens: 0`` makes sense (only for completions with ``echo``: scoring a prompt)."""
         return False
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         """The engine's ``SamplingParams`` for this request (a 400 if a value is invalid).
 
+        ``defaults``: the model's values (``--generation-config``) of temperature, top_p, top_k,
+        min_p and repetition_penalty, for the fields the request leaves unset (else OpenAI's).
         ``max_tokens`` is left as requested (possibly None); the server fixes it
         with :func:`resolve_max_tokens` once the prompt length is known.
         """
+        model = defaults or {}
+
+        def unset_or(value: Any, name: str, fallback: Any) -> Any:
+            return model.get(name, fallback) if value is None else value
+
         self.check_supported()
         max_tokens, max_tokens_field = self._requested_max_tokens()
         least = 0 if self._allows_zero_max_tokens() else 1
@@ -204,13 +212,13 @@ class SamplingRequest(StructuredOutputsRequest):
             raise BadRequestError(
                 f"{max_tokens_field} must be at least {least}, got {max_tokens}{hint}", param=max_tokens_field
             )
-        top_k = self.top_k
+        top_k = unset_or(self.top_k, "top_k", -1)
         kwargs: dict[str, Any] = {
             "n": 1 if self.n is None else self.n,
-            "temperature": 1.0 if self.temperature is None else self.temperature,
-            "top_p": 1.0 if self.top_p is None else self.top_p,
-            "top_k": -1 if top_k is None or top_k == 0 else top_k,
-            "min_p": 0.0 if self.min_p is None else self.min_p,
+            "temperature": unset_or(self.temperature, "temperature", 1.0),
+            "top_p": unset_or(self.top_p, "top_p", 1.0),
+            "top_k": -1 if top_k == 0 else top_k,
+            "min_p": unset_or(self.min_p, "min_p", 0.0),
             "seed": self.seed,
             "max_tokens": max_tokens,
             "min_tokens": 0 if self.min_tokens is None else self.min_tokens,
@@ -218,7 +226,7 @@ class SamplingRequest(StructuredOutputsRequest):
             "stop_token_ids": list(self.stop_token_ids or []),
             "frequency_penalty": 0.0 if self.frequency_penalty is None else self.frequency_penalty,
             "presence_penalty": 0.0 if self.presence_penalty is None else self.presence_penalty,
-            "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            "repetition_penalty": unset_or(self.repetition_penalty, "repetition_penalty", 1.0),
             "logit_bias": self.logit_bias,
             "bad_words": list(self.bad_words or []),
             "logprobs": self._num_logprobs(),
