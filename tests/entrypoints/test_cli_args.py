@@ -296,6 +296,7 @@ def test_serve_whose_engine_cannot_start_names_the_cause(capsys):
         (["--data-parallel-size", "0", "--device", "cpu"], "must be >= 1"),
         (["--api-server-count", "0"], "argument --api-server-count: must be at least 1 (got 0)"),
         (["--chat-template", "/no/such/template.jinja"], "argument --chat-template: "),
+        (["--generation-config", "/no/such/folder"], "argument --generation-config: "),
         (
             ["--api-server-count", "2", "--headless", "--nnodes", "2", "--node-rank", "1"],
             "argument --api-server-count: --headless runs no API server",
@@ -308,6 +309,7 @@ def test_serve_whose_engine_cannot_start_names_the_cause(capsys):
         "dp-zero",
         "api-servers-zero",
         "chat-template",
+        "generation-config",
         "api-servers-headless",
     ],
 )

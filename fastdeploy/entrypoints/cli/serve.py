@@ -71,6 +71,14 @@ def check_chat_template(args: argparse.Namespace) -> str | None:
     return None
 
 
+def check_generation_config(args: argparse.Namespace) -> str | None:
+    """Why ``--generation-config`` names no folder with a generation_config.json, or None."""
+    value = getattr(args, "generation_config", "auto")
+    if value in ("auto", "none", "vllm") or os.path.isfile(os.path.join(value, "generation_config.json")):
+        return None
+    return f"argument --generation-config: auto, none, or a folder with a generation_config.json; got {value!r}"
+
+
 def check_reasoning_parser(args: argparse.Namespace) -> str | None:
     """Why ``--reasoning-parser`` names no known parser, or None."""
     name = getattr(args, "reasoning_parser", None)
@@ -180,6 +188,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
     problem = (
         check_model_path(args)
         or check_chat_template(args)
+        or check_generation_config(args)
         or check_reasoning_parser(args)
         or check_tool_call_parser(args)
         or check_backend(args)
