@@ -32,6 +32,8 @@ class EngineClient(ABC):
     """The model's ``ModelArchConfig`` (hidden size, multimodal token ids), or None if unknown."""
     pooler: Any = None
     """The ``PoolerConfig`` when the model is served for embeddings (pooling runner), else None."""
+    generation_defaults: dict[str, Any] = {}
+    """The model's sampling defaults for requests that leave them unset (``--generation-config``)."""
 
     @abstractmethod
     def generate(
