@@ -20,9 +20,9 @@ from fastdeploy.entrypoints.openai.protocol.responses import (
     responses_error,
 )
 from fastdeploy.entrypoints.openai.reasoning import get_reasoning_parser
+from fastdeploy.entrypoints.openai.responses_output import ResponseOutput
 from fastdeploy.entrypoints.openai.responses_store import ResponseStore, StoredResponse
 from fastdeploy.entrypoints.openai.serving_chat import ChatOptions
-from fastdeploy.entrypoints.openai.serving_responses import ResponseOutput
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 
