@@ -76,7 +76,9 @@ def check_generation_config(args: argparse.Namespace) -> str | None:
     value = getattr(args, "generation_config", "auto")
     if value in ("auto", "none", "vllm") or os.path.isfile(os.path.join(value, "generation_config.json")):
         return None
-    return f"argument --generation-config: auto, none, or a folder with a generation_config.json; got {value!r}"
+    return (
+        f"argument --generation-config: auto, none, or a folder with a generation_config.json; got {value!r}"
+    )
 
 
 def check_reasoning_parser(args: argparse.Namespace) -> str | None:
