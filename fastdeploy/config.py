@@ -256,6 +256,16 @@ class ServerConfig:
     talking to the same engine core(s), as vLLM's flag: raise it when one process's event loop is
     the limit (many concurrent streams). 1: the API server runs in the serve process itself.
     Unset: one per data-parallel engine core on a GPU (as vLLM does), 1 elsewhere."""
+    allowed_origins: list[str] = field(default_factory=list)
+    """Origins that browsers may call this server from (CORS), e.g. '["https://app.example"]' or
+    '["*"]'; empty (the default): no CORS headers, so web pages on other origins cannot read the
+    answers (vLLM allows every origin by default)."""
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    """CORS: the HTTP methods allowed from those origins."""
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    """CORS: the request headers allowed from those origins (Authorization included with '*')."""
+    allow_credentials: bool = False
+    """CORS: let browsers send cookies and HTTP authentication to this server (not with '*')."""
     uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] | None = None
     """Log level of the HTTP server (uvicorn): critical, error, warning, info, debug or trace; unset:
     FD_LOG_LEVEL's."""

@@ -359,3 +359,15 @@ def test_chat_template_replaces_the_tokenizers(tmp_path):
     assert engine_config_from_args(ns).model.chat_template == str(path)
     assert engine_config_from_args(ns).model.trust_remote_code
     assert server_config_from_args(ns).enable_auto_tool_choice
+
+
+def test_list_flags_take_a_json_array_or_commas(tmp_path):
+    ns = resolve_args(parse("--allowed-origins", '["https://a.example", "https://b.example"]'))
+    assert server_config_from_args(ns).allowed_origins == ["https://a.example", "https://b.example"]
+    ns = resolve_args(parse("--allowed-origins", "https://a.example, https://b.example"))
+    assert server_config_from_args(ns).allowed_origins == ["https://a.example", "https://b.example"]
+    assert server_config_from_args(resolve_args(parse())).allowed_origins == []
+    config = tmp_path / "c.yaml"
+    config.write_text("allowed-origins: ['*']\nallowed-methods: GET,POST\n")
+    server = server_config_from_args(resolve_args(parse("--config", str(config))))
+    assert (server.allowed_origins, server.allowed_methods) == (["*"], ["GET", "POST"])

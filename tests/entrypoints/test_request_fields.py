@@ -306,3 +306,26 @@ def test_root_path_serves_routes_with_and_without_the_prefix():
             assert client.get(path).status_code == 401
         assert client.get("/llm/health").status_code == 503  # (the fake engine is unhealthy)
         assert client.get("/other/v1/models", headers=headers).status_code == 404
+
+
+def test_cors_only_for_the_allowed_origins():
+    """Without ``--allowed-origins`` no CORS headers (pages on other origins cannot read answers);
+    with them, a preflight from an allowed origin passes and others get no allow header."""
+    preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST"}
+    with TestClient(build_app(fake_engine(), ["m"], ServerConfig())) as client:
+        response = client.options("/v1/chat/completions", headers=preflight)
+        assert "access-control-allow-origin" not in response.headers
+    config = ServerConfig(api_key="k", allowed_origins=["https://app.example"])
+    with TestClient(build_app(fake_engine(), ["m"], config)) as client:
+        response = client.options("/v1/chat/completions", headers=preflight)
+        assert response.status_code == 200  # a preflight needs no key
+        assert response.headers["access-control-allow-origin"] == "https://app.example"
+        other = client.options(
+            "/v1/chat/completions", headers={**preflight, "Origin": "https://evil.example"}
+        )
+        assert "access-control-allow-origin" not in other.headers
+        listed = client.get(
+            "/v1/models", headers={"Origin": "https://app.example", "Authorization": "Bearer k"}
+        )
+        assert listed.headers["access-control-allow-origin"] == "https://app.example"
+        assert client.get("/v1/models", headers={"Origin": "https://app.example"}).status_code == 401

@@ -89,6 +89,20 @@ def _json_object(text: str) -> dict[str, Any]:
 _json_object.__name__ = "JSON object"
 
 
+def _string_list(text: str) -> list[str]:
+    """A JSON array of strings (``'["a", "b"]'``, vLLM's form) or comma-separated words."""
+    text = text.strip()
+    if text.startswith("["):
+        value = json.loads(text)
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise argparse.ArgumentTypeError("expected a JSON array of strings")
+        return value
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+_string_list.__name__ = "list of strings"
+
+
 def engine_flag_specs() -> list[FlagSpec]:
     """A :class:`FlagSpec` per engine config field, in declaration order."""
     return _flag_specs(EngineConfig.flat_fields())
@@ -114,6 +128,8 @@ def _flag_specs(fields: list[tuple[type, dataclasses.Field]]) -> list[FlagSpec]:
             specs.append(FlagSpec(field.name, default, None, doc, "bool", **common))
         elif tp is dict or origin is dict:
             specs.append(FlagSpec(field.name, default, _json_object, doc, "json", **common))
+        elif origin is list:
+            specs.append(FlagSpec(field.name, default, _string_list, doc, "list", **common))
         elif origin is Literal:
             choices = typing.get_args(tp)
             parse = _value_parser(type(choices[0]), optional)
@@ -205,6 +221,12 @@ def _convert_file_value(spec: FlagSpec, value: Any, where: str) -> Any:
             if isinstance(value, str):
                 return _json_object(value)
             raise ValueError("expected a mapping")
+        if spec.kind == "list":
+            if isinstance(value, list) and all(isinstance(v, str) for v in value):
+                return value
+            if isinstance(value, str):
+                return _string_list(value)
+            raise ValueError("expected a list of strings")
         if value is None:
             if spec.optional:
                 return None

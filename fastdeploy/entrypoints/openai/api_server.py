@@ -19,6 +19,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
@@ -165,6 +166,14 @@ def build_app(
     app.root_path = server.root_path.rstrip("/")  # (as vLLM: /PREFIX/v1/... and /v1/... both answer)
     app.router.route_class = OpenAIRoute
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=server.max_request_body_bytes)
+    if server.allowed_origins:  # browsers on these origins may read the answers (CORS)
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=server.allowed_origins,
+            allow_methods=server.allowed_methods,
+            allow_headers=server.allowed_headers,
+            allow_credentials=server.allow_credentials,
+        )
     _install_exception_handlers(app)
     app.state.engine_client = engine_client
     auth = [Depends(_api_key_dependency(server.api_key))] if server.api_key else []
