@@ -266,6 +266,11 @@ class ServerConfig:
     """CORS: the request headers allowed from those origins (Authorization included with '*')."""
     allow_credentials: bool = False
     """CORS: let browsers send cookies and HTTP authentication to this server (not with '*')."""
+    ssl_keyfile: str | None = None
+    """Serve HTTPS with this private key (PEM), with --ssl-certfile (vLLM's flags); unset: plain HTTP
+    (put TLS in a reverse proxy, or set both)."""
+    ssl_certfile: str | None = None
+    """The certificate (PEM, its chain after it) that goes with --ssl-keyfile."""
     uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] | None = None
     """Log level of the HTTP server (uvicorn): critical, error, warning, info, debug or trace; unset:
     FD_LOG_LEVEL's."""

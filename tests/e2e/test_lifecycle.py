@@ -168,3 +168,25 @@ def test_missing_model_path_is_a_usage_error(tmp_path):
     assert lines[0].startswith("fastdeploy serve: error:") and missing in lines[0], lines
     assert run.stdout == ""
     assert time.monotonic() - started < 30  # refused before any model or process is loaded
+
+
+def test_https_with_a_key_and_a_certificate(server_factory, tmp_path, monkeypatch):
+    """``--ssl-keyfile`` / ``--ssl-certfile``: the server answers HTTPS (a self-signed certificate for
+    127.0.0.1, which the client is told to trust) and says so in its ready line."""
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl command to make a certificate")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+         "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))  # httpx (and the openai client) trust it
+    srv = server_factory("--ssl-keyfile", str(key), "--ssl-certfile", str(cert), wait=False)
+    srv.url = srv.url.replace("http://", "https://")
+    srv.wait_healthy()
+    assert f"FastDeploy API server ready at https://127.0.0.1:{srv.port}" in srv.log()
+    reply = srv.openai().completions.create(model=srv.model_name(), prompt="Hi", max_tokens=2)
+    assert reply.choices[0].text is not None
+    with pytest.raises(httpx.HTTPError):  # plain HTTP is not served on that port
+        httpx.get(f"http://127.0.0.1:{srv.port}/health", timeout=5)

@@ -297,6 +297,8 @@ def test_serve_whose_engine_cannot_start_names_the_cause(capsys):
         (["--api-server-count", "0"], "argument --api-server-count: must be at least 1 (got 0)"),
         (["--chat-template", "/no/such/template.jinja"], "argument --chat-template: "),
         (["--generation-config", "/no/such/folder"], "argument --generation-config: "),
+        (["--ssl-keyfile", "/no/key.pem"], "HTTPS needs both --ssl-keyfile and --ssl-certfile"),
+        (["--ssl-keyfile", "/no/key.pem", "--ssl-certfile", "/no/cert.pem"], "'/no/key.pem' is not a file"),
         (
             ["--api-server-count", "2", "--headless", "--nnodes", "2", "--node-rank", "1"],
             "argument --api-server-count: --headless runs no API server",
@@ -310,6 +312,8 @@ def test_serve_whose_engine_cannot_start_names_the_cause(capsys):
         "api-servers-zero",
         "chat-template",
         "generation-config",
+        "ssl-half",
+        "ssl-missing",
         "api-servers-headless",
     ],
 )

@@ -71,6 +71,18 @@ def check_chat_template(args: argparse.Namespace) -> str | None:
     return None
 
 
+def check_ssl(args: argparse.Namespace) -> str | None:
+    """Why ``--ssl-keyfile`` / ``--ssl-certfile`` cannot serve HTTPS (one without the other, a file
+    that is not there), or None."""
+    key, cert = getattr(args, "ssl_keyfile", None), getattr(args, "ssl_certfile", None)
+    if bool(key) != bool(cert):
+        return "argument --ssl-keyfile: HTTPS needs both --ssl-keyfile and --ssl-certfile"
+    for flag, path in (("--ssl-keyfile", key), ("--ssl-certfile", cert)):
+        if path and not os.path.isfile(path):
+            return f"argument {flag}: {path!r} is not a file"
+    return None
+
+
 def check_generation_config(args: argparse.Namespace) -> str | None:
     """Why ``--generation-config`` names no folder with a generation_config.json, or None."""
     value = getattr(args, "generation_config", "auto")
@@ -191,6 +203,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
         check_model_path(args)
         or check_chat_template(args)
         or check_generation_config(args)
+        or check_ssl(args)
         or check_reasoning_parser(args)
         or check_tool_call_parser(args)
         or check_backend(args)

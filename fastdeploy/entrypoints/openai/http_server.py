@@ -94,7 +94,7 @@ class _Server(uvicorn.Server):
     def __init__(
         self,
         config: uvicorn.Config,
-        on_ready: Callable[[str, int], None] | None = None,
+        on_ready: Callable[[str, int, str], None] | None = None,
         engine: EngineClient | None = None,
         exit_on_engine_death: bool = False,
     ):
@@ -140,12 +140,12 @@ class _Server(uvicorn.Server):
                 for sock in server.sockets or []:
                     port = sock.getsockname()[1]
                     break
-            self._on_ready(host, port)
+            self._on_ready(host, port, "https" if self.config.is_ssl else "http")
 
 
-def _print_ready(host: str, port: int) -> None:
+def _print_ready(host: str, port: int, scheme: str = "http") -> None:
     shown = f"[{host}]" if ":" in host else host
-    print(f"FastDeploy API server ready at http://{shown}:{port}", flush=True)
+    print(f"FastDeploy API server ready at {scheme}://{shown}:{port}", flush=True)
 
 
 class BindError(OSError):
@@ -182,13 +182,15 @@ async def serve_http(
     port: int,
     *,
     sock: socket.socket | None = None,
-    on_ready: Callable[[str, int], None] | None = _print_ready,
+    on_ready: Callable[[str, int, str], None] | None = _print_ready,
     log_level: str | None = None,
     access_log: bool = True,
+    ssl_keyfile: str | None = None,
+    ssl_certfile: str | None = None,
     engine: EngineClient | None = None,
     exit_on_engine_death: bool = False,
 ) -> bool:
-    """Serve ``app`` with uvicorn until SIGINT/SIGTERM; ``on_ready(host, port)`` once it accepts connections.
+    """Serve ``app`` with uvicorn until SIGINT/SIGTERM; ``on_ready(host, port, scheme)`` once it accepts connections.
 
     ``sock`` is a socket from :func:`bind_socket` (else uvicorn binds ``host:port`` itself).
     With an ``engine`` and ``exit_on_engine_death``, serving also ends soon after the
@@ -204,6 +206,8 @@ async def serve_http(
         port=port,
         log_level=log_level,
         access_log=access_log,
+        ssl_keyfile=ssl_keyfile,
+        ssl_certfile=ssl_certfile,
         lifespan="off",
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
@@ -260,6 +264,8 @@ async def run_server(
             on_ready=_print_ready if index == 0 else None,
             log_level=server_config.uvicorn_log_level,
             access_log=not server_config.disable_uvicorn_access_log,
+            ssl_keyfile=server_config.ssl_keyfile,
+            ssl_certfile=server_config.ssl_certfile,
             engine=engine,
             exit_on_engine_death=server_config.exit_on_engine_death,
         )
