@@ -299,7 +299,11 @@ def wait_until_ended(client, response_id: str, timeout: float = 60.0):
 def test_background_response_runs_and_can_be_cancelled(server, client, model_name):
     queued = client.responses.create(model=model_name, input="Name a color.", background=True, **GREEDY)
     assert queued.status == "queued" and queued.background and not queued.output
+    early = [item.id for item in client.responses.input_items.list(queued.id).data]
     done = wait_until_ended(client, queued.id)
+    assert [
+        item.id for item in client.responses.input_items.list(done.id).data
+    ] == early  # stored again, same ids
     assert done.status in ("completed", "incomplete") and done.background
     whole = client.responses.create(model=model_name, input="Name a color.", store=False, **GREEDY)
     assert done.output_text == whole.output_text

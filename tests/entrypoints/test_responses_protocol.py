@@ -411,7 +411,7 @@ def test_a_stream_that_fails_ends_with_error_and_response_failed(tmp_path):
     from fastdeploy.engine.protocol import EngineDeadError
     from fastdeploy.entrypoints.openai.protocol.responses import ResponseObject
     from fastdeploy.entrypoints.openai.serving_engine import UsageTracker
-    from fastdeploy.entrypoints.openai.serving_responses import OpenAIServingResponses
+    from fastdeploy.entrypoints.openai.serving_responses import OpenAIServingResponses, _Run
 
     async def outputs():
         yield 0, SimpleNamespace(outputs=[CompletionOutput(index=0, text="Hel", token_ids=[1])])
@@ -423,7 +423,8 @@ def test_a_stream_that_fails_ends_with_error_and_response_failed(tmp_path):
     base = ResponseObject.of(new_id("resp"), "m", req)
 
     async def collect() -> list[dict]:
-        chunks = [c async for c in handler._stream(req, base, started, ResponseOutput(ChatOptions(), None))]
+        run = _Run(req, base, started, ResponseOutput(ChatOptions(), None), input_items(req))
+        chunks = [c async for c in handler._stream(run)]
         return [json.loads(c.split("data: ", 1)[1]) for c in chunks]
 
     events = asyncio.run(collect())

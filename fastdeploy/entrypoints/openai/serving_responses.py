@@ -25,12 +25,18 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from fastdeploy.entrypoints.openai.errors import BadRequestError, NotFoundError, ServiceUnavailableError
+from fastdeploy.entrypoints.openai.errors import (
+    BadRequestError,
+    NotFoundError,
+    OpenAIError,
+    ServiceUnavailableError,
+)
 from fastdeploy.entrypoints.openai.protocol.responses import (
     ResponseObject,
     ResponsesRequest,
@@ -46,10 +52,25 @@ from fastdeploy.entrypoints.openai.serving_chat import OpenAIServingChat
 from fastdeploy.entrypoints.openai.serving_engine import (
     SSEResponse,
     StartedRequests,
-    UsageTracker,
     run_until_disconnected,
     to_openai_error,
 )
+
+RUNNING = ("queued", "in_progress")
+"""Statuses of a background response still being generated."""
+
+
+@dataclass
+class _Run:
+    """One response being generated: what was asked, the response object so far, its engine request,
+    the output it builds, and its input items (made once, so that their ids stay the same every time
+    the response is stored)."""
+
+    request: ResponsesRequest
+    base: ResponseObject
+    started: StartedRequests
+    output: ResponseOutput
+    input_items: list[dict[str, Any]]
 
 
 class OpenAIServingResponses:
@@ -76,7 +97,7 @@ class OpenAIServingResponses:
             )
         if request.previous_response_id is not None:
             previous = await asyncio.to_thread(self.store.load, request.previous_response_id)
-            if previous is not None and previous.response.get("status") in ("queued", "in_progress"):
+            if previous is not None and previous.response.get("status") in RUNNING:
                 raise BadRequestError(
                     f"Previous response '{request.previous_response_id}' is still in progress",
                     param="previous_response_id",
@@ -96,49 +117,36 @@ class OpenAIServingResponses:
         response_id = new_id("resp")
         base = ResponseObject.of(response_id, prepared.model, request)
         base.store = request.stores and self.store.enabled
-        num_top = prepared.prompts[0].params.logprobs
-        output = ResponseOutput(prepared.options, num_top)
+        output = ResponseOutput(prepared.options, prepared.prompts[0].params.logprobs)
         started = await self.chat.start_requests([response_id], prepared.prompts)
+        run = _Run(request, base, started, output, input_items(request))
         if request.background:
-            return JSONResponse(await self._start_background(request, base, started, output))
+            return JSONResponse(await self._start_background(run))
         if request.stream:
-            return SSEResponse(self._stream(request, base, started, output), on_close=started.close)
+            return SSEResponse(self._stream(run), on_close=started.close)
         try:
-            response = await run_until_disconnected(
-                raw_request, self._collect(request, base, started, output)
-            )
+            response = await run_until_disconnected(raw_request, self._collect(run))
         finally:
             await started.close()
         return JSONResponse(response)
 
     async def _collect(
-        self,
-        request: ResponsesRequest,
-        base: ResponseObject,
-        started: StartedRequests,
-        output: ResponseOutput,
-        on_first: Callable[[], Awaitable[None]] | None = None,
+        self, run: _Run, on_first: Callable[[], Awaitable[None]] | None = None
     ) -> dict[str, Any]:
         try:
-            async with contextlib.aclosing(started.outputs()) as outputs:
+            async with contextlib.aclosing(run.started.outputs()) as outputs:
                 async for _, out in outputs:
                     if on_first is not None:
                         await on_first()
                         on_first = None
                     for c in out.outputs:
-                        output.feed(c)
+                        run.output.feed(c)
         except Exception as exc:
             raise to_openai_error(exc) from exc
-        output.finish()
-        return await self._finished(request, base, output, started.tracker)
+        run.output.finish()
+        return await self._finished(run)
 
-    async def _stream(
-        self,
-        request: ResponsesRequest,
-        base: ResponseObject,
-        started: StartedRequests,
-        output: ResponseOutput,
-    ) -> AsyncIterator[str]:
+    async def _stream(self, run: _Run) -> AsyncIterator[str]:
         sequence = 0
 
         def event(body: Event) -> str:
@@ -147,36 +155,33 @@ class OpenAIServingResponses:
             sequence += 1
             return f"event: {body['type']}\ndata: {json.dumps(body)}\n\n"
 
-        yield event({"type": "response.created", "response": base.model_dump()})
-        yield event({"type": "response.in_progress", "response": base.model_dump()})
+        yield event({"type": "response.created", "response": run.base.model_dump()})
+        yield event({"type": "response.in_progress", "response": run.base.model_dump()})
         try:
-            async with contextlib.aclosing(started.outputs()) as outputs:
+            async with contextlib.aclosing(run.started.outputs()) as outputs:
                 async for _, out in outputs:
                     for c in out.outputs:
-                        for body in output.feed(c):
+                        for body in run.output.feed(c):
                             yield event(body)
-            for body in output.finish():
+            for body in run.output.finish():
                 yield event(body)
-            final = await self._finished(request, base, output, started.tracker)
+            final = await self._finished(run)
             kind = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(
                 final["status"], "response.failed"
             )
             yield event({"type": kind, "response": final})
         except Exception as exc:
             error = to_openai_error(exc)
-            for body in output.abandon():
+            for body in run.output.abandon():
                 yield event(body)
             yield event({"type": "error", "code": error.code, "message": error.message, "param": error.param})
-            failed = base.model_copy(update={"status": "failed", "output": output.items})
-            failed.error = {"code": error.code or "server_error", "message": error.message}
-            yield event({"type": "response.failed", "response": failed.model_dump()})
+            yield event({"type": "response.failed", "response": self._failed(run, error).model_dump()})
 
-    async def _finished(
-        self, request: ResponsesRequest, base: ResponseObject, output: ResponseOutput, tracker: UsageTracker
-    ) -> dict[str, Any]:
+    async def _finished(self, run: _Run) -> dict[str, Any]:
         """The finished response object (stored when asked)."""
+        output, tracker = run.output, run.started.tracker
         usage = tracker.usage()
-        response = base.model_copy(update={"output": output.items, "completed_at": int(time.time())})
+        response = run.base.model_copy(update={"output": output.items, "completed_at": int(time.time())})
         response.usage = ResponseUsage.build(
             usage.prompt_tokens, sum(tracker.cached_tokens), usage.completion_tokens, output.reasoning_tokens
         )
@@ -189,80 +194,73 @@ class OpenAIServingResponses:
             response.error = {"code": "server_error", "message": "the request was aborted"}
         body = response.model_dump()
         if response.store:
-            stored = StoredResponse(
-                response=body,
-                messages=request.input_messages() + output_messages(output.items),
-                input_items=input_items(request),
-                previous_response_id=request.previous_response_id,
-            )
-            if not await asyncio.to_thread(self.store.save, response.id, stored):
+            messages = run.request.input_messages() + output_messages(output.items)
+            if not await self._save(run, body, messages):
                 body["store"] = False  # (logged by the store: the disk refused it)
         return body
 
+    @staticmethod
+    def _failed(run: _Run, error: OpenAIError) -> ResponseObject:
+        """The response of a run that failed with ``error``: its output so far (closed with
+        ``ResponseOutput.abandon``), status ``failed``."""
+        failed = run.base.model_copy(update={"status": "failed", "output": run.output.items})
+        failed.error = {"code": error.code or "server_error", "message": error.message}
+        return failed
+
+    async def _save(
+        self, run: _Run, response: dict[str, Any], messages: list[dict[str, Any]] | None = None
+    ) -> bool:
+        """Store ``response`` (a background one as it stands: its turn's messages come once it has
+        ended); whether the store kept it."""
+        stored = StoredResponse(
+            response=response,
+            messages=messages or [],
+            input_items=run.input_items,
+            previous_response_id=run.request.previous_response_id,
+        )
+        return await asyncio.to_thread(self.store.save, run.base.id, stored)
+
     # ---- background responses ---------------------------------------------------------
 
-    async def _save(self, request: ResponsesRequest, response: ResponseObject) -> bool:
-        """Store a background response as it stands (its turn's messages come once it has ended)."""
-        stored = StoredResponse(
-            response=response.model_dump(),
-            messages=[],
-            input_items=input_items(request),
-            previous_response_id=request.previous_response_id,
-        )
-        return await asyncio.to_thread(self.store.save, response.id, stored)
-
-    async def _start_background(
-        self,
-        request: ResponsesRequest,
-        base: ResponseObject,
-        started: StartedRequests,
-        output: ResponseOutput,
-    ) -> dict[str, Any]:
+    async def _start_background(self, run: _Run) -> dict[str, Any]:
         """Store the response as ``queued`` and run it in a task of its own: the client polls
         ``GET /v1/responses/{id}`` and may cancel it (``POST /v1/responses/{id}/cancel``)."""
-        queued = base.model_copy(update={"status": "queued"})
+        queued = run.base.model_copy(update={"status": "queued"}).model_dump()
         try:
-            if not await self._save(request, queued):
+            if not await self._save(run, queued):
                 raise ServiceUnavailableError(
                     "background responses cannot be stored now (the server's disk refused it)",
                     code="response_store_unavailable",
                 )
         except BaseException:
-            await started.close()
+            await run.started.close()
             raise
-        task = asyncio.create_task(self._run_background(request, base, started, output))
-        self._background[base.id] = task
-        task.add_done_callback(lambda _: self._background.pop(base.id, None))
-        return queued.model_dump()
+        response_id = run.base.id
+        task = asyncio.create_task(self._run_background(run))
+        self._background[response_id] = task
+        task.add_done_callback(lambda _: self._background.pop(response_id, None))
+        return queued
 
-    async def _run_background(
-        self,
-        request: ResponsesRequest,
-        base: ResponseObject,
-        started: StartedRequests,
-        output: ResponseOutput,
-    ) -> None:
-        watcher = asyncio.create_task(self._watch_cancel(base.id, asyncio.current_task()))
+    async def _run_background(self, run: _Run) -> None:
+        watcher = asyncio.create_task(self._watch_cancel(run.base.id, asyncio.current_task()))
 
         async def in_progress() -> None:
-            await self._save(request, base.model_copy(update={"status": "in_progress"}))
+            await self._save(run, run.base.model_copy(update={"status": "in_progress"}).model_dump())
 
         try:
-            await self._collect(request, base, started, output, on_first=in_progress)
+            await self._collect(run, on_first=in_progress)
         except asyncio.CancelledError:
-            await started.close()
-            output.abandon()
-            await self._save(request, base.model_copy(update={"status": "cancelled", "output": output.items}))
+            await run.started.close()  # (before the save: the engine request stops at once)
+            run.output.abandon()
+            cancelled = run.base.model_copy(update={"status": "cancelled", "output": run.output.items})
+            await self._save(run, cancelled.model_dump())
         except Exception as exc:  # the engine failed or the server is stopping
-            error = to_openai_error(exc)
-            output.abandon()
-            failed = base.model_copy(update={"status": "failed", "output": output.items})
-            failed.error = {"code": error.code or "server_error", "message": error.message}
-            await self._save(request, failed)
+            run.output.abandon()
+            await self._save(run, self._failed(run, to_openai_error(exc)).model_dump())
         finally:
             watcher.cancel()
-            await started.close()
-            await asyncio.to_thread(self.store.clear_cancel, base.id)
+            await run.started.close()
+            await asyncio.to_thread(self.store.clear_cancel, run.base.id)
 
     async def _watch_cancel(self, response_id: str, task: asyncio.Task | None) -> None:
         """Cancel ``task`` once another process asks (the store's cancel marker)."""
@@ -278,7 +276,7 @@ class OpenAIServingResponses:
         stored = await self._stored(response_id)
         if not stored.response.get("background"):
             raise BadRequestError("Cannot cancel a synchronous response.", param="response_id")
-        if stored.response.get("status") not in ("queued", "in_progress"):
+        if stored.response.get("status") not in RUNNING:
             return stored.response
         task = self._background.get(response_id)
         if task is not None:
@@ -289,7 +287,7 @@ class OpenAIServingResponses:
             deadline = time.monotonic() + self.CANCEL_WAIT_S
             while time.monotonic() < deadline:
                 stored = await self._stored(response_id)
-                if stored.response.get("status") not in ("queued", "in_progress"):
+                if stored.response.get("status") not in RUNNING:
                     break
                 await asyncio.sleep(self.CANCEL_POLL_S)
         return (await self._stored(response_id)).response
