@@ -44,8 +44,6 @@ class LLM:
         defaults = dict(self.engine.generation_defaults)
         if "max_new_tokens" in defaults:
             defaults["max_tokens"] = defaults.pop("max_new_tokens")
-        if defaults.get("top_k") == 0:  # (transformers' "off")
-            defaults["top_k"] = -1
         return SamplingParams(**defaults)
 
     def generate(

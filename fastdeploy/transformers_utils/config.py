@@ -229,13 +229,16 @@ def read_config_json(folder: str) -> dict[str, Any]:
 
 GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
 """The keys of ``generation_config.json`` that set request defaults (vLLM's list)."""
+GENERATION_CONFIG_OFF = ("none", "vllm")
+"""``--generation-config`` values that read no file (OpenAI's defaults; ``vllm`` is vLLM's name)."""
 
 
 def read_generation_defaults(setting: str, model_folder: str) -> dict[str, float | int]:
     """The sampling defaults ``--generation-config`` asks for: from ``model_folder`` (``auto``) or
     another folder's ``generation_config.json``, none for ``none`` / ``vllm`` or without the file.
-    Only the keys of :data:`GENERATION_DEFAULT_KEYS` that hold numbers are kept."""
-    if setting in ("none", "vllm"):
+    Only the keys of :data:`GENERATION_DEFAULT_KEYS` that hold numbers are kept; a top_k of 0
+    (transformers' "off") is -1, the engine's."""
+    if setting in GENERATION_CONFIG_OFF:
         return {}
     folder = model_folder if setting == "auto" else setting
     path = os.path.join(folder, "generation_config.json")
@@ -245,11 +248,14 @@ def read_generation_defaults(setting: str, model_folder: str) -> dict[str, float
         return {}
     with open(path) as f:
         data = json.load(f)
-    return {
+    defaults = {
         key: data[key]
         for key in GENERATION_DEFAULT_KEYS
         if isinstance(data.get(key), (int, float)) and not isinstance(data.get(key), bool)
     }
+    if defaults.get("top_k") == 0:
+        defaults["top_k"] = -1
+    return defaults
 
 
 def read_generation_eos(folder: str) -> list[int]:

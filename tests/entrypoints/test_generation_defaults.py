@@ -34,6 +34,9 @@ def test_read_generation_defaults(tmp_path):
     assert read_generation_defaults("none", folder) == read_generation_defaults("vllm", folder) == {}
     assert read_generation_defaults(folder, "/elsewhere")["top_k"] == 20  # another folder's file
     assert read_generation_defaults("auto", str(tmp_path / "empty")) == {}
+    (tmp_path / "off").mkdir()
+    off = folder_with(tmp_path / "off", {"top_k": 0})  # transformers' "off" is the engine's -1
+    assert read_generation_defaults("auto", off) == {"top_k": -1}
     with pytest.raises(FileNotFoundError, match="--generation-config"):
         read_generation_defaults(str(tmp_path / "missing"), folder)
 
@@ -69,11 +72,11 @@ def test_the_api_handlers_and_the_offline_llm_read_the_engines_defaults():
     from fastdeploy.entrypoints.llm import LLM
     from fastdeploy.entrypoints.openai.serving_chat import OpenAIServingChat
 
-    engine = SimpleNamespace(generation_defaults={"temperature": 0.7, "max_new_tokens": 32, "top_k": 0})
+    engine = SimpleNamespace(generation_defaults={"temperature": 0.7, "max_new_tokens": 32, "top_k": 20})
     assert OpenAIServingChat(engine, ["m"]).sampling_defaults == engine.generation_defaults
     llm = LLM.__new__(LLM)  # (only its engine's defaults are read)
     llm.engine = engine
     params = llm.get_default_sampling_params()
-    assert (params.temperature, params.max_tokens, params.top_k) == (0.7, 32, -1)
+    assert (params.temperature, params.max_tokens, params.top_k) == (0.7, 32, 20)
     llm.engine = SimpleNamespace(generation_defaults={})
     assert llm.get_default_sampling_params().temperature == 1.0

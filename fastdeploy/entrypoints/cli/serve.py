@@ -85,8 +85,12 @@ def check_ssl(args: argparse.Namespace) -> str | None:
 
 def check_generation_config(args: argparse.Namespace) -> str | None:
     """Why ``--generation-config`` names no folder with a generation_config.json, or None."""
+    from fastdeploy.transformers_utils.config import GENERATION_CONFIG_OFF
+
     value = getattr(args, "generation_config", "auto")
-    if value in ("auto", "none", "vllm") or os.path.isfile(os.path.join(value, "generation_config.json")):
+    if value == "auto" or value in GENERATION_CONFIG_OFF:
+        return None
+    if os.path.isfile(os.path.join(value, "generation_config.json")):
         return None
     return (
         f"argument --generation-config: auto, none, or a folder with a generation_config.json; got {value!r}"

@@ -210,7 +210,7 @@ class OpenAIServingChat(OpenAIServing):
         )
         options = ChatOptions.of(request)
         options.reasoning = reasoning
-        options.tokens_as_ids = bool(request.return_tokens_as_token_ids) or self.return_tokens_as_token_ids
+        options.tokens_as_ids = self.tokens_as_ids(request)
         if tools.parser is not None:
             options.tools = tools
         return PreparedChat(model=model, prompts=[prompt], options=options, tokenized=tokenized)

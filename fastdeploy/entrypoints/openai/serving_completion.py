@@ -116,7 +116,7 @@ class OpenAIServingCompletion(OpenAIServing):
             num_prompt_logprobs=request.prompt_logprobs,
             return_token_ids=bool(request.return_token_ids),
             continuous_usage=request.continuous_usage,
-            tokens_as_ids=bool(request.return_tokens_as_token_ids) or self.return_tokens_as_token_ids,
+            tokens_as_ids=self.tokens_as_ids(request),
         )
         if request.echo:  # token-id prompts echo as their decoded text
             extras.echo_texts = [

@@ -422,6 +422,11 @@ class OpenAIServing:
                 code="context_length_exceeded",
             )
 
+    def tokens_as_ids(self, request: Any) -> bool:
+        """Whether ``request``'s logprobs name their tokens ``token_id:N``: it asks
+        (``return_tokens_as_token_ids``) or the server does for every request."""
+        return bool(request.return_tokens_as_token_ids) or self.return_tokens_as_token_ids
+
     def keep_last(self, token_ids: list[int], truncate_prompt_tokens: int | None) -> list[int]:
         """``token_ids`` cut to their last ``truncate_prompt_tokens`` (-1: the last ``max_model_len``;
         None: all), vLLM's left truncation; a 400 if it asks for more than the context."""
