@@ -28,6 +28,7 @@ from fastdeploy.core.sampling_params import MAX_LOGPROBS
 from fastdeploy.entrypoints.openai.errors import BadRequestError, encodable, from_pydantic
 from fastdeploy.entrypoints.openai.protocol.chat import ChatCompletionRequest
 from fastdeploy.entrypoints.openai.protocol.common import OpenAIModel, ResponseModel, warn_once
+from fastdeploy.entrypoints.openai.protocol.sampling import SamplingControls
 from fastdeploy.multimodal.parts import is_feature_part
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -67,9 +68,10 @@ _NOT_USED = "this server does not use it"
 _PREFIX_CACHE = "the prefix cache is automatic and shared; its keys and lifetime cannot be set"
 
 
-class ResponsesRequest(OpenAIModel):
-    """``POST /v1/responses``: OpenAI's fields, plus the sampling extensions of the chat endpoint
-    (``top_k``, ``min_p``, penalties, ``seed``, ``stop``, ``ignore_eos``, ``chat_template_kwargs``...)."""
+class ResponsesRequest(SamplingControls):
+    """``POST /v1/responses``: OpenAI's fields, plus, as extensions, the chat endpoint's
+    :class:`SamplingControls` (``top_k``, ``min_p``, penalties, ``seed``, ``stop``, ``ignore_eos``...)
+    and ``chat_template_kwargs``."""
 
     model: str | None = None
     input: str | list[Any] | None = None
@@ -105,23 +107,8 @@ class ResponsesRequest(OpenAIModel):
     prompt_cache_options: dict[str, Any] | None = None
     context_management: list[Any] | None = None
     moderation: dict[str, Any] | None = None
-    # extensions, as on /v1/chat/completions
-    top_k: int | None = None
-    min_p: float | None = None
-    min_tokens: int | None = None
-    seed: int | None = None
-    stop: Any = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool | None = None
-    skip_special_tokens: bool | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    bad_words: list[str] | None = None
-    include_stop_str_in_output: bool | None = None
-    return_tokens_as_token_ids: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    """An extension, as on /v1/chat/completions (the others: :class:`SamplingControls`)."""
 
     IGNORED_FIELDS: ClassVar[dict[str, tuple[str, tuple[Any, ...]]]] = {
         "user": ("end-user ids are not used by this server", (None,)),
@@ -233,12 +220,7 @@ class ResponsesRequest(OpenAIModel):
         }
         if self.wants_logprobs:
             data["logprobs"], data["top_logprobs"] = True, self.top_logprobs or 0
-        for name in (
-            "temperature", "top_p", "top_k", "min_p", "min_tokens", "seed", "stop", "stop_token_ids",
-            "ignore_eos", "skip_special_tokens", "frequency_penalty", "presence_penalty",
-            "repetition_penalty", "logit_bias", "bad_words", "include_stop_str_in_output",
-            "return_tokens_as_token_ids", "chat_template_kwargs",
-        ):  # fmt: skip
+        for name in ("temperature", "top_p", "chat_template_kwargs", *SamplingControls.model_fields):
             data[name] = getattr(self, name)
         data = {k: v for k, v in data.items() if v is not None}
         try:

@@ -67,21 +67,18 @@ def _check_stop(value: Any) -> Any:
     raise ValueError("must be a string or a list of strings")
 
 
-class SamplingRequest(StructuredOutputsRequest):
-    """Fields shared by completions and chat completions (the structured-output ones included)."""
+class SamplingControls(OpenAIModel):
+    """The sampling fields beyond temperature and top_p: OpenAI's ``seed``, ``stop`` and penalties
+    and vLLM's extensions (sent with the openai client's ``extra_body``). Completions and chat take
+    them (:class:`SamplingRequest`), and ``/v1/responses`` takes them as extensions and hands them to
+    the chat request it becomes."""
 
-    model: str | None = None
-    n: int | None = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    max_tokens: int | None = None
     seed: int | None = None
     stop: Any = None
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
-    user: str | None = None
-    """Accepted and ignored (an end-user id; nothing here uses it)."""
-    # Extensions (vLLM-compatible names), sent with the openai client's ``extra_body``.
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    """Token id (as a JSON string key) → bias in [-100, 100]."""
     top_k: int | None = None
     """-1 or 0: off."""
     min_p: float | None = None
@@ -90,25 +87,10 @@ class SamplingRequest(StructuredOutputsRequest):
     include_stop_str_in_output: bool | None = None
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
     repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    """Token id (as a JSON string key) → bias in [-100, 100]."""
     bad_words: list[str] | None = None
-    prompt_logprobs: int | None = None
-    """Logprobs of the prompt tokens plus this many top alternatives each (vLLM's field)."""
-    return_token_ids: bool | None = None
-    """vLLM's: the prompt's token ids (``prompt_token_ids``) and each choice's (``token_ids``) in the response."""
     return_tokens_as_token_ids: bool | None = None
     """vLLM's: each token of the logprobs written ``token_id:N`` instead of its text."""
-    truncate_prompt_tokens: int | None = None
-    """vLLM's: keep only the last N prompt tokens (-1: the last ``max_model_len``)."""
-
-    IGNORED_FIELDS: ClassVar[dict[str, tuple[str, tuple[Any, ...]]]] = {
-        "user": ("end-user ids are not used by this server", (None,)),
-    }
-    """OpenAI fields accepted and ignored: name → (why, the values that need no warning)."""
 
     @field_validator("stop")
     @classmethod
@@ -120,6 +102,40 @@ class SamplingRequest(StructuredOutputsRequest):
     def _check_stop_token_ids(cls, v: Any) -> Any:
         return v if v is None else _check_token_ids(v)
 
+    @field_validator("seed")
+    @classmethod
+    def _check_seed(cls, v: int | None) -> int | None:
+        if v is not None and not _INT64_MIN <= v <= _INT64_MAX:
+            raise ValueError("must fit in a signed 64-bit integer")
+        return v
+
+
+class SamplingRequest(StructuredOutputsRequest, SamplingControls):
+    """Fields shared by completions and chat completions (the structured-output ones and
+    :class:`SamplingControls` included)."""
+
+    model: str | None = None
+    n: int | None = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    """Accepted and ignored (an end-user id; nothing here uses it)."""
+    # Extensions (vLLM-compatible names), sent with the openai client's ``extra_body``.
+    prompt_logprobs: int | None = None
+    """Logprobs of the prompt tokens plus this many top alternatives each (vLLM's field)."""
+    return_token_ids: bool | None = None
+    """vLLM's: the prompt's token ids (``prompt_token_ids``) and each choice's (``token_ids``) in the response."""
+    truncate_prompt_tokens: int | None = None
+    """vLLM's: keep only the last N prompt tokens (-1: the last ``max_model_len``)."""
+
+    IGNORED_FIELDS: ClassVar[dict[str, tuple[str, tuple[Any, ...]]]] = {
+        "user": ("end-user ids are not used by this server", (None,)),
+    }
+    """OpenAI fields accepted and ignored: name → (why, the values that need no warning)."""
+
     @field_validator("truncate_prompt_tokens")
     @classmethod
     def _check_truncate(cls, v: int | None) -> int | None:
@@ -130,13 +146,6 @@ class SamplingRequest(StructuredOutputsRequest):
     def _check_n(cls, v: int | None) -> int | None:
         if v is not None and v > MAX_N:
             raise ValueError(f"must be at most {MAX_N}, got {v}")
-        return v
-
-    @field_validator("seed")
-    @classmethod
-    def _check_seed(cls, v: int | None) -> int | None:
-        if v is not None and not _INT64_MIN <= v <= _INT64_MAX:
-            raise ValueError("must fit in a signed 64-bit integer")
         return v
 
     @property
