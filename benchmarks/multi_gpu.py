@@ -37,7 +37,6 @@ import json
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -56,7 +55,7 @@ import torch  # noqa: E402
 from gpubench.engine_bench import greedy, measure_itl  # noqa: E402
 from gpubench.measure import error_text, free_memory, random_prompts  # noqa: E402
 from gpubench.settings import CONFIGS, MODEL_8B, TINY_OVERRIDES  # noqa: E402
-from server_health import wait_healthy  # noqa: E402
+from server_health import free_port, wait_healthy  # noqa: E402
 from serving_compare import server_command as serve_command  # noqa: E402
 
 MODEL_MOE = str(CONFIGS / "qwen3-30b-a3b")
@@ -253,13 +252,6 @@ def one_and_n(args: argparse.Namespace) -> list[int]:
 
 
 # ---- data parallelism: online throughput through fastdeploy serve ---------------------------------
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def server_command(args: argparse.Namespace, model: str, dp: int, port: int) -> list[str]:

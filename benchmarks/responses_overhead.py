@@ -11,18 +11,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import time
 
 import httpx
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from server_health import free_port, wait_healthy
 
 
 async def _one(client: httpx.AsyncClient, endpoint: str, stream: bool, prompt: str, out_len: int) -> None:
@@ -59,7 +53,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds; the best of each is kept")
     parser.add_argument("serve_args", nargs="*", help="extra arguments for fastdeploy serve (after --)")
     args = parser.parse_args()
-    port = _free_port()
+    port = free_port()
     cmd = [
         sys.executable,
         "-m",
@@ -74,13 +68,7 @@ def main() -> None:
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        wait_healthy(url, server, timeout_s=600)
         asyncio.run(_run(url, "chat", False, 4, 4))  # warm up
         best: dict[tuple[str, bool], float] = {}
         for _ in range(args.rounds):

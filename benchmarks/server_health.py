@@ -1,10 +1,19 @@
-"""Waiting for a benchmark's server to come up (shared by the scripts that start one)."""
+"""A port for a benchmark's server and waiting for it to come up (shared by the scripts that start
+one)."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import time
 import urllib.request
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:

@@ -29,7 +29,6 @@ import collections
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,6 +37,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+from server_health import free_port
 
 TINY_LLAMA = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", num_hidden_layers=1, hidden_size=64,
@@ -115,12 +115,6 @@ def run_offline(args: argparse.Namespace, model: str | None) -> tuple[float, lis
     free_device_memory()  # the server started next sizes its KV cache by the free GPU memory
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     return tokens / elapsed, samples
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start_server(args: argparse.Namespace, model: str | None, timeline: str) -> tuple[subprocess.Popen, str]:

@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,14 +27,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from server_health import free_port
 
 PROMPTS = ["Hello, my name is", "The best way to learn Python is", "List three colors:"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def serve_cmd(args: argparse.Namespace, *extra: str) -> list[str]:
