@@ -14,6 +14,7 @@ from fastdeploy.core.sampling_params import SamplingParams
 from fastdeploy.engine.llm_engine import LLMEngine
 from fastdeploy.multimodal.prompt import items_from_mm_data
 from fastdeploy.platforms.backend import activate
+from fastdeploy.platforms.gc_heap import freeze_startup_heap
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -32,6 +33,8 @@ class LLM:
         activate(self.config.device.backend)  # paddle: only if chosen before torch was imported
         self.engine = LLMEngine(self.config)
         self._counter = itertools.count()
+        # (an in-process engine core and worker: the serving processes do the same when ready)
+        freeze_startup_heap("offline engine")
 
     def get_tokenizer(self) -> Any:
         return self.engine.get_tokenizer()

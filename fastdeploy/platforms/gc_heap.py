@@ -34,3 +34,13 @@ def freeze_startup_heap(process: str) -> None:
         gc.get_freeze_count(),
         (time.perf_counter() - started) * 1e3,
     )
+
+
+def freeze_late_heap() -> None:
+    """Freeze what a part built after start-up to keep for the process's life (the structured-output
+    manager's tokenizer and grammar compiler, built at the first constraint), without a collection:
+    called from any thread, mid-serving, it must not stall the engine loop. Objects alive at that
+    moment that die later are still freed by reference counting; only cyclic garbage among them
+    stays (once, bounded by what was live then)."""
+    if envs.FD_GC_FREEZE:
+        gc.freeze()

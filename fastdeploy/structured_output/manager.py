@@ -13,6 +13,7 @@ vocabulary (llguidance could not stop), ``auto`` is ``xgrammar``. docs/benchmark
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 from collections import OrderedDict
@@ -23,6 +24,7 @@ from typing import Any
 from fastdeploy import envs
 from fastdeploy.core.sampling_params import StructuredOutputsParams
 from fastdeploy.core.step_io import GrammarBitmask
+from fastdeploy.platforms.gc_heap import freeze_late_heap
 from fastdeploy.structured_output import guidance
 from fastdeploy.structured_output.grammar import build_grammar, constraint_key
 
@@ -124,6 +126,9 @@ class StructuredOutputManager:
                 self._compiler = xgr.GrammarCompiler(
                     info, max_threads=2, cache_enabled=cache_mb > 0, cache_limit_bytes=cache_mb << 20
                 )
+                # the tokenizer's Python heap lives as long as the engine: out of the collector's
+                # full scans, which otherwise stall the engine loop (~100 ms each; docs/benchmarks.md)
+                freeze_late_heap()
             return self._compiler
 
     def submit(self, params: StructuredOutputsParams) -> Future:
@@ -290,3 +295,5 @@ class StructuredOutputManager:
         self._advance_pool.shutdown(wait=False, cancel_futures=True)
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._guidance_pool.shutdown(wait=False, cancel_futures=True)
+        if self._compiler is not None:  # frozen with it: collectable again (xgrammar reports leaks at exit)
+            gc.unfreeze()

@@ -134,6 +134,23 @@ def test_cache_compiles_each_constraint_once(tokenizer, monkeypatch):
         manager.shutdown()
 
 
+def test_compiler_freezes_the_tokenizer_heap(tokenizer, monkeypatch):
+    """The compiler and the tokenizer it reads, built at the first constraint (after the engine core
+    froze its start-up heap), leave the collector's scans: a full scan stalls the engine loop."""
+    import gc
+
+    monkeypatch.setenv("FD_GC_FREEZE", "1")
+    monkeypatch.setenv("FD_STRUCTURED_OUTPUTS_BACKEND", "xgrammar")
+    manager = StructuredOutputManager(lambda: tokenizer, 49152, [tokenizer.eos_token_id])
+    gc.unfreeze()
+    try:
+        manager.compiler()
+        assert gc.get_freeze_count() > 10_000
+    finally:
+        manager.shutdown()
+        gc.unfreeze()
+
+
 @pytest.mark.parametrize("cache_mb", [0, 64])
 def test_xgrammar_rule_cache_is_bounded_and_switchable(tokenizer, cache_mb, monkeypatch):
     """Distinct schemas share their rules' token masks through xgrammar's cache (what makes the
