@@ -26,7 +26,7 @@ Sections:
 * ``vllm_tp``: vLLM's offline engine (``vllm_offline.py``) on the ``tp`` workload, TP=1 and TP=N.
 
 ``--server vllm`` runs the ``dp`` sections against ``vllm serve`` instead (same client, same
-workload); ``--dp-extra "--api-server-count 2"`` adds serve arguments at DP=N only.
+workload); ``--dp-extra "--api-server-count 2"`` adds serve arguments at DP=N only, ``--serve-extra`` at every size.
 """
 
 from __future__ import annotations
@@ -328,6 +328,7 @@ def data_parallel(
     if not args.tokenizer:
         return {"error": "--tokenizer is needed for the dp sections"}
     rows = []
+    common = (*common, *shlex.split(args.serve_extra))
     sizes = [(1, common)] if not args.skip_one_gpu else []
     if args.tp > 1:  # --tp 1: the one-GPU row alone
         sizes.append((args.tp, (*common, *at_n, *shlex.split(args.dp_extra))))
@@ -454,6 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", default=None, help="tokenizer folder for the dp and vllm sections")
     parser.add_argument("--server", choices=("fastdeploy", "vllm"), default="fastdeploy", help="dp sections")
     parser.add_argument("--dp-extra", default="", help="dp sections: more serve arguments at DP=N only")
+    parser.add_argument("--serve-extra", default="", help="dp sections: more serve arguments at every size")
     parser.add_argument(
         "--moe-quantizations", default="none,fp8", help="moe section: none (bf16) and/or fp8 (needs a GPU)"
     )
