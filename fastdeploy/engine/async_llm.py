@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import AsyncIterator
@@ -29,7 +30,7 @@ from fastdeploy.core.pooling_params import PoolingParams
 from fastdeploy.core.request import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from fastdeploy.core.sampling_params import SamplingParams
 from fastdeploy.engine.core_proc import input_socket_name, output_socket_name
-from fastdeploy.engine.dp_router import Route, Router
+from fastdeploy.engine.dp_router import Route, Router, SharedRankLoads
 from fastdeploy.engine.engine_cores import (
     EngineAttachment,
     EngineCores,
@@ -182,8 +183,12 @@ class AsyncLLM(EngineClient):
         self.model_name = config.model.served_model_name or _default_model_name(config, self.source)
         # the engine cores' interval counters reach every client: client 0 alone adds them up
         self.metrics = EngineMetrics(self.model_name, num_ranks, engine_counters=self.client_index == 0)
+        shared_loads = None
+        if attach is not None and num_clients > 1 and num_ranks > 1:  # balance with the other API servers
+            path = os.path.join(attach.ipc_dir, "dp_rank_loads")
+            shared_loads = SharedRankLoads(path, num_clients, self.client_index, num_ranks)
         self._router = Router(
-            num_ranks, config.cache.block_size if config.cache.enable_prefix_caching else None
+            num_ranks, config.cache.block_size if config.cache.enable_prefix_caching else None, shared_loads
         )
         self.output_processor = OutputProcessor(self.tokenizer, self.metrics)
         self._queues: dict[str, asyncio.Queue] = {}
@@ -429,5 +434,7 @@ class AsyncLLM(EngineClient):
             self._zmq.term()
             self._zmq_sync.term()
         finally:
+            if self._router.shared is not None:
+                self._router.shared.close()
             if self.attachment is None:
                 remove_ipc_dir(self._ipc_dir)

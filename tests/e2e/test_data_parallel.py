@@ -28,7 +28,9 @@ from fastdeploy.config import EngineConfig
 from fastdeploy.engine.dp_router import (
     PREFIX_ROUTING_SLACK,
     RankLoad,
+    Route,
     Router,
+    SharedRankLoads,
     choose_rank,
     prefix_block_hashes,
 )
@@ -114,6 +116,31 @@ def test_router_sends_a_known_prefix_to_its_rank_unless_that_rank_is_overloaded(
     assert Router(1, prefix_block_size=16).route("x", 1, system).rank == 0
     plain = Router(2)
     assert [plain.route(f"p{i}", 1, system).rank for i in range(4)] == [0, 1, 0, 1]
+
+
+def test_api_servers_balance_the_ranks_together(tmp_path):
+    """Four API servers, each with an odd share of a 512-request burst over two ranks of 256
+    sequences: balanced together the ranks get 256 each; alone, each API server's odd request went
+    to rank 0 (ties go to the lowest rank), and rank 0's 258th request waited a whole generation."""
+    shares = [129, 127, 129, 127]
+
+    def burst(routers: list[Router]) -> list[int]:
+        for turn in range(max(shares)):  # the API servers' requests interleaved, as in a burst
+            for index, (router, share) in enumerate(zip(routers, shares)):
+                if turn < share:
+                    router.route(f"s{index}-r{turn}", 1)
+        return [sum(r.loads[rank].num_requests for r in routers) for rank in range(2)]
+
+    assert burst([Router(2) for _ in shares]) == [258, 254]
+    path = str(tmp_path / "loads")
+    shared = [Router(2, shared=SharedRankLoads(path, len(shares), i, 2)) for i in range(len(shares))]
+    assert burst(shared) == [256, 256]
+    assert shared[3].shared.totals() == [256, 256]
+    rank = shared[1].rank_of("s1-r0")
+    shared[1].release("s1-r0", Route(rank, 1))  # finished: off every API server's view
+    assert shared[0].shared.totals()[rank] == 255
+    for router in shared:
+        router.shared.close()
 
 
 def test_rank_config_copies_only_the_rank():
