@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import TYPE_CHECKING
 
 from fastdeploy.config import EngineConfig
@@ -67,9 +67,6 @@ class EngineCore:
 
     GRAMMAR_WAIT_S = 0.01
     """How long an idle step waits for a grammar being compiled before returning (no busy loop)."""
-    MASK_THREAD_MIN_ROWS = 16
-    """Fewest grammar rows whose bitmask is made in the mask thread (async scheduling): below, the
-    mask costs less than the sampling it would hold back until the next launch, and is made at once."""
 
     def __init__(self, config: EngineConfig, source: ModelSource, executor_cls):
         config = resolve_scheduler_limits(config)  # before the workers start: they size warm-ups by it
@@ -81,15 +78,7 @@ class EngineCore:
         """Structured-output requests whose grammar is being compiled: not yet in the scheduler."""
         self._grammar_failures: list[EngineCoreOutput] = []
         self.grammar_wait_s = 0.0
-        """Time the engine loop has spent on bitmasks: filling them itself (without async scheduling), or
-        waiting for the mask thread before it could launch the next step (benchmarks report it)."""
-        self.grammar_work_s = 0.0
-        """Time the matcher advances and bitmask fills took, wherever they ran."""
-        self._mask_thread: ThreadPoolExecutor | None = None
-        """With async scheduling: advances the matchers and fills the next bitmask while the engine
-        loop hands out the step's outputs and schedules the next step (xgrammar releases the GIL)."""
-        self._pending_mask: Future | None = None
-        """The bitmask of the step in flight, being made: sent before the next step is launched."""
+        """Time the engine loop has spent advancing matchers and filling bitmasks (benchmarks report it)."""
         self.max_model_len = resolve_max_model_len(config, source)
         self.executor = executor_cls(config, source, self.max_model_len)
         try:
@@ -185,42 +174,15 @@ class EngineCore:
             )
             self.scheduler.add_request(request)
 
-    def _grammar_rows(self, req_ids: list[str]) -> tuple[list[str], list]:
-        """The given requests still running with a grammar, and their grammars."""
+    def _grammar_bitmask(self, req_ids: list[str]) -> GrammarBitmask:
+        """The bitmask rows of the given requests (those still running with a grammar); the time it
+        takes counts in :attr:`grammar_wait_s`."""
+        start = time.perf_counter()
         requests = [self.scheduler.requests.get(r) for r in req_ids]
         kept = [(r, q.grammar) for r, q in zip(req_ids, requests) if q is not None and q.grammar is not None]
-        return [r for r, _ in kept], [g for _, g in kept]
-
-    def _make_mask(self, req_ids: list[str], grammars: list) -> GrammarBitmask:
-        start = time.perf_counter()
-        bitmask = self.structured.bitmask(req_ids, grammars)
-        self.grammar_work_s += time.perf_counter() - start
-        return bitmask
-
-    def _grammar_bitmask(self, req_ids: list[str]) -> GrammarBitmask:
-        """The bitmask rows of the given requests (those still running with a grammar), made here."""
-        start = time.perf_counter()
-        bitmask = self._make_mask(*self._grammar_rows(req_ids))
+        bitmask = self.structured.bitmask([r for r, _ in kept], [g for _, g in kept])
         self.grammar_wait_s += time.perf_counter() - start
         return bitmask
-
-    def _start_mask(self, req_ids: list[str]) -> Future:
-        """Make the bitmask of the step just launched in the mask thread. The matchers are not touched
-        here until :meth:`_send_pending_mask` (the scheduler feeds them new tokens only after the next
-        launch), and the thread touches nothing else of the engine."""
-        if self._mask_thread is None:
-            self._mask_thread = ThreadPoolExecutor(1, "fd-grammar-mask")
-        return self._mask_thread.submit(self._make_mask, *self._grammar_rows(req_ids))
-
-    def _send_pending_mask(self) -> None:
-        """Hand the step in flight its bitmask (waiting for the mask thread if it is not done)."""
-        if self._pending_mask is None:
-            return
-        start = time.perf_counter()
-        future, self._pending_mask = self._pending_mask, None
-        bitmask = future.result()
-        self.grammar_wait_s += time.perf_counter() - start
-        self.executor.sample_tokens(bitmask)
 
     def abort_requests(self, request_ids: list[str]) -> EngineCoreOutputs:
         outputs = []
@@ -243,9 +205,8 @@ class EngineCore:
         With async scheduling the batch is launched and the previous batch's tokens
         come back instead, so the scheduler works on step N+1 while step N runs. Requests
         with a grammar get the bitmask of their next token: computed at scheduling time, or,
-        with async scheduling, in the mask thread once step N's tokens have advanced their
-        matchers, while the worker runs step N+1's forward and this loop hands out the outputs
-        and schedules step N+2; the bitmask goes to the worker just before step N+2 is launched.
+        with async scheduling, once step N's tokens have advanced their matchers (the worker
+        runs step N+1's forward meanwhile and samples it when the bitmask arrives).
         ``even_if_idle``: run the step with nothing scheduled too (the workers then run a dummy
         forward: expert parallelism over data-parallel replicas needs every replica's forward).
         """
@@ -261,15 +222,11 @@ class EngineCore:
         outputs: list[EngineCoreOutput] = []
         try:
             if self.async_scheduling:
-                self._send_pending_mask()  # the step in flight samples before the next one runs
                 runner_output = self.executor.execute_model_overlap(scheduler_output)
                 if runner_output is not None:
                     outputs = self.scheduler.update_from_output(runner_output)
-                structured = scheduler_output.structured_req_ids
-                if len(structured) >= self.MASK_THREAD_MIN_ROWS:
-                    self._pending_mask = self._start_mask(structured)
-                elif structured:  # a small mask: at once, so the worker samples while this loop goes on
-                    self.executor.sample_tokens(self._grammar_bitmask(structured))
+                if scheduler_output.structured_req_ids:
+                    self.executor.sample_tokens(self._grammar_bitmask(scheduler_output.structured_req_ids))
             else:
                 if scheduler_output.structured_req_ids:
                     scheduler_output.grammar = self._grammar_bitmask(scheduler_output.structured_req_ids)
@@ -282,7 +239,6 @@ class EngineCore:
             if self._in_flight is not None:
                 failed += list(self._in_flight.num_scheduled_tokens)
             self._in_flight = None
-            self._pending_mask = None  # (its step failed with the rest)
             aborted = self.scheduler.abort_requests(list(dict.fromkeys(failed)))
             message = str(exc).strip().splitlines()[-1] if str(exc).strip() else "engine step failed"
             for output in aborted:
@@ -295,8 +251,6 @@ class EngineCore:
         return EngineCoreOutputs(outputs=failures + outputs, stats=self.scheduler.make_stats())
 
     def shutdown(self) -> None:
-        if self._mask_thread is not None:
-            self._mask_thread.shutdown(wait=True, cancel_futures=True)  # (it uses the manager's threads)
         if self.structured is not None:
             self.structured.shutdown()
         self.executor.shutdown()

@@ -72,8 +72,6 @@ def _requests() -> tuple[list[list[dict]], list[SamplingParams]]:
 
 
 def _run(async_scheduling: bool, **kwargs) -> list:
-    from fastdeploy.engine.core import EngineCore
-
     llm = LLM(
         dtype="float32", num_threads=1, async_scheduling=async_scheduling, max_num_batched_tokens=32, **kwargs
     )
@@ -82,13 +80,6 @@ def _run(async_scheduling: bool, **kwargs) -> list:
         outputs = llm.chat(messages, params)  # one batch: different schemas, greedy and sampled rows
         core = llm.engine.core
         assert core.async_scheduling == async_scheduling
-        if EngineCore.MASK_THREAD_MIN_ROWS in (
-            1,
-            10**6,
-        ):  # (set by a test: every mask in the thread, or none)
-            assert (core._mask_thread is not None) == (
-                async_scheduling and EngineCore.MASK_THREAD_MIN_ROWS == 1
-            )
         assert core.structured.num_compiles == len(SCHEMAS)  # one compile per distinct schema
         assert core.scheduler.kv.usage() == 0
         return outputs, params
@@ -118,12 +109,7 @@ def test_json_schema_outputs_validate(sync_run):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mask_thread_min_rows", [1, 10**6])
-def test_async_scheduling_gives_the_same_structured_outputs(sync_run, mask_thread_min_rows, monkeypatch):
-    """Bitmasks made in the mask thread (while the loop hands out outputs and schedules) or at once."""
-    from fastdeploy.engine.core import EngineCore
-
-    monkeypatch.setattr(EngineCore, "MASK_THREAD_MIN_ROWS", mask_thread_min_rows)
+def test_async_scheduling_gives_the_same_structured_outputs(sync_run):
     outputs, params = _run(True)
     _check_valid(outputs, params)
     sync_outputs, _ = sync_run
@@ -133,12 +119,9 @@ def test_async_scheduling_gives_the_same_structured_outputs(sync_run, mask_threa
 
 
 @pytest.mark.slow
-def test_async_scheduling_over_two_worker_processes(sync_run, monkeypatch):
-    """Tensor parallel 2: worker processes, each given the bitmask (from the mask thread) without the
-    engine waiting for their replies (read with the next step); greedy rows equal the plain path's."""
-    from fastdeploy.engine.core import EngineCore
-
-    monkeypatch.setattr(EngineCore, "MASK_THREAD_MIN_ROWS", 1)
+def test_async_scheduling_over_two_worker_processes(sync_run):
+    """Tensor parallel 2: worker processes, each given the bitmask without the engine waiting
+    for their replies (read with the next step); greedy rows equal the plain path's."""
     outputs, params = _run(True, tensor_parallel_size=2)
     _check_valid(outputs, params)
     sync_outputs, _ = sync_run
@@ -147,16 +130,8 @@ def test_async_scheduling_over_two_worker_processes(sync_run, monkeypatch):
             assert mine.outputs[0].token_ids == theirs.outputs[0].token_ids
 
 
-@pytest.mark.parametrize("mask_thread", [False, True])
-def test_choice_regex_and_grammar(mask_thread, monkeypatch):
-    """Also with async scheduling and every bitmask made in the mask thread (the GPU default path)."""
-    from fastdeploy.engine.core import EngineCore
-
-    kwargs = {}
-    if mask_thread:
-        monkeypatch.setattr(EngineCore, "MASK_THREAD_MIN_ROWS", 1)
-        kwargs["async_scheduling"] = True
-    llm = LLM(dtype="float32", num_threads=1, **kwargs)
+def test_choice_regex_and_grammar():
+    llm = LLM(dtype="float32", num_threads=1)
     try:
         prompts = ["The sky is", "My number is", "Answer yes or no:"]
         params = [
@@ -177,9 +152,6 @@ def test_choice_regex_and_grammar(mask_thread, monkeypatch):
             ),
         ]
         outputs = llm.generate(prompts, params)
-        core = llm.engine.core
-        assert (core._mask_thread is not None) == mask_thread
-        assert core.grammar_work_s > 0
     finally:
         llm.shutdown()
     assert {c.text for c in outputs[0].outputs} <= {"blue", "green", "red"}
