@@ -53,19 +53,12 @@ class RequestGrammar:
         self.failed = False
         """A token the grammar refused was accepted anyway (never expected: it is logged once)."""
         self.unseen: list[int] = []
-        """Output tokens the matcher has not advanced past yet: the manager feeds them to all the
-        matchers at once, in parallel slices (:meth:`StructuredOutputManager.bitmask`)."""
+        """Output tokens the matcher has not advanced past yet: the manager feeds them to the
+        matchers in parallel slices before it fills their rows (:meth:`StructuredOutputManager.bitmask`)."""
 
     def accept_token(self, token_id: int) -> None:
         """Record an output token; the matcher advances past it before its next bitmask."""
         self.unseen.append(token_id)
-
-    def fill(self, bitmask: Any, row: int) -> None:
-        """Write the tokens allowed next into row ``row`` of ``bitmask`` (a torch int32 tensor)."""
-        if self.failed:
-            bitmask[row] = -1
-        else:
-            self.matcher.fill_next_token_bitmask(bitmask, row)
 
 
 class StructuredOutputManager:
@@ -85,11 +78,10 @@ class StructuredOutputManager:
         self._pool = ThreadPoolExecutor(max(envs.FD_GRAMMAR_COMPILE_THREADS, 1), "fd-grammar")
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self.cache_size = envs.FD_GRAMMAR_CACHE_SIZE
-        self._batch_matcher: Any = None
-        self._advance_threads = max(envs.FD_GRAMMAR_COMPILE_THREADS - 1, 1)
-        self._advance_pool = ThreadPoolExecutor(self._advance_threads, "fd-grammar-advance")
-        """Advances slices of the matchers next to the calling thread (xgrammar's batched advance is
-        one thread; its fill has its own)."""
+        self._slice_threads = max(envs.FD_GRAMMAR_COMPILE_THREADS - 1, 1)
+        self._slice_pool = ThreadPoolExecutor(self._slice_threads, "fd-grammar-mask")
+        """Advances and fills slices of the matchers next to the calling thread."""
+        self._local = threading.local()
         self.num_compiles = 0
         """Grammars compiled so far (cache misses)."""
         self.backend = envs.FD_STRUCTURED_OUTPUTS_BACKEND
@@ -218,44 +210,60 @@ class StructuredOutputManager:
         import numpy as np
         import torch
 
-        self._advance([g for g in grammars if isinstance(g, RequestGrammar) and g.unseen])
-        # Uninitialised: xgrammar's fill writes its rows whole; every other row is set below. (numpy,
-        # not torch: torch's ops wake its thread pool, milliseconds on a busy host; and no 2 MB
-        # memset a step at 128 rows of a 128k vocabulary.)
+        # Uninitialised: xgrammar's fill writes its rows whole; every other row is set explicitly.
+        # (numpy, not torch: torch's ops wake its thread pool, milliseconds on a busy host; and no
+        # 2 MB memset a step at 128 rows of a 128k vocabulary.)
         array = np.empty((len(grammars), bitmask_words(self.vocab_size)), dtype=np.int32)
         mask = torch.from_numpy(array)
-        rows = []
+        xgrammar_rows, guided = [], []
         for row, grammar in enumerate(grammars):
             if grammar.failed:
                 array[row] = -1  # a refused token was taken: the row's mask is lifted
+            elif isinstance(grammar, RequestGrammar):
+                xgrammar_rows.append(row)
             else:
-                rows.append(row)
-        ended = {
-            row
-            for row in rows
-            if isinstance(grammars[row], RequestGrammar) and grammars[row].matcher.is_terminated()
-        }
-        bits = array.view(np.uint32)
-        for row in ended:  # its stop token was taken (and ignored: ignore_eos): only stop tokens follow
-            bits[row] = 0
-            for token in grammars[row].stop_token_ids:
-                bits[row, token // 32] |= np.uint32(1 << (token % 32))
-        rows = [row for row in rows if row not in ended]
-        guided = [row for row in rows if isinstance(grammars[row], guidance.GuidanceRequestGrammar)]
+                guided.append(row)
         if guided:  # llguidance's threads
             array[guided] = -1  # (its fill is not relied on to write every word)
             self._guidance.fill_rows([grammars[row] for row in guided], guided, mask)
-            rows = [row for row in rows if not isinstance(grammars[row], guidance.GuidanceRequestGrammar)]
-        if len(rows) > 1:  # xgrammar's threads fill the rows in parallel
-            matchers = [grammars[row].matcher for row in rows]
-            self._batch().batch_fill_next_token_bitmask(matchers, mask, rows)
-        elif rows:
-            grammars[rows[0]].fill(mask, rows[0])
-        return GrammarBitmask(req_ids=list(req_ids), bitmask=mask.numpy().tobytes(), words=mask.shape[1])
+        self._in_slices(xgrammar_rows, lambda rows: self._advance_and_fill(grammars, rows, mask))
+        return GrammarBitmask(req_ids=list(req_ids), bitmask=array.tobytes(), words=array.shape[1])
+
+    def _advance_and_fill(self, grammars: list[Any], rows: list[int], mask: Any) -> None:
+        """Advance the matchers of ``rows`` past their unseen tokens, then write their rows of
+        ``mask``: the grammar's next tokens, or only the stop tokens once it has ended (its stop token
+        was taken and ignored: ``ignore_eos``), or everything after a refused token."""
+        import numpy as np
+
+        self._advance_slice([grammars[row] for row in rows if grammars[row].unseen])
+        array = mask.numpy()
+        fill_rows, fill_matchers = [], []
+        for row in rows:
+            grammar = grammars[row]
+            if grammar.failed:
+                array[row] = -1
+            elif grammar.matcher.is_terminated():
+                bits = array[row].view(np.uint32)
+                bits[:] = 0
+                for token in grammar.stop_token_ids:
+                    bits[token // 32] |= np.uint32(1 << (token % 32))
+            else:
+                fill_rows.append(row)
+                fill_matchers.append(grammar.matcher)
+        if fill_matchers:  # xgrammar's fill on this thread (its own thread pool costs more than it saves)
+            self._fill_matcher().batch_fill_next_token_bitmask(fill_matchers, mask, fill_rows)
 
     def _advance(self, grammars: list[RequestGrammar]) -> None:
+        """Advance the matchers past their unseen tokens (in parallel slices), without filling."""
+        self._in_slices(
+            list(range(len(grammars))), lambda rows: self._advance_slice([grammars[i] for i in rows])
+        )
+
+    def _advance_slice(self, grammars: list[RequestGrammar]) -> None:
         """Feed each matcher its unseen tokens, one token of every matcher per batched call (a token
         after the grammar ended, such as EOS, is ignored; a refused one lifts the row's mask)."""
+        import xgrammar as xgr
+
         while grammars:
             live, tokens = [], []
             for grammar in grammars:
@@ -263,7 +271,8 @@ class StructuredOutputManager:
                 if not grammar.failed and not grammar.matcher.is_terminated():
                     live.append(grammar)
                     tokens.append(token)
-            for grammar, token, ok in zip(live, tokens, self._accept([g.matcher for g in live], tokens)):
+            accepted = xgr.BatchGrammarMatcher.batch_accept_token([g.matcher for g in live], tokens)
+            for grammar, token, ok in zip(live, tokens, accepted):
                 if not ok:
                     grammar.failed = True
                     logger.error(
@@ -271,36 +280,34 @@ class StructuredOutputManager:
                     )
             grammars = [g for g in grammars if g.unseen]
 
-    ADVANCE_SLICE = 16
-    """Fewest matchers worth a thread of their own when advancing."""
+    SLICE_ROWS = 16
+    """Fewest grammar rows worth a thread of their own (advance and fill: ~10 µs a row on one core)."""
 
-    def _accept(self, matchers: list[Any], tokens: list[int]) -> list[bool]:
-        """xgrammar's ``batch_accept_token`` (GIL released) over slices of the matchers in parallel."""
-        import xgrammar as xgr
-
-        slices = min(len(matchers) // self.ADVANCE_SLICE, self._advance_threads + 1)
+    def _in_slices(self, rows: list[int], work: Callable[[list[int]], None]) -> None:
+        """``work`` over slices of ``rows``: one in the calling thread, the others in the pool of
+        ``FD_GRAMMAR_COMPILE_THREADS - 1`` threads (xgrammar releases the GIL in its calls)."""
+        slices = min(len(rows) // self.SLICE_ROWS, self._slice_threads + 1)
         if slices <= 1:
-            return xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
-        bounds = [len(matchers) * i // slices for i in range(slices + 1)]
-        futures = [
-            self._advance_pool.submit(xgr.BatchGrammarMatcher.batch_accept_token, matchers[a:b], tokens[a:b])
-            for a, b in zip(bounds[1:-1], bounds[2:])
-        ]
-        accepted = xgr.BatchGrammarMatcher.batch_accept_token(matchers[: bounds[1]], tokens[: bounds[1]])
+            if rows:
+                work(rows)
+            return
+        bounds = [len(rows) * i // slices for i in range(slices + 1)]
+        futures = [self._slice_pool.submit(work, rows[a:b]) for a, b in zip(bounds[1:-1], bounds[2:])]
+        work(rows[: bounds[1]])
         for future in futures:
-            accepted += future.result()
-        return accepted
+            future.result()
 
-    def _batch(self) -> Any:
-        """xgrammar's batched matcher operations (its fill runs in ``FD_GRAMMAR_COMPILE_THREADS``)."""
-        if self._batch_matcher is None:
+    def _fill_matcher(self) -> Any:
+        """xgrammar's batched fill on the calling thread (one per thread: they run at once)."""
+        matcher = getattr(self._local, "fill", None)
+        if matcher is None:
             import xgrammar as xgr
 
-            self._batch_matcher = xgr.BatchGrammarMatcher(max(envs.FD_GRAMMAR_COMPILE_THREADS, 1))
-        return self._batch_matcher
+            matcher = self._local.fill = xgr.BatchGrammarMatcher(1)
+        return matcher
 
     def shutdown(self) -> None:
-        self._advance_pool.shutdown(wait=False, cancel_futures=True)
+        self._slice_pool.shutdown(wait=False, cancel_futures=True)
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._guidance_pool.shutdown(wait=False, cancel_futures=True)
         if self._compiler is not None:  # frozen with it: collectable again (xgrammar reports leaks at exit)

@@ -287,11 +287,11 @@ def test_worker_lays_the_grammar_rows_into_the_batch():
 
 
 def test_matchers_advance_in_parallel_slices_like_one_by_one(tokenizer, monkeypatch):
-    """The manager advances many matchers at once, in slices on several threads: each row's mask
+    """The manager advances and fills many matchers at once, in slices on several threads: each row's mask
     equals that of a matcher advanced alone; a refused token lifts only its own row's mask."""
     monkeypatch.setenv("FD_STRUCTURED_OUTPUTS_BACKEND", "xgrammar")
     monkeypatch.setenv("FD_GRAMMAR_COMPILE_THREADS", "3")
-    monkeypatch.setattr(StructuredOutputManager, "ADVANCE_SLICE", 4)
+    monkeypatch.setattr(StructuredOutputManager, "SLICE_ROWS", 4)
     vocab = len(tokenizer)
     eos = tokenizer.eos_token_id
     manager = StructuredOutputManager(lambda: tokenizer, vocab, [eos])
