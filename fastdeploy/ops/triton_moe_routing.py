@@ -14,7 +14,8 @@ kernels per layer, each costing a launch even inside a CUDA graph. Here:
   builds (the (token, slot) pairs sorted stably by expert, each expert's run padded to a
   multiple of ``block_m``, the expert of every block, the padded length). Up to
   :data:`ALIGN_SINGLE_MAX` pairs (a decode step) it is one program of one kernel; beyond that
-  one program per chunk of pairs counts its chunk's experts (:func:`_count_kernel`), then one
+  one program per chunk of pairs (:data:`ALIGN_MIN_CHUNK` or more) counts its chunk's experts
+  (:func:`_count_kernel`), then one
   program per chunk places its pairs after the earlier chunks' (:func:`_align_kernel`), so the
   order within an expert is the pairs' order, with no atomics. Every size comes from shapes, so
   nothing waits for the device (CUDA-graph safe).
@@ -34,8 +35,12 @@ from fastdeploy.ops.triton_pdl import pdl_kwargs, pdl_prologue
 ALIGN_SINGLE_MAX = 256
 """At most this many pairs (32 tokens x top-8) are sorted by one program of one kernel."""
 ALIGN_MAX_CHUNKS = 128
-"""Beyond it the pairs are cut into chunks of at least ``ALIGN_SINGLE_MAX`` (a power of two), at most
+"""Beyond it the pairs are cut into chunks of at least ``ALIGN_MIN_CHUNK`` (a power of two), at most
 this many (one wave of programs; each reads every chunk's counts)."""
+ALIGN_MIN_CHUNK = 64
+"""Fewest pairs of a chunk: a decode step of 256 tokens x top-8 is 32 chunks of two ``_SUB`` steps
+each, not 8 of eight (each step of a program is a dependent one-hot count and scan, so the
+program's latency, not the pairs' total, is what the sort costs at decode sizes)."""
 _SUB = 32
 """Pairs per step inside a chunk (a ``[_SUB, experts]`` one-hot tile in registers)."""
 
@@ -128,7 +133,7 @@ def topk_softmax(
 
 
 @triton.jit
-def _chunk_counts(ids_ptr, first, P, offs_e, CHUNK: tl.constexpr, SUB: tl.constexpr):
+def _chunk_counts(ids_ptr, first, P, offs_e, CHUNK, SUB: tl.constexpr):
     """Pairs per expert (``offs_e``) among the pairs ``[first, first + CHUNK)`` below ``P``."""
     counts = tl.zeros(offs_e.shape, dtype=tl.int32)
     for s in range(0, CHUNK, SUB):
@@ -138,8 +143,9 @@ def _chunk_counts(ids_ptr, first, P, offs_e, CHUNK: tl.constexpr, SUB: tl.conste
     return counts
 
 
-@triton.jit(do_not_specialize=["P"])  # batch-dependent: no recompile when T*k changes class
-def _count_kernel(ids_ptr, counts_ptr, P, CHUNK: tl.constexpr, SUB: tl.constexpr, BLOCK_E: tl.constexpr):
+# batch-dependent arguments, CHUNK included, are not specialized: no compile when T*k changes class
+@triton.jit(do_not_specialize=["P", "CHUNK"])
+def _count_kernel(ids_ptr, counts_ptr, P, CHUNK, SUB: tl.constexpr, BLOCK_E: tl.constexpr):
     """``counts[c, e]``: the pairs of chunk ``c`` routed to expert ``e``."""
     c = tl.program_id(0)
     offs_e = tl.arange(0, BLOCK_E)
@@ -147,7 +153,7 @@ def _count_kernel(ids_ptr, counts_ptr, P, CHUNK: tl.constexpr, SUB: tl.constexpr
     tl.store(counts_ptr + c * BLOCK_E + offs_e, counts)
 
 
-@triton.jit(do_not_specialize=["P", "num_chunks"])  # as _count_kernel
+@triton.jit(do_not_specialize=["P", "num_chunks", "CHUNK"])  # as _count_kernel
 def _align_kernel(
     ids_ptr,
     counts_ptr,
@@ -157,7 +163,7 @@ def _align_kernel(
     P,
     E,
     num_chunks,
-    CHUNK: tl.constexpr,
+    CHUNK,
     SUB: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -255,7 +261,7 @@ def moe_align_block_size(
     if single:
         chunk, chunks = triton.next_power_of_2(max(pairs, _SUB)), 1
     else:
-        chunk = max(ALIGN_SINGLE_MAX, triton.next_power_of_2(triton.cdiv(pairs, ALIGN_MAX_CHUNKS)))
+        chunk = max(ALIGN_MIN_CHUNK, triton.next_power_of_2(triton.cdiv(pairs, ALIGN_MAX_CHUNKS)))
         chunks = triton.cdiv(pairs, chunk)
     counts = sorted_ids  # unused with one chunk
     if not single:

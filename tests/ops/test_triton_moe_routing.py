@@ -8,7 +8,7 @@
   with Ernie-4.5's correction bias.
 * :func:`moe_align_block_size` against ``align_block_size_torch``: the same padded length and
   the same ``sorted_ids`` / ``expert_ids`` up to it, entry for entry; batch 1, one chunk, several
-  chunks (more pairs than ``ALIGN_SINGLE_MAX``; chunks larger than it), experts receiving no pair, all pairs to one expert.
+  chunks (more pairs than ``ALIGN_SINGLE_MAX``, in chunks of ``ALIGN_MIN_CHUNK``; chunks larger than it), experts receiving no pair, all pairs to one expert.
   The routing kernel's load statistic equals a bincount of the ids.
 """
 
@@ -95,8 +95,9 @@ def _check_layout(ids, block_m, experts):
         (3, 2, 8, 16),
         (13, 4, 60, 32),  # experts not a power of two
         (32, 8, 128, 16),  # the most pairs one program sorts
-        (128, 8, 128, 64),  # four chunks
-        (300, 8, 128, 128),  # ten chunks, prefill tiles
+        (128, 8, 128, 64),  # 16 chunks of ALIGN_MIN_CHUNK
+        (256, 8, 128, 16),  # a decode step of 256 tokens: 32 chunks
+        (300, 8, 128, 128),  # 38 chunks, prefill tiles
         (700, 2, 16, 16),  # every expert busy
     ],
 )
@@ -107,7 +108,8 @@ def test_align_matches_torch(tokens, top_k, experts, block_m):
 
 
 def test_align_chunks_larger_than_the_minimum(monkeypatch):
-    """More pairs than ALIGN_MAX_CHUNKS minimal chunks hold: chunks of 512 (the limit lowered to 3)."""
+    """More pairs than ALIGN_MAX_CHUNKS minimal chunks hold: chunks of 512 (the limit lowered to 3;
+    a prefill of 8,192 tokens x top-8 takes chunks of 512 under the real limit)."""
     monkeypatch.setattr(routing, "ALIGN_MAX_CHUNKS", 3)
     g = torch.Generator().manual_seed(1)
     ids = torch.stack([torch.randperm(32, generator=g)[:4] for _ in range(300)])  # 1200 pairs
