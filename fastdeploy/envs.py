@@ -86,6 +86,11 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         lambda: os.environ.get("FD_PROFILE_STEPS", "100:20"),
         "first:count of the steps each worker profiles when FD_TORCH_PROFILER_DIR is set.",
     ),
+    "FD_SIDE_STREAM": (
+        _bool("FD_SIDE_STREAM", "1"),
+        "Run a MoE block's shared experts on a second CUDA stream beside its routed experts "
+        "(model_executor/layers/side_stream.py); 0: one after the other on one stream.",
+    ),
     "FD_USE_UVLOOP": (
         _bool("FD_USE_UVLOOP", "1"),
         "Run the API server on uvloop's event loop when it is installed (a dependency); 0: asyncio's.",

@@ -14,7 +14,7 @@ from fastdeploy.core.sampling_params import SamplingParams
 from fastdeploy.engine.llm_engine import LLMEngine
 from fastdeploy.multimodal.prompt import items_from_mm_data
 from fastdeploy.platforms.backend import activate
-from fastdeploy.platforms.gc_heap import freeze_startup_heap
+from fastdeploy.platforms.gc_heap import freeze_startup_heap, unfreeze_heap
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -202,3 +202,4 @@ class LLM:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+        unfreeze_heap()  # what the engine held is collectable again (no leak reports at exit)

@@ -44,3 +44,11 @@ def freeze_late_heap() -> None:
     stays (once, bounded by what was live then)."""
     if envs.FD_GC_FREEZE:
         gc.freeze()
+
+
+def unfreeze_heap() -> None:
+    """Undo the freezes when what they kept is shut down (an offline engine, the structured-output
+    manager): its objects become collectable again, and native extensions (xgrammar, Triton) do not
+    report them as leaked when the interpreter exits."""
+    if gc.get_freeze_count():
+        gc.unfreeze()

@@ -13,7 +13,6 @@ vocabulary (llguidance could not stop), ``auto`` is ``xgrammar``. docs/benchmark
 
 from __future__ import annotations
 
-import gc
 import logging
 import threading
 from collections import OrderedDict
@@ -24,7 +23,7 @@ from typing import Any
 from fastdeploy import envs
 from fastdeploy.core.sampling_params import StructuredOutputsParams
 from fastdeploy.core.step_io import GrammarBitmask
-from fastdeploy.platforms.gc_heap import freeze_late_heap
+from fastdeploy.platforms.gc_heap import freeze_late_heap, unfreeze_heap
 from fastdeploy.structured_output import guidance
 from fastdeploy.structured_output.grammar import build_grammar, constraint_key
 
@@ -311,4 +310,4 @@ class StructuredOutputManager:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._guidance_pool.shutdown(wait=False, cancel_futures=True)
         if self._compiler is not None:  # frozen with it: collectable again (xgrammar reports leaks at exit)
-            gc.unfreeze()
+            unfreeze_heap()

@@ -113,7 +113,7 @@ def _tp_ep(rank: int, init_method: str, results: dict) -> None:
         shared = torch.full((5, HIDDEN), float(rank + 1))  # partial sums of shared experts: 1 + 2
         outs = [layer(*inputs(n, seed=n)) for n in (1, 2, 11)]  # 1 token: one TP rank has no share
         hidden, logits = inputs(5, seed=5)
-        outs.append(layer(hidden, logits, shared))
+        outs.append(layer(hidden, logits, lambda: shared))
         outs.append(build_moe(fp8=True)(*inputs(7, seed=7)))  # each rank quantizes only its experts
         outs.append(build_moe(fp8=True, per_channel=True)(*inputs(7, seed=7)))
         results[rank] = outs

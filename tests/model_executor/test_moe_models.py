@@ -163,3 +163,12 @@ def test_meter_reads_at_most_once_per_interval():
     layer(torch.randn(2, 8), torch.randn(2, 4))
     assert meter.poll() is None  # the (empty) first read completed; no second read within the interval
     assert int(layer.routed_tokens.sum()) == 4  # still counting on the device, unread
+
+
+def test_start_beside_runs_in_order_on_a_cpu():
+    """Without CUDA the side-stream helper just runs the work (the models' CPU path is unchanged)."""
+    from fastdeploy.model_executor.layers.side_stream import start_beside
+
+    calls = []
+    pending = start_beside(lambda: calls.append(1) or torch.ones(2), torch.device("cpu"))
+    assert calls == [1] and torch.equal(pending.result(), torch.ones(2))

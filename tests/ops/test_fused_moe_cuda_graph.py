@@ -97,3 +97,36 @@ def test_expert_parallel_halves_replay_in_a_graph_and_sum_to_the_whole(tokens, f
     whole = full(new_x, new_logits).float()
     summed = outs[0].float() + outs[1].float()
     assert ((summed - whole).norm() / whole.norm()).item() < 1e-2  # bf16 rounding of two partials
+
+
+@pytest.mark.parametrize("tokens", [1, 40])
+def test_shared_experts_beside_the_routed_ones(tokens, monkeypatch):
+    """The shared experts on the side stream (eager and captured in a graph, the fork and join
+    captured too): the same output, bit for bit, as one stream (``FD_SIDE_STREAM=0``); the side
+    stream's output is not reused before the join (a slow shared computation still adds up)."""
+    layer = _layer(False)
+    w = torch.randn(H, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(3)).bfloat16()
+
+    def shared_of(x):
+        def shared():
+            out = x
+            for _ in range(20):  # long enough to still run when the routed experts end
+                out = torch.tanh(out @ w)
+            return out
+
+        return shared
+
+    x, logits = _inputs(tokens, seed=4)
+    monkeypatch.setenv("FD_SIDE_STREAM", "0")
+    one_stream = layer(x, logits, shared_of(x))
+    monkeypatch.setenv("FD_SIDE_STREAM", "1")
+    assert torch.equal(layer(x, logits, shared_of(x)), one_stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = layer(x, logits, shared_of(x))
+    new_x, new_logits = _inputs(tokens, seed=5)
+    x.copy_(new_x)
+    logits.copy_(new_logits)
+    graph.replay()
+    monkeypatch.setenv("FD_SIDE_STREAM", "0")
+    assert torch.equal(captured, layer(new_x, new_logits, shared_of(new_x)))

@@ -32,6 +32,8 @@ or read from an FP8 checkpoint.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -50,6 +52,7 @@ from fastdeploy.distributed import (
 )
 from fastdeploy.model_executor.layers.fused_moe_fp8 import EXPERT_PROJECTIONS, Fp8MoEMethod, expert_matmul
 from fastdeploy.model_executor.layers.quantization.base import QuantizationConfig
+from fastdeploy.model_executor.layers.side_stream import start_beside
 from fastdeploy.model_executor.layers.weight_loading import ShardId, copy_rows, set_weight_loader
 from fastdeploy.ops.fp8_quant import DEFAULT_BLOCK, FP8_DTYPE
 from fastdeploy.ops.layer_ops import silu_and_mul, triton_module
@@ -200,23 +203,26 @@ class FusedMoE(nn.Module):
         self,
         hidden: torch.Tensor,
         router_logits: torch.Tensor,
-        shared: torch.Tensor | None = None,
+        shared_experts: Callable[[], torch.Tensor] | None = None,
         correction_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Route each token to its top-k experts and return their weighted sum ``[T, H]``, plus
-        ``shared`` (this rank's partial output of the block's shared experts), summed over the
+        """Route each token to its top-k experts and return their weighted sum ``[T, H]``, plus the
+        output of ``shared_experts`` (this rank's partial output of the block's shared experts: run
+        on a side stream beside the routed experts, :mod:`.side_stream`), summed over the
         tensor-parallel ranks: one all-reduce of routed + shared partials."""
+        shared = start_beside(shared_experts, hidden.device) if shared_experts is not None else None
         weights, ids = select_experts(
             router_logits, self.top_k, self.renormalize, correction_bias, self.routed_tokens
         )
         if self.ep_size > 1 and ep_spans_replicas():
             out = self.experts_across_replicas(hidden, weights, ids)
             if shared is not None:
-                out = out + (tp_all_reduce(shared) if self.tp_size > 1 else shared)
+                partial = shared.result()
+                out = out + (tp_all_reduce(partial) if self.tp_size > 1 else partial)
             return out
         out = self.compute_experts(hidden, weights, self.local_expert_ids(ids))
         if shared is not None:
-            out = out + shared
+            out = out + shared.result()
         if self.tp_size > 1:
             out = tp_all_reduce(out)
         return out

@@ -77,16 +77,18 @@ class ErnieMoeSparseBlock(nn.Module):
             hidden, residual = norm(x), x
         else:
             hidden, residual = norm(x, residual)
-        shared = None
-        if self.shared_experts is not None:
-            down = self.shared_experts.down_proj
-            # this rank's partial sum (the bias, held whole, added on rank 0 only), reduced with the routed
-            # experts' output
-            shared = down.matmul_silu_mul(self.shared_experts.gate_up_proj(hidden), None)
-            if down.bias is not None and down.tp_rank == 0:
-                shared = shared + down.bias
+        shared = (lambda: self.shared_experts_output(hidden)) if self.shared_experts is not None else None
         bias = self.moe_statics.e_score_correction_bias
         return self.experts(hidden, self.gate(hidden), shared, correction_bias=bias), residual
+
+    def shared_experts_output(self, hidden: torch.Tensor) -> torch.Tensor:
+        """This rank's partial output of the shared experts (the bias, held whole, added on rank 0
+        only), reduced with the routed experts' output."""
+        down = self.shared_experts.down_proj
+        out = down.matmul_silu_mul(self.shared_experts.gate_up_proj(hidden), None)
+        if down.bias is not None and down.tp_rank == 0:
+            out = out + down.bias
+        return out
 
 
 class Ernie4_5_MoeForCausalLM(Qwen3MoeForCausalLM):

@@ -79,13 +79,13 @@ class QwenMoeSparseBlock(nn.Module):
             hidden, residual = norm(x), x
         else:
             hidden, residual = norm(x, residual)
-        shared = None
-        if self.has_shared_expert:
-            shared = self.shared_expert.down_proj.matmul_silu_mul(
-                self.shared_expert.gate_up_proj(hidden), None
-            )  # this rank's partial sum, reduced with the routed experts'
-            shared = torch.sigmoid(self.shared_expert_gate(hidden)) * shared
+        shared = (lambda: self.shared_expert_output(hidden)) if self.has_shared_expert else None
         return self.experts(hidden, self.gate(hidden), shared), residual
+
+    def shared_expert_output(self, hidden: torch.Tensor) -> torch.Tensor:
+        """This rank's partial output of the gated shared expert (reduced with the routed experts')."""
+        out = self.shared_expert.down_proj.matmul_silu_mul(self.shared_expert.gate_up_proj(hidden), None)
+        return torch.sigmoid(self.shared_expert_gate(hidden)) * out
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
