@@ -43,7 +43,8 @@ class Beside:
         if self._stream is not None:
             current = torch.cuda.current_stream(self._out.device)
             current.wait_stream(self._stream)
-            self._out.record_stream(current)  # (allocated on the side stream, used and freed here)
+            if not torch.cuda.is_current_stream_capturing():  # (a capture's memory is the graph's own)
+                self._out.record_stream(current)  # allocated on the side stream, used and freed here
             self._stream = None
         return self._out
 
