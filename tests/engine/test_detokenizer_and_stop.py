@@ -267,3 +267,34 @@ def test_final_only_reports_just_the_finished_output_the_cumulative_mode_ends_wi
         == cumulative.outputs[0].finish_reason
         == ("stop" if stop else "length")
     )
+
+
+@pytest.mark.parametrize("text", MULTIBYTE_TEXTS)
+@pytest.mark.parametrize("end", ["length", "stop_token", "abort"])
+def test_final_only_text_decoded_once_equals_the_incremental_text(tokenizer, text, end):
+    """Without stop strings a final-only output's text is decoded once, when the choice ends: the
+    same text as decoding step by step, cut inside a multi-byte character (no U+FFFD), after a stop
+    token (not text), or aborted by the front end halfway (the text so far)."""
+    prompt = encode(tokenizer, "Say:")
+    ids = encode(tokenizer, text)
+    cut = ids[: max(1, len(ids) - 1)]  # the last token may end inside a character
+    texts = []
+    for final_only in (False, True):
+        processor, (child,) = make_processor(tokenizer, "r", prompt, SamplingParams(max_tokens=100))
+        outs: list = []
+        steps = cut[: len(cut) // 2] if end == "abort" else cut
+        for i, t in enumerate(steps):
+            last = i == len(steps) - 1 and end != "abort"
+            if last and end == "stop_token":
+                out = EngineCoreOutput(child, [t, tokenizer.eos_token_id], "stop", tokenizer.eos_token_id)
+            else:
+                out = EngineCoreOutput(child, [t], "length" if last else None)
+            outs, _, _ = processor.process([out], False, None, final_only)
+        if end == "abort":
+            state = processor.requests["r"]
+            processor.abort_request("r")
+            texts.append(state.choices[0].text)
+            continue
+        texts.append(outs[0].outputs[0].text)
+    assert texts[0] == texts[1] and texts[1]
+    assert "\ufffd" not in texts[1]
