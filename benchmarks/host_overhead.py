@@ -1,7 +1,6 @@
 """The engine loop's own cost per step: ``LLM.generate`` on a one-layer, 64-wide dummy Llama.
 
     python benchmarks/host_overhead.py [--batch 256] [--input-len 16] [--output-len 512]
-    python benchmarks/host_overhead.py --tokenizer TOK      # with a tokenizer: detokenization included
 
 With a model this small the forward pass is a small part of each step, so the time per
 step is mostly the host's work: scheduling, KV-block bookkeeping, input preparation,
@@ -28,22 +27,11 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=16)
     parser.add_argument("--output-len", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument(
-        "--tokenizer",
-        default=None,
-        help="a tokenizer folder: the outputs are detokenized (default: ids only)",
-    )
     args = parser.parse_args()
-    tiny, tokenizer = dict(TINY_LLAMA), {"skip_tokenizer_init": True}
-    if args.tokenizer:
-        from transformers import AutoTokenizer
-
-        tiny["vocab_size"] = len(AutoTokenizer.from_pretrained(args.tokenizer))
-        tokenizer = {"tokenizer": args.tokenizer}
     llm = LLM(
-        model="benchmarks/configs/llama-3.2-1b", load_format="dummy", hf_config_overrides=tiny,
-        dtype="float32", device="cpu", max_num_seqs=args.batch,
-        max_model_len=args.input_len + args.output_len + 16, kv_cache_memory=0.5, **tokenizer,
+        model="benchmarks/configs/llama-3.2-1b", load_format="dummy", skip_tokenizer_init=True,
+        hf_config_overrides=TINY_LLAMA, dtype="float32", device="cpu", max_num_seqs=args.batch,
+        max_model_len=args.input_len + args.output_len + 16, kv_cache_memory=0.5,
     )  # fmt: skip
     prompts = [[(i * 7 + j) % 500 + 3 for j in range(args.input_len)] for i in range(args.batch)]
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
