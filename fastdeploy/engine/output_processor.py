@@ -16,7 +16,7 @@ from fastdeploy.core.prompt_logprobs import to_prompt_logprobs
 from fastdeploy.core.request import EngineCoreOutput
 from fastdeploy.core.sampling_params import SamplingParams
 from fastdeploy.core.timeline import RequestTimeline
-from fastdeploy.engine.detokenizer import IncrementalDetokenizer
+from fastdeploy.engine.detokenizer import IncrementalDetokenizer, StreamDetokenizer, new_detokenizer
 
 
 def child_request_id(request_id: str, index: int, n: int) -> str:
@@ -29,7 +29,7 @@ class ChoiceState:
     """One choice of a request, as seen by the front end."""
 
     index: int
-    detokenizer: IncrementalDetokenizer | None
+    detokenizer: IncrementalDetokenizer | StreamDetokenizer | None
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     text: str = ""
@@ -81,7 +81,7 @@ class RequestState:
         self.choices = [
             ChoiceState(
                 i,
-                IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
+                new_detokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
                 if tokenizer
                 else None,
             )

@@ -9,7 +9,7 @@ import pytest
 from fastdeploy.config import ModelConfig
 from fastdeploy.core.request import EngineCoreOutput
 from fastdeploy.core.sampling_params import SamplingParams
-from fastdeploy.engine.detokenizer import IncrementalDetokenizer
+from fastdeploy.engine.detokenizer import IncrementalDetokenizer, StreamDetokenizer, new_detokenizer
 from fastdeploy.engine.output_processor import OutputProcessor, RequestState
 from fastdeploy.model_executor.model_loader import load_tokenizer, resolve_model
 
@@ -45,13 +45,17 @@ def random_chunks(rng: random.Random, ids: list[int]) -> list[list[int]]:
 # ---- incremental detokenizer ---------------------------------------------------------
 
 
+DETOKENIZERS = [IncrementalDetokenizer, StreamDetokenizer]
+
+
 @pytest.mark.parametrize("text", MULTIBYTE_TEXTS)
 @pytest.mark.parametrize("seed", [0, 1])
-def test_incremental_detokenizer_multibyte(tokenizer, text, seed):
+@pytest.mark.parametrize("detokenizer", DETOKENIZERS)
+def test_incremental_detokenizer_multibyte(tokenizer, text, seed, detokenizer):
     rng = random.Random(seed)
     prompt = encode(tokenizer, "Question: say something.\nAnswer:")
     ids = encode(tokenizer, text)
-    detok = IncrementalDetokenizer(tokenizer, prompt)
+    detok = detokenizer(tokenizer, prompt)
     chunks = random_chunks(rng, ids) if seed else [[t] for t in ids]
     deltas = []
     for i, chunk in enumerate(chunks):
@@ -63,22 +67,47 @@ def test_incremental_detokenizer_multibyte(tokenizer, text, seed):
     assert "" in deltas
 
 
-def test_detokenizer_keeps_leading_space_of_first_token(tokenizer):
+@pytest.mark.parametrize("detokenizer", DETOKENIZERS)
+def test_detokenizer_keeps_leading_space_of_first_token(tokenizer, detokenizer):
     prompt = encode(tokenizer, "The capital of France is")
     ids = encode(tokenizer, " Paris, of course.")
-    detok = IncrementalDetokenizer(tokenizer, prompt)
+    detok = detokenizer(tokenizer, prompt)
     text = "".join(detok.add_tokens([t]) for t in ids)
     assert text == " Paris, of course."
 
 
-def test_detokenizer_skips_special_tokens(tokenizer):
+@pytest.mark.parametrize("detokenizer", DETOKENIZERS)
+def test_detokenizer_skips_special_tokens(tokenizer, detokenizer):
     prompt = encode(tokenizer, "Hi")
     ids = encode(tokenizer, " there")
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    detok = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=True)
+    detok = detokenizer(tokenizer, prompt, skip_special_tokens=True)
     assert "".join(detok.add_tokens([t]) for t in [*ids, end]) == " there"
-    keep = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=False)
+    keep = detokenizer(tokenizer, prompt, skip_special_tokens=False)
     assert "".join(keep.add_tokens([t]) for t in [*ids, end]) == " there<|im_end|>"
+
+
+@pytest.mark.parametrize("text", MULTIBYTE_TEXTS)
+def test_stream_detokenizer_is_chosen_and_falls_back_when_the_stream_refuses(tokenizer, text):
+    """A tokenizers-backed tokenizer gets the stream; should the stream raise on a token (at any
+    point, inside a multi-byte character too), the same request goes on with the Python
+    detokenizer and the text is unchanged."""
+    prompt = encode(tokenizer, "Say:")
+    ids = encode(tokenizer, text)
+    assert isinstance(new_detokenizer(tokenizer, prompt), StreamDetokenizer)
+
+    class Refusing:
+        def step(self, backend, token):
+            raise Exception("Invalid prefix encountered")
+
+    for cut in range(len(ids)):
+        detok = StreamDetokenizer(tokenizer, prompt)
+        deltas = [detok.add_tokens([t]) for t in ids[:cut]]
+        detok._stream = Refusing()
+        deltas += [detok.add_tokens([t], final=i == len(ids) - 1) for i, t in enumerate(ids) if i >= cut]
+        assert detok._fallback is not None
+        assert "".join(deltas) == detok.text == text, cut
+        assert not any("\ufffd" in d for d in deltas)
 
 
 # ---- output processor -----------------------------------------------------------------
