@@ -201,8 +201,8 @@ class OutputProcessor:
     ) -> None:
         """One engine output into its choice. With ``final_only`` (nobody reads the text before the
         choice ends) and no stop strings to watch for, the text is decoded once, when the choice ends,
-        instead of two tokenizer decodes per token for every request at every step on the engine
-        loop (docs/benchmarks.md, fifteenth session); one decode of every token gives the same text."""
+        instead of token by token for every request at every step of the offline engine loop
+        (docs/benchmarks.md, fifteenth session); the same text."""
         metrics = self.metrics
         if out.queue_time is not None:
             state.times.queue_time = out.queue_time
