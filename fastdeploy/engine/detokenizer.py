@@ -57,7 +57,8 @@ class StreamDetokenizer:
     ~1 µs a token against ~4.5 (docs/benchmarks.md, fifteenth session), which the API server pays
     for every token of every stream. The stream is primed with the prompt's last tokens (their
     text is dropped), so the first output token keeps its leading space; an incomplete character
-    stays buffered, so an end inside one drops its bytes. Should the stream refuse a token (some
+    stays buffered, and at the end the complete part of what is held back is decoded as
+    :class:`IncrementalDetokenizer` does (an end inside a character drops only its bytes). Should the stream refuse a token (some
     tokenizers' decoders reject a prefix), the request goes on with :class:`IncrementalDetokenizer`
     from the last text the stream gave.
     """
@@ -81,6 +82,16 @@ class StreamDetokenizer:
         except Exception:  # noqa: BLE001 - tokenizers raises plain exceptions
             self._fall_back()
 
+    def _complete_tail(self) -> str:
+        """The text of the held-back tokens up to their incomplete last character (a token such as
+        ``" ðŁ"``: a space, then half an emoji — the space is text)."""
+        decode = self.tokenizer.decode
+        prefix = decode(self._context, skip_special_tokens=self.skip_special_tokens)
+        whole = decode(self._context + self._pending, skip_special_tokens=self.skip_special_tokens)
+        whole = whole.rstrip("\ufffd")
+        self._pending = []
+        return whole[len(prefix) :] if len(whole) > len(prefix) else ""
+
     def _fall_back(self) -> None:
         self._fallback = IncrementalDetokenizer(self.tokenizer, self._context, self.skip_special_tokens)
 
@@ -102,6 +113,8 @@ class StreamDetokenizer:
                     self._pending = []
         if self._fallback is not None:
             pieces.append(self._fallback.add_tokens(token_ids, final=final))
+        elif final and self._pending:  # the complete part of what the stream holds back, as the end
+            pieces.append(self._complete_tail())
         delta = "".join(pieces)
         self.text += delta
         return delta

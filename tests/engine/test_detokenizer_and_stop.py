@@ -87,6 +87,16 @@ def test_detokenizer_skips_special_tokens(tokenizer, detokenizer):
     assert "".join(keep.add_tokens([t]) for t in [*ids, end]) == " there<|im_end|>"
 
 
+@pytest.mark.parametrize("detokenizer", DETOKENIZERS)
+def test_an_end_inside_a_character_keeps_the_complete_part(tokenizer, detokenizer):
+    """Token 15107 is a space and the first bytes of an emoji: ending on it gives the space."""
+    assert tokenizer.decode([15107]).startswith(" ") and tokenizer.decode([15107]).endswith("\ufffd")
+    detok = detokenizer(tokenizer, encode(tokenizer, "Say:"))
+    assert detok.add_tokens(encode(tokenizer, " hi")) == " hi"
+    assert detok.add_tokens([15107], final=True) == " "
+    assert detok.text == " hi "
+
+
 @pytest.mark.parametrize("text", MULTIBYTE_TEXTS)
 def test_stream_detokenizer_is_chosen_and_falls_back_when_the_stream_refuses(tokenizer, text):
     """A tokenizers-backed tokenizer gets the stream; should the stream raise on a token (at any
