@@ -84,17 +84,18 @@ def check_ssl(args: argparse.Namespace) -> str | None:
 
 
 def check_generation_config(args: argparse.Namespace) -> str | None:
-    """Why ``--generation-config`` names no folder with a generation_config.json, or None."""
-    from fastdeploy.transformers_utils.config import GENERATION_CONFIG_OFF
+    """Why ``--generation-config`` names no folder with a readable generation_config.json, or None
+    (``auto`` reads the model's folder once the model is resolved)."""
+    from fastdeploy.transformers_utils.config import read_generation_defaults
 
     value = getattr(args, "generation_config", "auto")
-    if value == "auto" or value in GENERATION_CONFIG_OFF:
+    if value == "auto":
         return None
-    if os.path.isfile(os.path.join(value, "generation_config.json")):
-        return None
-    return (
-        f"argument --generation-config: auto, none, or a folder with a generation_config.json; got {value!r}"
-    )
+    try:
+        read_generation_defaults(value, "")
+    except (OSError, ValueError) as exc:
+        return f"argument --generation-config: auto, none, or a folder with a generation_config.json: {exc}"
+    return None
 
 
 def check_reasoning_parser(args: argparse.Namespace) -> str | None:
