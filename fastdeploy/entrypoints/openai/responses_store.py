@@ -153,13 +153,16 @@ class ResponseStore:
             with contextlib.suppress(OSError):
                 os.unlink(f"{path}.cancel")
 
-    def conversation(self, response_id: str) -> list[dict[str, Any]] | None:
+    def conversation(
+        self, response_id: str, loaded: StoredResponse | None = None
+    ) -> list[dict[str, Any]] | None:
         """The chat messages of every turn up to and including ``response_id``, oldest first
-        (None: a response of the chain is not stored)."""
+        (None: a response of the chain is not stored). ``loaded``: ``response_id``'s stored
+        response, when the caller has read it already."""
         turns: list[list[dict[str, Any]]] = []
         current: str | None = response_id
         while current is not None and len(turns) < MAX_CHAIN:
-            stored = self.load(current)
+            stored = loaded if loaded is not None and current == response_id else self.load(current)
             if stored is None:
                 return None
             turns.append(stored.messages)

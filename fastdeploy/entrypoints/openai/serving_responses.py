@@ -102,7 +102,11 @@ class OpenAIServingResponses:
                     f"Previous response '{request.previous_response_id}' is still in progress",
                     param="previous_response_id",
                 )
-            found = await asyncio.to_thread(self.store.conversation, request.previous_response_id)
+            found = (
+                None
+                if previous is None
+                else await asyncio.to_thread(self.store.conversation, request.previous_response_id, previous)
+            )
             if found is None:
                 raise NotFoundError(
                     f"Previous response with id '{request.previous_response_id}' not found (never stored, "
