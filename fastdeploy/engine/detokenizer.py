@@ -84,13 +84,10 @@ class StreamDetokenizer:
 
     def _complete_tail(self) -> str:
         """The text of the held-back tokens up to their incomplete last character (a token such as
-        ``" ðŁ"``: a space, then half an emoji — the space is text)."""
-        decode = self.tokenizer.decode
-        prefix = decode(self._context, skip_special_tokens=self.skip_special_tokens)
-        whole = decode(self._context + self._pending, skip_special_tokens=self.skip_special_tokens)
-        whole = whole.rstrip("\ufffd")
-        self._pending = []
-        return whole[len(prefix) :] if len(whole) > len(prefix) else ""
+        ``" ðŁ"``: a space, then half an emoji — the space is text), as the Python detokenizer ends."""
+        tail = IncrementalDetokenizer(self.tokenizer, self._context, self.skip_special_tokens)
+        pending, self._pending = self._pending, []
+        return tail.add_tokens(pending, final=True)
 
     def _fall_back(self) -> None:
         self._fallback = IncrementalDetokenizer(self.tokenizer, self._context, self.skip_special_tokens)
