@@ -4,10 +4,11 @@ compiling them, then the per-step work of decoding one JSON answer under each.
 Compile: every schema is distinct (benchmarks/structured_outputs.py's ``make_schema``) and all
 are submitted at once to the engine core's ``StructuredOutputManager``, as the benchmark's
 requests arrive. Steps: one matcher per schema walks the tokens of a valid answer; each step
-gives every matcher one token (``accept``: the scheduler's part), advances the matchers
-(``advance``: in parallel slices) and fills the rows' bitmask (``fill``: xgrammar's threads) — the
-two make ``StructuredOutputManager.bitmask`` — sends it as the executor does (``wire``: msgpack
-there and back) and lays
+gives every matcher one token (``accept``: the scheduler's part), starts the mask
+(``start``: the engine loop's own part of ``StructuredOutputManager.start_bitmask``), waits for the
+manager's threads to advance the matchers and fill the rows (``mask``: all of the threads' work
+when nothing else runs meanwhile), sends it as the executor does (``wire``: msgpack there and
+back) and lays
 it into the worker's batch of twice as many rows (``worker``: ``ModelRunner._token_bitmask`` on
 a CPU).
 Means over the steps, in µs per structured row.
@@ -95,16 +96,16 @@ def step_costs(manager: StructuredOutputManager, compiled: list, answers: list[l
     batch = [
         name for req_id in req_ids for name in (req_id, f"plain-{req_id}")
     ]  # every other row constrained
-    parts: dict[str, list[float]] = {"accept": [], "advance": [], "fill": [], "wire": [], "worker": []}
+    parts: dict[str, list[float]] = {"accept": [], "start": [], "mask": [], "wire": [], "worker": []}
     received: list[GrammarBitmask] = []
     for step in range(1, steps):
         t0 = time.perf_counter()
         for grammar, tokens in zip(grammars, answers):
             grammar.accept_token(tokens[step - 1])
         t1 = time.perf_counter()
-        manager._advance(grammars)  # what bitmask() does first; then it has nothing left to advance
+        pending = manager.start_bitmask(req_ids, grammars)
         t2 = time.perf_counter()
-        bitmask = manager.bitmask(req_ids, grammars)
+        bitmask = pending.result()
         t3 = time.perf_counter()
         wire = decode(encode(["sample_tokens", [dataclasses.asdict(bitmask)]]))
         received.append(GrammarBitmask(**wire[1][0]))

@@ -15,7 +15,7 @@ from fastdeploy.engine.feature_mirror import FeatureMirror
 from fastdeploy.model_executor.model_loader import ModelSource
 
 if TYPE_CHECKING:
-    from fastdeploy.structured_output.manager import StructuredOutputManager
+    from fastdeploy.structured_output.manager import PendingBitmask, StructuredOutputManager
 
 
 class WorkerStepError(RuntimeError):
@@ -78,7 +78,11 @@ class EngineCore:
         """Structured-output requests whose grammar is being compiled: not yet in the scheduler."""
         self._grammar_failures: list[EngineCoreOutput] = []
         self.grammar_wait_s = 0.0
-        """Time the engine loop has spent advancing matchers and filling bitmasks (benchmarks report it)."""
+        """Time the engine loop has spent on grammar bitmasks: starting them and waiting for the
+        manager's threads (benchmarks report it)."""
+        self._pending_bitmask: PendingBitmask | None = None
+        """With async scheduling, the bitmask of the step in flight, being made while the loop hands
+        out the previous step's outputs and schedules the next (sampled before the next launch)."""
         self.max_model_len = resolve_max_model_len(config, source)
         self.executor = executor_cls(config, source, self.max_model_len)
         try:
@@ -174,15 +178,28 @@ class EngineCore:
             )
             self.scheduler.add_request(request)
 
-    def _grammar_bitmask(self, req_ids: list[str]) -> GrammarBitmask:
-        """The bitmask rows of the given requests (those still running with a grammar); the time it
-        takes counts in :attr:`grammar_wait_s`."""
+    def _start_grammar_bitmask(self, req_ids: list[str]) -> PendingBitmask:
+        """Start the bitmask rows of the given requests (those still running with a grammar) in the
+        structured-output manager's threads; the engine loop's part counts in :attr:`grammar_wait_s`."""
         start = time.perf_counter()
         requests = [self.scheduler.requests.get(r) for r in req_ids]
         kept = [(r, q.grammar) for r, q in zip(req_ids, requests) if q is not None and q.grammar is not None]
-        bitmask = self.structured.bitmask([r for r, _ in kept], [g for _, g in kept])
+        pending = self.structured.start_bitmask([r for r, _ in kept], [g for _, g in kept])
+        self.grammar_wait_s += time.perf_counter() - start
+        return pending
+
+    def _grammar_bitmask(self, pending: PendingBitmask) -> GrammarBitmask:
+        """Wait for a started bitmask (the wait counts in :attr:`grammar_wait_s`)."""
+        start = time.perf_counter()
+        bitmask = pending.result()
         self.grammar_wait_s += time.perf_counter() - start
         return bitmask
+
+    def _sample_pending(self) -> None:
+        """Sample the step in flight under its bitmask, once the manager's threads have made it."""
+        pending, self._pending_bitmask = self._pending_bitmask, None
+        if pending is not None:
+            self.executor.sample_tokens(self._grammar_bitmask(pending))
 
     def abort_requests(self, request_ids: list[str]) -> EngineCoreOutputs:
         outputs = []
@@ -222,14 +239,17 @@ class EngineCore:
         outputs: list[EngineCoreOutput] = []
         try:
             if self.async_scheduling:
+                self._sample_pending()  # the step in flight samples before this one is launched
                 runner_output = self.executor.execute_model_overlap(scheduler_output)
                 if runner_output is not None:
                     outputs = self.scheduler.update_from_output(runner_output)
                 if scheduler_output.structured_req_ids:
-                    self.executor.sample_tokens(self._grammar_bitmask(scheduler_output.structured_req_ids))
+                    # made while this step's outputs go out and the next step is scheduled
+                    self._pending_bitmask = self._start_grammar_bitmask(scheduler_output.structured_req_ids)
             else:
                 if scheduler_output.structured_req_ids:
-                    scheduler_output.grammar = self._grammar_bitmask(scheduler_output.structured_req_ids)
+                    pending = self._start_grammar_bitmask(scheduler_output.structured_req_ids)
+                    scheduler_output.grammar = self._grammar_bitmask(pending)
                 runner_output = self.executor.execute_model(scheduler_output)
                 outputs = self.scheduler.update_from_output(runner_output)
         except WorkerStepError as exc:
@@ -239,6 +259,7 @@ class EngineCore:
             if self._in_flight is not None:
                 failed += list(self._in_flight.num_scheduled_tokens)
             self._in_flight = None
+            self._pending_bitmask = None
             aborted = self.scheduler.abort_requests(list(dict.fromkeys(failed)))
             message = str(exc).strip().splitlines()[-1] if str(exc).strip() else "engine step failed"
             for output in aborted:

@@ -14,10 +14,12 @@ vocabulary (llguidance could not stop), ``auto`` is ``xgrammar``. docs/benchmark
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastdeploy import envs
@@ -47,17 +49,101 @@ class RequestGrammar:
 
     def __init__(self, matcher: Any, stop_token_ids: list[int]):
         self.matcher = matcher
-        self.stop_token_ids = list(stop_token_ids)
-        """What may follow once the grammar has ended (sampled on only with ``ignore_eos``)."""
+        self.stop_token_ids = list(stop_token_ids) or list(matcher.stop_token_ids)
+        """The tokens that end the grammar; what may follow once it has ended (sampled on only
+        with ``ignore_eos``)."""
+        self.stop_set = frozenset(self.stop_token_ids)
         self.failed = False
         """A token the grammar refused was accepted anyway (never expected: it is logged once)."""
+        self.ended = False
+        """The matcher took a stop token (xgrammar's ``is_terminated``, kept here: no native call)."""
         self.unseen: list[int] = []
         """Output tokens the matcher has not advanced past yet: the manager feeds them to the
-        matchers in parallel slices before it fills their rows (:meth:`StructuredOutputManager.bitmask`)."""
+        matchers in its threads before it fills their rows (:meth:`StructuredOutputManager.start_bitmask`)."""
 
     def accept_token(self, token_id: int) -> None:
         """Record an output token; the matcher advances past it before its next bitmask."""
         self.unseen.append(token_id)
+
+    def advance_alone(self, tokens: list[int]) -> None:
+        """Advance the matcher past ``tokens`` here, one by one (tokens after its end are ignored)."""
+        for token in tokens:
+            if not self.failed and not self.ended:
+                self.record(token, self.matcher.accept_token(token))
+
+    def record(self, token: int, accepted: bool) -> None:
+        """Note what the matcher's advance past ``token`` did: it ended, or the token was refused."""
+        if not accepted:
+            self.failed = True
+            logger.error("structured output: token %d does not follow the grammar; the mask is lifted", token)
+        elif token in self.stop_set:
+            self.ended = True
+
+    def write_stop_row(self, row: Any) -> None:
+        """Write the row of an ended grammar: only its stop tokens (``row``: int32 numpy words)."""
+        import numpy as np
+
+        bits = row.view(np.uint32)
+        bits[:] = 0
+        for token in self.stop_token_ids:
+            bits[token // 32] |= np.uint32(1 << (token % 32))
+
+
+@dataclass
+class _SliceWork:
+    """The rows of one pool thread's native calls: matchers to advance past a token, rows to fill."""
+
+    accept_grammars: list[RequestGrammar] = field(default_factory=list)
+    accept_rows: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    fill_matchers: list[Any] = field(default_factory=list)
+    fill_rows: list[int] = field(default_factory=list)
+
+    @property
+    def accept_matchers(self) -> list[Any]:
+        return [grammar.matcher for grammar in self.accept_grammars]
+
+    @classmethod
+    def of(cls, grammars: list[Any], rows: list[int]) -> _SliceWork:
+        """The work of ``rows`` (live grammars with at most one unseen token each, taken here)."""
+        work = cls()
+        for row in rows:
+            grammar = grammars[row]
+            if grammar.unseen:
+                token = grammar.unseen.pop()
+                work.accept_grammars.append(grammar)
+                work.accept_rows.append(row)
+                work.tokens.append(token)
+                if token in grammar.stop_set:
+                    continue  # ends the grammar: its row is written once the advance is back
+            work.fill_matchers.append(grammar.matcher)
+            work.fill_rows.append(row)
+        return work
+
+
+class PendingBitmask:
+    """A step's bitmask while the manager's threads advance and fill it (:meth:`result` waits)."""
+
+    def __init__(self, req_ids: list[str], array: Any, work: list[_SliceWork], futures: list[Future]):
+        self._req_ids = req_ids
+        self._array = array
+        self._work = work
+        self._futures = futures
+
+    def result(self) -> GrammarBitmask:
+        """The finished bitmask: rows whose token was refused lifted, ended grammars' rows written."""
+        for work, future in zip(self._work, self._futures):
+            accepted = future.result()
+            for grammar, row, token, ok in zip(work.accept_grammars, work.accept_rows, work.tokens, accepted):
+                if not ok or token in grammar.stop_set:
+                    grammar.record(token, ok)
+                    if grammar.failed:
+                        self._array[row] = -1
+                    else:
+                        grammar.write_stop_row(self._array[row])
+        return GrammarBitmask(
+            req_ids=self._req_ids, bitmask=self._array.tobytes(), words=self._array.shape[1]
+        )
 
 
 class StructuredOutputManager:
@@ -77,9 +163,15 @@ class StructuredOutputManager:
         self._pool = ThreadPoolExecutor(max(envs.FD_GRAMMAR_COMPILE_THREADS, 1), "fd-grammar")
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self.cache_size = envs.FD_GRAMMAR_CACHE_SIZE
-        self._slice_threads = max(envs.FD_GRAMMAR_COMPILE_THREADS - 1, 1)
+        self._slice_threads = max(envs.FD_GRAMMAR_COMPILE_THREADS, 1)
         self._slice_pool = ThreadPoolExecutor(self._slice_threads, "fd-grammar-mask")
-        """Advances and fills slices of the matchers next to the calling thread."""
+        """Advances the matchers and fills their rows, in slices, beside the engine loop."""
+        self._previous_switch_interval = sys.getswitchinterval()
+        switch_ms = envs.FD_GRAMMAR_SWITCH_INTERVAL_MS
+        if (
+            switch_ms > 0
+        ):  # process-wide (the engine core's process; offline, the caller's): reset at shutdown
+            sys.setswitchinterval(min(self._previous_switch_interval, switch_ms / 1000))
         self._local = threading.local()
         self.num_compiles = 0
         """Grammars compiled so far (cache misses)."""
@@ -206,6 +298,13 @@ class StructuredOutputManager:
     def bitmask(self, req_ids: list[str], grammars: list[Any]) -> GrammarBitmask:
         """The allowed next tokens of each request (rows in ``req_ids`` order), once every matcher
         has advanced past the tokens recorded since its last bitmask."""
+        return self.start_bitmask(req_ids, grammars).result()
+
+    def start_bitmask(self, req_ids: list[str], grammars: list[Any]) -> PendingBitmask:
+        """Start :meth:`bitmask` in the manager's threads and return at once: the caller goes on with
+        other work while xgrammar advances the matchers and fills their rows (native calls that let
+        go of the GIL), and takes the mask with :meth:`PendingBitmask.result`. The grammars must not
+        be advanced again before then."""
         import numpy as np
         import torch
 
@@ -214,87 +313,45 @@ class StructuredOutputManager:
         # 2 MB memset a step at 128 rows of a 128k vocabulary.)
         array = np.empty((len(grammars), bitmask_words(self.vocab_size)), dtype=np.int32)
         mask = torch.from_numpy(array)
-        xgrammar_rows, guided = [], []
+        live, guided = [], []
         for row, grammar in enumerate(grammars):
+            if not isinstance(grammar, RequestGrammar):
+                guided.append(row)
+                continue
+            if len(grammar.unseen) > 1:  # (never at one token a step: after a resume, in tests)
+                grammar.advance_alone(grammar.unseen[:-1])
+                del grammar.unseen[:-1]
             if grammar.failed:
                 array[row] = -1  # a refused token was taken: the row's mask is lifted
-            elif isinstance(grammar, RequestGrammar):
-                xgrammar_rows.append(row)
+            elif grammar.ended:
+                grammar.write_stop_row(array[row])
             else:
-                guided.append(row)
+                live.append(row)
+                continue
+            grammar.unseen.clear()  # (a token after the end, such as EOS with ignore_eos: ignored)
         if guided:  # llguidance's threads
             array[guided] = -1  # (its fill is not relied on to write every word)
             self._guidance.fill_rows([grammars[row] for row in guided], guided, mask)
-        self._in_slices(xgrammar_rows, lambda rows: self._advance_and_fill(grammars, rows, mask))
-        return GrammarBitmask(req_ids=list(req_ids), bitmask=array.tobytes(), words=array.shape[1])
+        slices = min(len(live) // self.SLICE_ROWS, self._slice_threads) or 1
+        bounds = [len(live) * i // slices for i in range(slices + 1)]
+        work = [_SliceWork.of(grammars, live[a:b]) for a, b in zip(bounds, bounds[1:]) if b > a]
+        futures = [self._slice_pool.submit(self._advance_and_fill, part, mask) for part in work]
+        return PendingBitmask(list(req_ids), array, work, futures)
 
-    def _advance_and_fill(self, grammars: list[Any], rows: list[int], mask: Any) -> None:
-        """Advance the matchers of ``rows`` past their unseen tokens, then write their rows of
-        ``mask``: the grammar's next tokens, or only the stop tokens once it has ended (its stop token
-        was taken and ignored: ``ignore_eos``), or everything after a refused token."""
-        import numpy as np
-
-        self._advance_slice([grammars[row] for row in rows if grammars[row].unseen])
-        array = mask.numpy()
-        fill_rows, fill_matchers = [], []
-        for row in rows:
-            grammar = grammars[row]
-            if grammar.failed:
-                array[row] = -1
-            elif grammar.matcher.is_terminated():
-                bits = array[row].view(np.uint32)
-                bits[:] = 0
-                for token in grammar.stop_token_ids:
-                    bits[token // 32] |= np.uint32(1 << (token % 32))
-            else:
-                fill_rows.append(row)
-                fill_matchers.append(grammar.matcher)
-        if fill_matchers:  # xgrammar's fill on this thread (its own thread pool costs more than it saves)
-            self._fill_matcher().batch_fill_next_token_bitmask(fill_matchers, mask, fill_rows)
-
-    def _advance(self, grammars: list[RequestGrammar]) -> None:
-        """Advance the matchers past their unseen tokens (in parallel slices), without filling."""
-        self._in_slices(
-            list(range(len(grammars))), lambda rows: self._advance_slice([grammars[i] for i in rows])
-        )
-
-    def _advance_slice(self, grammars: list[RequestGrammar]) -> None:
-        """Feed each matcher its unseen tokens, one token of every matcher per batched call (a token
-        after the grammar ended, such as EOS, is ignored; a refused one lifts the row's mask)."""
+    def _advance_and_fill(self, work: _SliceWork, mask: Any) -> list[bool]:
+        """In a pool thread: advance the slice's matchers past their token, then fill their rows,
+        each in one batched native call (nothing per row in Python: the engine loop holds the GIL)."""
         import xgrammar as xgr
 
-        while grammars:
-            live, tokens = [], []
-            for grammar in grammars:
-                token = grammar.unseen.pop(0)
-                if not grammar.failed and not grammar.matcher.is_terminated():
-                    live.append(grammar)
-                    tokens.append(token)
-            accepted = xgr.BatchGrammarMatcher.batch_accept_token([g.matcher for g in live], tokens)
-            for grammar, token, ok in zip(live, tokens, accepted):
-                if not ok:
-                    grammar.failed = True
-                    logger.error(
-                        "structured output: token %d does not follow the grammar; the mask is lifted", token
-                    )
-            grammars = [g for g in grammars if g.unseen]
+        accepted = xgr.BatchGrammarMatcher.batch_accept_token(work.accept_matchers, work.tokens)
+        if (
+            work.fill_matchers
+        ):  # xgrammar's fill on this thread (its own thread pool costs more than it saves)
+            self._fill_matcher().batch_fill_next_token_bitmask(work.fill_matchers, mask, work.fill_rows)
+        return accepted
 
-    SLICE_ROWS = 16
+    SLICE_ROWS = 32
     """Fewest grammar rows worth a thread of their own (advance and fill: ~10 µs a row on one core)."""
-
-    def _in_slices(self, rows: list[int], work: Callable[[list[int]], None]) -> None:
-        """``work`` over slices of ``rows``: one in the calling thread, the others in the pool of
-        ``FD_GRAMMAR_COMPILE_THREADS - 1`` threads (xgrammar releases the GIL in its calls)."""
-        slices = min(len(rows) // self.SLICE_ROWS, self._slice_threads + 1)
-        if slices <= 1:
-            if rows:
-                work(rows)
-            return
-        bounds = [len(rows) * i // slices for i in range(slices + 1)]
-        futures = [self._slice_pool.submit(work, rows[a:b]) for a, b in zip(bounds[1:-1], bounds[2:])]
-        work(rows[: bounds[1]])
-        for future in futures:
-            future.result()
 
     def _fill_matcher(self) -> Any:
         """xgrammar's batched fill on the calling thread (one per thread: they run at once)."""
@@ -306,6 +363,7 @@ class StructuredOutputManager:
         return matcher
 
     def shutdown(self) -> None:
+        sys.setswitchinterval(self._previous_switch_interval)
         self._slice_pool.shutdown(wait=False, cancel_futures=True)
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._guidance_pool.shutdown(wait=False, cancel_futures=True)

@@ -359,3 +359,43 @@ def test_reasoning_prefix_leaves_the_thinking_free_and_constrains_the_answer(sta
     assert not _string_matches(*key, f"{opened}{thoughts}")  # it must end its reasoning
     # without a reasoning block: the answer at once, where the output does not start inside one
     assert _string_matches(*key, '{"a": 3}') is not starts_inside
+
+
+def test_the_mask_is_made_in_the_pool_threads_while_the_caller_goes_on(tokenizer, monkeypatch):
+    """``start_bitmask`` returns before any matcher advances: the advance and the fill run in the
+    manager's threads (the engine loop meanwhile hands out outputs and schedules), and ``result``
+    gives the same rows as matchers advanced one by one."""
+    import threading
+
+    monkeypatch.setenv("FD_STRUCTURED_OUTPUTS_BACKEND", "xgrammar")
+    eos = tokenizer.eos_token_id
+    manager = StructuredOutputManager(lambda: tokenizer, len(tokenizer), [eos])
+    release = threading.Event()
+    threads: list[str] = []
+    accept = xgr.BatchGrammarMatcher.batch_accept_token
+
+    def held_accept(matchers, tokens):
+        threads.append(threading.current_thread().name)
+        assert release.wait(30)
+        return accept(matchers, tokens)
+
+    monkeypatch.setattr(xgr.BatchGrammarMatcher, "batch_accept_token", staticmethod(held_accept))
+    try:
+        compiled = manager.submit(StructuredOutputsParams(choice=["alpha", "bravo"])).result(timeout=60)
+        grammars = [manager.new_request_grammar(compiled, [eos]) for _ in range(3)]
+        first = tokenizer.encode("alpha", add_special_tokens=False)[0]
+        for grammar in grammars:
+            grammar.accept_token(first)
+        pending = manager.start_bitmask(["a", "b", "c"], grammars)  # returns with the accept held
+        assert not grammars[0].failed and grammars[0].unseen == []
+        release.set()
+        mask = pending.result().array()
+    finally:
+        manager.shutdown()
+    assert threads and all(name.startswith("fd-grammar-mask") for name in threads)
+    matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=[eos])
+    assert matcher.accept_token(first)
+    reference = xgr.allocate_token_bitmask(1, len(tokenizer))
+    matcher.fill_next_token_bitmask(reference)
+    for row in mask:
+        np.testing.assert_array_equal(row, reference[0].numpy())
