@@ -12,7 +12,9 @@ Sections:
 
 * ``correctness``: greedy tokens in float32 at TP=1 and TP=N on the same device kind: a tiny
   random Llama and a tiny random Qwen3-MoE (saved with ``transformers`` in a temporary folder,
-  whose ``generate`` is the reference too) and, with ``--default-model``, the default model.
+  whose ``generate`` is the reference too) and, with ``--default-model``, the default model; the
+  tiny MoE also at TP=N with expert parallelism and through ``fastdeploy serve`` at DP=N with
+  expert parallelism (attention data-parallel, experts spread over the N ranks).
 * ``tp``: the Llama-3.1-8B shape with dummy bf16 weights at TP=1 and TP=N: batch-1 inter-token
   latency (CUDA graphs on) and offline output tokens/s for ``--num-prompts`` x ``--input-len``
   / ``--output-len`` (greedy, EOS ignored).
@@ -121,6 +123,45 @@ def engine_tokens(
         free_memory(torch.device(device))
 
 
+def served_tokens(
+    args: argparse.Namespace, model: str, prompts: list[list[int]], *serve_args: str
+) -> list[list[int]]:
+    """``fastdeploy serve``'s greedy float32 tokens (``serve_args`` added, e.g. data-parallel
+    attention with expert-parallel experts), every prompt in flight at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    serve = [sys.executable, "-m", "fastdeploy.entrypoints.cli.main", "serve", "--model", model, "--port", str(port),
+             "--skip-tokenizer-init", "--dtype", "float32", "--max-model-len", "256", "--device", args.device,
+             *serve_args]  # fmt: skip
+    if args.device == "cpu":
+        serve += ["--kv-cache-memory", "0.05", "--num-threads", "1"]
+    proc = subprocess.Popen(serve, stdout=sys.stderr, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_healthy(url, proc, args.server_timeout_s)
+        body = {"model": httpx.get(url + "/v1/models").json()["data"][0]["id"], "temperature": 0,
+                "max_tokens": args.correctness_tokens, "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+
+        def tokens(prompt: list[int]) -> list[int]:
+            reply = httpx.post(url + "/v1/completions", json={**body, "prompt": prompt}, timeout=300)
+            reply.raise_for_status()
+            return reply.json()["choices"][0]["token_ids"]
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            return list(pool.map(tokens, prompts))
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 def reference_tokens(model: str, prompts: list[list[int]], device: str, max_tokens: int) -> list[list[int]]:
     """``transformers`` ``generate`` (greedy, EOS ignored) on the same float32 checkpoint."""
     from transformers import AutoModelForCausalLM
@@ -156,6 +197,9 @@ def correctness(args: argparse.Namespace) -> dict[str, Any]:
                     with_ep = engine_tokens(path, prompts, args.tp, args.device, args.correctness_tokens,
                                             enable_expert_parallel=True)  # fmt: skip
                     row["tp1_equals_tpn_ep"] = one == with_ep
+                    served = served_tokens(args, path, prompts, "--data-parallel-size", str(args.tp),
+                                           "--enable-expert-parallel")  # fmt: skip
+                    row["tp1_equals_dpn_ep_served"] = one == served
                 if has_reference:
                     row["tp1_equals_transformers"] = one == reference_tokens(
                         path, prompts, args.device, args.correctness_tokens
@@ -388,11 +432,12 @@ def render(results: dict[str, Any]) -> str:
     corr = results.get("correctness", {}).get("rows", [])
     if corr:
         lines += [
-            "| model | TP=1 == TP=N | TP=1 == TP=N+EP | TP=1 == transformers |",
-            "| --- | --- | --- | --- |",
+            "| model | TP=1 == TP=N | TP=1 == TP=N+EP | TP=1 == DP=N+EP (served) | TP=1 == transformers |",
+            "| --- | --- | --- | --- | --- |",
         ]
         lines += [f"| {r['model']} | {r.get('tp1_equals_tpn', r.get('error', '')[-80:])} | "
-                  f"{r.get('tp1_equals_tpn_ep', '-')} | {r.get('tp1_equals_transformers', '-')} |" for r in corr]  # fmt: skip
+                  f"{r.get('tp1_equals_tpn_ep', '-')} | {r.get('tp1_equals_dpn_ep_served', '-')} | "
+                  f"{r.get('tp1_equals_transformers', '-')} |" for r in corr]  # fmt: skip
         lines.append("")
     for section in ("tp", "moe", "vllm_tp"):
         rows = results.get(section, {}).get("rows", [])
