@@ -45,7 +45,7 @@ from fastdeploy.ops.fp8_quant import (
     quantize_activation_per_token_group,
 )
 from fastdeploy.ops.layer_ops import silu_and_mul
-from fastdeploy.ops.tile_config import TileConfig, table_config
+from fastdeploy.ops.tile_config import TileConfig, device_shared_memory, fit_shared_memory, table_config
 from fastdeploy.ops.triton_env import triton_interpreting
 from fastdeploy.ops.triton_moe_act import SILU_QUANT_MAX_BLOCK, silu_and_mul_pairs, silu_mul_quant, sum_pairs
 from fastdeploy.ops.triton_moe_gemv import fused_experts_gemv, scale_groups, small_batch_max_tokens
@@ -375,7 +375,11 @@ def fused_experts(
     (FP8 weights against unquantized activations there).
     """
     explicit_config = config
-    config = config or default_config(hidden.shape[0], w13.dtype == FP8_DTYPE, block_shape is None)
+    if config is None:
+        config = default_config(hidden.shape[0], w13.dtype == FP8_DTYPE, block_shape is None)
+        if hidden.is_cuda and w13.dtype != FP8_DTYPE:  # (float32 activations: twice the tiles' bytes)
+            limit = device_shared_memory(hidden.device.index)
+            config = fit_shared_memory(config, hidden.element_size(), limit)
     _check(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block_shape, config)
     num_tokens, top_k = topk_ids.shape
     if num_tokens == 0:

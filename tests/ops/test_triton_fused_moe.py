@@ -313,3 +313,22 @@ def test_rejects_bad_inputs():
         moe.fused_experts(x, q13, q2, weights, ids, s13, s2, block_shape=None)
     with pytest.raises(ValueError, match="share hidden's dtype"):
         moe.fused_experts(x, w13.bfloat16(), w2.bfloat16(), weights, ids)
+
+
+def test_float32_tiles_are_cut_to_the_shared_memory_of_the_gpu():
+    """The prefill tiles of the table are tuned for 2-byte activations; in float32 they would ask
+    for more shared memory than an H100/H200 has (Triton's OutOfResources on the first large
+    step): fewer stages, then a shorter K step, until they fit; 2-byte tiles stay as tuned."""
+    from fastdeploy.ops.tile_config import fit_shared_memory, shared_memory_bytes
+    from fastdeploy.ops.triton_fused_moe import BF16_CONFIGS
+
+    hopper, ampere = 232_448, 166_912
+    for _, config in BF16_CONFIGS:
+        assert fit_shared_memory(config, 2, hopper) == config
+        for limit in (hopper, ampere):
+            fitted = fit_shared_memory(config, 4, limit)
+            assert shared_memory_bytes(fitted, 4) <= limit
+            assert (fitted.block_m, fitted.block_n) == (config.block_m, config.block_n)
+    large = BF16_CONFIGS[-1][1]
+    assert shared_memory_bytes(large, 4) > hopper  # the case that failed on the H200
+    assert fit_shared_memory(large, 4, hopper).num_stages == 2
