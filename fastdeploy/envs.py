@@ -170,13 +170,6 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "Structured-output backend: xgrammar (default), guidance (llguidance), or auto (llguidance "
         "for a constraint until xgrammar has compiled it, then xgrammar).",
     ),
-    "FD_GRAMMAR_SWITCH_INTERVAL_MS": (
-        lambda: float(os.environ.get("FD_GRAMMAR_SWITCH_INTERVAL_MS", "0.5")),
-        "The engine core's interpreter switch interval (ms) once it has structured-output requests: "
-        "the grammar threads take the GIL back this soon after each native advance or fill while "
-        "the engine loop runs Python (Python's default, 5 ms, would hold each of them that long); "
-        "0 leaves Python's default.",
-    ),
     "FD_GRAMMAR_COMPILE_THREADS": (
         lambda: int(os.environ.get("FD_GRAMMAR_COMPILE_THREADS", "0")) or _default_grammar_threads(),
         "Threads of the engine core that compile structured-output grammars (off the engine loop) "

@@ -36,7 +36,7 @@ def shared_memory_bytes(config: TileConfig, element_bytes: int) -> int:
     return config.num_stages * (config.block_m + config.block_n) * config.block_k * element_bytes
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def device_shared_memory(device_index: int) -> int:
     """The most shared memory one program may use on this GPU (Triton's reading of the driver)."""
     import triton
