@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from fastdeploy import LLM, SamplingParams
 from fastdeploy.worker.model_runner import WARM_UP_QUERY_LENS
@@ -66,7 +67,9 @@ def test_warm_up_lengths_cover_each_block_class_and_respect_the_limits(monkeypat
     from fastdeploy.worker import model_runner
 
     seen: list[int] = []
-    monkeypatch.setattr(model_runner.ModelRunner, "_warm_up_prefill", lambda self, n: seen.append(n))
+    monkeypatch.setattr(
+        model_runner.ModelRunner, "_warm_up_prefill", lambda self, n: seen.append(n) or torch.randn(1, 64)
+    )
     llm = LLM(**{**ENGINE, "max_model_len": 48, "max_num_batched_tokens": 300})
     try:
         llm.engine.core.executor.worker.runner.warm_up_kernels()
@@ -75,6 +78,22 @@ def test_warm_up_lengths_cover_each_block_class_and_respect_the_limits(monkeypat
     # up to the step token budget (which is warmed too), each size once
     assert seen == [2, 4, 8, 16, 32, 64, 128, 256, 300]
     assert max(WARM_UP_QUERY_LENS) >= 128  # a prompt long enough for the largest query block
+
+
+def test_warm_up_compiles_the_grammar_mask_kernel(monkeypatch):
+    """The start-up warm-up applies one all-allowing grammar bitmask to a copy of a warm-up step's
+    logits (xgrammar's Triton kernel compiles then, not in the first structured-output step)."""
+    from fastdeploy.worker import model_runner
+
+    calls = []
+    monkeypatch.setattr(
+        model_runner, "apply_token_bitmask", lambda logits, mask, rows: calls.append((logits, mask, rows))
+    )
+    step_logits = torch.randn(3, 100)
+    model_runner.ModelRunner._warm_up_grammar_mask(step_logits)
+    ((logits, mask, rows),) = calls
+    assert logits.shape == (1, 100) and logits.data_ptr() != step_logits.data_ptr()  # a copy
+    assert mask.shape == (1, 4) and (mask == -1).all() and rows.tolist() == [0]
 
 
 def test_a_warm_up_step_past_max_model_len_is_several_requests():
