@@ -242,15 +242,19 @@ class EngineCore:
                 self._sample_pending()  # the step in flight samples before this one is launched
                 runner_output = self.executor.execute_model_overlap(scheduler_output)
                 if runner_output is not None:
-                    outputs = self.scheduler.update_from_output(runner_output)
+                    self.scheduler.accept_grammar_tokens(runner_output)
                 if scheduler_output.structured_req_ids:
-                    # made while this step's outputs go out and the next step is scheduled
+                    # made while the previous step's outputs are booked and handed out and the
+                    # next step is scheduled
                     self._pending_bitmask = self._start_grammar_bitmask(scheduler_output.structured_req_ids)
+                if runner_output is not None:
+                    outputs = self.scheduler.update_from_output(runner_output)
             else:
                 if scheduler_output.structured_req_ids:
                     pending = self._start_grammar_bitmask(scheduler_output.structured_req_ids)
                     scheduler_output.grammar = self._grammar_bitmask(pending)
                 runner_output = self.executor.execute_model(scheduler_output)
+                self.scheduler.accept_grammar_tokens(runner_output)
                 outputs = self.scheduler.update_from_output(runner_output)
         except WorkerStepError as exc:
             # the steps' requests fail; everyone else carries on

@@ -270,6 +270,20 @@ class Scheduler:
 
     # ---- results -------------------------------------------------------------------
 
+    def accept_grammar_tokens(self, runner_output: ModelRunnerOutput) -> None:
+        """Give each structured-output request's grammar its sampled token (the rows that
+        :meth:`update_from_output` will append). Apart from it, so that the engine core can start
+        the next bitmask before the rest of the bookkeeping."""
+        for req_id, token_id in zip(runner_output.req_ids, runner_output.sampled_token_ids):
+            request = self.requests.get(req_id)
+            if (
+                request is not None
+                and request.grammar is not None
+                and request.status == RequestStatus.RUNNING
+                and request.max_tokens != 0
+            ):
+                request.grammar.accept_token(token_id)
+
     def update_from_output(self, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append sampled tokens, finish the requests the worker's stop codes end, report deltas.
 
@@ -301,8 +315,6 @@ class Scheduler:
                 new_token_ids, logprobs = [], None
             else:
                 request.append_output_token(token_id)
-                if request.grammar is not None:
-                    request.grammar.accept_token(token_id)
                 new_token_ids = [token_id]
             reason = _FINISH_OF_STOP_CODE.get(code)
             stop_reason = token_id if code == StopCode.STOP_TOKEN else None
