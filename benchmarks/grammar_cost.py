@@ -25,7 +25,6 @@ Examples:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -107,7 +106,7 @@ def step_costs(manager: StructuredOutputManager, compiled: list, answers: list[l
         t2 = time.perf_counter()
         bitmask = pending.result()
         t3 = time.perf_counter()
-        wire = decode(encode(["sample_tokens", [dataclasses.asdict(bitmask)]]))
+        wire = decode(encode(["sample_tokens", [bitmask.to_wire()]]))
         received.append(GrammarBitmask(**wire[1][0]))
         t4 = time.perf_counter()
         for name, seconds in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):

@@ -132,15 +132,23 @@ class GrammarBitmask:
     """
 
     req_ids: list[str]
-    bitmask: bytes
-    """``[len(req_ids), words]`` int32, native byte order."""
+    bitmask: bytes | np.ndarray
+    """``[len(req_ids), words]`` int32, native byte order: the manager's array as it filled it
+    (in one process no copy is made), bytes once it has crossed a process boundary."""
     words: int
 
     def array(self) -> np.ndarray:
-        """The bitmask as an ``[rows, words]`` int32 array (a view of the bytes)."""
+        """The bitmask as an ``[rows, words]`` int32 array (the array itself, or a view of the bytes)."""
         import numpy as np
 
+        if isinstance(self.bitmask, np.ndarray):
+            return self.bitmask
         return np.frombuffer(self.bitmask, dtype=np.int32).reshape(len(self.req_ids), self.words)
+
+    def to_wire(self) -> dict[str, Any]:
+        """Its fields for msgpack (which packs the array's buffer as bytes, without a copy here)."""
+        bitmask = self.bitmask if isinstance(self.bitmask, bytes) else memoryview(self.bitmask)
+        return {"req_ids": self.req_ids, "bitmask": bitmask, "words": self.words}
 
 
 @dataclass
@@ -172,7 +180,7 @@ class SchedulerOutput:
             **vars(self),
             "new_reqs": [r.to_wire() for r in self.new_reqs],
             "cached_reqs": vars(self.cached_reqs),
-            "grammar": vars(self.grammar) if self.grammar is not None else None,
+            "grammar": self.grammar.to_wire() if self.grammar is not None else None,
         }
 
     @classmethod

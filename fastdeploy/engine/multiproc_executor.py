@@ -323,7 +323,7 @@ class MultiprocExecutor:
         waiting: the workers lay out the mask and launch the sampling while the engine core returns
         the outputs and schedules; their replies are read before the next call (which a worker's
         error then fails)."""
-        self._send("sample_tokens", dataclasses.asdict(grammar))
+        self._send("sample_tokens", grammar.to_wire())
         self._unanswered += 1
 
     def check_health(self) -> None:

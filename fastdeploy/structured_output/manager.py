@@ -140,9 +140,7 @@ class PendingBitmask:
                         self._array[row] = -1
                     else:
                         grammar.write_stop_row(self._array[row])
-        return GrammarBitmask(
-            req_ids=self._req_ids, bitmask=self._array.tobytes(), words=self._array.shape[1]
-        )
+        return GrammarBitmask(req_ids=self._req_ids, bitmask=self._array, words=self._array.shape[1])
 
 
 class StructuredOutputManager:
