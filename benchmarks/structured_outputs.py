@@ -107,7 +107,17 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto")
     parser.add_argument("--json", action="store_true", help="also print the result as one JSON line")
+    parser.add_argument(
+        "--grammar-slice-rows",
+        type=int,
+        default=0,
+        help="fewest grammar rows per mask thread (StructuredOutputManager.SLICE_ROWS; 0: as built)",
+    )
     args = parser.parse_args()
+    if args.grammar_slice_rows:
+        from fastdeploy.structured_output.manager import StructuredOutputManager
+
+        StructuredOutputManager.SLICE_ROWS = args.grammar_slice_rows
 
     kwargs = {} if args.async_scheduling == "auto" else {"async_scheduling": args.async_scheduling == "on"}
     if args.tokenizer:
