@@ -81,8 +81,9 @@ def test_warm_up_lengths_cover_each_block_class_and_respect_the_limits(monkeypat
 
 
 def test_warm_up_compiles_the_grammar_mask_kernel(monkeypatch):
-    """The start-up warm-up applies one all-allowing grammar bitmask to a copy of a warm-up step's
-    logits (xgrammar's Triton kernel compiles then, not in the first structured-output step)."""
+    """The start-up warm-up applies an all-allowing grammar bitmask to scratch logits of the step's
+    width, for 1, 2 and 16 rows (the row counts xgrammar's Triton kernel is specialized on), so that
+    it compiles then, not in the first structured-output steps."""
     from fastdeploy.worker import model_runner
 
     calls = []
@@ -91,9 +92,10 @@ def test_warm_up_compiles_the_grammar_mask_kernel(monkeypatch):
     )
     step_logits = torch.randn(3, 100)
     model_runner.ModelRunner._warm_up_grammar_mask(step_logits)
-    ((logits, mask, rows),) = calls
-    assert logits.shape == (1, 100) and logits.data_ptr() != step_logits.data_ptr()  # a copy
-    assert mask.shape == (1, 4) and (mask == -1).all() and rows.tolist() == [0]
+    assert [rows.tolist() for _, _, rows in calls] == [[0], [0, 1], list(range(16))]
+    for logits, mask, _ in calls:
+        assert logits.shape == (16, 100) and logits.data_ptr() != step_logits.data_ptr()
+        assert mask.shape == (16, 4) and (mask == -1).all()
 
 
 def test_a_warm_up_step_past_max_model_len_is_several_requests():
