@@ -39,6 +39,8 @@ import httpx
 import numpy as np
 from server_health import free_port
 
+from fastdeploy.benchmarks.metrics import BenchmarkMetrics
+
 TINY_LLAMA = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", num_hidden_layers=1, hidden_size=64,
     intermediate_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=32, vocab_size=49152,
@@ -206,16 +208,23 @@ def cpu_seconds(pid: int | None) -> float:
 
 def run_online(
     args: argparse.Namespace, model: str | None, samples: list
-) -> tuple[float, list[dict], dict[str, float]]:
-    """Output tokens/s through the server, the per-request timelines, and the CPU µs each server
-    process spent per output token (robust to other load on the machine, unlike the rates)."""
+) -> tuple[BenchmarkMetrics, list[dict], dict[str, float]]:
+    """The client's metrics (output tokens/s, TTFT, ...), the per-request timelines, and the CPU µs
+    each server process spent per output token (robust to other load on the machine, unlike the rates)."""
     from fastdeploy.benchmarks.serve import ServeConfig, first_model, run_benchmark
 
     timeline = tempfile.mktemp(suffix=".jsonl", prefix="fd-timeline-")
     proc, url = start_server(args, model, timeline)
     try:
         name = asyncio.run(first_model(url, None))
-        cfg = ServeConfig(url, name, endpoint=args.endpoint, ignore_eos=True, disable_tqdm=True)
+        cfg = ServeConfig(
+            url,
+            name,
+            endpoint=args.endpoint,
+            ignore_eos=True,
+            disable_tqdm=True,
+            max_concurrency=args.max_concurrency or None,
+        )
         asyncio.run(run_benchmark(cfg, samples[:2]))  # warm-up
         Path(timeline).write_text("")
         profilers = []
@@ -237,7 +246,7 @@ def run_online(
     if metrics.failed:
         raise RuntimeError(f"{metrics.failed} requests failed: {metrics.errors[:3]}")
     lines = Path(timeline).read_text().splitlines() if os.path.exists(timeline) else []
-    return metrics.output_throughput, [json.loads(line) for line in lines if line.strip()], cpu_us
+    return metrics, [json.loads(line) for line in lines if line.strip()], cpu_us
 
 
 STAGES = (
@@ -299,6 +308,9 @@ def main() -> None:
     )
     parser.add_argument("--skip-offline", action="store_true", help="online only (no ratio)")
     parser.add_argument(
+        "--max-concurrency", type=int, default=0, help="requests in flight at most (0: all at once)"
+    )
+    parser.add_argument(
         "--api-server-count", type=int, default=1, help="API server processes of the server (serve's flag)"
     )
     parser.add_argument(
@@ -325,7 +337,8 @@ def main() -> None:
         samples = make_samples(load_tokenizer(config.model, resolve_model(config.model)), args)
     else:
         offline, samples = run_offline(args, model)
-    online, records, cpu_us = run_online(args, model, samples)
+    metrics, records, cpu_us = run_online(args, model, samples)
+    online = metrics.output_throughput
     print(f"workload: {args.num_prompts} prompts x {args.input_len}/{args.output_len} tokens, model {args.model}, "
           f"{args.dtype}, {args.num_threads} thread(s), {args.endpoint}")  # fmt: skip
     if offline is not None:
@@ -333,6 +346,7 @@ def main() -> None:
     print(f"online output tok/s:  {online:.1f}")
     if offline is not None:
         print(f"online / offline:     {online / offline:.3f}")
+    print(f"client-side median TTFT: {metrics.ttft_ms.median:.2f} ms")
     for name, us in cpu_us.items():
         print(f"{name} CPU per output token: {us:.1f} us")
     api_us = [us for name, us in cpu_us.items() if name.startswith("api_server_")]
