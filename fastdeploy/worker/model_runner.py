@@ -224,9 +224,8 @@ class ModelRunner:
     @staticmethod
     def _warm_up_grammar_mask(logits: torch.Tensor) -> None:
         """Compile xgrammar's bitmask kernel (Triton) now, for the row counts it is specialized on
-        (one, a multiple of 16, any other): a structured-output run's first steps waited for them
-        (the benchmark's first run on a fresh machine: ratio 0.74-0.79 against 0.85-0.89 after).
-        Nothing to do without xgrammar."""
+        (one, a multiple of 16, any other), rather than in the first structured-output steps
+        (docs/benchmarks.md, sixteenth session). Nothing to do without xgrammar."""
         try:
             import xgrammar  # noqa: F401
         except ImportError:
