@@ -10,6 +10,7 @@ from fastdeploy.core.pooling_params import PoolingParams
 
 if TYPE_CHECKING:
     import numpy as np
+    import torch
 
 
 class StopCode(enum.IntEnum):
@@ -136,6 +137,9 @@ class GrammarBitmask:
     """``[len(req_ids), words]`` int32, native byte order: the manager's array as it filled it
     (in one process no copy is made), bytes once it has crossed a process boundary."""
     words: int
+    tensor: torch.Tensor | None = None
+    """In one process: the host tensor ``bitmask`` views, pinned when the worker runs on a GPU, so
+    that the worker copies it to the device directly (no staging copy). Not sent to a worker process."""
 
     def array(self) -> np.ndarray:
         """The bitmask as an ``[rows, words]`` int32 array (the array itself, or a view of the bytes)."""

@@ -160,6 +160,7 @@ class EngineCore:
             lambda: load_tokenizer(model, source),
             source.arch.vocab_size,
             eos_ids_of(source.arch.eos_token_ids, None),
+            pin_memory=self.executor.worker_on_gpu_in_process,
         )
 
     def _admit_compiled(self) -> None:

@@ -15,6 +15,12 @@ class InProcExecutor:
         self.worker = Worker(config, source, max_model_len)
         self.worker.load_model()
 
+    @property
+    def worker_on_gpu_in_process(self) -> bool:
+        """The worker shares this process and runs on a GPU: host buffers handed to it (a grammar
+        mask) can be pinned memory that it copies to the device as they are."""
+        return self.worker.runner.device.type == "cuda"
+
     def determine_num_blocks(self) -> int:
         return self.worker.determine_num_blocks()
 

@@ -303,6 +303,9 @@ class MultiprocExecutor:
             self._unanswered -= 1
             self._gather()
 
+    worker_on_gpu_in_process = False
+    """The workers are other processes: what they are handed crosses as bytes."""
+
     def determine_num_blocks(self) -> int:
         """The blocks every rank can hold (ranks with more heads need more memory per block)."""
         return min(self._call("determine_num_blocks"))

@@ -122,9 +122,10 @@ class _SliceWork:
 class PendingBitmask:
     """A step's bitmask while the manager's threads advance and fill it (:meth:`result` waits)."""
 
-    def __init__(self, req_ids: list[str], array: Any, work: list[_SliceWork], futures: list[Future]):
+    def __init__(self, req_ids: list[str], tensor: Any, work: list[_SliceWork], futures: list[Future]):
         self._req_ids = req_ids
-        self._array = array
+        self._tensor = tensor
+        self._array = tensor.numpy()
         self._work = work
         self._futures = futures
 
@@ -139,7 +140,7 @@ class PendingBitmask:
                         self._array[row] = -1
                     else:
                         grammar.write_stop_row(self._array[row])
-        return GrammarBitmask(req_ids=self._req_ids, bitmask=self._array, words=self._array.shape[1])
+        return GrammarBitmask(self._req_ids, self._array, self._array.shape[1], tensor=self._tensor)
 
 
 class StructuredOutputManager:
@@ -148,8 +149,17 @@ class StructuredOutputManager:
     ``load_tokenizer`` is called once, in a compile thread, when the first grammar is needed.
     """
 
-    def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int, eos_token_ids: list[int]):
+    def __init__(
+        self,
+        load_tokenizer: Callable[[], Any],
+        vocab_size: int,
+        eos_token_ids: list[int],
+        pin_memory: bool = False,
+    ):
+        """``pin_memory``: the worker runs in this process on a GPU (offline): masks are filled into
+        pinned host memory, which the worker copies to the device as it is."""
         self._load_tokenizer = load_tokenizer
+        self.pin_memory = pin_memory
         self.vocab_size = vocab_size
         """The model's vocabulary (the logits' width, maybe padded past the tokenizer's)."""
         self.eos_token_ids = list(eos_token_ids)
@@ -295,14 +305,14 @@ class StructuredOutputManager:
         other work while xgrammar advances the matchers and fills their rows (native calls that let
         go of the GIL), and takes the mask with :meth:`PendingBitmask.result`. The grammars must not
         be advanced again before then."""
-        import numpy as np
         import torch
 
-        # Uninitialised: xgrammar's fill writes its rows whole; every other row is set explicitly.
-        # (numpy, not torch: torch's ops wake its thread pool, milliseconds on a busy host; and no
-        # 2 MB memset a step at 128 rows of a 128k vocabulary.)
-        array = np.empty((len(grammars), bitmask_words(self.vocab_size)), dtype=np.int32)
-        mask = torch.from_numpy(array)
+        # Uninitialised: xgrammar's fill writes its rows whole; every other row is set explicitly
+        # (through numpy: torch's ops wake its thread pool, milliseconds on a busy host; and no 2 MB
+        # memset a step at 128 rows of a 128k vocabulary).
+        shape = (len(grammars), bitmask_words(self.vocab_size))
+        mask = torch.empty(shape, dtype=torch.int32, pin_memory=self.pin_memory)
+        array = mask.numpy()
         live, guided = [], []
         for row, grammar in enumerate(grammars):
             if not isinstance(grammar, RequestGrammar):
@@ -326,7 +336,7 @@ class StructuredOutputManager:
         bounds = [len(live) * i // slices for i in range(slices + 1)]
         work = [_SliceWork.of(grammars, live[a:b]) for a, b in zip(bounds, bounds[1:]) if b > a]
         futures = [self._slice_pool.submit(self._advance_and_fill, part, mask) for part in work]
-        return PendingBitmask(list(req_ids), array, work, futures)
+        return PendingBitmask(list(req_ids), mask, work, futures)
 
     def _advance_and_fill(self, work: _SliceWork, mask: Any) -> list[bool]:
         """In a pool thread: advance the slice's matchers past their token, then fill their rows,

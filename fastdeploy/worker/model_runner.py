@@ -448,9 +448,14 @@ class ModelRunner:
         rows = [row for row, _ in pairs]
         indices = [i for _, i in pairs]
         compact = grammar.array()
-        if indices != list(range(len(compact))) or self.device.type != "cuda":
-            compact = compact[indices]  # (a copy: a CPU tensor cannot wrap the read-only received bytes)
-        compact, rows_on_device = upload([compact, np.asarray(rows, dtype=np.int64)], self.device)
+        in_order = indices == list(range(len(compact)))
+        if grammar.tensor is not None and in_order:  # filled in this process (pinned on a GPU): as it is
+            (rows_on_device,) = upload([np.asarray(rows, dtype=np.int64)], self.device)
+            compact = grammar.tensor.to(self.device, non_blocking=True)
+        else:
+            if not in_order or self.device.type != "cuda":
+                compact = compact[indices]  # (a copy: a CPU tensor cannot wrap the read-only received bytes)
+            compact, rows_on_device = upload([compact, np.asarray(rows, dtype=np.int64)], self.device)
         mask = torch.full((len(req_ids), grammar.words), -1, dtype=torch.int32, device=self.device)
         mask[rows_on_device] = compact
         return mask, rows_on_device

@@ -36,10 +36,23 @@ def scheduler_output() -> SchedulerOutput:
 
 def test_scheduler_output_wire_is_asdict_form_and_round_trips():
     so = scheduler_output()
-    assert so.to_wire() == dataclasses.asdict(so)
+    expected = dataclasses.asdict(so)
+    del expected["grammar"]["tensor"]  # the in-process host tensor never travels
+    assert so.to_wire() == expected
     back = SchedulerOutput.from_wire(decode(encode(so.to_wire())))
     assert back == so
     assert back.new_reqs[1].pooling == PoolingParams("mean") and back.grammar == so.grammar
+
+
+def test_a_grammar_mask_array_travels_as_its_bytes_without_its_tensor():
+    import numpy as np
+    import torch
+
+    tensor = torch.tensor([[1, -1], [0, 7]], dtype=torch.int32)
+    mask = GrammarBitmask(["a", "b"], tensor.numpy(), 2, tensor=tensor)
+    back = GrammarBitmask(**decode(encode(mask.to_wire())))
+    assert back.tensor is None and isinstance(back.bitmask, bytes)
+    np.testing.assert_array_equal(back.array(), tensor.numpy())
 
 
 def test_runner_output_wire_is_asdict_form_and_round_trips():

@@ -286,6 +286,31 @@ def test_worker_lays_the_grammar_rows_into_the_batch():
     assert ModelRunner._token_bitmask(runner, ["b"], grammar) is None
 
 
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))],
+)
+def test_worker_takes_a_mask_filled_in_its_process_as_it_is(device):
+    """A mask made in the worker's own process (offline) comes with its host tensor (pinned on a GPU):
+    the worker copies it as it is when its rows are in order, and the batch's mask is the same as
+    from the bytes a worker process receives."""
+    from types import SimpleNamespace
+
+    from fastdeploy.core.step_io import GrammarBitmask
+    from fastdeploy.worker.model_runner import ModelRunner
+
+    tensor = torch.empty((2, 3), dtype=torch.int32, pin_memory=device == "cuda")
+    tensor.copy_(torch.randint(-(2**31), 2**31 - 1, (2, 3), dtype=torch.int64).to(torch.int32))
+    in_process = GrammarBitmask(["a", "c"], tensor.numpy(), 3, tensor=tensor)
+    received = GrammarBitmask(["a", "c"], tensor.numpy().tobytes(), 3)
+    runner = SimpleNamespace(device=torch.device(device))
+    for batch in (["a", "b", "c"], ["c", "a"], ["c"]):  # the mask's rows all taken, then one left out
+        mask, rows = ModelRunner._token_bitmask(runner, batch, in_process)
+        expected_mask, expected_rows = ModelRunner._token_bitmask(runner, batch, received)
+        assert rows.tolist() == expected_rows.tolist()
+        assert torch.equal(mask.cpu(), expected_mask.cpu())
+
+
 def test_matchers_advance_in_parallel_slices_like_one_by_one(tokenizer, monkeypatch):
     """The manager advances and fills many matchers at once, in slices on several threads: each row's mask
     equals that of a matcher advanced alone; a refused token lifts only its own row's mask."""
