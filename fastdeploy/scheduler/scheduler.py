@@ -83,6 +83,8 @@ class Scheduler:
         self.encoder_cache = WorkerEncoderCache(config.cache.encoder_cache_memory)
         """Which multimodal features the worker holds (sent once per content hash)."""
         self.requests: dict[str, Request] = {}
+        self._num_with_grammar = 0
+        """Requests in :attr:`requests` with a grammar (none: a step's tokens skip the grammar pass)."""
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._dropped_req_ids: list[str] = []
@@ -95,6 +97,7 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
+        self._num_with_grammar += request.grammar is not None
         self.waiting.append(request)
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
@@ -125,6 +128,7 @@ class Scheduler:
         self.kv.free(request)
         self.encoder_cache.release(request.request_id)
         del self.requests[request.request_id]
+        self._num_with_grammar -= request.grammar is not None
 
     # ---- scheduling ----------------------------------------------------------------
 
@@ -274,6 +278,8 @@ class Scheduler:
         """Give each structured-output request's grammar its sampled token (the rows that
         :meth:`update_from_output` will append). Apart from it, so that the engine core can start
         the next bitmask before the rest of the bookkeeping."""
+        if not self._num_with_grammar:
+            return
         for req_id, token_id in zip(runner_output.req_ids, runner_output.sampled_token_ids):
             request = self.requests.get(req_id)
             if (
