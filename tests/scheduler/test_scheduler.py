@@ -537,3 +537,38 @@ def test_stats_snapshot_counts_running_and_waiting():
     assert stats.kv_cache_usage > 0
     sched.abort_requests(list(sched.requests))
     assert sched.make_stats().kv_cache_usage == 0
+
+
+class RecordingGrammar:
+    """A ``GrammarState`` that keeps the tokens it was given."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+
+    def accept_token(self, token_id: int) -> None:
+        self.tokens.append(token_id)
+
+
+def test_grammar_tokens_go_to_running_requests_with_a_grammar_only():
+    """``accept_grammar_tokens`` gives each running request with a grammar its sampled token (not a
+    request without one, not one aborted meanwhile), and once no request has a grammar left it
+    does nothing at all."""
+    rng = random.Random(5)
+    sched = make_scheduler()
+    grammar, other_grammar = RecordingGrammar(), RecordingGrammar()
+    for req_id, g in (("json", grammar), ("plain", None), ("aborted", other_grammar)):
+        core = EngineCoreRequest(
+            req_id, rand_prompt(rng, 5), SamplingParams(max_tokens=4), eos_token_ids=[EOS]
+        )
+        request = Request(core, sched.block_size)
+        request.grammar = g
+        sched.add_request(request)
+    so = sched.schedule()
+    sched.abort_requests(["aborted"])
+    rows = {r: (t, StopCode.RUNNING) for r, t in (("json", 11), ("plain", 12), ("aborted", 13))}
+    sched.accept_grammar_tokens(runner_output(so, rows))
+    sched.update_from_output(runner_output(so, rows))
+    assert grammar.tokens == [11] and other_grammar.tokens == []
+    sched.abort_requests(["json"])
+    sched.accept_grammar_tokens(runner_output(sched.schedule(), {"json": (14, StopCode.RUNNING)}))
+    assert grammar.tokens == [11] and sched._num_with_grammar == 0
