@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one-GPU measurements the open issues still need (docs/benchmarks.md, sixteenth session), in one
 # `run` call that carries [".gpu"]; each step's output goes to its own file under OUT and a failed step
-# does not stop the others. About 6 minutes on an H200.
+# does not stop the others. About 8 minutes on an H200.
 #   bash tools/gpu_pending.sh OUT
 OUT=${1:?usage: tools/gpu_pending.sh OUT}
 mkdir -p "$OUT"
@@ -19,5 +19,9 @@ for side in 0 1; do
         --moe-model benchmarks/configs/ernie-4.5-21b-a3b --moe-quantizations none,ptpc_fp8 \
         --out "$OUT/ernie_side$side" > "$OUT/ernie_side$side.log" 2>&1
 done
+# #18: where a batch-1 FP8 decode step of the Qwen3-30B-A3B shape goes (3.3x its weight-read floor)
+python3 -m benchmarks.gpubench.profile_decode benchmarks/configs/qwen3-30b-a3b --batch 1 --quantization ptpc_fp8 \
+    --rows 40 > "$OUT/moe_batch1_profile.txt" 2>&1
 cat "$OUT/structured_outputs.jsonl"
+head -n 60 "$OUT/moe_batch1_profile.txt"
 tail -n 6 "$OUT"/ernie_side*.log
