@@ -11,7 +11,8 @@ when nothing else runs meanwhile), sends it as the executor does (``wire``: msgp
 back) and lays
 it into the worker's batch of twice as many rows (``worker``: ``ModelRunner._token_bitmask`` on
 a CPU).
-Means over the steps, in µs per structured row.
+Means over the steps, in µs per structured row. Then ``loop_share``: how much a mask being made
+slows plain-Python work beside it (the engine loop's own), and what is left to wait for after it.
 
 ``FD_XGRAMMAR_CACHE_MB=0`` compiles without xgrammar's cache, ``FD_GRAMMAR_COMPILE_THREADS``
 sets the threads (compiles and fills), ``--no-unroll`` keeps bounded repetitions as they are
@@ -124,6 +125,45 @@ def step_costs(manager: StructuredOutputManager, compiled: list, answers: list[l
     return result
 
 
+def python_work(iterations: int = 20_000) -> int:
+    """Plain Python (dict and int operations) standing in for the engine loop's own work."""
+    table: dict[int, int] = {}
+    total = 0
+    for i in range(iterations):
+        table[i & 255] = i
+        total += table.get((i * 7) & 255, 0)
+    return total
+
+
+def loop_share(manager: StructuredOutputManager, compiled: list, answers: list[list[int]], eos: int) -> dict:
+    """How much the mask being made slows the engine loop's Python beside it: each step times the
+    same plain-Python work with no mask pending and while one is made (the grammar threads need the
+    GIL for what they do outside native calls, and a native call that keeps it stalls the loop),
+    then the wait for what is left of the mask. ``loop_slowdown``: the mean ratio of the two times."""
+    grammars = [manager.new_request_grammar(c, [eos]) for c in compiled]
+    req_ids = [f"r{i}" for i in range(len(grammars))]
+    slowdown, left = [], []
+    for step in range(1, min(len(tokens) for tokens in answers)):
+        for grammar, tokens in zip(grammars, answers):
+            grammar.accept_token(tokens[step - 1])
+        t0 = time.perf_counter()
+        python_work()
+        t1 = time.perf_counter()
+        pending = manager.start_bitmask(req_ids, grammars)
+        t2 = time.perf_counter()
+        python_work()
+        t3 = time.perf_counter()
+        pending.result()
+        t4 = time.perf_counter()
+        slowdown.append((t3 - t2) / (t1 - t0))
+        left.append((t4 - t3) / len(grammars) * 1e6)
+    return {
+        "loop_work_ms": round((t1 - t0) * 1000, 2),
+        "loop_slowdown": round(statistics.mean(slowdown), 2),
+        "mask_left_after_loop_work_us_per_row": round(statistics.mean(left), 2),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -132,7 +172,9 @@ def main() -> None:
     parser.add_argument("--vocab-size", type=int, default=None, help="the model's vocabulary (logits' width)")
     parser.add_argument("--num-schemas", type=int, default=128)
     parser.add_argument("--no-unroll", action="store_true", help="keep bounded repetitions as they are")
+    parser.add_argument("--threaded-fill", action="store_true", help="StructuredOutputManager.THREADED_FILL")
     args = parser.parse_args()
+    StructuredOutputManager.THREADED_FILL = args.threaded_fill
     if args.no_unroll:
         import fastdeploy.structured_output.grammar as grammar
 
@@ -147,6 +189,7 @@ def main() -> None:
         compiled, result = compile_all(manager, schemas)
         answers = [tokenizer.encode(answer(s), add_special_tokens=False) + [eos] for s in schemas]
         result.update(step_costs(manager, compiled, answers, eos))
+        result.update(loop_share(manager, compiled, answers, eos))
     finally:
         manager.shutdown()
     head = {"num_schemas": args.num_schemas, "vocab_size": vocab, "unrolled": not args.no_unroll}

@@ -113,11 +113,17 @@ def main() -> None:
         default=0,
         help="fewest grammar rows per mask thread (StructuredOutputManager.SLICE_ROWS; 0: as built)",
     )
+    parser.add_argument(
+        "--threaded-fill",
+        action="store_true",
+        help="fill the grammar rows with xgrammar's threaded fill (StructuredOutputManager.THREADED_FILL)",
+    )
     args = parser.parse_args()
-    if args.grammar_slice_rows:
-        from fastdeploy.structured_output.manager import StructuredOutputManager
+    from fastdeploy.structured_output.manager import StructuredOutputManager
 
+    if args.grammar_slice_rows:
         StructuredOutputManager.SLICE_ROWS = args.grammar_slice_rows
+    StructuredOutputManager.THREADED_FILL = args.threaded_fill
 
     kwargs = {} if args.async_scheduling == "auto" else {"async_scheduling": args.async_scheduling == "on"}
     if args.tokenizer:

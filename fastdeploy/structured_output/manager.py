@@ -13,6 +13,7 @@ vocabulary (llguidance could not stop), ``auto`` is ``xgrammar``. docs/benchmark
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections import OrderedDict
@@ -122,15 +123,27 @@ class _SliceWork:
 class PendingBitmask:
     """A step's bitmask while the manager's threads advance and fill it (:meth:`result` waits)."""
 
-    def __init__(self, req_ids: list[str], tensor: Any, work: list[_SliceWork], futures: list[Future]):
+    def __init__(
+        self,
+        req_ids: list[str],
+        tensor: Any,
+        work: list[_SliceWork],
+        futures: list[Future],
+        fill: Future | None = None,
+    ):
+        """``futures``: each slice's advance (and fill, unless ``fill``, the fill of every slice's rows
+        once all have advanced) → the slice's accepted flags."""
         self._req_ids = req_ids
         self._tensor = tensor
         self._array = tensor.numpy()
         self._work = work
         self._futures = futures
+        self._fill = fill
 
     def result(self) -> GrammarBitmask:
         """The finished bitmask: rows whose token was refused lifted, ended grammars' rows written."""
+        if self._fill is not None:
+            self._fill.result()
         for work, future in zip(self._work, self._futures):
             accepted = future.result()
             for grammar, row, token, ok in zip(work.accept_grammars, work.accept_rows, work.tokens, accepted):
@@ -171,8 +184,9 @@ class StructuredOutputManager:
         self.cache_size = envs.FD_GRAMMAR_CACHE_SIZE
         self._slice_threads = max(envs.FD_GRAMMAR_COMPILE_THREADS, 1)
         self._slice_pool = ThreadPoolExecutor(self._slice_threads, "fd-grammar-mask")
-        """Advances the matchers and fills their rows, in slices, beside the engine loop."""
-        self._local = threading.local()
+        """Advances the matchers (and fills the rows of a few), in slices, beside the engine loop."""
+        self._fill_pool = ThreadPoolExecutor(1, "fd-grammar-fill")
+        """Fills the rows of many matchers once their slices have advanced."""
         self.num_compiles = 0
         """Grammars compiled so far (cache misses)."""
         self.backend = envs.FD_STRUCTURED_OUTPUTS_BACKEND
@@ -335,34 +349,67 @@ class StructuredOutputManager:
         slices = min(len(live) // self.SLICE_ROWS, self._slice_threads) or 1
         bounds = [len(live) * i // slices for i in range(slices + 1)]
         work = [_SliceWork.of(grammars, live[a:b]) for a, b in zip(bounds, bounds[1:]) if b > a]
-        futures = [self._slice_pool.submit(self._advance_and_fill, part, mask) for part in work]
-        return PendingBitmask(list(req_ids), mask, work, futures)
+        if len(work) <= 1 or not self.THREADED_FILL:  # each slice advances and fills in one pool thread
+            futures = [self._slice_pool.submit(self._advance_and_fill, part, mask) for part in work]
+            return PendingBitmask(list(req_ids), mask, work, futures)
+        futures = [self._slice_pool.submit(self._advance, part) for part in work]
+        fill_matchers = [matcher for part in work for matcher in part.fill_matchers]
+        fill_rows = [row for part in work for row in part.fill_rows]
+        fill = self._fill_pool.submit(self._fill_after, futures, fill_matchers, mask, fill_rows)
+        return PendingBitmask(list(req_ids), mask, work, futures, fill)
 
-    def _advance_and_fill(self, work: _SliceWork, mask: Any) -> list[bool]:
-        """In a pool thread: advance the slice's matchers past their token, then fill their rows,
-        each in one batched native call (nothing per row in Python: the engine loop holds the GIL)."""
+    @staticmethod
+    def _advance(work: _SliceWork) -> list[bool]:
+        """In a pool thread: advance the slice's matchers past their token (one native call, which
+        lets go of the GIL)."""
         import xgrammar as xgr
 
-        accepted = xgr.BatchGrammarMatcher.batch_accept_token(work.accept_matchers, work.tokens)
-        # xgrammar's fill on this thread (its own thread pool costs more than it saves)
+        return xgr.BatchGrammarMatcher.batch_accept_token(work.accept_matchers, work.tokens)
+
+    def _advance_and_fill(self, work: _SliceWork, mask: Any) -> list[bool]:
+        """In a pool thread: advance the slice's matchers past their token, then fill their rows
+        with xgrammar's one-thread fill (which keeps the GIL while it runs)."""
+        accepted = self._advance(work)
         if work.fill_matchers:
-            self._fill_matcher().batch_fill_next_token_bitmask(work.fill_matchers, mask, work.fill_rows)
+            self._one_thread_fill.batch_fill_next_token_bitmask(work.fill_matchers, mask, work.fill_rows)
         return accepted
+
+    def _fill_after(self, advances: list[Future], matchers: list[Any], mask: Any, rows: list[int]) -> None:
+        """In the fill thread: once every slice has advanced, fill all their rows with xgrammar's
+        threaded fill, which lets go of the GIL (its one-thread fill holds it throughout, so the
+        slices' fills would run one at a time and stall the engine loop meanwhile)."""
+        for advance in advances:
+            advance.result()
+        if matchers:
+            self._threaded_fill.batch_fill_next_token_bitmask(matchers, mask, rows)
 
     SLICE_ROWS = 16
     """Fewest grammar rows worth a thread of their own (a row's advance and fill: tens of µs)."""
 
-    def _fill_matcher(self) -> Any:
-        """xgrammar's batched fill on the calling thread (one per thread: they run at once)."""
-        matcher = getattr(self._local, "fill", None)
-        if matcher is None:
-            import xgrammar as xgr
+    THREADED_FILL = False
+    """With several slices, fill all their rows at once with xgrammar's threaded fill (which lets go
+    of the GIL) once they have advanced, instead of each slice with the one-thread fill (which
+    keeps the GIL: the slices' fills run one at a time and the engine loop waits meanwhile).
+    Off until measured on a GPU host: on a 2-core CPU the threaded fill is slower
+    (docs/benchmarks.md, sixteenth session)."""
 
-            matcher = self._local.fill = xgr.BatchGrammarMatcher(1)
-        return matcher
+    @functools.cached_property
+    def _one_thread_fill(self) -> Any:
+        """xgrammar's batched fill on the calling thread (used by one pool thread at a time)."""
+        import xgrammar as xgr
+
+        return xgr.BatchGrammarMatcher(1)
+
+    @functools.cached_property
+    def _threaded_fill(self) -> Any:
+        """xgrammar's batched fill on its own threads (used by the fill thread only)."""
+        import xgrammar as xgr
+
+        return xgr.BatchGrammarMatcher(max(self._slice_threads, 2))
 
     def shutdown(self) -> None:
         self._slice_pool.shutdown(wait=False, cancel_futures=True)
+        self._fill_pool.shutdown(wait=False, cancel_futures=True)
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._guidance_pool.shutdown(wait=False, cancel_futures=True)
         if self._compiler is not None:  # frozen with it: collectable again (xgrammar reports leaks at exit)
