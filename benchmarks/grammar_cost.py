@@ -173,8 +173,16 @@ def main() -> None:
     parser.add_argument("--num-schemas", type=int, default=128)
     parser.add_argument("--no-unroll", action="store_true", help="keep bounded repetitions as they are")
     parser.add_argument("--threaded-fill", action="store_true", help="StructuredOutputManager.THREADED_FILL")
+    parser.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        default=0.0,
+        help="the interpreter's switch interval (0: Python's 5 ms)",
+    )
     args = parser.parse_args()
     StructuredOutputManager.THREADED_FILL = args.threaded_fill
+    if args.switch_interval_ms:
+        sys.setswitchinterval(args.switch_interval_ms / 1000)
     if args.no_unroll:
         import fastdeploy.structured_output.grammar as grammar
 

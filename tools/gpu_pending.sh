@@ -16,7 +16,10 @@ for fill in "" --threaded-fill "" --threaded-fill; do
         --tokenizer "$TOK" --max-model-len 2048 --json $fill 2>&1 | grep '^{')"
 done > "$OUT/structured_outputs.jsonl"
 for fill in "" --threaded-fill; do
-    python3 benchmarks/grammar_cost.py --tokenizer "$TOK" --vocab-size 128256 $fill 2>/dev/null | tail -n 1
+    for switch_ms in 5 0.5; do  # how soon the mask threads get the GIL back from the loop's Python
+        echo "fill=${fill:-slices} switch=$switch_ms $(python3 benchmarks/grammar_cost.py --tokenizer "$TOK" \
+            --vocab-size 128256 --switch-interval-ms $switch_ms $fill 2>/dev/null | tail -n 1)"
+    done
 done > "$OUT/grammar_cost.jsonl"
 # #18: the shared experts of ERNIE-4.5-21B-A3B beside the routed ones (FD_SIDE_STREAM) against one stream
 for side in 0 1; do
