@@ -316,9 +316,9 @@ class StructuredOutputManager:
 
     def start_bitmask(self, req_ids: list[str], grammars: list[Any]) -> PendingBitmask:
         """Start :meth:`bitmask` in the manager's threads and return at once: the caller goes on with
-        other work while xgrammar advances the matchers and fills their rows (native calls that let
-        go of the GIL), and takes the mask with :meth:`PendingBitmask.result`. The grammars must not
-        be advanced again before then."""
+        other work while xgrammar advances the matchers and fills their rows (batched native calls;
+        the advance and the threaded fill let go of the GIL, the one-thread fill keeps it), and takes
+        the mask with :meth:`PendingBitmask.result`. The grammars must not be advanced again before then."""
         import torch
 
         # Uninitialised: xgrammar's fill writes its rows whole; every other row is set explicitly
