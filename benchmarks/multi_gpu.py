@@ -153,13 +153,18 @@ def served_tokens(
         with ThreadPoolExecutor(len(prompts)) as pool:
             return list(pool.map(tokens, prompts))
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_server(proc)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGINT to the server's process group; SIGKILL if it is not gone within a minute."""
+    with contextlib.suppress(ProcessLookupError):  # a server that failed to start is gone already
+        os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def reference_tokens(model: str, prompts: list[list[int]], device: str, max_tokens: int) -> list[list[int]]:
@@ -354,13 +359,7 @@ def serve_and_bench(args: argparse.Namespace, model: str, dp: int, out: Path, *e
         return row | {"median_ttft_ms": data["ttft_ms"]["median"], "median_tpot_ms": data["tpot_ms"]["median"],
                       "p99_itl_ms": data["itl_ms"]["p99"]}  # fmt: skip
     finally:
-        with contextlib.suppress(ProcessLookupError):  # a server that failed to start is gone already
-            os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_server(proc)
         log_file.close()
 
 
