@@ -124,6 +124,11 @@ class CachedRequestData:
     num_computed_tokens: list[int] = field(default_factory=list)
 
 
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words of one row of a token bitmask (bit ``t % 32`` of word ``t // 32`` allows token t)."""
+    return (vocab_size + 31) // 32
+
+
 @dataclass
 class GrammarBitmask:
     """The tokens each structured-output request may sample next: one bitmask row per request.

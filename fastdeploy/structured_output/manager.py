@@ -24,7 +24,7 @@ from typing import Any
 
 from fastdeploy import envs
 from fastdeploy.core.sampling_params import StructuredOutputsParams
-from fastdeploy.core.step_io import GrammarBitmask
+from fastdeploy.core.step_io import GrammarBitmask, bitmask_words
 from fastdeploy.platforms.gc_heap import freeze_late_heap, unfreeze_heap
 from fastdeploy.structured_output import guidance
 from fastdeploy.structured_output.grammar import build_grammar, constraint_key
@@ -34,11 +34,6 @@ logger = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "xgrammar", "guidance")
 """Values of ``FD_STRUCTURED_OUTPUTS_BACKEND``."""
-
-
-def bitmask_words(vocab_size: int) -> int:
-    """int32 words of one row of a token bitmask (bit ``t % 32`` of word ``t // 32`` allows token t)."""
-    return (vocab_size + 31) // 32
 
 
 class RequestGrammar:

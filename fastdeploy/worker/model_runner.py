@@ -10,7 +10,13 @@ import torch
 
 from fastdeploy import envs
 from fastdeploy.config import EngineConfig
-from fastdeploy.core.step_io import GrammarBitmask, ModelRunnerOutput, SchedulerOutput, StopCode
+from fastdeploy.core.step_io import (
+    GrammarBitmask,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    StopCode,
+    bitmask_words,
+)
 from fastdeploy.distributed import ep_agree_step, ep_step_tokens, tp_broadcast, tp_size
 from fastdeploy.model_executor.attention.backend import AttentionMetadata
 from fastdeploy.model_executor.attention.forward_context import set_forward_context
@@ -232,7 +238,7 @@ class ModelRunner:
             return
         vocab = logits.shape[-1]
         scratch = logits.new_zeros((16, vocab))
-        mask = torch.full((16, (vocab + 31) // 32), -1, dtype=torch.int32, device=logits.device)
+        mask = torch.full((16, bitmask_words(vocab)), -1, dtype=torch.int32, device=logits.device)
         for rows in (1, 2, 16):
             apply_token_bitmask(scratch, mask, torch.arange(rows, device=logits.device))
 
