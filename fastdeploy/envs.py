@@ -87,10 +87,10 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "first:count of the steps each worker profiles when FD_TORCH_PROFILER_DIR is set.",
     ),
     "FD_SIDE_STREAM": (
-        _bool("FD_SIDE_STREAM", "0"),
-        "1: run a MoE block's shared experts on a second CUDA stream beside its routed experts "
-        "(model_executor/layers/side_stream.py); 0 (the default until measured on a GPU, "
-        "docs/benchmarks.md): one after the other on one stream.",
+        _bool("FD_SIDE_STREAM", "1"),
+        "1 (the default): run a MoE block's shared experts on a second CUDA stream beside its routed "
+        "experts (model_executor/layers/side_stream.py; measured in docs/benchmarks.md); 0: one "
+        "after the other on one stream.",
     ),
     "FD_USE_UVLOOP": (
         _bool("FD_USE_UVLOOP", "1"),

@@ -264,6 +264,24 @@ def test_max_tokens_cut_inside_a_character_sends_no_broken_character(client, mod
     assert reply.choices[0].message.content == " "
 
 
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_every_token_is_a_chunk_even_without_text(client, model_name, chat):
+    """A step whose token has no text (here the special token 0, left out of the text) is still a
+    chunk, as vLLM sends it: clients such as ``vllm bench serve`` count and time tokens by chunks.
+    A chat stream's role chunk comes with the first token, not before it."""
+    args = {"model": model_name, "max_tokens": 4, "logit_bias": {"0": 100}, "extra_body": FULL_LENGTH}
+    if chat:
+        chunks = list(client.chat.completions.create(messages=CHAT, stream=True, **args))
+        assert chunks[0].choices[0].delta.role == "assistant"
+        chunks = chunks[1:]
+        texts = [c.choices[0].delta.content for c in chunks]
+    else:
+        chunks = list(client.completions.create(prompt=PROMPT, stream=True, **args))
+        texts = [c.choices[0].text for c in chunks]
+    assert texts == [""] * 4
+    assert [c.choices[0].finish_reason for c in chunks] == [None, None, None, "length"]
+
+
 def test_truncate_prompt_tokens_keeps_the_last_tokens(server, client, model_name):
     """vLLM's ``truncate_prompt_tokens``: a prompt longer than the context is cut to its last N tokens
     (the answer is the answer to those N); -1 keeps the last ``max_model_len``; too many is a 400."""

@@ -338,27 +338,37 @@ class OpenAIServingChat(OpenAIServing):
             return f"data: {body.model_dump_json(exclude=exclude)}\n\n"
 
         try:
-            for k in range(n):
-                yield chunk(
-                    ChatCompletionStreamChoice(index=k, delta=DeltaMessage(role="assistant", content=""))
-                )
-            if options.echo_text:
-                for k in range(n):
-                    yield chunk(
-                        ChatCompletionStreamChoice(index=k, delta=DeltaMessage(content=options.echo_text))
-                    )
+            opened = False
             async with contextlib.aclosing(started.outputs()) as outputs:
                 async for _, out in outputs:
                     if out.prompt_logprobs is not None and options.num_prompt_logprobs is not None:
                         pending_prompt_lps = prompt_logprobs_json(
                             prompts[0].token_ids, out.prompt_logprobs, options.num_prompt_logprobs
                         )
+                    if not opened:  # the role chunk comes with the first output, as vLLM's does: a
+                        opened = True  # client timing its first chunk measures the first token
+                        for k in range(n):
+                            yield chunk(
+                                ChatCompletionStreamChoice(
+                                    index=k, delta=DeltaMessage(role="assistant", content="")
+                                )
+                            )
+                        if options.echo_text:
+                            for k in range(n):
+                                yield chunk(
+                                    ChatCompletionStreamChoice(
+                                        index=k, delta=DeltaMessage(content=options.echo_text)
+                                    )
+                                )
                     for c in out.outputs:
                         has_ids = options.return_token_ids and bool(c.token_ids)
                         if plain and pending_prompt_ids is None:
-                            if c.text or c.finish_reason is not None or has_ids:
+                            # every step with tokens is a chunk, even one whose text is still held
+                            # back (a character's first bytes): clients time tokens by chunks
+                            if c.token_ids or c.text or c.finish_reason is not None:
                                 yield chat_content_chunk(
-                                    request_id, created, model, c.index, c.text or None, c.finish_reason,
+                                    request_id, created, model, c.index,
+                                    c.text if c.text or c.token_ids else None, c.finish_reason,
                                     c.stop_reason, list(c.token_ids) if options.return_token_ids else None,
                                     options.include_usage,
                                 )  # fmt: skip

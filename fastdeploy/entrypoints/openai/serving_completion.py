@@ -211,12 +211,13 @@ class OpenAIServingCompletion(OpenAIServing):
                                 prompts[i], extras.echo_texts[i], prompt_lps[i], text, token_ids, logprobs,
                                 num_top is not None,
                             )  # fmt: skip
-                        has_ids = extras.return_token_ids and bool(c.token_ids)
+                        # every step with tokens is a chunk, even one whose text is still held
+                        # back (a character's first bytes): clients time tokens by chunks
                         if not (
                             text
+                            or c.token_ids
                             or c.finish_reason is not None
                             or logprobs
-                            or has_ids
                             or (first and first_has_extras)
                         ):
                             continue

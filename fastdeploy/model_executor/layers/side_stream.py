@@ -6,10 +6,9 @@ sort, two grouped GEMMs). At small batches each is a few short kernels that leav
 idle, so :func:`start_beside` runs the first on a second stream while the current stream goes on
 with the second, and :meth:`Beside.result` joins them. On a CUDA stream that is being captured
 into a graph the fork and the join are captured too (the side stream waits on an event of the
-captured stream, and the other way round), so replays overlap the same way. Elsewhere (a CPU, or
-``FD_SIDE_STREAM=0``, the default until a GPU measurement says the overlap pays: both computations
-stream weights at decode, and the fork and join break the kernels' programmatic dependent launch
-chain; docs/benchmarks.md) the work simply runs first, in order.
+captured stream, and the other way round), so replays overlap the same way. On by default (it paid
+on the GPU at batch 1 and at throughput; docs/benchmarks.md, seventeenth session). Elsewhere (a
+CPU, or ``FD_SIDE_STREAM=0``) the work simply runs first, in order.
 """
 
 from __future__ import annotations
