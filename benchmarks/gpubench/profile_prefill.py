@@ -1,0 +1,74 @@
+"""Where the time to a lone request's first token goes: its prefill step's kernels against the wall.
+
+    python -m benchmarks.gpubench.profile_prefill [config dir] [--prompt-len 512] [--runs 20]
+
+One request at a time (``max_tokens=1``, fresh random prompts, so no prefix-cache hit) through
+the offline engine's loop: the wall time from ``add_request`` to its token (the engine's part of
+a concurrency-1 TTFT, no HTTP), the GPU's kernel time of the same (torch profiler, CUDA
+activity), and the kernel table. Issue #19 compares the served TTFT at concurrency 1 with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import numpy as np
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from fastdeploy import LLM, SamplingParams
+
+
+def first_tokens(llm: LLM, prompt_len: int, runs: int, rng: random.Random) -> list[float]:
+    """Seconds from adding each lone request to its one token, ``runs`` requests one after another."""
+    engine = llm.engine
+    times = []
+    for _ in range(runs):
+        prompt = [rng.randrange(1000, 30000) for _ in range(prompt_len)]
+        begin = time.perf_counter()
+        engine.add_request(
+            f"r{rng.random()}", prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        )
+        while engine.has_unfinished_requests():
+            engine.step()
+        times.append(time.perf_counter() - begin)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("config", nargs="?", default="benchmarks/configs/llama-3.1-8b")
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--rows", type=int, default=25, help="kernel table rows (0: no table)")
+    parser.add_argument("--quantization", default=None)
+    args = parser.parse_args()
+    llm = LLM(
+        model=args.config, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", device="cuda",
+        max_model_len=max(2048, args.prompt_len + 16), quantization=args.quantization,
+    )  # fmt: skip
+    rng = random.Random(0)
+    first_tokens(llm, args.prompt_len, 3, rng)  # warm-up
+    ms = np.asarray(first_tokens(llm, args.prompt_len, args.runs, rng)) * 1e3
+    profiled = 5
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        first_tokens(llm, args.prompt_len, profiled, rng)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernel_ms = sum(e.device_time for e in kernels) / 1e3 / profiled
+    print(
+        f"prompt {args.prompt_len}: add → token {ms.mean():.2f} ms mean, {np.median(ms):.2f} p50, "
+        f"{ms.min():.2f} min; kernels {kernel_ms:.2f} ms per request ({len(kernels) / profiled:.0f} launched)"
+    )
+    if args.rows:
+        print(
+            prof.key_averages().table(
+                sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=60
+            )
+        )
+    llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()
