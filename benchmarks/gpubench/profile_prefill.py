@@ -1,6 +1,6 @@
 """Where the time to a lone request's first token goes: its prefill step's kernels against the wall.
 
-    python -m benchmarks.gpubench.profile_prefill [config dir] [--prompt-len 512] [--runs 20]
+    python -m benchmarks.gpubench.profile_prefill [config dir] [--prompt-len 512] [--runs 20] [--cprofile]
 
 One request at a time (``max_tokens=1``, fresh random prompts, so no prefix-cache hit) through
 the offline engine's loop: the wall time from ``add_request`` to its token (the engine's part of
@@ -11,6 +11,9 @@ activity), and the kernel table. Issue #19 compares the served TTFT at concurren
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import random
 import time
 
@@ -44,6 +47,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--rows", type=int, default=25, help="kernel table rows (0: no table)")
     parser.add_argument("--quantization", default=None)
+    parser.add_argument("--cprofile", action="store_true", help="the host functions that take the most time")
     args = parser.parse_args()
     llm = LLM(
         model=args.config, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", device="cuda",
@@ -67,6 +71,16 @@ def main() -> None:
                 sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=60
             )
         )
+    if args.cprofile:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        first_tokens(llm, args.prompt_len, profiled, rng)
+        profiler.disable()
+        text = io.StringIO()
+        stats = pstats.Stats(profiler, stream=text)
+        stats.sort_stats("tottime").print_stats(25)
+        stats.sort_stats("cumulative").print_stats(40)
+        print(text.getvalue())
     llm.shutdown()
 
 
