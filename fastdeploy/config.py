@@ -211,6 +211,11 @@ class DeviceConfig:
     cuda_graph_max_bs: int | None = None
     """Largest decode batch captured as a CUDA graph (sizes 1, 2, 4, 8, then steps
     of 8 up to it); larger batches run eagerly. Default: max_num_seqs, at most 512."""
+    cuda_graph_max_tokens: int = 0
+    """Largest step that is not decode-only (a prompt, a chunk, decodes with a prompt mixed in)
+    replayed as a CUDA graph (sizes 16, 32, 64, ... up to it, padded), with the triton attention
+    backend; a small step runs faster than the host launches it eagerly. 0 (the default until
+    measured on a GPU): such steps run eagerly."""
 
 
 @dataclass

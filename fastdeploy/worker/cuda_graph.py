@@ -84,6 +84,8 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.block_table = torch.zeros(n, max_blocks_per_req, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, object]] = {}
+        self.pool = None
+        """The captures' memory pool (the mixed-step graphs capture into it too)."""
         """size → (graph, its hidden-state output, the attention metadata it was captured with)."""
         self.logits: torch.Tensor | None = None
         """[min(max size, LOGITS_IN_GRAPH_MAX_BS), vocab] float32, written by the small sizes' graphs."""
@@ -131,6 +133,7 @@ class DecodeGraphs:
                     argmax_rows(logits, out=self.greedy_tokens[:size])
             pool = graph.pool() if pool is None else pool
             self.graphs[size] = (graph, out, meta)
+        self.pool = pool
         torch.cuda.synchronize()
         logger.info(
             "captured CUDA graphs for %d decode batch sizes (1..%d) in %.1f s; %.2f GiB reserved by torch",

@@ -34,6 +34,7 @@ from fastdeploy.ops.upload import upload
 from fastdeploy.platforms import get_attention_backend
 from fastdeploy.worker.cuda_graph import DecodeGraphs, GraphOutput
 from fastdeploy.worker.input_batch import InputBatch
+from fastdeploy.worker.mixed_graphs import MixedStepGraphs, mixed_step_graphs
 from fastdeploy.worker.mm_state import MultimodalBatchState
 from fastdeploy.worker.pooler import Pooler
 from fastdeploy.worker.prompt_logprobs import compute_prompt_logprobs
@@ -119,6 +120,8 @@ class ModelRunner:
         """A launched step whose grammar bitmask is still to come (:meth:`sample_tokens`)."""
         self.graphs: DecodeGraphs | None = None
         """Captured decode CUDA graphs (GPU, unless --enforce-eager)."""
+        self.mixed_graphs: MixedStepGraphs | None = None
+        """Captured graphs of small steps that are not decode-only (``--cuda-graph-max-tokens``)."""
         self.forward_every_step = config.parallel.expert_parallel_spans_replicas
         """Agree with the other replicas on every step's size, and run a padding forward in a step
         with no tokens: the MoE layers gather every replica's tokens."""
@@ -167,6 +170,11 @@ class ModelRunner:
             self.kv_caches.append(kv)
 
         self.graphs = self._capture_graphs()
+        if (
+            self.graphs is not None and not self.forward_every_step
+        ):  # (EP replicas agree on decode sizes only)
+            mixed = self.new_mixed_graphs()
+            self.mixed_graphs = mixed if mixed is not None and mixed.try_capture(self.graphs.pool) else None
         if self.device.type == "cuda":
             self.warm_up_kernels()
 
@@ -303,6 +311,11 @@ class ModelRunner:
             most, graphable = ep_agree_step(most, graphable)
         if graphable:
             return graphs.run(tensors.input_ids, tensors.positions, common, graphs.padded_size(most))
+        mixed = self.mixed_graphs
+        if mixed is not None and inputs.inputs_embeds is None and not self.forward_every_step:
+            size = mixed.padded_size(common)
+            if size is not None:
+                return GraphOutput(mixed.run(tensors.input_ids, tensors.positions, common, size), None, None)
         with set_forward_context(inputs.attn_metadata), ep_step_tokens(most):
             hidden = self.model(tensors.input_ids, tensors.positions, inputs.inputs_embeds)
             return GraphOutput(hidden, None, None)
@@ -346,6 +359,13 @@ class ModelRunner:
             torch.cuda.empty_cache()
             return None
         return graphs
+
+    def new_mixed_graphs(self) -> MixedStepGraphs | None:
+        """Graphs (not yet captured) of small non-decode steps, or None (see :func:`mixed_step_graphs`)."""
+        width = self.batch.block_table.table.shape[1]
+        return mixed_step_graphs(
+            self.model, self.attn_backend, self.config, width, self.max_model_len, self.device
+        )
 
     def _new_decode_graphs(self) -> DecodeGraphs:
         """Decode graphs (not yet captured) for batch sizes up to ``--cuda-graph-max-bs``."""

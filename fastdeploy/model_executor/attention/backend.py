@@ -61,6 +61,9 @@ class AttentionBackend(ABC):
     """Device types (``torch.device.type``) it can run on."""
     supports_cuda_graphs: bool = False
     """Its decode-step metadata can be captured in a CUDA graph (see ``build_graph_metadata``)."""
+    supports_mixed_graphs: bool = False
+    """Its kernels' grids for any step depend only on shapes, so a step padded to a captured token
+    size with empty requests replays a graph (``fastdeploy/worker/mixed_graphs.py``)."""
     supports_fp8_kv_cache: bool = False
     """It reads ``fp8_e4m3`` KV caches with per-slot, per-head scales."""
     supports_mm_bidirectional: bool = False
@@ -122,6 +125,7 @@ class PrefillDecodeBackend(AttentionBackend):
         self.name = prefill.name
         self.devices = tuple(d for d in prefill.devices if d in decode.devices)
         self.supports_cuda_graphs = prefill.supports_cuda_graphs and decode.supports_cuda_graphs
+        self.supports_mixed_graphs = prefill.supports_mixed_graphs  # (steps that are not decode-only)
         self.supports_fp8_kv_cache = prefill.supports_fp8_kv_cache and decode.supports_fp8_kv_cache
         self.supports_mm_bidirectional = (
             prefill.supports_mm_bidirectional and decode.supports_mm_bidirectional

@@ -50,6 +50,7 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     devices = ("cuda", "cpu")  # a CPU only under TRITON_INTERPRET=1 (see unavailable_reason)
     supports_cuda_graphs = True
+    supports_mixed_graphs = True  # the unified kernel's grid: tokens // BLOCK_Q + request slots
     supports_fp8_kv_cache = True
     supports_mm_bidirectional = True
 
