@@ -12,7 +12,7 @@ pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementa
     fastapi starlette pydantic pydantic-core annotated-types typing-inspection typing-extensions \
     uvicorn h11 httptools uvloop orjson pyzmq msgpack gguf prometheus-client \
     httpx httpcore anyio idna certifi jsonschema jsonschema-specifications referencing rpds-py attrs \
-    "xgrammar==0.2.8" apache-tvm-ffi opentelemetry-api openai httpx2 sniffio distro jiter psutil bce-python-sdk pycryptodome future six
+    "xgrammar==0.2.8" apache-tvm-ffi opentelemetry-api openai httpx2 sniffio distro jiter psutil bce-python-sdk pycryptodome future six pytest iniconfig
 python - <<'PY'
 from fastdeploy.config import ModelConfig
 from fastdeploy.model_executor.model_loader import load_tokenizer, resolve_model

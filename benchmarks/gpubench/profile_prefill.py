@@ -1,6 +1,7 @@
 """Where the time to a lone request's first token goes: its prefill step's kernels against the wall.
 
     python -m benchmarks.gpubench.profile_prefill [config dir] [--prompt-len 512] [--runs 20] [--cprofile]
+        [--cuda-graph-max-tokens 512]
 
 One request at a time (``max_tokens=1``, fresh random prompts, so no prefix-cache hit) through
 the offline engine's loop: the wall time from ``add_request`` to its token (the engine's part of
@@ -47,11 +48,15 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--rows", type=int, default=25, help="kernel table rows (0: no table)")
     parser.add_argument("--quantization", default=None)
+    parser.add_argument(
+        "--cuda-graph-max-tokens", type=int, default=0, help="replay steps up to this many tokens as graphs"
+    )
     parser.add_argument("--cprofile", action="store_true", help="the host functions that take the most time")
     args = parser.parse_args()
     llm = LLM(
         model=args.config, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", device="cuda",
         max_model_len=max(2048, args.prompt_len + 16), quantization=args.quantization,
+        cuda_graph_max_tokens=args.cuda_graph_max_tokens,
     )  # fmt: skip
     rng = random.Random(0)
     first_tokens(llm, args.prompt_len, 3, rng)  # warm-up
