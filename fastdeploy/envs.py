@@ -139,6 +139,12 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "sort, SiLU-and-multiply and the top-k sum fused) instead of the sorted grouped GEMM; "
         "0: always the grouped GEMM.",
     ),
+    "FD_MOE_FUSED_ROUTER_MAX_TOKENS": (
+        lambda: min(int(os.environ.get("FD_MOE_FUSED_ROUTER_MAX_TOKENS", "0")), 16),
+        "MoE blocks of at most this many tokens (16 at most) on a GPU run the router's linear and the "
+        "top-k softmax as one Triton kernel (ops/triton_moe_routing.router_topk); 0 (the default until "
+        "measured on a GPU): the linear, then the top-k kernel.",
+    ),
     "FD_TRITON_PDL": (
         _bool("FD_TRITON_PDL", "1"),
         "Launch the decode step's Triton kernels with programmatic dependent launch on sm_90+ "

@@ -10,8 +10,9 @@ export PYTHONUNBUFFERED=1
 MODEL=benchmarks/configs/llama-3.1-8b
 # #19: the mixed-step graphs (--cuda-graph-max-tokens, off by default until this says they pay):
 # 1. the same greedy tokens as eager small steps, and the decode graphs' tests beside them
-timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/worker/test_mixed_graphs.py \
-    tests/worker/test_cuda_graphs.py > "$OUT/gpu_tests.log" 2>&1
+# (with the routing kernels' tests on the GPU: the fused router's cross-program handoff is new)
+timeout 300 python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/worker/test_mixed_graphs.py \
+    tests/worker/test_cuda_graphs.py tests/ops/test_triton_moe_routing.py > "$OUT/gpu_tests.log" 2>&1
 tail -n 3 "$OUT/gpu_tests.log"
 # 2. a lone 512-token prefill: wall against kernels, eager and replayed
 for tokens in 0 512; do
@@ -25,7 +26,11 @@ for tokens in 0 512; do
         -- --cuda-graph-max-tokens $tokens > "$OUT/cmp$tokens.log" 2>&1
     grep '^| fastdeploy' "$OUT/cmp$tokens.log" | sed "s/^/cuda_graph_max_tokens=$tokens /"
 done
-# #18: where a batch-1 FP8 decode step of the Qwen3-30B-A3B shape goes
-timeout 120 python3 -m benchmarks.gpubench.profile_decode benchmarks/configs/qwen3-30b-a3b --batch 1 \
-    --quantization ptpc_fp8 --rows 30 > "$OUT/moe_batch1_profile.txt" 2>&1
-head -n 40 "$OUT/moe_batch1_profile.txt" | cut -c1-60,100-150
+# #18: a batch-1 FP8 decode step of the Qwen3-30B-A3B shape, the router's linear and top-k apart and
+# fused (FD_MOE_FUSED_ROUTER_MAX_TOKENS, off by default until this says it pays)
+for fused in 0 4; do
+    FD_MOE_FUSED_ROUTER_MAX_TOKENS=$fused timeout 120 python3 -m benchmarks.gpubench.profile_decode \
+        benchmarks/configs/qwen3-30b-a3b --batch 1 --quantization ptpc_fp8 --rows 16 > "$OUT/moe_b1_router$fused.txt" 2>&1
+    echo "fused router max tokens $fused: $(grep '^batch 1' "$OUT/moe_b1_router$fused.txt")"
+    grep -E "_router_topk|_topk_softmax|_small_m_linear" "$OUT/moe_b1_router$fused.txt" | cut -c1-60,100-150
+done

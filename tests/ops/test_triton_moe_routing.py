@@ -147,3 +147,52 @@ def test_topk_softmax_nan_logits_give_valid_experts():
     counts = torch.zeros(16, dtype=torch.int64, device=DEVICE)
     _, ids = routing.topk_softmax(logits.to(DEVICE), 4, True, None, counts)
     assert ((ids >= 0) & (ids < 16)).all() and int(counts.sum()) == 8
+
+
+@pytest.mark.parametrize(
+    "tokens,experts,hidden,top_k,renormalize,bias,dtype",
+    [
+        (1, 128, 512, 8, True, False, torch.float32),  # Qwen3-30B-A3B's router, narrower
+        (3, 60, 300, 4, False, False, torch.float32),  # experts and hidden not powers of two
+        (2, 64, 256, 6, True, True, torch.float32),  # Ernie-4.5: bias-corrected choice
+        (4, 128, 512, 8, True, False, torch.bfloat16),
+    ],
+)
+def test_router_topk_is_the_linear_then_topk_softmax(
+    tokens, experts, hidden, top_k, renormalize, bias, dtype
+):
+    """The fused router (``x @ gate.T``, rounded to x's dtype, then the top-k softmax) against the
+    torch linear and ``select_experts_torch``, twice in a row (the arrival counts reset)."""
+    g = torch.Generator().manual_seed(tokens * 31 + experts)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    gate = (torch.randn(experts, hidden, generator=g) / hidden**0.5).to(dtype)
+    correction = torch.randn(experts, generator=g) * 0.05 if bias else None
+    logits = (x.double() @ gate.double().T).to(dtype)
+    ref_w, ref_ids = select_experts_torch(logits, top_k, renormalize, correction)
+    dev = [t.to(DEVICE) if t is not None else None for t in (x, gate, correction)]
+    counts = torch.zeros(experts, dtype=torch.int64, device=DEVICE)
+    for _ in range(2):
+        w, ids = routing.router_topk(dev[0], dev[1], top_k, renormalize, dev[2], counts)
+        assert w.dtype == dtype and ids.shape == (tokens, top_k)
+        ids = ids.cpu()
+        if dtype == torch.float32:
+            assert torch.equal(ids, ref_ids)
+            torch.testing.assert_close(w.cpu(), ref_w, rtol=1e-5, atol=1e-7)
+        else:  # a logit may land one bf16 ulp away: the chosen scores agree to that
+            score = torch.softmax(logits.float(), -1)
+            torch.testing.assert_close(
+                score.gather(1, ids).sort(-1).values,
+                score.gather(1, ref_ids).sort(-1).values,
+                rtol=2**-6,
+                atol=0,
+            )
+            assert all(len(set(row)) == top_k for row in ids.tolist())
+    assert torch.equal(counts.cpu(), 2 * torch.bincount(ids.reshape(-1), minlength=experts))
+
+
+def test_router_topk_rejects_bad_input():
+    x = torch.zeros(2, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="inputs"):
+        routing.router_topk(x, torch.zeros(8, 15, device=DEVICE), 2, True)
+    with pytest.raises(ValueError, match="top_k"):
+        routing.router_topk(x, torch.zeros(8, 16, device=DEVICE), 9, True)
