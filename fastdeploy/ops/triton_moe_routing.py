@@ -10,6 +10,9 @@ kernels per layer, each costing a launch even inside a CUDA graph. Here:
   probabilities), optionally renormalised to sum to 1. It computes what
   :func:`fastdeploy.model_executor.layers.fused_moe.select_experts_torch` computes (same
   order of slots: descending score, the lower expert first on a tie).
+* :func:`router_topk` — for a few tokens, the router's linear and :func:`topk_softmax` in one
+  kernel: ``E / 8`` programs per token each compute 8 logits into a scratch row, and the last to
+  arrive (an atomic count) chooses the token's experts (``FD_MOE_FUSED_ROUTER_MAX_TOKENS``).
 * :func:`moe_align_block_size` — the layout :func:`fastdeploy.ops.triton_fused_moe.align_block_size_torch`
   builds (the (token, slot) pairs sorted stably by expert, each expert's run padded to a
   multiple of ``block_m``, the expert of every block, the padded length). Up to

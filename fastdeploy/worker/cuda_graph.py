@@ -84,9 +84,9 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.block_table = torch.zeros(n, max_blocks_per_req, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, object]] = {}
+        """size → (graph, its hidden-state output, the attention metadata it was captured with)."""
         self.pool = None
         """The captures' memory pool (the mixed-step graphs capture into it too)."""
-        """size → (graph, its hidden-state output, the attention metadata it was captured with)."""
         self.logits: torch.Tensor | None = None
         """[min(max size, LOGITS_IN_GRAPH_MAX_BS), vocab] float32, written by the small sizes' graphs."""
         self.greedy_tokens = torch.zeros(min(n, LOGITS_IN_GRAPH_MAX_BS), dtype=torch.int64, device=device)

@@ -170,9 +170,8 @@ class ModelRunner:
             self.kv_caches.append(kv)
 
         self.graphs = self._capture_graphs()
-        if (
-            self.graphs is not None and not self.forward_every_step
-        ):  # (EP replicas agree on decode sizes only)
+        # (with expert parallelism over replicas, the replicas agree on decode sizes only)
+        if self.graphs is not None and not self.forward_every_step:
             mixed = self.new_mixed_graphs()
             self.mixed_graphs = mixed if mixed is not None and mixed.try_capture(self.graphs.pool) else None
         if self.device.type == "cuda":
