@@ -84,3 +84,65 @@ def test_long_lane_uses_its_own_tokenizer_copy():
     assert seen[1] is not tokenizer and isinstance(seen[1], _Tokenizer)
     assert seen[2] is seen[1]  # copied once
     lanes.shutdown()
+
+
+def test_texts_waiting_for_the_short_lane_are_encoded_in_one_batch():
+    """A burst of short texts: the ones that wait while the lane is busy go in one batched call of
+    the real tokenizer, with exactly the ids of one-at-a-time encoding, each to its own caller."""
+    from fastdeploy.config import ModelConfig
+    from fastdeploy.model_executor.model_loader import load_tokenizer, resolve_model
+
+    tokenizer = load_tokenizer(ModelConfig(), resolve_model(ModelConfig()))
+    batches: list[int] = []
+    original_call = type(tokenizer).__call__
+
+    class Counting(type(tokenizer)):  # counts the batched calls, changes nothing else
+        def __call__(self, text, *args, **kwargs):
+            if isinstance(text, list):
+                batches.append(len(text))
+            return original_call(self, text, *args, **kwargs)
+
+    tokenizer.__class__ = Counting
+    texts = [f"request {i}: {'word ' * (i % 7)}the end" for i in range(40)]
+    lanes = TokenizerLanes()
+    busy = threading.Event()
+
+    async def scenario() -> list[list[int]]:
+        blocker = asyncio.ensure_future(lanes.run(tokenizer, lambda tok: busy.wait(10), size=1))
+        jobs = [
+            asyncio.ensure_future(lanes.encode(tokenizer, t, add_special_tokens=i % 2 == 0))
+            for i, t in enumerate(texts)
+        ]
+        await asyncio.sleep(0.05)
+        busy.set()
+        await blocker
+        return await asyncio.gather(*jobs)
+
+    try:
+        got = asyncio.run(scenario())
+    finally:
+        lanes.shutdown()
+    expected = [tokenizer.encode(t, add_special_tokens=i % 2 == 0) for i, t in enumerate(texts)]
+    assert got == expected
+    assert sorted(batches) == [20, 20]  # one batch per add_special_tokens flag
+
+
+def test_a_failing_text_fails_alone_and_a_lone_text_is_encoded_at_once():
+    class Picky(_Tokenizer):
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            if text == "bad":
+                raise ValueError("cannot encode this")
+            return super().encode(text)
+
+    lanes = TokenizerLanes()
+
+    async def scenario():
+        good, bad = lanes.encode(Picky(), "good", True), lanes.encode(Picky(), "bad", True)
+        return await asyncio.gather(good, bad, return_exceptions=True)
+
+    try:
+        good, bad = asyncio.run(scenario())
+        assert good == [4] and isinstance(bad, ValueError)
+        assert asyncio.run(lanes.encode(Picky(), "x" * 30, True)) == [30]
+    finally:
+        lanes.shutdown()

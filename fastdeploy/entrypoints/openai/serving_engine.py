@@ -444,10 +444,7 @@ class OpenAIServing:
     async def encode(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
         """Token ids of ``text`` (a 400 naming ``param`` if it cannot fit the context)."""
         self.check_text_length(len(text), param)
-        ids = await self.tokenizers.run(
-            self.tokenizer, lambda tok: tok.encode(text, add_special_tokens=add_special_tokens), len(text)
-        )
-        return list(ids)
+        return await self.tokenizers.encode(self.tokenizer, text, add_special_tokens)
 
     async def decode(self, token_ids: list[int]) -> str:
         return await self.tokenizers.run(self.tokenizer, lambda tok: tok.decode(token_ids), len(token_ids))
