@@ -181,17 +181,19 @@ class MixedStepGraphs:
         )
 
     def try_capture(self, pool=None) -> bool:
-        """:meth:`capture`, or False (and no graphs) when the GPU runs out of memory meanwhile."""
+        """:meth:`capture`, or False (and no graphs: those steps run eagerly) when the GPU runs out
+        of memory meanwhile or a kernel refuses to be captured (an error here never stops the engine:
+        these graphs are an optimisation)."""
         try:
             self.capture(pool)
             return True
-        except torch.OutOfMemoryError:
-            logger.warning(
-                "out of GPU memory while capturing the mixed-step CUDA graphs: those steps run eagerly"
-            )
+        except (torch.OutOfMemoryError, RuntimeError) as exc:
+            logger.warning("could not capture the mixed-step CUDA graphs (%s): those steps run eagerly", exc)
             self.graphs.clear()
-            with contextlib.suppress(Exception):
-                torch.cuda.empty_cache()
+            if torch.cuda.is_available():
+                with contextlib.suppress(Exception):
+                    torch.cuda.synchronize()
+                    torch.cuda.empty_cache()
             return False
 
 

@@ -160,3 +160,19 @@ def test_mixed_graphs_give_the_eager_tokens():
         gc.collect()
         torch.cuda.empty_cache()
     assert results[128] == results[0]
+
+
+@CPU_TRITON
+def test_a_failed_capture_leaves_the_steps_eager(monkeypatch):
+    llm = LLM(**ENGINE, cuda_graph_max_tokens=32)
+    try:
+        graphs = llm.engine.core.executor.worker.runner.new_mixed_graphs()
+    finally:
+        llm.shutdown()
+
+    def refuse(self, pool=None):
+        self.graphs[16] = ("a graph", None)  # half-way through
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(MixedStepGraphs, "capture", refuse)
+    assert graphs.try_capture() is False and graphs.graphs == {}
