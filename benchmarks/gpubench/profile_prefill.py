@@ -25,8 +25,13 @@ from torch.profiler import ProfilerActivity, profile
 from fastdeploy import LLM, SamplingParams
 
 
-def first_tokens(llm: LLM, prompt_len: int, runs: int, rng: random.Random) -> list[float]:
-    """Seconds from adding each lone request to its one token, ``runs`` requests one after another."""
+def first_tokens(
+    llm: LLM, prompt_len: int, runs: int, rng: random.Random, launches: list[float] | None = None
+) -> list[float]:
+    """Seconds from adding each lone request to its one token, ``runs`` requests one after another;
+    ``launches`` gets the seconds of each first engine step (scheduling and launching the prefill:
+    with async scheduling it returns without waiting for the GPU, so near the whole time means the
+    host, not the GPU, is the bound)."""
     engine = llm.engine
     times = []
     for _ in range(runs):
@@ -35,8 +40,12 @@ def first_tokens(llm: LLM, prompt_len: int, runs: int, rng: random.Random) -> li
         engine.add_request(
             f"r{rng.random()}", prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         )
+        first = True
         while engine.has_unfinished_requests():
             engine.step()
+            if first and launches is not None:
+                launches.append(time.perf_counter() - begin)
+            first = False
         times.append(time.perf_counter() - begin)
     return times
 
@@ -60,7 +69,9 @@ def main() -> None:
     )  # fmt: skip
     rng = random.Random(0)
     first_tokens(llm, args.prompt_len, 3, rng)  # warm-up
-    ms = np.asarray(first_tokens(llm, args.prompt_len, args.runs, rng)) * 1e3
+    launches: list[float] = []
+    ms = np.asarray(first_tokens(llm, args.prompt_len, args.runs, rng, launches)) * 1e3
+    launch_ms = np.asarray(launches) * 1e3
     profiled = 5
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         first_tokens(llm, args.prompt_len, profiled, rng)
@@ -68,7 +79,8 @@ def main() -> None:
     kernel_ms = sum(e.device_time for e in kernels) / 1e3 / profiled
     print(
         f"prompt {args.prompt_len}: add → token {ms.mean():.2f} ms mean, {np.median(ms):.2f} p50, "
-        f"{ms.min():.2f} min; kernels {kernel_ms:.2f} ms per request ({len(kernels) / profiled:.0f} launched)"
+        f"{ms.min():.2f} min; first step (schedule + launch) {np.median(launch_ms):.2f} p50; "
+        f"kernels {kernel_ms:.2f} ms per request ({len(kernels) / profiled:.0f} launched)"
     )
     if args.rows:
         print(
