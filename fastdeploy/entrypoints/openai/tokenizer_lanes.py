@@ -23,12 +23,22 @@ import copy
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 T = TypeVar("T")
 
 LONG_TEXT_CHARS = 32_768
 """Texts longer than this (in characters) are tokenized on the long lane."""
+
+
+class _WaitingText(NamedTuple):
+    """A short text waiting for the short lane, and where its ids go."""
+
+    tokenizer: Any
+    text: str
+    add_special_tokens: bool
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
 
 
 class TokenizerLanes:
@@ -40,8 +50,8 @@ class TokenizerLanes:
         self._long = ThreadPoolExecutor(1, thread_name_prefix="fd-tokenizer-long")
         self._long_copy_of: tuple[Any, Any] | None = None
         """(tokenizer, the long lane's copy of it); touched only on the long lane's thread."""
-        self._to_encode: deque[tuple[Any, str, bool, asyncio.Future, asyncio.AbstractEventLoop]] = deque()
-        """Short texts waiting for the short lane: (tokenizer, text, add_special_tokens, future, loop)."""
+        self._to_encode: deque[_WaitingText] = deque()
+        """Short texts waiting for the short lane (appended by the event loop, taken by the lane)."""
 
     async def encode(self, tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
         """The token ids of ``text``. A short text joins the others waiting for the short lane, and
@@ -55,32 +65,22 @@ class TokenizerLanes:
             )
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._to_encode.append((tokenizer, text, add_special_tokens, future, loop))
+        self._to_encode.append(_WaitingText(tokenizer, text, add_special_tokens, future, loop))
         loop.run_in_executor(self._short, self._encode_waiting)
         return await future
 
     def _encode_waiting(self) -> None:
         """On the short lane: encode every text waiting (none left: an earlier job took them)."""
-        waiting = []
+        waiting: list[_WaitingText] = []
         while self._to_encode:
             waiting.append(self._to_encode.popleft())
-        groups: dict[tuple[int, bool], list] = {}
+        groups: dict[tuple[int, bool], list[_WaitingText]] = {}
         for item in waiting:
-            groups.setdefault((id(item[0]), item[2]), []).append(item)
+            groups.setdefault((id(item.tokenizer), item.add_special_tokens), []).append(item)
         for items in groups.values():
-            tokenizer, flag = items[0][0], items[0][2]
-            try:
-                results = _encode_batch(tokenizer, [item[1] for item in items], flag)
-            except Exception:  # one bad text must not fail the others: each alone, with its own error
-                results = []
-                for item in items:
-                    try:
-                        results.append(list(tokenizer.encode(item[1], add_special_tokens=flag)))
-                    except Exception as exc:
-                        results.append(exc)
-            for (_, _, _, future, loop), result in zip(items, results):
+            for item, result in zip(items, _encode_each(items)):
                 try:
-                    loop.call_soon_threadsafe(_settle, future, result)
+                    item.loop.call_soon_threadsafe(_settle, item.future, result)
                 except RuntimeError:  # the loop is closed (shutting down): nobody waits
                     pass
 
@@ -105,6 +105,22 @@ class TokenizerLanes:
         """Stop both threads (work already queued finishes)."""
         self._short.shutdown(wait=False, cancel_futures=True)
         self._long.shutdown(wait=False, cancel_futures=True)
+
+
+def _encode_each(items: list[_WaitingText]) -> list[list[int] | BaseException]:
+    """The ids of each text (one tokenizer, one flag): one batched call, or, when that fails, each
+    text alone, a failing one getting its own error (never raised: every waiter gets an answer)."""
+    tokenizer, flag = items[0].tokenizer, items[0].add_special_tokens
+    try:
+        return _encode_batch(tokenizer, [item.text for item in items], flag)
+    except Exception:
+        results: list[list[int] | BaseException] = []
+        for item in items:
+            try:
+                results.append(list(tokenizer.encode(item.text, add_special_tokens=flag)))
+            except Exception as exc:
+                results.append(exc)
+        return results
 
 
 def _encode_batch(tokenizer: Any, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
