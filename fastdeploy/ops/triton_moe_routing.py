@@ -113,6 +113,22 @@ def _choose_experts(
         )
 
 
+def _choice_buffers(tokens: int, top_k: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routing's outputs, to be written: weights ``[T, k]`` in ``like``'s dtype, ids ``[T, k]`` int64."""
+    weights = torch.empty((tokens, top_k), dtype=like.dtype, device=like.device)
+    return weights, torch.empty((tokens, top_k), dtype=torch.int64, device=like.device)
+
+
+def _flat_bias(correction_bias: torch.Tensor | None, experts: int) -> torch.Tensor | None:
+    """``correction_bias`` as ``[E]`` (None stays None); a ValueError when it has not ``E`` entries."""
+    if correction_bias is None:
+        return None
+    bias = correction_bias.reshape(-1)
+    if bias.numel() != experts:
+        raise ValueError(f"correction_bias must have {experts} entries, got {bias.numel()}")
+    return bias
+
+
 def topk_softmax(
     router_logits: torch.Tensor,
     top_k: int,
@@ -132,13 +148,10 @@ def topk_softmax(
     tokens, experts = router_logits.shape
     if not 0 < top_k <= experts:
         raise ValueError(f"top_k must be in [1, {experts}], got {top_k}")
-    weights = torch.empty((tokens, top_k), dtype=router_logits.dtype, device=router_logits.device)
-    ids = torch.empty((tokens, top_k), dtype=torch.int64, device=router_logits.device)
+    weights, ids = _choice_buffers(tokens, top_k, router_logits)
     if tokens == 0:
         return weights, ids
-    bias = None if correction_bias is None else correction_bias.reshape(-1)
-    if bias is not None and bias.numel() != experts:
-        raise ValueError(f"correction_bias must have {experts} entries, got {bias.numel()}")
+    bias = _flat_bias(correction_bias, experts)
     _topk_softmax_kernel[(tokens,)](
         router_logits, bias if bias is not None else router_logits, weights, ids,
         expert_counts if expert_counts is not None else ids, experts, router_logits.stride(0),
@@ -239,13 +252,10 @@ def router_topk(
         raise ValueError(f"gate_weight {tuple(gate_weight.shape)} does not take {hidden} inputs")
     if not 0 < top_k <= experts <= ROUTER_MAX_EXPERTS:
         raise ValueError(f"need 0 < top_k ({top_k}) <= experts ({experts}) <= {ROUTER_MAX_EXPERTS}")
-    weights = torch.empty((tokens, top_k), dtype=x.dtype, device=x.device)
-    ids = torch.empty((tokens, top_k), dtype=torch.int64, device=x.device)
+    weights, ids = _choice_buffers(tokens, top_k, x)
     if tokens == 0:
         return weights, ids
-    bias = None if correction_bias is None else correction_bias.reshape(-1)
-    if bias is not None and bias.numel() != experts:
-        raise ValueError(f"correction_bias must have {experts} entries, got {bias.numel()}")
+    bias = _flat_bias(correction_bias, experts)
     block_e = triton.next_power_of_2(experts)
     scratch, arrived = _router_scratch(x.device, tokens, block_e)
     splits = triton.cdiv(experts, ROUTER_SPLIT_EXPERTS)
