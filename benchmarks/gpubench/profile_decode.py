@@ -16,6 +16,7 @@ import cProfile
 import io
 import pstats
 import time
+from collections.abc import Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -63,20 +64,28 @@ def main() -> None:
     print(f"batch {args.batch}: {step_s * 1e3:.3f} ms per step; kernels {kernel_s * 1e3:.3f} ms per step "
           f"({len(kernels) / args.tokens:.0f} per step); GPU idle {max(0.0, 1 - kernel_s / step_s):.0%}")  # fmt: skip
     if args.rows:
-        print(
-            prof.key_averages().table(
-                sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=60
-            )
-        )
+        print(kernel_table(prof, args.rows))
     if args.cprofile:
-        profiler = cProfile.Profile()
-        profiler.enable()
-        decode_steps(llm, args.batch, args.tokens, 3000)
-        profiler.disable()
-        text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
-        print(text.getvalue())
+        print(host_profile(lambda: decode_steps(llm, args.batch, args.tokens, 3000), {"tottime": 30}))
     llm.shutdown()
+
+
+def kernel_table(prof: profile, rows: int) -> str:
+    """The profiler's kernels, most device time first."""
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60)
+
+
+def host_profile(run: Callable[[], object], orders: dict[str, int]) -> str:
+    """cProfile of ``run()``: the top functions in each sort order (order name → rows)."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    run()
+    profiler.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    for order, rows in orders.items():
+        stats.sort_stats(order).print_stats(rows)
+    return text.getvalue()
 
 
 if __name__ == "__main__":

@@ -12,9 +12,6 @@ activity), and the kernel table. Issue #19 compares the served TTFT at concurren
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
-import pstats
 import random
 import time
 
@@ -23,6 +20,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from fastdeploy import LLM, SamplingParams
+
+from .profile_decode import host_profile, kernel_table
 
 
 def first_tokens(
@@ -83,21 +82,10 @@ def main() -> None:
         f"kernels {kernel_ms:.2f} ms per request ({len(kernels) / profiled:.0f} launched)"
     )
     if args.rows:
-        print(
-            prof.key_averages().table(
-                sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=60
-            )
-        )
+        print(kernel_table(prof, args.rows))
     if args.cprofile:
-        profiler = cProfile.Profile()
-        profiler.enable()
-        first_tokens(llm, args.prompt_len, profiled, rng)
-        profiler.disable()
-        text = io.StringIO()
-        stats = pstats.Stats(profiler, stream=text)
-        stats.sort_stats("tottime").print_stats(25)
-        stats.sort_stats("cumulative").print_stats(40)
-        print(text.getvalue())
+        run = lambda: first_tokens(llm, args.prompt_len, profiled, rng)  # noqa: E731
+        print(host_profile(run, {"tottime": 25, "cumulative": 40}))
     llm.shutdown()
 
 
