@@ -310,8 +310,8 @@ class ModelRunner:
             most, graphable = ep_agree_step(most, graphable)
         if graphable:
             return graphs.run(tensors.input_ids, tensors.positions, common, graphs.padded_size(most))
-        mixed = self.mixed_graphs
-        if mixed is not None and inputs.inputs_embeds is None and not self.forward_every_step:
+        mixed = self.mixed_graphs  # (never captured when the replicas must agree on every step)
+        if mixed is not None and inputs.inputs_embeds is None:
             size = mixed.padded_size(common)
             if size is not None:
                 return GraphOutput(mixed.run(tensors.input_ids, tensors.positions, common, size), None, None)
