@@ -77,6 +77,17 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         _bool("FD_STEP_TRACE", "0"),
         "Record (stage, step id, time) of every model-runner stage in ModelRunner.trace (benchmarks).",
     ),
+    "FD_FORWARD_STATS_LOG_S": (
+        lambda: float(os.environ.get("FD_FORWARD_STATS_LOG_S", "60")),
+        "Seconds between the worker's log lines of its forward passes per path (decode graphs, "
+        "mixed-step graphs, eager; worker/forward_stats.py), written while steps run.",
+    ),
+    "FD_SWITCH_INTERVAL_MS": (
+        lambda: float(os.environ.get("FD_SWITCH_INTERVAL_MS", "0")),
+        "Python's thread switch interval in the engine core's process, in ms (sys.setswitchinterval): "
+        "how long the engine loop may hold the GIL while the grammar-mask threads wait for it. "
+        "0 (the default): Python's own (5 ms).",
+    ),
     "FD_TORCH_PROFILER_DIR": (
         lambda: os.environ.get("FD_TORCH_PROFILER_DIR", ""),
         "Folder where each worker writes a torch profile (Chrome trace and a text summary) of the "
@@ -138,12 +149,6 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "Fused-MoE calls of at most this many tokens run the two GEMV-like expert kernels (no expert "
         "sort, SiLU-and-multiply and the top-k sum fused) instead of the sorted grouped GEMM; "
         "0: always the grouped GEMM.",
-    ),
-    "FD_MOE_FUSED_ROUTER_MAX_TOKENS": (
-        lambda: min(int(os.environ.get("FD_MOE_FUSED_ROUTER_MAX_TOKENS", "0")), 16),
-        "MoE blocks of at most this many tokens (16 at most) on a GPU run the router's linear and the "
-        "top-k softmax as one Triton kernel (ops/triton_moe_routing.router_topk); 0 (the default until "
-        "measured on a GPU): the linear, then the top-k kernel.",
     ),
     "FD_TRITON_PDL": (
         _bool("FD_TRITON_PDL", "1"),

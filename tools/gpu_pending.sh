@@ -1,59 +1,67 @@
 #!/usr/bin/env bash
-# The one-GPU measurements the open issues still need (docs/benchmarks.md, seventeenth session), in
-# `run` calls that carry [".gpu"]; each step's output goes to its own file under OUT and a failed step
-# does not stop the others. Sections (all by default; ~5, ~4 and ~2 minutes on an H200, so two calls):
-#   bash tools/gpu_pending.sh OUT [graphs] [structured] [moe]
-OUT=${1:?usage: tools/gpu_pending.sh OUT [graphs] [structured] [moe]}
+# The one-GPU measurements the open issues still need (docs/benchmarks.md, eighteenth session), in
+# `run` calls that carry [".gpu"]. Each section works in /tmp/gpu_pending/SECTION and leaves one
+# tarball, OUT/SECTION.tgz (the device tool returns at most 8 files a call); its summary lines go to
+# stdout. A failed step does not stop the others. Sections (all by default; minutes on an H200):
+#   poisson (~3)  the Poisson load with --cuda-graph-max-tokens 0 and 512, and which forward paths
+#                 its steps took (the worker's forward-stats log lines, every 5 s)
+#   budget (~4)   the burst with --max-num-batched-tokens 4096, 6144, 8192: throughput against the
+#                 longest inter-token gaps (the prefill steps)
+#   prefill (~2)  one 8,192-token prefill step (16 prompts of 512): wall, kernels, kernel table
+#   structured (~4) the structured-output ratio with the GIL switch interval at 5 ms and 0.5 ms
+#   bash tools/gpu_pending.sh OUT [poisson] [budget] [prefill] [structured]
+OUT=${1:?usage: tools/gpu_pending.sh OUT [poisson] [budget] [prefill] [structured]}
 shift
-sections=${*:-graphs structured moe}
+sections=${*:-poisson budget prefill structured}
 mkdir -p "$OUT"
 source tools/gpu_env.sh
 export PYTHONUNBUFFERED=1
 MODEL=benchmarks/configs/llama-3.1-8b
 
-# #19: the mixed-step graphs (--cuda-graph-max-tokens, off by default until this says they pay)
-graphs() {
-    # 1. the same greedy tokens as eager small steps, the decode graphs' tests beside them, and the
-    #    routing kernels' tests on the GPU (the fused router's cross-program handoff is new)
-    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/worker/test_mixed_graphs.py \
-        tests/worker/test_cuda_graphs.py tests/ops/test_triton_moe_routing.py > "$OUT/gpu_tests.log" 2>&1
-    tail -n 3 "$OUT/gpu_tests.log"
-    # 2. a lone 512-token prefill: wall against kernels, eager and replayed
-    for tokens in 0 512; do
-        timeout 120 python3 -m benchmarks.gpubench.profile_prefill $MODEL --prompt-len 512 --runs 20 --rows 0 \
-            --cuda-graph-max-tokens $tokens 2>&1 | grep "^prompt" | sed "s/^/cuda_graph_max_tokens=$tokens /"
-    done | tee "$OUT/prefill.txt"
-    # 3. served: concurrency 1, the Poisson load and the burst, our client, without and with
-    for tokens in 0 512; do
-        timeout 200 python3 benchmarks/serving_compare.py --server fastdeploy --model $MODEL --tokenizer "$TOK" \
-            --out "$OUT/cmp$tokens" --clients fastdeploy --workloads c1,poisson,burst --rate 30 \
-            -- --cuda-graph-max-tokens $tokens > "$OUT/cmp$tokens.log" 2>&1
-        grep '^| fastdeploy' "$OUT/cmp$tokens.log" | sed "s/^/cuda_graph_max_tokens=$tokens /"
+serve() {  # serve NAME WORKLOADS [our server's flags]: our server and client, summary rows to stdout
+    local name=$1 workloads=$2
+    shift 2
+    timeout 200 python3 benchmarks/serving_compare.py --server fastdeploy --model $MODEL --tokenizer "$TOK" \
+        --out "$W/$name" --clients fastdeploy --workloads "$workloads" --rate 30 -- "$@" > "$W/$name.log" 2>&1
+    grep '^| fastdeploy' "$W/$name.log" | sed "s/^/$name /"
+    grep -h "forward passes since start" "$W/$name"/*server*.log 2>/dev/null | tail -n 1 | sed "s/^/$name /"
+}
+
+# #19: why the Poisson load is slower with the mixed-step graphs on (eighteenth session)
+poisson() {
+    for tokens in 0 512 0 512; do
+        FD_FORWARD_STATS_LOG_S=5 serve "poisson$tokens" poisson,c1 --cuda-graph-max-tokens $tokens
     done
 }
 
-# #20: the structured-output ratio with torch's CPU thread pool as it is and cut to one thread (its
-# threads spin after each parallel op and may take the cores the grammar threads need)
+# #19: the burst's P99 inter-token latency is its prefill steps' length; the budget sets it
+budget() {
+    for budget in 4096 6144 8192; do
+        serve "budget$budget" burst --max-num-batched-tokens $budget
+    done
+}
+
+# #19: the kernels of the burst's 8,192-token prefill step (against vLLM's, ~4% shorter)
+prefill() {
+    timeout 200 python3 -m benchmarks.gpubench.profile_prefill $MODEL --prompt-len 512 --batch 16 --runs 10 \
+        --rows 30 > "$W/prefill8192.txt" 2>&1
+    grep "^prompt" "$W/prefill8192.txt"
+    grep -A 14 "Name" "$W/prefill8192.txt" | cut -c1-60,100-190
+}
+
+# #20: the GIL switch interval of the engine's process (FD_SWITCH_INTERVAL_MS) against the ratio
 structured() {
-    for omp in "" 1 "" 1; do
-        echo "OMP_NUM_THREADS=${omp:-default} $(env ${omp:+OMP_NUM_THREADS=$omp} FD_STEP_TRACE=1 timeout 150 \
-            python3 benchmarks/structured_outputs.py --model $MODEL --load-format dummy --tokenizer "$TOK" \
-            --max-model-len 2048 --json 2> "$OUT/so_err.log" | grep '^{')"
-    done | tee "$OUT/structured_outputs.jsonl"
-}
-
-# #18: a batch-1 FP8 decode step of the Qwen3-30B-A3B shape, the router's linear and top-k apart and
-# fused (FD_MOE_FUSED_ROUTER_MAX_TOKENS, off by default until this says it pays)
-moe() {
-    for fused in 0 4; do
-        FD_MOE_FUSED_ROUTER_MAX_TOKENS=$fused timeout 120 python3 -m benchmarks.gpubench.profile_decode \
-            benchmarks/configs/qwen3-30b-a3b --batch 1 --quantization ptpc_fp8 --rows 16 > "$OUT/moe_b1_router$fused.txt" 2>&1
-        echo "fused router max tokens $fused: $(grep '^batch 1' "$OUT/moe_b1_router$fused.txt")"
-        grep -E "_router_topk|_topk_softmax|_small_m_linear" "$OUT/moe_b1_router$fused.txt" | cut -c1-60,100-150
-    done
+    for ms in 5 0.5 5 0.5; do
+        echo "switch ${ms} ms $(FD_SWITCH_INTERVAL_MS=$ms FD_STEP_TRACE=1 timeout 150 python3 \
+            benchmarks/structured_outputs.py --model $MODEL --load-format dummy --tokenizer "$TOK" \
+            --max-model-len 2048 --json 2>> "$W/so_err.log" | grep '^{')"
+    done | tee "$W/structured_outputs.jsonl"
 }
 
 for section in $sections; do
     echo "== $section"
+    W=/tmp/gpu_pending/$section
+    rm -rf "$W" && mkdir -p "$W"
     $section
+    tar czf "$OUT/$section.tgz" -C /tmp/gpu_pending "$section"
 done

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import TYPE_CHECKING
 
+from fastdeploy import envs
 from fastdeploy.config import EngineConfig
 from fastdeploy.core.request import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, Request
 from fastdeploy.core.step_io import GrammarBitmask, SchedulerOutput
@@ -71,6 +73,8 @@ class EngineCore:
     def __init__(self, config: EngineConfig, source: ModelSource, executor_cls):
         config = resolve_scheduler_limits(config)  # before the workers start: they size warm-ups by it
         self.config = config
+        if envs.FD_SWITCH_INTERVAL_MS > 0:  # how long a thread may hold the GIL while others wait
+            sys.setswitchinterval(envs.FD_SWITCH_INTERVAL_MS / 1000)
         self.source = source
         self.structured: StructuredOutputManager | None = None
         """Grammars and matchers of structured-output requests (made with the first such request)."""

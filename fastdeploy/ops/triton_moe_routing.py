@@ -10,9 +10,6 @@ kernels per layer, each costing a launch even inside a CUDA graph. Here:
   probabilities), optionally renormalised to sum to 1. It computes what
   :func:`fastdeploy.model_executor.layers.fused_moe.select_experts_torch` computes (same
   order of slots: descending score, the lower expert first on a tie).
-* :func:`router_topk` — for a few tokens, the router's linear and :func:`topk_softmax` in one
-  kernel: ``E / 8`` programs per token each compute 8 logits into a scratch row, and the last to
-  arrive (an atomic count) chooses the token's experts (``FD_MOE_FUSED_ROUTER_MAX_TOKENS``).
 * :func:`moe_align_block_size` — the layout :func:`fastdeploy.ops.triton_fused_moe.align_block_size_torch`
   builds (the (token, slot) pairs sorted stably by expert, each expert's run padded to a
   multiple of ``block_m``, the expert of every block, the padded length). Up to
@@ -71,20 +68,6 @@ def _topk_softmax_kernel(
     offs = tl.arange(0, BLOCK_E)
     mask = offs < E
     x = tl.load(logits_ptr + row * stride_lm + offs, mask=mask, other=-float("inf")).to(tl.float32)
-    _choose_experts(
-        x, offs, mask, row, E, bias_ptr, weights_ptr, ids_ptr, counts_ptr,
-        TOP_K, BLOCK_K, BLOCK_E, HAS_BIAS, RENORMALIZE, HAS_COUNTS,
-    )  # fmt: skip
-
-
-@triton.jit
-def _choose_experts(
-    x, offs, mask, row, E, bias_ptr, weights_ptr, ids_ptr, counts_ptr,
-    TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_COUNTS: tl.constexpr,
-):  # fmt: skip
-    """Token ``row``'s float32 logits ``x [BLOCK_E]`` (``-inf`` past ``E``) → its ``TOP_K`` weights and
-    ids (and the load statistic): the softmax, the choice by ``probs (+ bias)``, the renormalisation."""
     ex = tl.exp(x - tl.max(x, axis=0))
     probs = ex / tl.sum(ex, axis=0)
     score = probs
@@ -158,115 +141,6 @@ def topk_softmax(
         TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(experts),
         HAS_BIAS=bias is not None, RENORMALIZE=renormalize, HAS_COUNTS=expert_counts is not None,
         num_warps=1 if experts <= 256 else 4, **pdl_kwargs(weights),
-    )  # fmt: skip
-    return weights, ids
-
-
-@triton.jit
-def _router_topk_kernel(
-    x_ptr, w_ptr, bias_ptr, weights_ptr, ids_ptr, counts_ptr, scratch_ptr, arrived_ptr,
-    E, H, stride_xm, stride_we,
-    SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, STAGES: tl.constexpr,
-    ROUND: tl.constexpr, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_COUNTS: tl.constexpr, USE_PDL: tl.constexpr,
-):  # fmt: skip
-    """Program ``(row, split)``: the router logits of experts ``split * BLOCK_S ...`` for token ``row``
-    (``x[row] @ w[e]``, float32, rounded to ``x``'s dtype with ``ROUND`` as the router's linear
-    rounds them) into ``scratch``; the last of the row's ``SPLITS`` programs to arrive (an atomic
-    count, reset for the next call) chooses the token's experts from all of them."""
-    pdl_prologue(USE_PDL)
-    row = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1)
-    offs_s = split * BLOCK_S + tl.arange(0, BLOCK_S)
-    s_mask = offs_s < E
-    acc = tl.zeros([BLOCK_S, BLOCK_H], dtype=tl.float32)
-    for k0 in tl.range(0, H, BLOCK_H, num_stages=STAGES):
-        cols = k0 + tl.arange(0, BLOCK_H)
-        k_mask = cols < H
-        x = tl.load(x_ptr + row * stride_xm + cols, mask=k_mask, other=0.0).to(tl.float32)
-        w = tl.load(
-            w_ptr + offs_s[:, None].to(tl.int64) * stride_we + cols[None, :],
-            mask=s_mask[:, None] & k_mask[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        acc += w * x[None, :]
-    logits = tl.sum(acc, axis=1)
-    if ROUND:
-        logits = logits.to(x_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(scratch_ptr + row * BLOCK_E + offs_s, logits, mask=s_mask)
-    tl.debug_barrier()  # every thread's logits written before the count says so
-    arrived = tl.atomic_add(arrived_ptr + row, 1, sem="acq_rel")
-    if arrived == SPLITS - 1:
-        tl.store(arrived_ptr + row, 0)
-        offs = tl.arange(0, BLOCK_E)
-        mask = offs < E
-        all_logits = tl.load(
-            scratch_ptr + row * BLOCK_E + offs, mask=mask, other=-float("inf"), cache_modifier=".cg"
-        )
-        _choose_experts(
-            all_logits, offs, mask, row, E, bias_ptr, weights_ptr, ids_ptr, counts_ptr,
-            TOP_K, BLOCK_K, BLOCK_E, HAS_BIAS, RENORMALIZE, HAS_COUNTS,
-        )  # fmt: skip
-
-
-ROUTER_MAX_EXPERTS = 1024
-"""Most experts :func:`router_topk` takes (one program chooses among all of a token's logits)."""
-ROUTER_SPLIT_EXPERTS = 8
-"""Experts per program of :func:`router_topk` (E / 8 programs per token read the gate's rows)."""
-_router_buffers: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _router_scratch(device: torch.device, tokens: int, block_e: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The logits scratch ``[tokens, block_e]`` float32 and the per-token arrival counts (zeros, and
-    left at zero by every call), kept per device and width, grown when a call needs more rows."""
-    key = (device, block_e)
-    buffers = _router_buffers.get(key)
-    if buffers is None or buffers[1].numel() < tokens:
-        rows = max(tokens, 16)
-        buffers = (
-            torch.empty((rows, block_e), dtype=torch.float32, device=device),
-            torch.zeros((rows,), dtype=torch.int32, device=device),
-        )
-        _router_buffers[key] = buffers
-    return buffers
-
-
-def router_topk(
-    x: torch.Tensor,
-    gate_weight: torch.Tensor,
-    top_k: int,
-    renormalize: bool,
-    correction_bias: torch.Tensor | None = None,
-    expert_counts: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`topk_softmax` of ``x [T, H] @ gate_weight [E, H].T`` in one kernel (for a few tokens:
-    each program reads ``ROUTER_SPLIT_EXPERTS`` rows of the gate per token). The logits are rounded
-    to ``x``'s dtype as the router's own linear leaves them, so the choice is the unfused one's
-    (up to the order of the float32 sums). Allocate its buffers outside a CUDA graph capture first
-    (any call does)."""
-    if x.dim() != 2 or x.stride(-1) != 1 or gate_weight.dim() != 2 or not gate_weight.is_contiguous():
-        raise ValueError("x must be 2-D with unit column stride and gate_weight a contiguous [E, H]")
-    tokens, hidden = x.shape
-    experts = gate_weight.shape[0]
-    if gate_weight.shape[1] != hidden:
-        raise ValueError(f"gate_weight {tuple(gate_weight.shape)} does not take {hidden} inputs")
-    if not 0 < top_k <= experts <= ROUTER_MAX_EXPERTS:
-        raise ValueError(f"need 0 < top_k ({top_k}) <= experts ({experts}) <= {ROUTER_MAX_EXPERTS}")
-    weights, ids = _choice_buffers(tokens, top_k, x)
-    if tokens == 0:
-        return weights, ids
-    bias = _flat_bias(correction_bias, experts)
-    block_e = triton.next_power_of_2(experts)
-    scratch, arrived = _router_scratch(x.device, tokens, block_e)
-    splits = triton.cdiv(experts, ROUTER_SPLIT_EXPERTS)
-    _router_topk_kernel[(tokens, splits)](
-        x, gate_weight, bias if bias is not None else x, weights, ids,
-        expert_counts if expert_counts is not None else ids, scratch, arrived,
-        experts, hidden, x.stride(0), gate_weight.stride(0),
-        SPLITS=splits, BLOCK_S=ROUTER_SPLIT_EXPERTS, BLOCK_H=256, STAGES=3,
-        ROUND=x.dtype != torch.float32, TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=block_e,
-        HAS_BIAS=bias is not None, RENORMALIZE=renormalize, HAS_COUNTS=expert_counts is not None,
-        num_warps=4, **pdl_kwargs(weights),
     )  # fmt: skip
     return weights, ids
 

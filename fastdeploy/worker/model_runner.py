@@ -33,6 +33,7 @@ from fastdeploy.ops.stop_ops import alloc_stop_flag, get_stop, set_stop
 from fastdeploy.ops.upload import upload
 from fastdeploy.platforms import get_attention_backend
 from fastdeploy.worker.cuda_graph import DecodeGraphs, GraphOutput
+from fastdeploy.worker.forward_stats import ForwardStats
 from fastdeploy.worker.input_batch import InputBatch
 from fastdeploy.worker.mixed_graphs import MixedStepGraphs, mixed_step_graphs
 from fastdeploy.worker.mm_state import MultimodalBatchState
@@ -125,6 +126,8 @@ class ModelRunner:
         self.forward_every_step = config.parallel.expert_parallel_spans_replicas
         """Agree with the other replicas on every step's size, and run a padding forward in a step
         with no tokens: the MoE layers gather every replica's tokens."""
+        self.forward_stats = ForwardStats(envs.FD_FORWARD_STATS_LOG_S)
+        """Steps and tokens per forward path (graphs or eager), logged once a minute."""
         self.trace: list[tuple[str, int, float]] | None = [] if envs.FD_STEP_TRACE else None
         """(stage, step id, perf_counter seconds) of every stage when ``FD_STEP_TRACE=1``."""
 
@@ -292,9 +295,10 @@ class ModelRunner:
         self._pending = state
 
     def _forward(self, inputs: StepInputs) -> GraphOutput:
-        """The model's forward pass: a CUDA graph replay for decode-only steps that fit one.
+        """The model's forward pass: a CUDA graph replay for decode-only steps that fit one and for
+        small other steps (``--cuda-graph-max-tokens``), else eager (counted in :attr:`forward_stats`).
 
-        Only a graph of a small batch also returns the logits and greedy tokens of every row.
+        Only a decode graph of a small batch also returns the logits and greedy tokens of every row.
         """
         common = inputs.attn_metadata.common
         tensors = inputs.tensors
@@ -308,13 +312,17 @@ class ModelRunner:
         most = common.num_actual_tokens
         if self.forward_every_step:  # the MoE layers gather every replica's tokens: one size for all
             most, graphable = ep_agree_step(most, graphable)
+        tokens = common.num_actual_tokens
         if graphable:
+            self.forward_stats.note("decode_graph", tokens)
             return graphs.run(tensors.input_ids, tensors.positions, common, graphs.padded_size(most))
         mixed = self.mixed_graphs  # (never captured when the replicas must agree on every step)
         if mixed is not None and inputs.inputs_embeds is None:
             size = mixed.padded_size(common)
             if size is not None:
+                self.forward_stats.note("mixed_graph", tokens)
                 return GraphOutput(mixed.run(tensors.input_ids, tensors.positions, common, size), None, None)
+        self.forward_stats.note("eager", tokens)
         with set_forward_context(inputs.attn_metadata), ep_step_tokens(most):
             hidden = self.model(tensors.input_ids, tensors.positions, inputs.inputs_embeds)
             return GraphOutput(hidden, None, None)

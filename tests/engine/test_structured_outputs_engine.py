@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 
 import jsonschema
 import pytest
@@ -130,9 +131,13 @@ def test_async_scheduling_over_two_worker_processes(sync_run):
             assert mine.outputs[0].token_ids == theirs.outputs[0].token_ids
 
 
-def test_choice_regex_and_grammar():
+def test_choice_regex_and_grammar(monkeypatch):
+    """(With the engine's GIL switch interval set: ``FD_SWITCH_INTERVAL_MS``, for the mask threads.)"""
+    monkeypatch.setenv("FD_SWITCH_INTERVAL_MS", "0.5")
+    interval = sys.getswitchinterval()
     llm = LLM(dtype="float32", num_threads=1)
     try:
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
         prompts = ["The sky is", "My number is", "Answer yes or no:"]
         params = [
             SamplingParams(
@@ -154,6 +159,7 @@ def test_choice_regex_and_grammar():
         outputs = llm.generate(prompts, params)
     finally:
         llm.shutdown()
+        sys.setswitchinterval(interval)
     assert {c.text for c in outputs[0].outputs} <= {"blue", "green", "red"}
     assert re.fullmatch(r"\d{3}-\d{4}", outputs[1].outputs[0].text)
     assert outputs[2].outputs[0].text in ("yes", "no")

@@ -7,8 +7,6 @@ its greedy tokens through our engine at tensor-parallel sizes 1 and 2.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -80,42 +78,6 @@ def test_moe_layer_matches_float64_reference(renorm):
     got = layer(hidden, logits)
     assert expected.abs().max() > 0.1  # a non-trivial output
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="the routing kernels run in the interpreter"
-)
-@pytest.mark.parametrize("tokens", [3, 9], ids=["fused-router", "linear-then-topk"])
-def test_forward_with_gate_is_the_gate_then_forward(tokens, monkeypatch):
-    """``forward_with_gate`` (the router's linear and the top-k softmax in one kernel for at most
-    ``FD_MOE_FUSED_ROUTER_MAX_TOKENS`` tokens, here 4) gives ``forward(hidden, gate(hidden))``."""
-    from fastdeploy.model_executor.layers import fused_moe
-    from fastdeploy.model_executor.layers.linear import Linear
-    from fastdeploy.ops import triton_moe_routing
-
-    monkeypatch.setenv("FD_MOE_FUSED_ROUTER_MAX_TOKENS", "4")
-
-    def routing_kernels(name, x):  # the routing kernels only, in the interpreter (the experts: torch)
-        return triton_moe_routing if name == "triton_moe_routing" else None
-
-    monkeypatch.setattr(fused_moe, "_triton_kernels", routing_kernels)
-    fused_calls = []
-    original = triton_moe_routing.router_topk
-    monkeypatch.setattr(
-        triton_moe_routing, "router_topk", lambda *a, **kw: fused_calls.append(1) or original(*a, **kw)
-    )
-    torch.manual_seed(2)
-    experts, hidden_size, inter, top_k = 12, 32, 24, 3
-    layer = FusedMoE(experts, top_k, hidden_size, inter, renormalize=True)
-    for param in (layer.gate_up_proj, layer.down_proj):
-        param.data.normal_(0, 0.2)
-    gate = Linear(hidden_size, experts, bias=False)
-    gate.weight.data.normal_(0, 0.3)
-    hidden = torch.randn(tokens, hidden_size)
-    expected = layer(hidden, gate(hidden))
-    got = layer.forward_with_gate(hidden, gate)
-    assert len(fused_calls) == (1 if tokens <= 4 else 0)
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_renormalised_weights_sum_to_one_and_plain_ones_do_not():

@@ -9,6 +9,7 @@ GPU the replayed graphs are checked against eager mode (the ``gpu`` test below).
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ import torch
 
 from fastdeploy import LLM, SamplingParams
 from fastdeploy.model_executor.attention.metadata import CommonAttentionMetadata
+from fastdeploy.worker import forward_stats
 from fastdeploy.worker.mixed_graphs import MixedStepGraphs, mixed_token_sizes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,6 +39,27 @@ CPU_TRITON = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1",
     reason="the triton backend on a CPU runs in the interpreter only",
 )
+
+
+def test_forward_stats_count_paths_and_log_once_a_minute(monkeypatch, caplog):
+    clock = [100.0]
+    monkeypatch.setattr(forward_stats.time, "monotonic", lambda: clock[0])
+    stats = forward_stats.ForwardStats()
+    with caplog.at_level(logging.INFO, logger=forward_stats.__name__):
+        stats.note("decode_graph", 8)
+        stats.note("eager", 600)
+        assert not caplog.records  # not a minute yet
+        clock[0] += 61
+        stats.note("mixed_graph", 20)
+        clock[0] += 61
+        stats.note("decode_graph", 8)
+    assert stats.steps == {"decode_graph": 2, "mixed_graph": 1, "eager": 1}
+    assert stats.tokens == {"decode_graph": 16, "mixed_graph": 20, "eager": 600}
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2
+    assert lines[0] == (
+        "forward passes since start: decode_graph 1 (8 tokens), mixed_graph 1 (20 tokens), eager 1 (600 tokens)"
+    )
 
 
 def test_token_sizes_double_up_to_the_maximum():
@@ -83,9 +106,15 @@ def test_padded_steps_give_the_eager_tokens_and_write_only_their_own_slots(monke
 
         monkeypatch.setattr(MixedStepGraphs, "run", counting)
         tokens, caches = _run(llm)
+        stats = runner.forward_stats
     finally:
         llm.shutdown()
     assert tokens == expected
+    # the runner's counts of its forward paths agree with what the graphs served (no decode
+    # graphs on a CPU: decode steps are small steps too) and the steps over 32 tokens ran eagerly
+    assert stats.steps["mixed_graph"] == len(served) and stats.steps["decode_graph"] == 0
+    assert stats.tokens["mixed_graph"] == sum(t for t, _, _ in served)
+    assert stats.steps["eager"] > 0 and stats.tokens["eager"] > 32 * stats.steps["eager"] - 1
     # prefills, chunks beside decodes and decodes went through the padded forward, at both sizes,
     # and steps over 32 tokens did not
     assert {size for _, _, size in served} == {16, 32}
@@ -156,7 +185,7 @@ def test_mixed_graphs_give_the_eager_tokens():
             assert sorted(runner.mixed_graphs.graphs) == [16, 32, 64, 128]
         results[max_tokens] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
         llm.shutdown()
-        del llm
+        del llm, runner  # the runner holds the weights and the KV cache
         gc.collect()
         torch.cuda.empty_cache()
     assert results[128] == results[0]

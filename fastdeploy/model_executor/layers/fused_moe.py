@@ -210,55 +210,10 @@ class FusedMoE(nn.Module):
         output of ``shared_experts`` (this rank's partial output of the block's shared experts: run
         on a side stream beside the routed experts, :mod:`.side_stream`), summed over the
         tensor-parallel ranks: one all-reduce of routed + shared partials."""
-        return self._run(
-            hidden,
-            lambda: select_experts(
-                router_logits, self.top_k, self.renormalize, correction_bias, self.routed_tokens
-            ),
-            shared_experts,
-        )
-
-    def forward_with_gate(
-        self,
-        hidden: torch.Tensor,
-        gate: nn.Module,
-        shared_experts: Callable[[], torch.Tensor] | None = None,
-        correction_bias: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """:meth:`forward` with the router's linear ``gate`` (unquantized, no bias) applied here: for
-        a few tokens on a GPU (``FD_MOE_FUSED_ROUTER_MAX_TOKENS``) its matmul and the top-k softmax
-        run as one kernel (:func:`fastdeploy.ops.triton_moe_routing.router_topk`); otherwise
-        ``forward(hidden, gate(hidden), ...)``."""
-        kernels = _triton_kernels("triton_moe_routing", hidden)
-        fused = (
-            kernels is not None
-            and 0 < hidden.shape[0] <= envs.FD_MOE_FUSED_ROUTER_MAX_TOKENS
-            and getattr(gate, "quant_method", None) is None
-            and getattr(gate, "bias", None) is None
-            and gate.weight.dtype == hidden.dtype
-            and gate.weight.is_contiguous()
-            and hidden.stride(-1) == 1
-            and gate.weight.shape[0] <= kernels.ROUTER_MAX_EXPERTS
-        )
-        if not fused:
-            return self.forward(hidden, gate(hidden), shared_experts, correction_bias)
-        return self._run(
-            hidden,
-            lambda: kernels.router_topk(
-                hidden, gate.weight, self.top_k, self.renormalize, correction_bias, self.routed_tokens
-            ),
-            shared_experts,
-        )
-
-    def _run(
-        self,
-        hidden: torch.Tensor,
-        route: Callable[[], tuple[torch.Tensor, torch.Tensor]],
-        shared_experts: Callable[[], torch.Tensor] | None,
-    ) -> torch.Tensor:
-        """The routed experts on ``route()``'s (weights, ids) beside the shared ones (see :meth:`forward`)."""
         shared = start_beside(shared_experts, hidden.device) if shared_experts is not None else None
-        weights, ids = route()
+        weights, ids = select_experts(
+            router_logits, self.top_k, self.renormalize, correction_bias, self.routed_tokens
+        )
         if self.ep_size > 1 and ep_spans_replicas():
             out = self.experts_across_replicas(hidden, weights, ids)
             if shared is not None:

@@ -79,7 +79,7 @@ class ErnieMoeSparseBlock(nn.Module):
             hidden, residual = norm(x, residual)
         shared = (lambda: self.shared_experts_output(hidden)) if self.shared_experts is not None else None
         bias = self.moe_statics.e_score_correction_bias
-        return self.experts.forward_with_gate(hidden, self.gate, shared, correction_bias=bias), residual
+        return self.experts(hidden, self.gate(hidden), shared, correction_bias=bias), residual
 
     def shared_experts_output(self, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's partial output of the shared experts (the bias, held whole, added on rank 0

@@ -80,7 +80,7 @@ class QwenMoeSparseBlock(nn.Module):
         else:
             hidden, residual = norm(x, residual)
         shared = (lambda: self.shared_expert_output(hidden)) if self.has_shared_expert else None
-        return self.experts.forward_with_gate(hidden, self.gate, shared), residual
+        return self.experts(hidden, self.gate(hidden), shared), residual
 
     def shared_expert_output(self, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's partial output of the gated shared expert (reduced with the routed experts')."""
