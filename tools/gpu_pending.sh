@@ -8,7 +8,8 @@
 #   budget (~4)   the burst with --max-num-batched-tokens 4096, 6144, 8192: throughput against the
 #                 longest inter-token gaps (the prefill steps)
 #   prefill (~2)  one 8,192-token prefill step (16 prompts of 512): wall, kernels, kernel table
-#   structured (~4) the structured-output ratio with the GIL switch interval at 5 ms and 0.5 ms
+#   structured (~5) the structured-output ratio with the GIL switch interval at 5 and 0.5 ms, and
+#                 the one-task threaded fill
 #   bash tools/gpu_pending.sh OUT [poisson] [budget] [prefill] [structured]
 OUT=${1:?usage: tools/gpu_pending.sh OUT [poisson] [budget] [prefill] [structured]}
 shift
@@ -49,13 +50,20 @@ prefill() {
     grep -A 14 "Name" "$W/prefill8192.txt" | cut -c1-60,100-190
 }
 
-# #20: the GIL switch interval of the engine's process (FD_SWITCH_INTERVAL_MS) against the ratio
+# #20: the GIL switch interval of the engine's process (FD_SWITCH_INTERVAL_MS: each hand-over of the
+# GIL to a mask thread waits for it while the loop runs Python) and the one-task threaded fill
 structured() {
-    for ms in 5 0.5 5 0.5; do
-        echo "switch ${ms} ms $(FD_SWITCH_INTERVAL_MS=$ms FD_STEP_TRACE=1 timeout 150 python3 \
+    for variant in "5" "0.5" "0.5 --threaded-fill" "5" "0.5" "0.5 --threaded-fill"; do
+        set -- $variant
+        echo "switch $1 ms ${2:-slices} $(FD_SWITCH_INTERVAL_MS=$1 FD_STEP_TRACE=1 timeout 150 python3 \
             benchmarks/structured_outputs.py --model $MODEL --load-format dummy --tokenizer "$TOK" \
-            --max-model-len 2048 --json 2>> "$W/so_err.log" | grep '^{')"
+            --max-model-len 2048 --json $2 2>> "$W/so_err.log" | grep '^{')"
     done | tee "$W/structured_outputs.jsonl"
+    for variant in "5" "0.5" "0.5 --threaded-fill"; do
+        set -- $variant
+        echo "grammar_cost switch $1 ms ${2:-slices} $(timeout 120 python3 benchmarks/grammar_cost.py \
+            --tokenizer "$TOK" --vocab-size 128256 --switch-interval-ms $1 $2 2>> "$W/gc_err.log" | tail -n 1)"
+    done | tee "$W/grammar_cost.jsonl"
 }
 
 for section in $sections; do

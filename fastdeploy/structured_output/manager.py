@@ -118,27 +118,16 @@ class _SliceWork:
 class PendingBitmask:
     """A step's bitmask while the manager's threads advance and fill it (:meth:`result` waits)."""
 
-    def __init__(
-        self,
-        req_ids: list[str],
-        tensor: Any,
-        work: list[_SliceWork],
-        futures: list[Future],
-        fill: Future | None = None,
-    ):
-        """``futures``: each slice's advance (and fill, unless ``fill``, the fill of every slice's rows
-        once all have advanced) → the slice's accepted flags."""
+    def __init__(self, req_ids: list[str], tensor: Any, work: list[_SliceWork], futures: list[Future]):
+        """``futures``: each slice's advance and fill → the slice's accepted flags."""
         self._req_ids = req_ids
         self._tensor = tensor
         self._array = tensor.numpy()
         self._work = work
         self._futures = futures
-        self._fill = fill
 
     def result(self) -> GrammarBitmask:
         """The finished bitmask: rows whose token was refused lifted, ended grammars' rows written."""
-        if self._fill is not None:
-            self._fill.result()
         for work, future in zip(self._work, self._futures):
             accepted = future.result()
             for grammar, row, token, ok in zip(work.accept_grammars, work.accept_rows, work.tokens, accepted):
@@ -181,7 +170,7 @@ class StructuredOutputManager:
         self._slice_pool = ThreadPoolExecutor(self._slice_threads, "fd-grammar-mask")
         """Advances the matchers (and fills the rows of a few), in slices, beside the engine loop."""
         self._fill_pool = ThreadPoolExecutor(1, "fd-grammar-fill")
-        """Fills the rows of many matchers once their slices have advanced."""
+        """Advances every matcher and fills every row in one task (``THREADED_FILL``)."""
         self.num_compiles = 0
         """Grammars compiled so far (cache misses)."""
         self.backend = envs.FD_STRUCTURED_OUTPUTS_BACKEND
@@ -342,51 +331,40 @@ class StructuredOutputManager:
             array[guided] = -1  # (its fill is not relied on to write every word)
             self._guidance.fill_rows([grammars[row] for row in guided], guided, mask)
         slices = min(len(live) // self.SLICE_ROWS, self._slice_threads) or 1
+        if slices > 1 and self.THREADED_FILL:  # every row in one task of the fill thread
+            whole = _SliceWork.of(grammars, live)
+            future = self._fill_pool.submit(self._advance_and_fill, whole, mask, self._threaded_fill)
+            return PendingBitmask(list(req_ids), mask, [whole], [future])
         bounds = [len(live) * i // slices for i in range(slices + 1)]
         work = [_SliceWork.of(grammars, live[a:b]) for a, b in zip(bounds, bounds[1:]) if b > a]
-        if len(work) <= 1 or not self.THREADED_FILL:  # each slice advances and fills in one pool thread
-            futures = [self._slice_pool.submit(self._advance_and_fill, part, mask) for part in work]
-            return PendingBitmask(list(req_ids), mask, work, futures)
-        futures = [self._slice_pool.submit(self._advance, part) for part in work]
-        fill_matchers = [matcher for part in work for matcher in part.fill_matchers]
-        fill_rows = [row for part in work for row in part.fill_rows]
-        fill = self._fill_pool.submit(self._fill_after, futures, fill_matchers, mask, fill_rows)
-        return PendingBitmask(list(req_ids), mask, work, futures, fill)
+        futures = [
+            self._slice_pool.submit(self._advance_and_fill, part, mask, self._one_thread_fill)
+            for part in work
+        ]
+        return PendingBitmask(list(req_ids), mask, work, futures)
 
     @staticmethod
-    def _advance(work: _SliceWork) -> list[bool]:
-        """In a pool thread: advance the slice's matchers past their token (one native call, which
-        lets go of the GIL)."""
+    def _advance_and_fill(work: _SliceWork, mask: Any, filler: Any) -> list[bool]:
+        """In a pool thread: advance the matchers of ``work`` past their token (one native call, which
+        lets go of the GIL), then fill their rows with ``filler`` (xgrammar's one-thread fill keeps
+        the GIL while it runs; its threaded fill lets go of it)."""
         import xgrammar as xgr
 
-        return xgr.BatchGrammarMatcher.batch_accept_token(work.accept_matchers, work.tokens)
-
-    def _advance_and_fill(self, work: _SliceWork, mask: Any) -> list[bool]:
-        """In a pool thread: advance the slice's matchers past their token, then fill their rows
-        with xgrammar's one-thread fill (which keeps the GIL while it runs)."""
-        accepted = self._advance(work)
+        accepted = xgr.BatchGrammarMatcher.batch_accept_token(work.accept_matchers, work.tokens)
         if work.fill_matchers:
-            self._one_thread_fill.batch_fill_next_token_bitmask(work.fill_matchers, mask, work.fill_rows)
+            filler.batch_fill_next_token_bitmask(work.fill_matchers, mask, work.fill_rows)
         return accepted
-
-    def _fill_after(self, advances: list[Future], matchers: list[Any], mask: Any, rows: list[int]) -> None:
-        """In the fill thread: once every slice has advanced, fill all their rows with xgrammar's
-        threaded fill, which lets go of the GIL (its one-thread fill holds it throughout, so the
-        slices' fills would run one at a time and stall the engine loop meanwhile)."""
-        for advance in advances:
-            advance.result()
-        if matchers:
-            self._threaded_fill.batch_fill_next_token_bitmask(matchers, mask, rows)
 
     SLICE_ROWS = 16
     """Fewest grammar rows worth a thread of their own (a row's advance and fill: tens of µs)."""
 
     THREADED_FILL = False
-    """With several slices, fill all their rows at once with xgrammar's threaded fill (which lets go
-    of the GIL) once they have advanced, instead of each slice with the one-thread fill (which
-    keeps the GIL: the slices' fills run one at a time and the engine loop waits meanwhile).
-    Off until measured on a GPU host: on a 2-core CPU the threaded fill is slower
-    (docs/benchmarks.md, sixteenth session)."""
+    """With enough rows for several slices, make the whole mask in one task of the fill thread:
+    every matcher's advance in one native call, then xgrammar's threaded fill of every row, both
+    without the GIL (one hand-over of the GIL to start, where slices need one each, and their
+    one-thread fills keep it: they run one at a time and the engine loop waits meanwhile). Off
+    until measured on a GPU host (docs/benchmarks.md, eighteenth session; ``--threaded-fill`` in
+    benchmarks/structured_outputs.py)."""
 
     @functools.cached_property
     def _one_thread_fill(self) -> Any:

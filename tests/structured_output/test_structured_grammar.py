@@ -314,7 +314,7 @@ def test_worker_takes_a_mask_filled_in_its_process_as_it_is(device):
 @pytest.mark.parametrize("threaded_fill", [False, True], ids=["slice-fills", "threaded-fill"])
 def test_matchers_advance_in_parallel_slices_like_one_by_one(tokenizer, monkeypatch, threaded_fill):
     """The manager advances and fills many matchers at once, in slices on several threads (each slice
-    filling its rows, or one threaded fill of them all): each row's mask equals that of a matcher
+    filling its rows), or in one task (one advance of them all, then xgrammar's threaded fill): each row's mask equals that of a matcher
     advanced alone; a refused token lifts only its own row's mask."""
     monkeypatch.setenv("FD_STRUCTURED_OUTPUTS_BACKEND", "xgrammar")
     monkeypatch.setenv("FD_GRAMMAR_COMPILE_THREADS", "3")
