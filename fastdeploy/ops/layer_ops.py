@@ -15,6 +15,7 @@ from types import ModuleType
 import torch
 
 from fastdeploy import envs
+from fastdeploy.ops.cache_ops import reshape_and_cache_flash
 from fastdeploy.ops.cpu_ops import load_cpu_ops
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -126,20 +127,24 @@ def qk_norm_rotary_(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Qwen3's attention input in place: RMSNorm over each q head (``q_weight [head_dim]``) and
     each k head (``k_weight``) of ``qkv [T, (num_heads + 2 * num_kv_heads) * head_dim]``, then
-    the rotary embedding of those heads (NeoX layout; ``cos``/``sin`` as :func:`rotary_embedding_`).
-    One Triton kernel on a GPU; elsewhere the norms and :func:`rotary_embedding_`."""
+    the rotary embedding of those heads (NeoX layout; ``cos``/``sin`` as :func:`rotary_embedding_`);
+    with ``cache`` = (key cache, value cache, slot mapping) of ``qkv``'s dtype, then the keys and
+    values into the cache (as ``reshape_and_cache_flash``). One Triton kernel on a GPU; elsewhere
+    the norms, :func:`rotary_embedding_` and the cache write."""
     gpu = _triton_kernels(qkv)
     if (
         gpu is not None
         and cos.dtype == torch.float32
         and cos.is_contiguous()
         and q_weight.dtype == k_weight.dtype == qkv.dtype
+        and (cache is None or cache[0].dtype == cache[1].dtype == qkv.dtype)
     ):
         gpu.qk_norm_rotary_(
-            positions, qkv, q_weight, k_weight, eps, cos, sin, num_heads, num_kv_heads, head_dim
+            positions, qkv, q_weight, k_weight, eps, cos, sin, num_heads, num_kv_heads, head_dim, cache
         )
         return
     num_tokens, q_size, kv_size = qkv.shape[0], num_heads * head_dim, num_kv_heads * head_dim
@@ -148,6 +153,11 @@ def qk_norm_rotary_(
     qkv[:, :q_size] = _rms_norm_torch(q, q_weight, eps).reshape(num_tokens, q_size)
     qkv[:, q_size : q_size + kv_size] = _rms_norm_torch(k, k_weight, eps).reshape(num_tokens, kv_size)
     rotary_embedding_(positions, qkv, cos, sin, num_heads + num_kv_heads, head_dim)
+    if cache is not None:
+        key_cache, value_cache, slots = cache
+        k = qkv[:, q_size : q_size + kv_size].reshape(num_tokens, num_kv_heads, head_dim)
+        v = qkv[:, q_size + kv_size : q_size + 2 * kv_size].reshape(num_tokens, num_kv_heads, head_dim)
+        reshape_and_cache_flash(k, v, key_cache, value_cache, slots, "auto")
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

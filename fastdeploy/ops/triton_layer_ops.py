@@ -111,6 +111,9 @@ def _qk_norm_rotary_kernel(
     sin_ptr,
     q_w_ptr,
     k_w_ptr,
+    slot_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
     qkv_stride,
     num_heads,
     num_kv_heads,
@@ -119,10 +122,13 @@ def _qk_norm_rotary_kernel(
     HALF: tl.constexpr,
     HALF_P2: tl.constexpr,
     HEADS_P2: tl.constexpr,
+    DIM_P2: tl.constexpr,
+    WRITE_CACHE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """One token's q heads (program axis 1 = 0) or k heads (= 1): per-head RMSNorm with the
-    q / k weight, then the NeoX rotary embedding, in place in the qkv row."""
+    q / k weight, then the NeoX rotary embedding, in place in the qkv row; with ``WRITE_CACHE``
+    the k program also writes the token's keys and values to its cache slot (negative: none)."""
     pdl_prologue(USE_PDL)
     token = tl.program_id(0)
     is_k = tl.program_id(1)
@@ -144,8 +150,22 @@ def _qk_norm_rotary_kernel(
     # rounding points of the torch fallback: normalized → dtype, times the weight → dtype
     n1 = ((x1 * inv[:, None]).to(dtype).to(tl.float32) * w1[None, :]).to(dtype).to(tl.float32)
     n2 = ((x2 * inv[:, None]).to(dtype).to(tl.float32) * w2[None, :]).to(dtype).to(tl.float32)
-    tl.store(base, (n1 * c[None, :] - n2 * s[None, :]).to(dtype), mask=mask)
-    tl.store(base + HALF, (n2 * c[None, :] + n1 * s[None, :]).to(dtype), mask=mask)
+    r1 = (n1 * c[None, :] - n2 * s[None, :]).to(dtype)
+    r2 = (n2 * c[None, :] + n1 * s[None, :]).to(dtype)
+    tl.store(base, r1, mask=mask)
+    tl.store(base + HALF, r2, mask=mask)
+    if WRITE_CACHE:
+        if is_k == 1:
+            slot = tl.load(slot_ptr + token)
+            if slot >= 0:
+                row = slot * num_kv_heads * HEAD_DIM + heads[:, None] * HEAD_DIM
+                tl.store(key_cache_ptr + row + d[None, :], r1, mask=mask)
+                tl.store(key_cache_ptr + row + HALF + d[None, :], r2, mask=mask)
+                full = tl.arange(0, DIM_P2)
+                v_mask = (heads[:, None] < num_kv_heads) & (full[None, :] < HEAD_DIM)
+                v_row = row_ptr + num_kv_heads * HEAD_DIM + heads[:, None] * HEAD_DIM + full[None, :]
+                v = tl.load(v_row, mask=v_mask, other=0.0)
+                tl.store(value_cache_ptr + row + full[None, :], v, mask=v_mask)
 
 
 @triton.jit
@@ -235,12 +255,16 @@ def qk_norm_rotary_(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Per-head RMSNorm of the q and k heads of each ``qkv`` row, then their rotary embedding
-    (NeoX layout), in place: one launch where the torch fallback takes ~20."""
+    (NeoX layout), in place: one launch where the torch fallback takes ~20. With ``cache`` =
+    (key cache, value cache, slot mapping), NHD caches of ``qkv``'s dtype, the same launch writes
+    each token's keys and values to its slot (negative: skipped), as the cache-write op would."""
     if qkv.shape[0] == 0:
         return
     half = head_dim // 2
+    key_cache, value_cache, slots = cache if cache is not None else (qkv, qkv, positions)
     _qk_norm_rotary_kernel[(qkv.shape[0], 2)](
         qkv,
         positions,
@@ -248,6 +272,9 @@ def qk_norm_rotary_(
         sin,
         q_weight,
         k_weight,
+        slots,
+        key_cache,
+        value_cache,
         qkv.stride(0),
         num_heads,
         num_kv_heads,
@@ -256,6 +283,8 @@ def qk_norm_rotary_(
         HALF=half,
         HALF_P2=triton.next_power_of_2(half),
         HEADS_P2=triton.next_power_of_2(max(num_heads, num_kv_heads)),
+        DIM_P2=triton.next_power_of_2(head_dim),
+        WRITE_CACHE=cache is not None,
         **pdl_kwargs(qkv),
     )
 

@@ -8,6 +8,7 @@ on a GPU machine to get the interpreter cases there too.
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import replace
 
@@ -214,6 +215,54 @@ def test_engine_greedy_tokens_match_the_torch_backend(tmp_path, monkeypatch):
             torch.set_num_threads(threads)
     assert tokens["triton"] == tokens["torch"]
     assert len({t for seq in tokens["triton"] for t in seq}) > 3
+
+
+@pytest.mark.gpu
+def test_qwen3_cache_write_in_the_qk_norm_kernel_gives_the_same_tokens(tmp_path, monkeypatch):
+    """On a GPU Qwen3's q/k norm and rotary kernel also writes the keys and values to the cache
+    (no separate cache-write kernel): greedy tokens in float32 equal those with the write apart,
+    with prefills, chunks, decodes and the decode graphs."""
+    from transformers import Qwen3Config
+
+    from fastdeploy import LLM, SamplingParams
+    from fastdeploy.ops import layer_ops
+
+    if not torch.cuda.is_available() or layer_ops.load_triton_ops() is None:
+        pytest.skip("needs a GPU and triton")
+    config = Qwen3Config(
+        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, max_position_embeddings=256, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )  # fmt: skip
+    config.architectures = ["Qwen3ForCausalLM"]
+    config.save_pretrained(str(tmp_path))
+    gen = torch.Generator().manual_seed(7)
+    prompts = [{"prompt_token_ids": torch.randint(0, 512, (n,), generator=gen).tolist()} for n in (5, 21, 45)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    calls, fused_call = [], layer_ops.qk_norm_rotary_
+    monkeypatch.setattr(
+        "fastdeploy.model_executor.models.llama.qk_norm_rotary_",
+        lambda *a: calls.append(a[-1] is not None) or fused_call(*a),
+    )
+    tokens = {}
+    for fused in (False, True):
+        with monkeypatch.context() as patch:
+            if not fused:
+                patch.setattr(Attention, "fuses_rotary", lambda self, x: False)
+            llm = LLM(
+                model=str(tmp_path), load_format="dummy", dtype="float32", seed=1234, device="cuda",
+                max_num_seqs=4, max_num_batched_tokens=32, attention_backend="triton", gpu_memory_utilization=0.2,
+            )  # fmt: skip
+            try:
+                tokens[fused] = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
+            finally:
+                llm.shutdown()
+                del llm  # (its KV cache: the next engine sizes its own by the memory left)
+                gc.collect()
+                torch.cuda.empty_cache()
+        assert any(calls) == fused  # the cache went to the kernel exactly when it may
+        calls.clear()
+    assert tokens[True] == tokens[False]
 
 
 def test_decode_split_policy():

@@ -273,3 +273,39 @@ def test_fused_rotary_and_cache_write_equals_the_two_ops(monkeypatch):
     assert torch.allclose(qkv, expected_qkv, atol=1e-5)
     assert torch.allclose(caches[0], expected_caches[0], atol=1e-5)
     assert torch.equal(caches[1], expected_caches[1])
+
+
+def test_qk_norm_rotary_with_the_cache_write_equals_the_ops_apart(monkeypatch):
+    """Qwen3's q/k norm and rotary kernel writing the keys and values to their cache slots too
+    (a negative slot writes nothing), against the torch norms, rotary and cache write."""
+    triton_ops = layer_ops.load_triton_ops()
+    if triton_ops is None:
+        pytest.skip("triton is not installed")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and the Triton interpreter is off")
+    tokens, hq, hkv, dim = 5, 6, 2, 64
+    qkv = _rand(tokens, (hq + 2 * hkv) * dim, dtype=torch.float32).to(device)
+    q_w, k_w = (_rand(dim, dtype=torch.float32, seed=s).to(device) for s in (7, 8))
+    positions = torch.tensor([0, 5, 9, 17, 3], device=device)
+    slots = torch.tensor([3, -1, 8, 30, 12], device=device)
+    angles = torch.rand(64, dim // 2, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 6
+    cos, sin = angles.cos().float().to(device), angles.sin().float().to(device)
+    caches = [_rand(2, 16, hkv, dim, dtype=torch.float32, seed=s).to(device) for s in (4, 5)]
+
+    expected_qkv, expected_caches = qkv.clone(), [c.clone() for c in caches]
+    with monkeypatch.context() as patch:
+        patch.setattr(layer_ops, "_triton_kernels", lambda x: None)  # the torch ops, one after the other
+        layer_ops.qk_norm_rotary_(
+            positions, expected_qkv, q_w, k_w, 1e-6, cos, sin, hq, hkv, dim, (*expected_caches, slots)
+        )
+    untouched = [c.clone() for c in caches]
+    triton_ops.qk_norm_rotary_(positions, qkv, q_w, k_w, 1e-6, cos, sin, hq, hkv, dim, (*caches, slots))
+    assert torch.allclose(qkv, expected_qkv, atol=1e-5)
+    assert torch.allclose(caches[0], expected_caches[0], atol=1e-5)
+    assert torch.equal(caches[1], expected_caches[1])
+    written = torch.zeros(2 * 16, dtype=torch.bool)
+    written[[3, 8, 30, 12]] = True
+    for cache, before in zip(caches, untouched):  # only the four slots changed
+        changed = (cache.cpu() != before.cpu()).reshape(2 * 16, -1).any(dim=1)
+        assert torch.equal(changed, written)

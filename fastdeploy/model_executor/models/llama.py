@@ -90,11 +90,14 @@ class LlamaAttention(nn.Module):
         num_tokens = qkv.shape[0]
         if self.qk_norm and type(self.rotary_emb) is RotaryEmbedding:  # one kernel on a GPU
             rope = self.rotary_emb
+            # on a GPU the same kernel writes the keys and values to the cache
+            cache = self.attn.cache_target(num_tokens) if self.attn.fuses_rotary(qkv) else None
             qk_norm_rotary_(
                 positions, qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
-                rope.cos_cache, rope.sin_cache, self.num_heads, self.num_kv_heads, self.head_dim,
+                rope.cos_cache, rope.sin_cache, self.num_heads, self.num_kv_heads, self.head_dim, cache,
             )  # fmt: skip
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            return self.o_proj(self.attn(q, k, v, cache_written=cache is not None)), residual
         elif self.qk_norm:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim)).reshape(num_tokens, -1)
