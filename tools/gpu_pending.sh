@@ -10,10 +10,13 @@
 #   prefill (~2)  one 8,192-token prefill step (16 prompts of 512): wall, kernels, kernel table
 #   structured (~5) the structured-output ratio with the GIL switch interval at 5 and 0.5 ms, and
 #                 the one-task threaded fill
-#   bash tools/gpu_pending.sh OUT [poisson] [budget] [prefill] [structured]
-OUT=${1:?usage: tools/gpu_pending.sh OUT [poisson] [budget] [prefill] [structured]}
+#   tests (~2)    the GPU tests of this session's kernels (Qwen3's cache write in the q/k norm
+#                 kernel, the new GEMV candidates, the mixed-step graphs)
+#   moe (~2)      a batch-1 FP8 and bf16 decode step of the Qwen3-30B-A3B shape, kernel table
+#   bash tools/gpu_pending.sh OUT [poisson] [budget] [prefill] [structured] [tests] [moe]
+OUT=${1:?usage: tools/gpu_pending.sh OUT [poisson] [budget] [prefill] [structured] [tests] [moe]}
 shift
-sections=${*:-poisson budget prefill structured}
+sections=${*:-tests moe poisson budget prefill structured}
 mkdir -p "$OUT"
 source tools/gpu_env.sh
 export PYTHONUNBUFFERED=1
@@ -64,6 +67,24 @@ structured() {
         echo "grammar_cost switch $1 ms ${2:-slices} $(timeout 120 python3 benchmarks/grammar_cost.py \
             --tokenizer "$TOK" --vocab-size 128256 --switch-interval-ms $1 $2 2>> "$W/gc_err.log" | tail -n 1)"
     done | tee "$W/grammar_cost.jsonl"
+}
+
+tests() {
+    timeout 400 python3 -m pytest -q -p no:cacheprovider tests/ops/test_layer_ops.py tests/ops/test_triton_gemv.py \
+        tests/ops/test_triton_fp8_gemv.py tests/worker/test_mixed_graphs.py \
+        "tests/model_executor/test_triton_attention.py::test_qwen3_cache_write_in_the_qk_norm_kernel_gives_the_same_tokens" \
+        > "$W/gpu_tests.log" 2>&1
+    grep -E "passed|failed|FAILED|Error" "$W/gpu_tests.log" | tail -n 8
+}
+
+# #18: the batch-1 decode step of the Qwen3-30B-A3B shape after this session's kernel changes
+moe() {
+    for quant in ptpc_fp8 bf16; do
+        timeout 150 python3 -m benchmarks.gpubench.profile_decode benchmarks/configs/qwen3-30b-a3b --batch 1 \
+            $([ $quant = bf16 ] || echo --quantization $quant) --rows 16 > "$W/moe_b1_$quant.txt" 2>&1
+        echo "$quant: $(grep '^batch 1' "$W/moe_b1_$quant.txt")"
+        grep -E "kernel|nvjet|Memcpy" "$W/moe_b1_$quant.txt" | cut -c1-60,100-150 | head -n 14
+    done
 }
 
 for section in $sections; do
