@@ -12,7 +12,8 @@
 #                 the one-task threaded fill
 #   tests (~2)    the GPU tests of this session's kernels (Qwen3's cache write in the q/k norm
 #                 kernel, the new GEMV candidates, the mixed-step graphs)
-#   moe (~2)      a batch-1 FP8 and bf16 decode step of the Qwen3-30B-A3B shape, kernel table
+#   moe (~6)      a batch-1 FP8 and bf16 decode step of the Qwen3-30B-A3B shape, kernel table;
+#                 the experts' GEMV configuration sweep at one token
 #   bash tools/gpu_pending.sh OUT [poisson] [budget] [prefill] [structured] [tests] [moe]
 OUT=${1:?usage: tools/gpu_pending.sh OUT [poisson] [budget] [prefill] [structured] [tests] [moe]}
 shift
@@ -85,6 +86,10 @@ moe() {
         echo "$quant: $(grep '^batch 1' "$W/moe_b1_$quant.txt")"
         grep -E "kernel|nvjet|Memcpy" "$W/moe_b1_$quant.txt" | cut -c1-60,100-150 | head -n 14
     done
+    # the experts' two GEMV kernels at one token, narrow tiles among the candidates now
+    timeout 400 python3 -m benchmarks.gpubench.moe_bench --out "$W/moe_sweep" --sweep --tokens 1 \
+        --dtypes ptpc_fp8,bf16 > "$W/moe_sweep.log" 2>&1
+    grep "|" "$W/moe_sweep/results.md" | tail -n 4
 }
 
 for section in $sections; do
