@@ -186,6 +186,12 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "Threads of the engine core that compile structured-output grammars (off the engine loop) "
         "and fill their bitmasks; default: half the CPU cores, between 2 and 8.",
     ),
+    "FD_GRAMMAR_PROCESSES": (
+        lambda: int(os.environ.get("FD_GRAMMAR_PROCESSES", "0")),
+        "Helper processes that compile xgrammar grammars and make the structured-output bitmasks, "
+        "beside the engine loop with no GIL shared with it (structured_output/grammar_processes.py); "
+        "0 (the default): threads of the engine core's process.",
+    ),
     "FD_API_KEY": (
         lambda: os.environ.get("FD_API_KEY") or None,
         "The API key when serve gets no --api-key (as vLLM's VLLM_API_KEY): a key in the environment "

@@ -156,6 +156,7 @@ class EngineCore:
 
     def _new_structured_manager(self) -> StructuredOutputManager:
         from fastdeploy.engine.input_processor import eos_ids_of
+        from fastdeploy.engine.ipc import ChildProcess
         from fastdeploy.model_executor.model_loader import load_tokenizer
         from fastdeploy.structured_output.manager import StructuredOutputManager
 
@@ -165,6 +166,8 @@ class EngineCore:
             source.arch.vocab_size,
             eos_ids_of(source.arch.eos_token_ids, None),
             pin_memory=self.executor.worker_on_gpu_in_process,
+            max_rows=self.config.scheduler.max_num_seqs,
+            start_process=ChildProcess,
         )
 
     def _admit_compiled(self) -> None:

@@ -28,6 +28,12 @@ from fastdeploy.core.step_io import GrammarBitmask, bitmask_words
 from fastdeploy.platforms.gc_heap import freeze_late_heap, unfreeze_heap
 from fastdeploy.structured_output import guidance
 from fastdeploy.structured_output.grammar import build_grammar, constraint_key
+from fastdeploy.structured_output.grammar_processes import (
+    GrammarProcessPool,
+    PendingRemote,
+    RemoteCompiled,
+    RemoteGrammar,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -118,16 +124,27 @@ class _SliceWork:
 class PendingBitmask:
     """A step's bitmask while the manager's threads advance and fill it (:meth:`result` waits)."""
 
-    def __init__(self, req_ids: list[str], tensor: Any, work: list[_SliceWork], futures: list[Future]):
-        """``futures``: each slice's advance and fill → the slice's accepted flags."""
+    def __init__(
+        self,
+        req_ids: list[str],
+        tensor: Any,
+        work: list[_SliceWork],
+        futures: list[Future],
+        remote: PendingRemote | None = None,
+    ):
+        """``futures``: each slice's advance and fill → the slice's accepted flags; ``remote``: the
+        rows of the grammar processes' matchers."""
         self._req_ids = req_ids
         self._tensor = tensor
         self._array = tensor.numpy()
         self._work = work
         self._futures = futures
+        self._remote = remote
 
     def result(self) -> GrammarBitmask:
         """The finished bitmask: rows whose token was refused lifted, ended grammars' rows written."""
+        if self._remote is not None:
+            self._remote.finish()
         for work, future in zip(self._work, self._futures):
             accepted = future.result()
             for grammar, row, token, ok in zip(work.accept_grammars, work.accept_rows, work.tokens, accepted):
@@ -152,6 +169,8 @@ class StructuredOutputManager:
         vocab_size: int,
         eos_token_ids: list[int],
         pin_memory: bool = False,
+        max_rows: int = 1024,
+        start_process: Callable[..., Any] | None = None,
     ):
         """``pin_memory``: the worker runs in this process on a GPU (offline): masks are filled into
         pinned host memory, which the worker copies to the device as it is."""
@@ -188,8 +207,43 @@ class StructuredOutputManager:
         """llguidance grammars (about a millisecond each): never queued behind xgrammar's compiles."""
         self.num_guidance_grammars = 0
         """Constraints handed to llguidance so far."""
+        self._start_process = start_process
+        """How the grammar processes start (the engine's ``ChildProcess``; None: no processes)."""
+        self._num_processes = max(envs.FD_GRAMMAR_PROCESSES, 0) if start_process is not None else 0
+        self._max_rows = max_rows
+        """Most grammar rows of a step (the scheduler's running requests): the processes' mask buffers."""
+        self._processes: GrammarProcessPool | None = None
+        """The grammar processes (``FD_GRAMMAR_PROCESSES``), started with the first compile."""
+        self._process_stop_ids: list[int] = []
+        if self._num_processes and self.backend == "auto":
+            self.backend = "xgrammar"  # (llguidance's matchers would stay in this process)
 
     # ---- compiling -----------------------------------------------------------------
+
+    def _tokenizer_info(self) -> Any:
+        """xgrammar's view of this model's tokenizer (call with ``_init_lock`` held)."""
+        import xgrammar as xgr
+
+        return xgr.TokenizerInfo.from_huggingface(
+            self._tokenizer(), vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids or None
+        )
+
+    def processes(self) -> GrammarProcessPool:
+        """The grammar processes (started on first use; they finish starting in the background)."""
+        with self._init_lock:
+            if self._processes is None:
+                info = self._tokenizer_info()
+                self._process_stop_ids = list(info.stop_token_ids)
+                self._processes = GrammarProcessPool(
+                    self._num_processes,
+                    info.serialize_json(),
+                    self._max_rows,
+                    bitmask_words(self.vocab_size),
+                    self.pin_memory,
+                    self._start_process,
+                )
+                freeze_late_heap()
+            return self._processes
 
     def compiler(self) -> Any:
         """xgrammar's compiler for this model's tokenizer (built on first use)."""
@@ -197,9 +251,7 @@ class StructuredOutputManager:
             if self._compiler is None:
                 import xgrammar as xgr
 
-                info = xgr.TokenizerInfo.from_huggingface(
-                    self._tokenizer(), vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids or None
-                )
+                info = self._tokenizer_info()
                 # two threads per compile: a new schema waits ~30% less (60 -> 42 ms on the CI CPU);
                 # the cache keeps each rule's token masks, so schemas sharing parts (a bounded string,
                 # an integer range) compile in a few ms after the first (docs/benchmarks.md)
@@ -238,7 +290,10 @@ class StructuredOutputManager:
         future = self._pool.submit(self._compile, *key)
         self._cache[key] = future
         while len(self._cache) > self.cache_size:
-            self._cache.popitem(last=False)
+            _, evicted = self._cache.popitem(last=False)
+            if self._processes is not None and evicted.done() and evicted.exception() is None:
+                if isinstance(compiled := evicted.result(), RemoteCompiled):
+                    self._processes.drop(compiled)
         return future
 
     def _guidance_grammar(self, kind: str, text: str) -> Any:
@@ -275,6 +330,10 @@ class StructuredOutputManager:
         return self._hf_tokenizer
 
     def _compile(self, kind: str, text: str, reasoning_prefix: str = "") -> Any:
+        if self._num_processes:  # in the grammar process this constraint maps to
+            processes = self.processes()
+            self.num_compiles += 1
+            return processes.compile(kind, text, reasoning_prefix)
         compiler = self.compiler()
         self.num_compiles += 1
         return compiler.compile_grammar(build_grammar(kind, text, reasoning_prefix))
@@ -286,9 +345,11 @@ class StructuredOutputManager:
         (llguidance: the model's end-of-sequence tokens)."""
         if isinstance(compiled, guidance.GuidanceGrammar):
             return self._guidance.new_request_grammar(compiled)
+        stop = list(eos_token_ids) or self.eos_token_ids
+        if isinstance(compiled, RemoteCompiled):
+            return self._processes.new_grammar(compiled, stop or self._process_stop_ids)
         import xgrammar as xgr
 
-        stop = list(eos_token_ids) or self.eos_token_ids
         return RequestGrammar(xgr.GrammarMatcher(compiled, override_stop_tokens=stop or None), stop)
 
     # ---- bitmasks ------------------------------------------------------------------
@@ -309,10 +370,24 @@ class StructuredOutputManager:
         # (through numpy: torch's ops wake its thread pool, milliseconds on a busy host; and no 2 MB
         # memset a step at 128 rows of a 128k vocabulary).
         shape = (len(grammars), bitmask_words(self.vocab_size))
-        mask = torch.empty(shape, dtype=torch.int32, pin_memory=self.pin_memory)
-        array = mask.numpy()
-        live, guided = [], []
+        if self._processes is not None:  # (the processes write into shared memory)
+            buffer, array = self._processes.take_buffer(len(grammars))
+            mask = torch.from_numpy(array)
+        else:
+            mask = torch.empty(shape, dtype=torch.int32, pin_memory=self.pin_memory)
+            array = mask.numpy()
+        live, guided, remote = [], [], []
         for row, grammar in enumerate(grammars):
+            if isinstance(grammar, RemoteGrammar):
+                if grammar.failed:
+                    array[row] = -1
+                elif grammar.ended:
+                    grammar.write_stop_row(array[row])
+                else:
+                    remote.append((row, grammar))
+                    continue
+                grammar.unseen = []
+                continue
             if not isinstance(grammar, RequestGrammar):
                 guided.append(row)
                 continue
@@ -327,6 +402,7 @@ class StructuredOutputManager:
                 live.append(row)
                 continue
             grammar.unseen.clear()  # (a token after the end, such as EOS with ignore_eos: ignored)
+        pending_remote = self._processes.start(buffer, array, remote) if remote else None
         if guided:  # llguidance's threads
             array[guided] = -1  # (its fill is not relied on to write every word)
             self._guidance.fill_rows([grammars[row] for row in guided], guided, mask)
@@ -334,14 +410,14 @@ class StructuredOutputManager:
         if slices > 1 and self.THREADED_FILL:  # every row in one task of the fill thread
             whole = _SliceWork.of(grammars, live)
             future = self._fill_pool.submit(self._advance_and_fill, whole, mask, self._threaded_fill)
-            return PendingBitmask(list(req_ids), mask, [whole], [future])
+            return PendingBitmask(list(req_ids), mask, [whole], [future], pending_remote)
         bounds = [len(live) * i // slices for i in range(slices + 1)]
         work = [_SliceWork.of(grammars, live[a:b]) for a, b in zip(bounds, bounds[1:]) if b > a]
         futures = [
             self._slice_pool.submit(self._advance_and_fill, part, mask, self._one_thread_fill)
             for part in work
         ]
-        return PendingBitmask(list(req_ids), mask, work, futures)
+        return PendingBitmask(list(req_ids), mask, work, futures, pending_remote)
 
     @staticmethod
     def _advance_and_fill(work: _SliceWork, mask: Any, filler: Any) -> list[bool]:
@@ -381,6 +457,8 @@ class StructuredOutputManager:
         return xgr.BatchGrammarMatcher(max(self._slice_threads, 2))
 
     def shutdown(self) -> None:
+        if self._processes is not None:
+            self._processes.shutdown()
         self._slice_pool.shutdown(wait=False, cancel_futures=True)
         self._fill_pool.shutdown(wait=False, cancel_futures=True)
         self._pool.shutdown(wait=False, cancel_futures=True)

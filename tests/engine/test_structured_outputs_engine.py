@@ -164,3 +164,23 @@ def test_choice_regex_and_grammar(monkeypatch):
     assert re.fullmatch(r"\d{3}-\d{4}", outputs[1].outputs[0].text)
     assert outputs[2].outputs[0].text in ("yes", "no")
     assert all(c.finish_reason == "stop" for o in outputs for c in o.outputs)
+
+
+def test_grammar_processes_give_the_same_outputs(monkeypatch):
+    """``FD_GRAMMAR_PROCESSES=2``: the grammars compiled and the masks made in two helper processes;
+    greedy outputs equal those of the engine's own threads, with async scheduling."""
+    messages, params = _requests()
+    greedy = [(m, p) for m, p in zip(messages, params) if p.temperature == 0]
+    outputs = {}
+    for processes in ("0", "2"):
+        monkeypatch.setenv("FD_GRAMMAR_PROCESSES", processes)
+        llm = LLM(dtype="float32", num_threads=1, async_scheduling=True, max_num_batched_tokens=32)
+        try:
+            outputs[processes] = llm.chat([m for m, _ in greedy], [p for _, p in greedy])
+            manager = llm.engine.core.structured
+            assert (manager._processes is not None) == (processes == "2")
+        finally:
+            llm.shutdown()
+    _check_valid(outputs["2"], [p for _, p in greedy])
+    for mine, theirs in zip(outputs["2"], outputs["0"]):
+        assert mine.outputs[0].token_ids == theirs.outputs[0].token_ids

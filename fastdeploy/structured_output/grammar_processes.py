@@ -1,0 +1,485 @@
+"""xgrammar grammars and matchers in helper processes (``FD_GRAMMAR_PROCESSES=N``): the token
+bitmasks are made beside the engine loop with no GIL shared with it.
+
+In one process the matchers' threads wait for the GIL at every hand-over while the engine loop
+runs Python (scheduling, output handling), so a step's mask is mostly made after the loop's
+work rather than beside it (docs/benchmarks.md, sixteenth to eighteenth sessions). Here each
+constraint is compiled in one of ``N`` processes (chosen by its key), every request's matcher
+lives in the process of its constraint, and each step every process advances its matchers past
+their new tokens and fills their rows into a shared-memory mask that the engine then uses as
+it is (pinned for the GPU when the worker runs in the engine's process). The engine loop only
+sends each process its rows and reads back, per row, whether the grammar goes on, refused a
+token or ended.
+
+Two pipes per process: the control pipe (compiles, each answered by a reader thread that
+resolves the compile's future) and the mask pipe (one request and one reply a step, read by
+the engine loop). Messages are the dataclasses below, between processes this engine started.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import socket
+import tempfile
+import threading
+import weakref
+import zlib
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+LIVE, REFUSED, ENDED = 0, 1, 2
+"""A remote row's state after its step: the grammar goes on (its row filled), refused a token
+(the row's mask is lifted), or took a stop token (only stop tokens may follow)."""
+
+START_TIMEOUT_S = 120.0
+"""Longest wait for the processes to start (imports, tokenizer) before a compile fails."""
+COMPILE_TIMEOUT_S = 300.0
+"""Longest wait for one compile."""
+
+
+@dataclass
+class CompileRequest:
+    key_id: int
+    kind: str
+    text: str
+    reasoning_prefix: str
+
+
+@dataclass
+class CompileReply:
+    key_id: int
+    error: str | None
+
+
+@dataclass
+class DropGrammar:
+    """The engine's cache let go of the constraint: matchers already made keep their grammar."""
+
+    key_id: int
+
+
+@dataclass
+class NewMatcher:
+    handle: int
+    key_id: int
+    stop_token_ids: list[int]
+
+
+@dataclass
+class MaskRow:
+    row: int
+    handle: int
+    tokens: list[int]
+    """Output tokens to advance past before the row is filled (one a step; more after a resume)."""
+
+
+@dataclass
+class MaskWork:
+    """One step's work for one process: its rows of mask buffer ``buffer``."""
+
+    buffer: int
+    rows: list[MaskRow]
+    new: list[NewMatcher] = field(default_factory=list)
+    freed: list[int] = field(default_factory=list)
+
+
+@dataclass
+class MaskReply:
+    states: list[int]
+    """Per row of the work: :data:`LIVE`, :data:`REFUSED` or :data:`ENDED`."""
+    error: str | None = None
+
+
+@dataclass
+class RemoteCompiled:
+    """A constraint compiled in process ``process`` (what the manager's compile future gives)."""
+
+    key_id: int
+    process: int
+
+
+class RemoteGrammar:
+    """One request's matcher, kept in a grammar process (the scheduler's ``GrammarState``)."""
+
+    def __init__(self, handle: int, process: int, stop_token_ids: list[int]):
+        self.handle = handle
+        self.process = process
+        self.stop_token_ids = list(stop_token_ids)
+        self.failed = False
+        """A token the grammar refused was taken anyway: the row's mask is lifted from then on."""
+        self.ended = False
+        self.unseen: list[int] = []
+        """Output tokens the process has not advanced the matcher past yet."""
+
+    def accept_token(self, token_id: int) -> None:
+        self.unseen.append(token_id)
+
+    def write_stop_row(self, row: np.ndarray) -> None:
+        """Write the row of an ended grammar: only its stop tokens."""
+        bits = row.view(np.uint32)
+        bits[:] = 0
+        for token in self.stop_token_ids:
+            bits[token // 32] |= np.uint32(1 << (token % 32))
+
+
+class GrammarProcessPool:
+    """``num_processes`` grammar processes and two shared-memory mask buffers of ``rows`` rows,
+    used alternately (a buffer is written again two steps later, once the worker has read it).
+
+    ``start_process(target, args, name, pass_fds)`` starts ``target(*args)`` in a fresh interpreter
+    that inherits ``pass_fds`` and returns a handle with ``join(timeout)``, ``is_alive()`` and
+    ``kill_and_wait()`` (the engine's ``ChildProcess``: never a re-import of the caller's
+    ``__main__``, as multiprocessing's spawn would do)."""
+
+    def __init__(
+        self,
+        num_processes: int,
+        tokenizer_info_json: str,
+        rows: int,
+        words: int,
+        pin: bool,
+        start_process: Callable[..., Any],
+    ):
+        self.rows, self.words = rows, words
+        size = max(rows * words * 4, mmap.PAGESIZE)
+        self._buffer_fds = [_shared_file(size) for _ in range(2)]
+        self._maps = [mmap.mmap(fd, size) for fd in self._buffer_fds]
+        self.buffers = [np.ndarray((rows, words), dtype=np.int32, buffer=m) for m in self._maps]
+        self._registered = []
+        if pin:
+            self._register_pinned()
+        self._next_buffer = 0
+        self._unfinished: PendingRemote | None = None
+        """The last step's processes' work if its replies were never read (a step that failed)."""
+        self._procs, self._control, self._mask = [], [], []
+        for index in range(num_processes):
+            control, child_control = socket.socketpair()
+            mask, child_mask = socket.socketpair()
+            fds = (child_control.fileno(), child_mask.fileno(), *self._buffer_fds)
+            args = (fds[0], fds[1], list(self._buffer_fds), tokenizer_info_json, rows, words)
+            try:
+                self._procs.append(start_process(_serve, args, f"fastdeploy-grammar-{index}", pass_fds=fds))
+            finally:
+                child_control.close()
+                child_mask.close()
+            self._control.append(Connection(control.detach()))
+            self._mask.append(Connection(mask.detach()))
+        self._lock = threading.Lock()
+        self._send_locks = [threading.Lock() for _ in range(num_processes)]
+        """One sender at a time on each control pipe (compile threads, the engine loop)."""
+        self._futures: dict[int, Future] = {}
+        self._next_key = 0
+        self._next_handle = 0
+        self._new: list[list[NewMatcher]] = [[] for _ in range(num_processes)]
+        self._freed: list[list[int]] = [[] for _ in range(num_processes)]
+        self._dead = [False] * num_processes
+        self._readers = [
+            threading.Thread(target=self._read_replies, args=(i,), name=f"fd-grammar-reply-{i}", daemon=True)
+            for i in range(num_processes)
+        ]
+        for reader in self._readers:
+            reader.start()
+
+    def _register_pinned(self) -> None:
+        """Page-lock the buffers for the GPU (the worker copies a mask to the device as it is)."""
+        import torch
+
+        cudart = torch.cuda.cudart()
+        for buffer in self.buffers:
+            pointer, size = buffer.ctypes.data, buffer.nbytes
+            if cudart.cudaHostRegister(pointer, size, 0) == 0:
+                self._registered.append(pointer)
+
+    # ---- compiling (any thread; blocks until the process answers) --------------------
+
+    def compile(self, kind: str, text: str, reasoning_prefix: str) -> RemoteCompiled:
+        """Compile a constraint in the process its text maps to; a ValueError with xgrammar's
+        message when it is invalid."""
+        process = zlib.crc32(f"{kind}\0{text}\0{reasoning_prefix}".encode()) % len(self._procs)
+        future: Future = Future()
+        with self._lock:
+            key_id = self._next_key
+            self._next_key += 1
+            self._futures[key_id] = future
+            dead = self._dead[process]
+        if dead:
+            raise ValueError("the grammar process has stopped")
+        with self._send_locks[process]:  # (not under _lock: a full pipe must not block the reader)
+            self._control[process].send(CompileRequest(key_id, kind, text, reasoning_prefix))
+        error = future.result(timeout=START_TIMEOUT_S + COMPILE_TIMEOUT_S)
+        if error is not None:
+            raise ValueError(error)
+        return RemoteCompiled(key_id, process)
+
+    def _read_replies(self, process: int) -> None:
+        """Resolve compile futures from the process's control pipe until it closes."""
+        connection = self._control[process]
+        while True:
+            try:
+                reply = connection.recv()
+            except (EOFError, OSError):
+                break
+            with self._lock:
+                future = self._futures.pop(reply.key_id, None)
+            if future is not None:
+                future.set_result(reply.error)
+        with self._lock:
+            self._dead[process] = True
+            pending, self._futures = self._futures, {}
+        for future in pending.values():
+            if not future.done():
+                future.set_exception(ValueError("the grammar process has stopped"))
+
+    def drop(self, compiled: RemoteCompiled) -> None:
+        """The engine's cache evicted the constraint: its process may let go of it."""
+        if not self._dead[compiled.process]:
+            with self._send_locks[compiled.process]:
+                try:
+                    self._control[compiled.process].send(DropGrammar(compiled.key_id))
+                except OSError:
+                    pass
+
+    # ---- matchers and masks (the engine loop) -------------------------------------------
+
+    def new_grammar(self, compiled: RemoteCompiled, stop_token_ids: list[int]) -> RemoteGrammar:
+        """A matcher for one request, made in the constraint's process with the next mask work."""
+        handle = self._next_handle
+        self._next_handle += 1
+        grammar = RemoteGrammar(handle, compiled.process, stop_token_ids)
+        self._new[compiled.process].append(NewMatcher(handle, compiled.key_id, list(stop_token_ids)))
+        weakref.finalize(grammar, self._freed[compiled.process].append, handle)
+        return grammar
+
+    def take_buffer(self, num_rows: int) -> tuple[int, np.ndarray]:
+        """The next mask buffer (its index, and a view of its first ``num_rows`` rows); the other
+        may still be read by the worker."""
+        if num_rows > self.rows:
+            raise ValueError(f"{num_rows} grammar rows, more than the {self.rows} the mask buffers hold")
+        index = self._next_buffer
+        self._next_buffer = 1 - index
+        return index, self.buffers[index][:num_rows]
+
+    def start(self, buffer: int, array: np.ndarray, rows: list[tuple[int, RemoteGrammar]]) -> PendingRemote:
+        """Send each process its rows of ``array``, the :meth:`take_buffer` view of buffer ``buffer``,
+        to advance their matchers and fill them."""
+        if self._unfinished is not None:  # keep each pipe's replies in step with its requests
+            self._unfinished.finish()
+        per_process: dict[int, list[tuple[int, RemoteGrammar]]] = {}
+        for row, grammar in rows:
+            per_process.setdefault(grammar.process, []).append((row, grammar))
+        sent: list[tuple[int, list[tuple[int, RemoteGrammar]]]] = []
+        for process, items in per_process.items():
+            work = MaskWork(buffer, [MaskRow(row, g.handle, g.unseen) for row, g in items])
+            work.new, self._new[process] = self._new[process], []
+            work.freed, self._freed[process] = self._freed[process], []
+            for _, grammar in items:
+                grammar.unseen = []
+            if not self._dead[process]:
+                try:
+                    self._mask[process].send(work)
+                    sent.append((process, items))
+                    continue
+                except OSError:
+                    self._dead[process] = True
+            self._lift(array, items)
+        pending = PendingRemote(self, array, sent)
+        self._unfinished = pending if sent else None
+        return pending
+
+    def _lift(self, array: np.ndarray, items: list[tuple[int, RemoteGrammar]]) -> None:
+        """Rows whose process has stopped: their grammar is lost, their masks lifted (logged)."""
+        for row, grammar in items:
+            if not grammar.failed:
+                logger.error("structured output: the grammar process has stopped; the mask is lifted")
+            grammar.failed = True
+            array[row] = -1
+
+    def receive(self, process: int) -> MaskReply | None:
+        try:
+            return self._mask[process].recv()
+        except (EOFError, OSError):
+            self._dead[process] = True
+            return None
+
+    def shutdown(self) -> None:
+        """Stop the processes and free the shared memory."""
+        for connection in self._control + self._mask:
+            try:
+                connection.send(None)
+            except OSError:
+                pass
+        for proc in self._procs:
+            if not proc.join(5):
+                proc.kill_and_wait()
+        for connection in self._control + self._mask:
+            connection.close()
+        if self._registered:
+            import torch
+
+            cudart = torch.cuda.cudart()
+            for pointer in self._registered:
+                cudart.cudaHostUnregister(pointer)
+            self._registered = []
+        self.buffers = []
+        for shared in self._maps:
+            try:
+                shared.close()
+            except BufferError:  # a view of it still alive somewhere: the mapping goes with it
+                pass
+        for fd in self._buffer_fds:
+            os.close(fd)
+        self._maps, self._buffer_fds = [], []
+
+
+def _shared_file(size: int) -> int:
+    """A file descriptor of ``size`` bytes of memory that a child process can map (inherited)."""
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("fastdeploy-grammar-mask", 0)
+    else:
+        with tempfile.TemporaryFile() as file:
+            fd = os.dup(file.fileno())
+    os.ftruncate(fd, size)
+    return fd
+
+
+class PendingRemote:
+    """The processes' part of a step's mask being made (:meth:`finish` waits for it)."""
+
+    def __init__(
+        self,
+        pool: GrammarProcessPool,
+        array: np.ndarray,
+        sent: list[tuple[int, list[tuple[int, RemoteGrammar]]]],
+    ):
+        self._pool = pool
+        self._array = array
+        self._sent = sent
+
+    def finish(self) -> None:
+        """Read each process's reply; write the rows of refused and ended grammars (once)."""
+        sent, self._sent = self._sent, []
+        if self._pool._unfinished is self:
+            self._pool._unfinished = None
+        for process, items in sent:
+            reply = self._pool.receive(process)
+            if reply is None or reply.error is not None:
+                if reply is not None:
+                    logger.error("structured output: grammar process error: %s", reply.error)
+                self._pool._lift(self._array, items)
+                continue
+            for (row, grammar), state in zip(items, reply.states):
+                if state == REFUSED:
+                    grammar.failed = True
+                    logger.error("structured output: a token does not follow the grammar; the mask is lifted")
+                    self._array[row] = -1
+                elif state == ENDED:
+                    grammar.ended = True
+                    grammar.write_stop_row(self._array[row])
+
+
+# ---- the grammar process ------------------------------------------------------------------
+
+
+def _serve(
+    control_fd: int, mask_fd: int, buffer_fds: list[int], tokenizer_info_json: str, rows: int, words: int
+) -> None:
+    """A grammar process: compiles on its control pipe (in a thread), advances matchers and fills
+    mask rows on its mask pipe, until either pipe sends None or closes."""
+    import torch
+    import xgrammar as xgr
+
+    from fastdeploy import envs
+    from fastdeploy.structured_output.grammar import build_grammar, clean_message
+
+    control, mask = Connection(control_fd), Connection(mask_fd)
+    info = xgr.TokenizerInfo.deserialize_json(tokenizer_info_json)
+    cache_mb = envs.FD_XGRAMMAR_CACHE_MB
+    compiler = xgr.GrammarCompiler(
+        info, max_threads=2, cache_enabled=cache_mb > 0, cache_limit_bytes=cache_mb << 20
+    )
+    maps = [mmap.mmap(fd, max(rows * words * 4, mmap.PAGESIZE)) for fd in buffer_fds]
+    masks = [torch.from_numpy(np.ndarray((rows, words), dtype=np.int32, buffer=m)) for m in maps]
+    grammars: dict[int, Any] = {}
+    lock = threading.Lock()
+
+    def compile_loop() -> None:
+        while True:
+            try:
+                message = control.recv()
+            except (EOFError, OSError):
+                return
+            if message is None:
+                return
+            if isinstance(message, DropGrammar):
+                with lock:
+                    grammars.pop(message.key_id, None)
+                continue
+            error = None
+            try:
+                grammar = build_grammar(message.kind, message.text, reasoning_prefix=message.reasoning_prefix)
+                compiled = compiler.compile_grammar(grammar)
+                with lock:
+                    grammars[message.key_id] = compiled
+            except Exception as exc:  # an invalid constraint: its requests fail with the message
+                error = clean_message(str(exc))
+            control.send(CompileReply(message.key_id, error))
+
+    threading.Thread(target=compile_loop, name="fd-grammar-compile", daemon=True).start()
+    matchers: dict[int, Any] = {}
+    filler = xgr.BatchGrammarMatcher(1)
+    while True:
+        try:
+            work = mask.recv()
+        except (EOFError, OSError):
+            break
+        if work is None:
+            break
+        try:
+            mask.send(_mask_step(work, matchers, grammars, lock, masks[work.buffer], filler, xgr))
+        except Exception as exc:  # reported: the engine lifts these rows
+            mask.send(MaskReply([], error=f"{type(exc).__name__}: {exc}"))
+
+
+def _mask_step(
+    work: MaskWork,
+    matchers: dict[int, Any],
+    grammars: dict[int, Any],
+    lock: threading.Lock,
+    buffer: Any,
+    filler: Any,
+    xgr: Any,
+) -> MaskReply:
+    """Make and free matchers, advance each row's matcher past its tokens, fill the live rows."""
+    for handle in work.freed:
+        matchers.pop(handle, None)
+    for new in work.new:
+        with lock:
+            compiled = grammars[new.key_id]
+        matchers[new.handle] = xgr.GrammarMatcher(compiled, override_stop_tokens=new.stop_token_ids or None)
+    states, fill_matchers, fill_rows = [], [], []
+    for item in work.rows:
+        matcher = matchers[item.handle]
+        state = LIVE
+        for token in item.tokens:
+            if not matcher.accept_token(token):
+                state = REFUSED
+                break
+            if matcher.is_terminated():
+                state = ENDED
+                break
+        states.append(state)
+        if state == LIVE:
+            fill_matchers.append(matcher)
+            fill_rows.append(item.row)
+    if fill_matchers:
+        filler.batch_fill_next_token_bitmask(fill_matchers, buffer, fill_rows)
+    return MaskReply(states)

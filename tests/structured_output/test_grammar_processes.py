@@ -1,0 +1,108 @@
+"""Grammars and matchers in helper processes (``FD_GRAMMAR_PROCESSES``): the masks they fill into
+shared memory equal those of matchers advanced here, refused tokens and ended grammars are
+handled as in one process, an invalid constraint fails with xgrammar's message, and a process
+that dies lifts only its own rows. Real processes (the engine's ``ChildProcess``), two of them."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import xgrammar as xgr
+
+from fastdeploy.core.sampling_params import StructuredOutputsParams
+from fastdeploy.engine.ipc import ChildProcess
+from fastdeploy.structured_output.grammar import build_grammar
+from fastdeploy.structured_output.grammar_processes import RemoteCompiled, RemoteGrammar
+from fastdeploy.structured_output.manager import StructuredOutputManager
+
+WORDS = ["alpha", "bravo", "charlie", "delta"]
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_path):
+    from fastdeploy.config import EngineConfig
+    from fastdeploy.model_executor.model_loader import load_tokenizer, resolve_model
+
+    config = EngineConfig()
+    return load_tokenizer(config.model, resolve_model(config.model))
+
+
+@pytest.fixture
+def manager(tokenizer, monkeypatch):
+    monkeypatch.setenv("FD_GRAMMAR_PROCESSES", "2")
+    monkeypatch.setenv("FD_STRUCTURED_OUTPUTS_BACKEND", "xgrammar")
+    manager = StructuredOutputManager(
+        lambda: tokenizer, len(tokenizer), [tokenizer.eos_token_id], max_rows=16, start_process=ChildProcess
+    )
+    yield manager
+    manager.shutdown()
+
+
+def _local_matcher(manager: StructuredOutputManager, kind: str, text: str, eos: int) -> xgr.GrammarMatcher:
+    return xgr.GrammarMatcher(
+        manager.compiler().compile_grammar(build_grammar(kind, text)), override_stop_tokens=[eos]
+    )
+
+
+def test_masks_equal_matchers_advanced_here(manager, tokenizer):
+    eos = tokenizer.eos_token_id
+    choice = manager.submit(StructuredOutputsParams(choice=WORDS)).result(timeout=120)
+    schema = manager.submit(StructuredOutputsParams(json=SCHEMA)).result(timeout=120)
+    assert isinstance(choice, RemoteCompiled) and isinstance(schema, RemoteCompiled)
+    answers = [tokenizer.encode(w, add_special_tokens=False) + [eos] for w in WORDS[:3]]
+    answers.append(tokenizer.encode('{"n": 42}', add_special_tokens=False) + [eos])
+    grammars = [manager.new_request_grammar(choice, [eos]) for _ in range(3)]
+    grammars.append(manager.new_request_grammar(schema, [eos]))
+    assert all(isinstance(g, RemoteGrammar) for g in grammars)
+    local = [_local_matcher(manager, "choice", json.dumps(WORDS), eos) for _ in range(3)]
+    local.append(_local_matcher(manager, "json", json.dumps(SCHEMA, separators=(",", ":")), eos))
+    reference = xgr.allocate_token_bitmask(1, len(tokenizer))
+    ids = [str(i) for i in range(4)]
+    for step in range(max(len(a) for a in answers) + 1):
+        mask = manager.bitmask(ids, grammars).array()
+        for row, (matcher, answer) in enumerate(zip(local, answers)):
+            if matcher.is_terminated():  # ended: only the stop tokens may follow
+                allowed = np.flatnonzero(np.unpackbits(mask[row].view(np.uint8), bitorder="little"))
+                assert allowed.tolist() == [eos] and grammars[row].ended
+            else:
+                matcher.fill_next_token_bitmask(reference, 0)
+                assert np.array_equal(mask[row], reference[0].numpy()), (step, row)
+            if step < len(answer):
+                assert matcher.accept_token(answer[step])
+                grammars[row].accept_token(answer[step])
+    assert manager.num_compiles == 2
+
+
+def test_a_refused_token_lifts_only_its_row(manager, tokenizer):
+    eos = tokenizer.eos_token_id
+    choice = manager.submit(StructuredOutputsParams(choice=WORDS)).result(timeout=120)
+    grammars = [manager.new_request_grammar(choice, [eos]) for _ in range(2)]
+    manager.bitmask(["a", "b"], grammars)
+    grammars[0].accept_token(tokenizer.encode(" zebra", add_special_tokens=False)[0])
+    grammars[1].accept_token(tokenizer.encode("alpha", add_special_tokens=False)[0])
+    mask = manager.bitmask(["a", "b"], grammars).array()
+    assert grammars[0].failed and (mask[0] == -1).all()
+    assert not grammars[1].failed and not (mask[1] == -1).all()
+    mask = manager.bitmask(["a", "b"], grammars).array()  # lifted from then on
+    assert (mask[0] == -1).all()
+
+
+def test_an_invalid_constraint_fails_with_the_message(manager):
+    future = manager.submit(StructuredOutputsParams(grammar="root ::= undefined_rule"))
+    with pytest.raises(ValueError, match="undefined_rule"):
+        future.result(timeout=120)
+
+
+def test_a_stopped_process_lifts_its_rows_and_fails_its_compiles(manager, tokenizer):
+    eos = tokenizer.eos_token_id
+    compiled = manager.submit(StructuredOutputsParams(choice=WORDS)).result(timeout=120)
+    grammar = manager.new_request_grammar(compiled, [eos])
+    pool = manager.processes()
+    pool._procs[compiled.process].kill_and_wait()
+    mask = manager.bitmask(["a"], [grammar]).array()
+    assert grammar.failed and (mask[0] == -1).all()
+    with pytest.raises(ValueError, match="stopped"):
+        pool.compile("choice", json.dumps(WORDS), "")
