@@ -8,8 +8,8 @@
 #   budget (~4)   the burst with --max-num-batched-tokens 4096, 6144, 8192: throughput against the
 #                 longest inter-token gaps (the prefill steps)
 #   prefill (~2)  one 8,192-token prefill step (16 prompts of 512): wall, kernels, kernel table
-#   structured (~5) the structured-output ratio with the GIL switch interval at 5 and 0.5 ms, and
-#                 the one-task threaded fill
+#   structured (~7) the structured-output ratio with the GIL switch interval at 5 and 0.5 ms, the
+#                 one-task threaded fill, and the grammar processes (FD_GRAMMAR_PROCESSES 4, 8)
 #   tests (~2)    the GPU tests of this session's kernels (Qwen3's cache write in the q/k norm
 #                 kernel, the new GEMV candidates, the mixed-step graphs)
 #   moe (~6)      a batch-1 FP8 and bf16 decode step of the Qwen3-30B-A3B shape, kernel table;
@@ -57,17 +57,15 @@ prefill() {
 # #20: the GIL switch interval of the engine's process (FD_SWITCH_INTERVAL_MS: each hand-over of the
 # GIL to a mask thread waits for it while the loop runs Python) and the one-task threaded fill
 structured() {
-    for variant in "5" "0.5" "0.5 --threaded-fill" "5" "0.5" "0.5 --threaded-fill"; do
+    for variant in "5" "0.5" "0.5 --threaded-fill" "5 8" "5 4" "5" "0.5" "0.5 --threaded-fill" "5 8"; do
         set -- $variant
-        echo "switch $1 ms ${2:-slices} $(FD_SWITCH_INTERVAL_MS=$1 FD_STEP_TRACE=1 timeout 150 python3 \
+        processes=0
+        case "${2:-}" in [0-9]*) processes=$2; set -- "$1" ;; esac
+        echo "switch $1 ms ${2:-slices} processes $processes $(FD_GRAMMAR_PROCESSES=$processes \
+            FD_SWITCH_INTERVAL_MS=$1 FD_STEP_TRACE=1 timeout 150 python3 \
             benchmarks/structured_outputs.py --model $MODEL --load-format dummy --tokenizer "$TOK" \
             --max-model-len 2048 --json $2 2>> "$W/so_err.log" | grep '^{')"
     done | tee "$W/structured_outputs.jsonl"
-    for variant in "5" "0.5" "0.5 --threaded-fill"; do
-        set -- $variant
-        echo "grammar_cost switch $1 ms ${2:-slices} $(timeout 120 python3 benchmarks/grammar_cost.py \
-            --tokenizer "$TOK" --vocab-size 128256 --switch-interval-ms $1 $2 2>> "$W/gc_err.log" | tail -n 1)"
-    done | tee "$W/grammar_cost.jsonl"
 }
 
 tests() {

@@ -40,8 +40,10 @@ LIVE, REFUSED, ENDED = 0, 1, 2
 """A remote row's state after its step: the grammar goes on (its row filled), refused a token
 (the row's mask is lifted), or took a stop token (only stop tokens may follow)."""
 
+READY = "ready"
+"""What a grammar process sends on its control pipe once it has started."""
 START_TIMEOUT_S = 120.0
-"""Longest wait for the processes to start (imports, tokenizer) before a compile fails."""
+"""Longest wait for a process to start (imports, tokenizer)."""
 COMPILE_TIMEOUT_S = 300.0
 """Longest wait for one compile."""
 
@@ -173,6 +175,7 @@ class GrammarProcessPool:
                 child_mask.close()
             self._control.append(Connection(control.detach()))
             self._mask.append(Connection(mask.detach()))
+        self._wait_until_ready()
         self._lock = threading.Lock()
         self._send_locks = [threading.Lock() for _ in range(num_processes)]
         """One sender at a time on each control pipe (compile threads, the engine loop)."""
@@ -189,6 +192,18 @@ class GrammarProcessPool:
         for reader in self._readers:
             reader.start()
 
+    def _wait_until_ready(self) -> None:
+        """Wait for every process to have started (imports, tokenizer: a second or two), so that the
+        first steps do not wait for them; a RuntimeError (and none left running) if one cannot."""
+        for index, connection in enumerate(self._control):
+            try:
+                ready = connection.poll(START_TIMEOUT_S) and connection.recv() == READY
+            except (EOFError, OSError):
+                ready = False
+            if not ready:
+                self.shutdown()
+                raise RuntimeError(f"grammar process {index} did not start (its error is in the log above)")
+
     def _register_pinned(self) -> None:
         """Page-lock the buffers for the GPU (the worker copies a mask to the device as it is)."""
         import torch
@@ -196,7 +211,7 @@ class GrammarProcessPool:
         cudart = torch.cuda.cudart()
         for buffer in self.buffers:
             pointer, size = buffer.ctypes.data, buffer.nbytes
-            if cudart.cudaHostRegister(pointer, size, 0) == 0:
+            if int(cudart.cudaHostRegister(pointer, size, 0)) == 0:  # (cudaSuccess)
                 self._registered.append(pointer)
 
     # ---- compiling (any thread; blocks until the process answers) --------------------
@@ -215,7 +230,7 @@ class GrammarProcessPool:
             raise ValueError("the grammar process has stopped")
         with self._send_locks[process]:  # (not under _lock: a full pipe must not block the reader)
             self._control[process].send(CompileRequest(key_id, kind, text, reasoning_prefix))
-        error = future.result(timeout=START_TIMEOUT_S + COMPILE_TIMEOUT_S)
+        error = future.result(timeout=COMPILE_TIMEOUT_S)
         if error is not None:
             raise ValueError(error)
         return RemoteCompiled(key_id, process)
@@ -433,6 +448,7 @@ def _serve(
                 error = clean_message(str(exc))
             control.send(CompileReply(message.key_id, error))
 
+    control.send(READY)
     threading.Thread(target=compile_loop, name="fd-grammar-compile", daemon=True).start()
     matchers: dict[int, Any] = {}
     filler = xgr.BatchGrammarMatcher(1)
