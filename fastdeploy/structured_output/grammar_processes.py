@@ -11,8 +11,8 @@ it is (pinned for the GPU when the worker runs in the engine's process). The eng
 sends each process its rows and reads back, per row, whether the grammar goes on, refused a
 token or ended.
 
-Two pipes per process: the control pipe (compiles, each answered by a reader thread that
-resolves the compile's future) and the mask pipe (one request and one reply a step, read by
+Two pipes per process: the control pipe (compiles, each answered to a reader thread that
+resolves the compile's future; a process keeps the last ``4 * FD_GRAMMAR_CACHE_SIZE`` grammars) and the mask pipe (one request and one reply a step, read by
 the engine loop). Messages are the dataclasses below, between processes this engine started.
 """
 
@@ -26,6 +26,7 @@ import tempfile
 import threading
 import weakref
 import zlib
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -60,13 +61,6 @@ class CompileRequest:
 class CompileReply:
     key_id: int
     error: str | None
-
-
-@dataclass
-class DropGrammar:
-    """The engine's cache let go of the constraint: matchers already made keep their grammar."""
-
-    key_id: int
 
 
 @dataclass
@@ -254,15 +248,6 @@ class GrammarProcessPool:
             if not future.done():
                 future.set_exception(ValueError("the grammar process has stopped"))
 
-    def drop(self, compiled: RemoteCompiled) -> None:
-        """The engine's cache evicted the constraint: its process may let go of it."""
-        if not self._dead[compiled.process]:
-            with self._send_locks[compiled.process]:
-                try:
-                    self._control[compiled.process].send(DropGrammar(compiled.key_id))
-                except OSError:
-                    pass
-
     # ---- matchers and masks (the engine loop) -------------------------------------------
 
     def new_grammar(self, compiled: RemoteCompiled, stop_token_ids: list[int]) -> RemoteGrammar:
@@ -423,7 +408,8 @@ def _serve(
     )
     maps = [mmap.mmap(fd, max(rows * words * 4, mmap.PAGESIZE)) for fd in buffer_fds]
     masks = [torch.from_numpy(np.ndarray((rows, words), dtype=np.int32, buffer=m)) for m in maps]
-    grammars: dict[int, Any] = {}
+    grammars: OrderedDict[int, Any] = OrderedDict()
+    keep = 4 * max(envs.FD_GRAMMAR_CACHE_SIZE, 1)
     lock = threading.Lock()
 
     def compile_loop() -> None:
@@ -434,16 +420,14 @@ def _serve(
                 return
             if message is None:
                 return
-            if isinstance(message, DropGrammar):
-                with lock:
-                    grammars.pop(message.key_id, None)
-                continue
             error = None
             try:
                 grammar = build_grammar(message.kind, message.text, reasoning_prefix=message.reasoning_prefix)
                 compiled = compiler.compile_grammar(grammar)
-                with lock:
+                with lock:  # (the engine's cache holds fewer: one evicted there is not asked for again)
                     grammars[message.key_id] = compiled
+                    while len(grammars) > keep:
+                        grammars.popitem(last=False)
             except Exception as exc:  # an invalid constraint: its requests fail with the message
                 error = clean_message(str(exc))
             control.send(CompileReply(message.key_id, error))
@@ -479,11 +463,17 @@ def _mask_step(
         matchers.pop(handle, None)
     for new in work.new:
         with lock:
-            compiled = grammars[new.key_id]
-        matchers[new.handle] = xgr.GrammarMatcher(compiled, override_stop_tokens=new.stop_token_ids or None)
+            compiled = grammars.get(new.key_id)
+        if compiled is not None:  # (else its rows are refused: the engine lifts their masks)
+            matchers[new.handle] = xgr.GrammarMatcher(
+                compiled, override_stop_tokens=new.stop_token_ids or None
+            )
     states, fill_matchers, fill_rows = [], [], []
     for item in work.rows:
-        matcher = matchers[item.handle]
+        matcher = matchers.get(item.handle)
+        if matcher is None:
+            states.append(REFUSED)
+            continue
         state = LIVE
         for token in item.tokens:
             if not matcher.accept_token(token):

@@ -229,7 +229,7 @@ class StructuredOutputManager:
         )
 
     def processes(self) -> GrammarProcessPool:
-        """The grammar processes (started on first use; they finish starting in the background)."""
+        """The grammar processes (started on first use, in a compile thread: a second or two)."""
         with self._init_lock:
             if self._processes is None:
                 info = self._tokenizer_info()
@@ -290,10 +290,7 @@ class StructuredOutputManager:
         future = self._pool.submit(self._compile, *key)
         self._cache[key] = future
         while len(self._cache) > self.cache_size:
-            _, evicted = self._cache.popitem(last=False)
-            if self._processes is not None and evicted.done() and evicted.exception() is None:
-                if isinstance(compiled := evicted.result(), RemoteCompiled):
-                    self._processes.drop(compiled)
+            self._cache.popitem(last=False)
         return future
 
     def _guidance_grammar(self, kind: str, text: str) -> Any:

@@ -106,3 +106,13 @@ def test_a_stopped_process_lifts_its_rows_and_fails_its_compiles(manager, tokeni
     assert grammar.failed and (mask[0] == -1).all()
     with pytest.raises(ValueError, match="stopped"):
         pool.compile("choice", json.dumps(WORDS), "")
+
+
+def test_a_grammar_the_process_no_longer_holds_lifts_only_its_row(manager, tokenizer):
+    eos = tokenizer.eos_token_id
+    compiled = manager.submit(StructuredOutputsParams(choice=WORDS)).result(timeout=120)
+    lost = manager.processes().new_grammar(RemoteCompiled(10**6, compiled.process), [eos])
+    kept = manager.new_request_grammar(compiled, [eos])
+    mask = manager.bitmask(["lost", "kept"], [lost, kept]).array()
+    assert lost.failed and (mask[0] == -1).all()
+    assert not kept.failed and 0 < np.unpackbits(mask[1].view(np.uint8)).sum() < len(tokenizer)
