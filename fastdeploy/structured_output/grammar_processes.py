@@ -121,10 +121,15 @@ class RemoteGrammar:
 
     def write_stop_row(self, row: np.ndarray) -> None:
         """Write the row of an ended grammar: only its stop tokens."""
-        bits = row.view(np.uint32)
-        bits[:] = 0
-        for token in self.stop_token_ids:
-            bits[token // 32] |= np.uint32(1 << (token % 32))
+        write_stop_row(row, self.stop_token_ids)
+
+
+def write_stop_row(row: np.ndarray, stop_token_ids: list[int]) -> None:
+    """Set a mask row (int32 words) to allow only ``stop_token_ids``: an ended grammar's row."""
+    bits = row.view(np.uint32)
+    bits[:] = 0
+    for token in stop_token_ids:
+        bits[token // 32] |= np.uint32(1 << (token % 32))
 
 
 class GrammarProcessPool:

@@ -33,6 +33,7 @@ from fastdeploy.structured_output.grammar_processes import (
     PendingRemote,
     RemoteCompiled,
     RemoteGrammar,
+    write_stop_row,
 )
 
 logger = logging.getLogger(__name__)
@@ -82,12 +83,7 @@ class RequestGrammar:
 
     def write_stop_row(self, row: Any) -> None:
         """Write the row of an ended grammar: only its stop tokens (``row``: int32 numpy words)."""
-        import numpy as np
-
-        bits = row.view(np.uint32)
-        bits[:] = 0
-        for token in self.stop_token_ids:
-            bits[token // 32] |= np.uint32(1 << (token % 32))
+        write_stop_row(row, self.stop_token_ids)
 
 
 @dataclass
