@@ -157,15 +157,11 @@ def _qk_norm_rotary_kernel(
     if WRITE_CACHE:
         if is_k == 1:
             slot = tl.load(slot_ptr + token)
-            if slot >= 0:
-                row = slot * num_kv_heads * HEAD_DIM + heads[:, None] * HEAD_DIM
-                tl.store(key_cache_ptr + row + d[None, :], r1, mask=mask)
-                tl.store(key_cache_ptr + row + HALF + d[None, :], r2, mask=mask)
-                full = tl.arange(0, DIM_P2)
-                v_mask = (heads[:, None] < num_kv_heads) & (full[None, :] < HEAD_DIM)
-                v_row = row_ptr + num_kv_heads * HEAD_DIM + heads[:, None] * HEAD_DIM + full[None, :]
-                v = tl.load(v_row, mask=v_mask, other=0.0)
-                tl.store(value_cache_ptr + row + full[None, :], v, mask=v_mask)
+            if slot >= 0:  # (the values follow the keys in the row)
+                _store_kv_slot(
+                    key_cache_ptr, value_cache_ptr, row_ptr + num_kv_heads * HEAD_DIM, slot, heads,
+                    num_kv_heads, r1, r2, d, mask, HEAD_DIM, HALF, DIM_P2,
+                )  # fmt: skip
 
 
 @triton.jit
@@ -334,15 +330,26 @@ def _rotary_cache_kernel(
     k_mask = (kh[:, None] < num_kv_heads) & (d < HALF)[None, :]
     slot = tl.load(slot_ptr + token)
     if slot >= 0:
-        row = slot * num_kv_heads * HEAD_DIM + kh[:, None] * HEAD_DIM
-        tl.store(key_cache_ptr + row + d[None, :], r1, mask=k_mask)
-        tl.store(key_cache_ptr + row + HALF + d[None, :], r2, mask=k_mask)
-        full = tl.arange(0, DIM_P2)
-        v_mask = (kh[:, None] < num_kv_heads) & (full[None, :] < HEAD_DIM)
-        v = tl.load(
-            v_ptr + token * row_stride + kh[:, None] * HEAD_DIM + full[None, :], mask=v_mask, other=0.0
-        )
-        tl.store(value_cache_ptr + row + full[None, :], v, mask=v_mask)
+        _store_kv_slot(
+            key_cache_ptr, value_cache_ptr, v_ptr + token * row_stride, slot, kh, num_kv_heads, r1, r2, d,
+            k_mask, HEAD_DIM, HALF, DIM_P2,
+        )  # fmt: skip
+
+
+@triton.jit
+def _store_kv_slot(
+    key_cache_ptr, value_cache_ptr, v_row_ptr, slot, heads, num_kv_heads, r1, r2, d, k_mask,
+    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, DIM_P2: tl.constexpr,
+):  # fmt: skip
+    """One token's keys (rotated halves ``r1``, ``r2`` of each head) and values (its heads at
+    ``v_row_ptr``) into cache slot ``slot`` of the NHD caches."""
+    row = slot * num_kv_heads * HEAD_DIM + heads[:, None] * HEAD_DIM
+    tl.store(key_cache_ptr + row + d[None, :], r1, mask=k_mask)
+    tl.store(key_cache_ptr + row + HALF + d[None, :], r2, mask=k_mask)
+    full = tl.arange(0, DIM_P2)
+    v_mask = (heads[:, None] < num_kv_heads) & (full[None, :] < HEAD_DIM)
+    v = tl.load(v_row_ptr + heads[:, None] * HEAD_DIM + full[None, :], mask=v_mask, other=0.0)
+    tl.store(value_cache_ptr + row + full[None, :], v, mask=v_mask)
 
 
 def rotary_and_cache_(

@@ -182,24 +182,32 @@ def test_cuda_graph_padding_of_a_decode_batch(splits):
     assert torch.equal(out[2:], torch.zeros_like(out[2:]))
 
 
+def _tiny_qwen3(path, hidden: int, head_dim: int) -> tuple[list[dict], object]:
+    """A two-layer Qwen3 config (4 query / 2 KV heads) saved to ``path``, three prompts of 5-45 tokens
+    and greedy parameters for 24 tokens."""
+    from transformers import Qwen3Config
+
+    from fastdeploy import SamplingParams
+
+    config = Qwen3Config(
+        vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=4 * head_dim,
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )  # fmt: skip
+    config.architectures = ["Qwen3ForCausalLM"]
+    config.save_pretrained(str(path))
+    gen = torch.Generator().manual_seed(7)
+    prompts = [{"prompt_token_ids": torch.randint(0, 512, (n,), generator=gen).tolist()} for n in (5, 21, 45)]
+    return prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
 @needs_interpreter
 def test_engine_greedy_tokens_match_the_torch_backend(tmp_path, monkeypatch):
     """A Qwen3-shaped dummy model through the engine (chunked prefill, mixed steps, decodes) on both backends."""
-    from transformers import Qwen3Config
-
-    from fastdeploy import LLM, SamplingParams
+    from fastdeploy import LLM
 
     monkeypatch.setattr("fastdeploy.ops.cpu_ops.load_cpu_ops", lambda: None)  # the plain torch reference
-    config = Qwen3Config(
-        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, max_position_embeddings=128, tie_word_embeddings=False,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None,
-    )  # fmt: skip
-    config.architectures = ["Qwen3ForCausalLM"]
-    config.save_pretrained(str(tmp_path))
-    gen = torch.Generator().manual_seed(7)
-    prompts = [{"prompt_token_ids": torch.randint(0, 512, (n,), generator=gen).tolist()} for n in (5, 21, 45)]
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts, params = _tiny_qwen3(tmp_path, hidden=128, head_dim=32)
     tokens, threads = {}, torch.get_num_threads()  # the engine sets one thread (tiny matmuls); restore after
     for backend in ("torch", "triton"):
         llm = LLM(
@@ -222,23 +230,12 @@ def test_qwen3_cache_write_in_the_qk_norm_kernel_gives_the_same_tokens(tmp_path,
     """On a GPU Qwen3's q/k norm and rotary kernel also writes the keys and values to the cache
     (no separate cache-write kernel): greedy tokens in float32 equal those with the write apart,
     with prefills, chunks, decodes and the decode graphs."""
-    from transformers import Qwen3Config
-
-    from fastdeploy import LLM, SamplingParams
+    from fastdeploy import LLM
     from fastdeploy.ops import layer_ops
 
     if not torch.cuda.is_available() or layer_ops.load_triton_ops() is None:
         pytest.skip("needs a GPU and triton")
-    config = Qwen3Config(
-        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=64, max_position_embeddings=256, tie_word_embeddings=False,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None,
-    )  # fmt: skip
-    config.architectures = ["Qwen3ForCausalLM"]
-    config.save_pretrained(str(tmp_path))
-    gen = torch.Generator().manual_seed(7)
-    prompts = [{"prompt_token_ids": torch.randint(0, 512, (n,), generator=gen).tolist()} for n in (5, 21, 45)]
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts, params = _tiny_qwen3(tmp_path, hidden=256, head_dim=64)
     calls, fused_call = [], layer_ops.qk_norm_rotary_
     monkeypatch.setattr(
         "fastdeploy.model_executor.models.llama.qk_norm_rotary_",

@@ -241,23 +241,38 @@ def test_triton_kernels_on_the_gpu_match_the_torch_path(dtype):
     assert ((qkv.double() - expected.double()).abs() / (expected.double().abs() + 1)).max() < qk_tol
 
 
-def test_fused_rotary_and_cache_write_equals_the_two_ops(monkeypatch):
-    """The GPU kernel that rotates q/k and writes k/v to the cache, against rotary + cache write."""
+def _triton_ops_and_device():
+    """The Triton layer ops and where they run (a GPU, or the interpreter on a CPU), or a skip."""
     triton_ops = layer_ops.load_triton_ops()
     if triton_ops is None:
         pytest.skip("triton is not installed")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("no GPU and the Triton interpreter is off")
-    from fastdeploy.ops.cache_ops import reshape_and_cache_flash_torch
+    return triton_ops, device
 
-    tokens, hq, hkv, dim = 7, 6, 2, 64
+
+def _rotary_cache_case(device: str, hq: int, hkv: int, dim: int, slots: list[int]):
+    """Random qkv rows (one a slot; a negative slot writes nothing), positions, float32 cos / sin
+    tables and two random NHD caches of 2 blocks of 16."""
+    tokens = len(slots)
     qkv = _rand(tokens, (hq + 2 * hkv) * dim, dtype=torch.float32).to(device)
-    positions = torch.tensor([0, 5, 9, 17, 3, 40, 2], device=device)
-    slots = torch.tensor([3, -1, 8, 30, 12, 0, 21], device=device)
+    positions = torch.tensor([0, 5, 9, 17, 3, 40, 2][:tokens], device=device)
     angles = torch.rand(64, dim // 2, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 6
     cos, sin = angles.cos().float().to(device), angles.sin().float().to(device)
     caches = [_rand(2, 16, hkv, dim, dtype=torch.float32, seed=s).to(device) for s in (4, 5)]
+    return qkv, positions, torch.tensor(slots, device=device), cos, sin, caches
+
+
+def test_fused_rotary_and_cache_write_equals_the_two_ops(monkeypatch):
+    """The GPU kernel that rotates q/k and writes k/v to the cache, against rotary + cache write."""
+    triton_ops, device = _triton_ops_and_device()
+    from fastdeploy.ops.cache_ops import reshape_and_cache_flash_torch
+
+    tokens, hq, hkv, dim = 7, 6, 2, 64
+    qkv, positions, slots, cos, sin, caches = _rotary_cache_case(
+        device, hq, hkv, dim, [3, -1, 8, 30, 12, 0, 21]
+    )
 
     expected_qkv, expected_caches = qkv.clone(), [c.clone() for c in caches]
     monkeypatch.setattr(layer_ops, "_cpu_kernels", lambda x: None)
@@ -278,20 +293,10 @@ def test_fused_rotary_and_cache_write_equals_the_two_ops(monkeypatch):
 def test_qk_norm_rotary_with_the_cache_write_equals_the_ops_apart(monkeypatch):
     """Qwen3's q/k norm and rotary kernel writing the keys and values to their cache slots too
     (a negative slot writes nothing), against the torch norms, rotary and cache write."""
-    triton_ops = layer_ops.load_triton_ops()
-    if triton_ops is None:
-        pytest.skip("triton is not installed")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("no GPU and the Triton interpreter is off")
-    tokens, hq, hkv, dim = 5, 6, 2, 64
-    qkv = _rand(tokens, (hq + 2 * hkv) * dim, dtype=torch.float32).to(device)
+    triton_ops, device = _triton_ops_and_device()
+    hq, hkv, dim = 6, 2, 64
+    qkv, positions, slots, cos, sin, caches = _rotary_cache_case(device, hq, hkv, dim, [3, -1, 8, 30, 12])
     q_w, k_w = (_rand(dim, dtype=torch.float32, seed=s).to(device) for s in (7, 8))
-    positions = torch.tensor([0, 5, 9, 17, 3], device=device)
-    slots = torch.tensor([3, -1, 8, 30, 12], device=device)
-    angles = torch.rand(64, dim // 2, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 6
-    cos, sin = angles.cos().float().to(device), angles.sin().float().to(device)
-    caches = [_rand(2, 16, hkv, dim, dtype=torch.float32, seed=s).to(device) for s in (4, 5)]
 
     expected_qkv, expected_caches = qkv.clone(), [c.clone() for c in caches]
     with monkeypatch.context() as patch:
