@@ -69,8 +69,12 @@ class KVCacheManager:
         if not computed_blocks:  # the common decode step: its blocks usually have room already
             total_tokens = request.num_computed_tokens + num_new_tokens
             if total_tokens <= len(blocks) * self.block_size:
-                if self.enable_caching:
-                    self._cache_full_blocks(request, blocks, min(total_tokens, request.num_tokens))
+                # (a block fills once every block_size decodes: only then is there one to cache)
+                known = min(total_tokens, len(request.all_token_ids))
+                if self.enable_caching and known // self.block_size > self._num_cached_blocks.get(
+                    request.request_id, 0
+                ):
+                    self._cache_full_blocks(request, blocks, known)
                 return []
         computed_blocks = computed_blocks or []
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size

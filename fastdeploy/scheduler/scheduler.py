@@ -137,23 +137,26 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_blocks: dict[str, list[int]] = {}
+        scheduled: list[tuple[Request, int]] = []
         preempted = False
+        running, allocate_slots = self.running, self.kv.allocate_slots  # (the hot loop: a decode each)
 
         index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            if self._in_flight_tokens_finish(request):
+        while index < len(running) and budget > 0:
+            request = running[index]
+            placeholders = request.num_output_placeholders
+            if placeholders and self._in_flight_tokens_finish(request):
                 index += 1
                 continue
-            num_new = min(
-                request.num_tokens + request.num_output_placeholders - request.num_computed_tokens, budget
-            )
-            num_new = self._keep_items_whole(request, request.num_computed_tokens, num_new)
+            computed = request.num_computed_tokens
+            num_new = min(len(request.all_token_ids) + placeholders - computed, budget)
+            if request.mm_extra_keys:
+                num_new = self._keep_items_whole(request, computed, num_new)
             if num_new <= 0:
                 index += 1
                 continue
-            while (blocks := self.kv.allocate_slots(request, num_new)) is None:
-                victim = self.running.pop()
+            while (blocks := allocate_slots(request, num_new)) is None:
+                victim = running.pop()
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
@@ -161,7 +164,8 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 break
             num_scheduled[request.request_id] = num_new
-            new_blocks[request.request_id] = [b.block_id for b in blocks]
+            new_blocks[request.request_id] = [b.block_id for b in blocks] if blocks else []
+            scheduled.append((request, num_new))
             budget -= num_new
             index += 1
 
@@ -185,17 +189,18 @@ class Scheduler:
             self.running.append(request)
             admitted.append(request)
             num_scheduled[request.request_id] = num_new
+            scheduled.append((request, num_new))
             budget -= num_new
 
         output = self._make_output(num_scheduled, new_blocks, admitted)
-        for req_id, n in num_scheduled.items():
-            request = self.requests[req_id]
+        structured, async_scheduling = output.structured_req_ids, self.async_scheduling
+        for request, n in scheduled:
             request.num_computed_tokens += n
-            if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
+            if request.num_computed_tokens >= len(request.all_token_ids) + request.num_output_placeholders:
                 # this step samples a token for it (the end of its prefill, or a decode)
                 if request.grammar is not None:
-                    output.structured_req_ids.append(req_id)
-                if self.async_scheduling:
+                    structured.append(request.request_id)
+                if async_scheduling:
                     request.num_output_placeholders += 1  # a token the host sees later
         return output
 
@@ -207,7 +212,7 @@ class Scheduler:
         sees all the others. An item that starts the chunk and is longer than the
         budget is still split (its first part then does not see the rest).
         """
-        if not self.config.model.mm_bidirectional_attention or not request.mm_extra_keys:
+        if not request.mm_extra_keys or not self.config.model.mm_bidirectional_attention:
             return num_new
         end = start + num_new
         for item_start, item_end, _ in request.mm_extra_keys:
@@ -221,9 +226,9 @@ class Scheduler:
         placeholders = request.num_output_placeholders
         return placeholders > 0 and bool(
             reaches_length_limit(
-                request.num_output_tokens + placeholders,
-                request.num_tokens + placeholders,
-                request.max_tokens,
+                len(request.output_token_ids) + placeholders,
+                len(request.all_token_ids) + placeholders,
+                request.sampling_params.max_tokens,
                 self.max_model_len,
             )
         )
@@ -309,33 +314,39 @@ class Scheduler:
             if request is not None and request.prompt_logprobs is not None:
                 request.prompt_logprobs.add(first_index, entries)
         all_logprobs = runner_output.logprobs or [None] * len(runner_output.req_ids)
+        requests, running = self.requests, RequestStatus.RUNNING
         for req_id, token_id, code, logprobs in zip(
             runner_output.req_ids, runner_output.sampled_token_ids, runner_output.stopped, all_logprobs
         ):
-            request = self.requests.get(req_id)
-            if request is None or request.status != RequestStatus.RUNNING:
+            request = requests.get(req_id)
+            if request is None or request.status != running:
                 continue  # aborted or preempted while the step ran
-            request.num_output_placeholders = max(request.num_output_placeholders - 1, 0)
+            if request.num_output_placeholders:
+                request.num_output_placeholders -= 1
             prompt_logprobs = request.prompt_logprobs.take() if request.prompt_logprobs else None
-            if request.max_tokens == 0:
+            if request.sampling_params.max_tokens == 0:
                 new_token_ids, logprobs = [], None
             else:
                 request.append_output_token(token_id)
                 new_token_ids = [token_id]
-            reason = _FINISH_OF_STOP_CODE.get(code)
-            stop_reason = token_id if code == StopCode.STOP_TOKEN else None
-            if reason is not None:
-                self._finish(request, reason, stop_reason)
+            finish, stop_reason = None, None
+            if code:  # (0: the request goes on)
+                reason = _FINISH_OF_STOP_CODE.get(code)
+                stop_reason = token_id if code == StopCode.STOP_TOKEN else None
+                if reason is not None:
+                    self._finish(request, reason, stop_reason)
+                    finish = reason.value
             outputs.append(
                 EngineCoreOutput(
                     req_id,
                     new_token_ids,
-                    reason.value if reason else None,
+                    finish,
                     stop_reason,
                     request.num_cached_tokens,
-                    queue_time=request.queue_time if request.num_output_tokens <= 1 else None,
-                    logprobs=None if logprobs is None else [logprobs],
-                    prompt_logprobs=prompt_logprobs,
+                    request.queue_time if len(request.output_token_ids) <= 1 else None,
+                    None,
+                    None if logprobs is None else [logprobs],
+                    prompt_logprobs,
                 )
             )
         return outputs
