@@ -12,8 +12,10 @@ sends each process its rows and reads back, per row, whether the grammar goes on
 token or ended.
 
 Two pipes per process: the control pipe (compiles, each answered to a reader thread that
-resolves the compile's future; a process keeps the last ``4 * FD_GRAMMAR_CACHE_SIZE`` grammars) and the mask pipe (one request and one reply a step, read by
-the engine loop). Messages are the dataclasses below, between processes this engine started.
+resolves the compile's future; a process keeps its last ``4 * FD_GRAMMAR_CACHE_SIZE`` grammars)
+and the mask pipe (one request and one reply a step, read by the engine loop). Messages are the
+dataclasses below, pickled by ``multiprocessing.connection``: both ends are this engine's own
+processes.
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ COMPILE_TIMEOUT_S = 300.0
 
 @dataclass
 class CompileRequest:
+    """Compile a constraint (its :func:`~fastdeploy.structured_output.grammar.constraint_key`)."""
+
     key_id: int
     kind: str
     text: str
@@ -59,12 +63,16 @@ class CompileRequest:
 
 @dataclass
 class CompileReply:
+    """A compile's outcome: ``error`` is xgrammar's message for an invalid constraint, else None."""
+
     key_id: int
     error: str | None
 
 
 @dataclass
 class NewMatcher:
+    """Make the matcher ``handle`` of one request from compiled constraint ``key_id``."""
+
     handle: int
     key_id: int
     stop_token_ids: list[int]
@@ -72,6 +80,8 @@ class NewMatcher:
 
 @dataclass
 class MaskRow:
+    """One row of a step's mask: the matcher ``handle`` fills row ``row``."""
+
     row: int
     handle: int
     tokens: list[int]
@@ -90,9 +100,13 @@ class MaskWork:
 
 @dataclass
 class MaskReply:
+    """A process's answer to :class:`MaskWork` (``error``: it failed as a whole)."""
+
     states: list[int]
     """Per row of the work: :data:`LIVE`, :data:`REFUSED` or :data:`ENDED`."""
     error: str | None = None
+    matchers: int = 0
+    """Matchers the process holds after the step (those of requests still running)."""
 
 
 @dataclass
@@ -162,18 +176,12 @@ class GrammarProcessPool:
         self._unfinished: PendingRemote | None = None
         """The last step's processes' work if its replies were never read (a step that failed)."""
         self._procs, self._control, self._mask = [], [], []
-        for index in range(num_processes):
-            control, child_control = socket.socketpair()
-            mask, child_mask = socket.socketpair()
-            fds = (child_control.fileno(), child_mask.fileno(), *self._buffer_fds)
-            args = (fds[0], fds[1], list(self._buffer_fds), tokenizer_info_json, rows, words)
-            try:
-                self._procs.append(start_process(_serve, args, f"fastdeploy-grammar-{index}", pass_fds=fds))
-            finally:
-                child_control.close()
-                child_mask.close()
-            self._control.append(Connection(control.detach()))
-            self._mask.append(Connection(mask.detach()))
+        try:
+            for index in range(num_processes):
+                self._start(index, tokenizer_info_json, start_process)
+        except BaseException:
+            self.shutdown()
+            raise
         self._wait_until_ready()
         self._lock = threading.Lock()
         self._send_locks = [threading.Lock() for _ in range(num_processes)]
@@ -184,12 +192,28 @@ class GrammarProcessPool:
         self._new: list[list[NewMatcher]] = [[] for _ in range(num_processes)]
         self._freed: list[list[int]] = [[] for _ in range(num_processes)]
         self._dead = [False] * num_processes
+        self.matcher_counts = [0] * num_processes
+        """Matchers each process held after its last step (a leak would show here)."""
         self._readers = [
             threading.Thread(target=self._read_replies, args=(i,), name=f"fd-grammar-reply-{i}", daemon=True)
             for i in range(num_processes)
         ]
         for reader in self._readers:
             reader.start()
+
+    def _start(self, index: int, tokenizer_info_json: str, start_process: Callable[..., Any]) -> None:
+        """Start grammar process ``index`` with its two pipes and the mask buffers' descriptors."""
+        control, child_control = socket.socketpair()
+        mask, child_mask = socket.socketpair()
+        fds = (child_control.fileno(), child_mask.fileno(), *self._buffer_fds)
+        args = (fds[0], fds[1], list(self._buffer_fds), tokenizer_info_json, self.rows, self.words)
+        try:
+            self._procs.append(start_process(_serve, args, f"fastdeploy-grammar-{index}", pass_fds=fds))
+        finally:
+            child_control.close()
+            child_mask.close()
+        self._control.append(Connection(control.detach()))
+        self._mask.append(Connection(mask.detach()))
 
     def _wait_until_ready(self) -> None:
         """Wait for every process to have started (imports, tokenizer: a second or two), so that the
@@ -227,8 +251,13 @@ class GrammarProcessPool:
             dead = self._dead[process]
         if dead:
             raise ValueError("the grammar process has stopped")
-        with self._send_locks[process]:  # (not under _lock: a full pipe must not block the reader)
-            self._control[process].send(CompileRequest(key_id, kind, text, reasoning_prefix))
+        try:
+            with self._send_locks[process]:  # (not under _lock: a full pipe must not block the reader)
+                self._control[process].send(CompileRequest(key_id, kind, text, reasoning_prefix))
+        except OSError:
+            with self._lock:
+                self._futures.pop(key_id, None)
+            raise ValueError("the grammar process has stopped") from None
         error = future.result(timeout=COMPILE_TIMEOUT_S)
         if error is not None:
             raise ValueError(error)
@@ -261,8 +290,12 @@ class GrammarProcessPool:
         self._next_handle += 1
         grammar = RemoteGrammar(handle, compiled.process, stop_token_ids)
         self._new[compiled.process].append(NewMatcher(handle, compiled.key_id, list(stop_token_ids)))
-        weakref.finalize(grammar, self._freed[compiled.process].append, handle)
+        weakref.finalize(grammar, self._note_freed, compiled.process, handle)
         return grammar
+
+    def _note_freed(self, process: int, handle: int) -> None:
+        """A request's grammar is gone: its matcher goes with the process's next mask work."""
+        self._freed[process].append(handle)
 
     def take_buffer(self, num_rows: int) -> tuple[int, np.ndarray]:
         """The next mask buffer (its index, and a view of its first ``num_rows`` rows); the other
@@ -302,9 +335,10 @@ class GrammarProcessPool:
 
     def _lift(self, array: np.ndarray, items: list[tuple[int, RemoteGrammar]]) -> None:
         """Rows whose process has stopped: their grammar is lost, their masks lifted (logged)."""
+        newly = sum(not grammar.failed for _, grammar in items)
+        if newly:
+            logger.error("structured output: a grammar process has stopped; %d masks lifted", newly)
         for row, grammar in items:
-            if not grammar.failed:
-                logger.error("structured output: the grammar process has stopped; the mask is lifted")
             grammar.failed = True
             array[row] = -1
 
@@ -381,6 +415,7 @@ class PendingRemote:
                     logger.error("structured output: grammar process error: %s", reply.error)
                 self._pool._lift(self._array, items)
                 continue
+            self._pool.matcher_counts[process] = reply.matchers
             for (row, grammar), state in zip(items, reply.states):
                 if state == REFUSED:
                     grammar.failed = True
@@ -463,9 +498,9 @@ def _mask_step(
     filler: Any,
     xgr: Any,
 ) -> MaskReply:
-    """Make and free matchers, advance each row's matcher past its tokens, fill the live rows."""
-    for handle in work.freed:
-        matchers.pop(handle, None)
+    """Make and free matchers, advance each row's matcher past its tokens, fill the live rows.
+
+    (The rows never name a freed handle: the engine frees a grammar only once nothing holds it.)"""
     for new in work.new:
         with lock:
             compiled = grammars.get(new.key_id)
@@ -473,6 +508,8 @@ def _mask_step(
             matchers[new.handle] = xgr.GrammarMatcher(
                 compiled, override_stop_tokens=new.stop_token_ids or None
             )
+    for handle in work.freed:  # (after the new ones: a request may end before its first mask)
+        matchers.pop(handle, None)
     states, fill_matchers, fill_rows = [], [], []
     for item in work.rows:
         matcher = matchers.get(item.handle)
@@ -493,4 +530,4 @@ def _mask_step(
             fill_rows.append(item.row)
     if fill_matchers:
         filler.batch_fill_next_token_bitmask(fill_matchers, buffer, fill_rows)
-    return MaskReply(states)
+    return MaskReply(states, matchers=len(matchers))

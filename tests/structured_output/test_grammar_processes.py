@@ -5,6 +5,7 @@ that dies lifts only its own rows. Real processes (the engine's ``ChildProcess``
 
 from __future__ import annotations
 
+import gc
 import json
 
 import numpy as np
@@ -116,3 +117,19 @@ def test_a_grammar_the_process_no_longer_holds_lifts_only_its_row(manager, token
     mask = manager.bitmask(["lost", "kept"], [lost, kept]).array()
     assert lost.failed and (mask[0] == -1).all()
     assert not kept.failed and 0 < np.unpackbits(mask[1].view(np.uint8)).sum() < len(tokenizer)
+
+
+def test_finished_requests_free_their_matchers_in_the_process(manager, tokenizer):
+    eos = tokenizer.eos_token_id
+    compiled = manager.submit(StructuredOutputsParams(choice=WORDS)).result(timeout=120)
+    pool = manager.processes()
+    grammars = [manager.new_request_grammar(compiled, [eos]) for _ in range(5)]
+    manager.bitmask([str(i) for i in range(5)], grammars)
+    assert pool.matcher_counts[compiled.process] == 5
+    kept = grammars[0]
+    del grammars  # four requests end (and one that never had a mask: made and freed in one step)
+    gone = manager.new_request_grammar(compiled, [eos])
+    del gone
+    gc.collect()
+    manager.bitmask(["kept"], [kept])
+    assert pool.matcher_counts[compiled.process] == 1
