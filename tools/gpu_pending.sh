@@ -70,7 +70,7 @@ structured() {
 
 tests() {
     timeout 400 python3 -m pytest -q -p no:cacheprovider tests/ops/test_layer_ops.py tests/ops/test_triton_gemv.py \
-        tests/ops/test_triton_fp8_gemv.py tests/worker/test_mixed_graphs.py \
+        tests/ops/test_triton_fp8_gemv.py tests/worker/test_mixed_graphs.py tests/structured_output/test_grammar_processes.py \
         "tests/model_executor/test_triton_attention.py::test_qwen3_cache_write_in_the_qk_norm_kernel_gives_the_same_tokens" \
         > "$W/gpu_tests.log" 2>&1
     grep -E "passed|failed|FAILED|Error" "$W/gpu_tests.log" | tail -n 8

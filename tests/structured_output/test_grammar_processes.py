@@ -133,3 +133,29 @@ def test_finished_requests_free_their_matchers_in_the_process(manager, tokenizer
     gc.collect()
     manager.bitmask(["kept"], [kept])
     assert pool.matcher_counts[compiled.process] == 1
+
+
+@pytest.mark.gpu
+def test_page_locked_masks_for_a_worker_on_the_gpu(tokenizer, monkeypatch):
+    """With the worker on a GPU in the engine's process, the shared mask buffers are page-locked:
+    the mask goes to the device as it is, and reads back the same."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    monkeypatch.setenv("FD_GRAMMAR_PROCESSES", "2")
+    monkeypatch.setenv("FD_STRUCTURED_OUTPUTS_BACKEND", "xgrammar")
+    eos = tokenizer.eos_token_id
+    manager = StructuredOutputManager(
+        lambda: tokenizer, len(tokenizer), [eos], pin_memory=True, max_rows=16, start_process=ChildProcess
+    )
+    try:
+        compiled = manager.submit(StructuredOutputsParams(choice=WORDS)).result(timeout=120)
+        grammars = [manager.new_request_grammar(compiled, [eos]) for _ in range(3)]
+        bitmask = manager.bitmask(["a", "b", "c"], grammars)
+        assert bitmask.tensor.is_pinned()
+        on_device = bitmask.tensor.to("cuda", non_blocking=True)
+        torch.cuda.synchronize()
+        assert torch.equal(on_device.cpu(), torch.from_numpy(bitmask.array().copy()))
+    finally:
+        manager.shutdown()
