@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 
 import numpy as np
 import pytest
@@ -23,7 +24,15 @@ SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required"
 
 
 @pytest.fixture(scope="module")
-def tokenizer(default_model_path):
+def tokenizer(request):
+    """The default model's tokenizer; on the GPU host, where the model is not carried, the copy of
+    it that tools/gpu_env.sh unpacks (``TOK``)."""
+    gpu_copy = os.environ.get("TOK", "")
+    if gpu_copy and os.path.isdir(gpu_copy):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(gpu_copy)
+    request.getfixturevalue("default_model_path")
     from fastdeploy.config import EngineConfig
     from fastdeploy.model_executor.model_loader import load_tokenizer, resolve_model
 
