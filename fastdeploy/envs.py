@@ -150,6 +150,12 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "sort, SiLU-and-multiply and the top-k sum fused) instead of the sorted grouped GEMM; "
         "0: always the grouped GEMM.",
     ),
+    "FD_MOE_GROUPED_MM_MIN_TOKENS": (
+        lambda: int(os.environ.get("FD_MOE_GROUPED_MM_MIN_TOKENS", "0")),
+        "Per-channel FP8 MoE steps of at least this many tokens on Hopper run the experts as two "
+        "torch._scaled_grouped_mm calls (CUTLASS; ops/fp8_grouped_mm.py) instead of the Triton grouped "
+        "GEMM; 0 (the default until measured on a GPU): never.",
+    ),
     "FD_TRITON_PDL": (
         _bool("FD_TRITON_PDL", "1"),
         "Launch the decode step's Triton kernels with programmatic dependent launch on sm_90+ "

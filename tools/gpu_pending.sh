@@ -73,6 +73,8 @@ tests() {
         tests/ops/test_triton_fp8_gemv.py tests/worker/test_mixed_graphs.py tests/structured_output/test_grammar_processes.py \
         "tests/model_executor/test_triton_attention.py::test_qwen3_cache_write_in_the_qk_norm_kernel_gives_the_same_tokens" \
         > "$W/gpu_tests.log" 2>&1
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/ops/test_triton_fused_moe.py -k grouped_mm \
+        >> "$W/gpu_tests.log" 2>&1
     grep -E "passed|failed|FAILED|Error" "$W/gpu_tests.log" | tail -n 8
 }
 
@@ -83,6 +85,13 @@ moe() {
             $([ $quant = bf16 ] || echo --quantization $quant) --rows 16 > "$W/moe_b1_$quant.txt" 2>&1
         echo "$quant: $(grep '^batch 1' "$W/moe_b1_$quant.txt")"
         grep -E "kernel|nvjet|Memcpy" "$W/moe_b1_$quant.txt" | cut -c1-60,100-150 | head -n 14
+    done
+    # the per-channel FP8 experts of large steps on torch._scaled_grouped_mm (CUTLASS) against Triton
+    for mm in 0 1024; do
+        FD_MOE_GROUPED_MM_MIN_TOKENS=$mm timeout 200 python3 -m benchmarks.gpubench.moe_bench --out "$W/moe_mm$mm" \
+            --tokens 256,2048,8192 --dtypes ptpc_fp8 > "$W/moe_mm$mm.log" 2>&1
+        echo "FD_MOE_GROUPED_MM_MIN_TOKENS=$mm"
+        grep "|" "$W/moe_mm$mm/results.md" | tail -n 3
     done
     # the experts' two GEMV kernels at one token, narrow tiles among the candidates now
     timeout 400 python3 -m benchmarks.gpubench.moe_bench --out "$W/moe_sweep" --sweep --tokens 1 \

@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fastdeploy.ops.fp8_grouped_mm import grouped_mm_applies, grouped_mm_experts
 from fastdeploy.ops.fp8_quant import (
     FP8_DTYPE,
     quantize_activation_per_token,
@@ -372,7 +373,8 @@ def fused_experts(
 
     Up to :func:`~fastdeploy.ops.triton_moe_gemv.small_batch_max_tokens` tokens (and with no
     ``config``) the two GEMV-like kernels of :mod:`fastdeploy.ops.triton_moe_gemv` run instead
-    (FP8 weights against unquantized activations there).
+    (FP8 weights against unquantized activations there); per-channel FP8 steps of at least
+    ``FD_MOE_GROUPED_MM_MIN_TOKENS`` tokens on Hopper take :mod:`fastdeploy.ops.fp8_grouped_mm`.
     """
     explicit_config = config
     if config is None:
@@ -390,6 +392,8 @@ def fused_experts(
             hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block_shape,
             skip_negative_ids=skip_negative_ids,
         )  # fmt: skip
+    if explicit_config is None and not skip_negative_ids and grouped_mm_applies(hidden, w13, w2, block_shape):
+        return grouped_mm_experts(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     routing = moe_align_block_size(topk_ids, config.block_m, w13.shape[0])
     pairs = num_tokens * top_k
     a, a_scale = _quantize_activation(hidden, block_shape) if fp8 else (hidden, None)

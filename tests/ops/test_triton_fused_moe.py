@@ -332,3 +332,80 @@ def test_float32_tiles_are_cut_to_the_shared_memory_of_the_gpu():
     large = BF16_CONFIGS[-1][1]
     assert shared_memory_bytes(large, 4) > hopper  # the case that failed on the H200
     assert fit_shared_memory(large, 4, hopper).num_stages == 2
+
+
+def _grouped_mm_emulated(a, b, scale_a, scale_b, offs, out_dtype=None, use_fast_accum=False):
+    """``torch._scaled_grouped_mm`` (2-D x 3-D, row-wise scales) in torch, with its layout checks:
+    ``a [M, K]`` row-major, ``b [G, K, N]`` column-major, ``scale_a [M]``, ``scale_b [G, N]``,
+    ``offs [G]`` int32 group ends along M (no CPU kernel exists)."""
+    assert a.dtype == b.dtype == fq.FP8_DTYPE and a.stride(-1) == 1 and b.stride(-2) == 1
+    assert scale_a.shape == (a.shape[0],) and scale_a.is_contiguous() and scale_a.dtype == torch.float32
+    assert scale_b.shape == (b.shape[0], b.shape[2]) and scale_b.stride(1) == 1
+    assert offs.dtype == torch.int32 and offs.shape == (b.shape[0],) and int(offs[-1]) == a.shape[0]
+    out = torch.empty((a.shape[0], b.shape[2]), dtype=out_dtype, device=a.device)
+    start = 0
+    for group, end in enumerate(offs.tolist()):
+        rows = a[start:end].float() * scale_a[start:end, None]
+        out[start:end] = (rows @ (b[group].float() * scale_b[group][None, :])).to(out_dtype)
+        start = end
+    return out
+
+
+@needs_backend
+@pytest.mark.parametrize("tokens", [5, 40])
+def test_grouped_mm_experts_equal_the_same_math(tokens, monkeypatch):
+    """The per-channel FP8 experts on two grouped GEMMs (ops/fp8_grouped_mm.py), with the grouped GEMM
+    emulated: the pairs' sort by expert, the gathered rows, the scales and the weighted sum back in
+    token order give the emulated FP8 math (float32, 1e-5) and the unquantized one (0.12)."""
+    from fastdeploy.ops import fp8_grouped_mm
+
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", _grouped_mm_emulated, raising=False)
+    x, w13, w2, weights, ids = _problem(tokens, 128, 64, torch.float32, seed=tokens + 90)
+    (q13, s13), (q2, s2) = (
+        fq.quantize_weight_per_channel(w13.float()),
+        fq.quantize_weight_per_channel(w2.float()),
+    )
+    out = fp8_grouped_mm.grouped_mm_experts(*_on(DEVICE, x, q13, q2, weights, ids, s13, s2))
+    deq13, deq2 = q13.float() * s13[..., None], q2.float() * s2[..., None]
+    assert _rel_err(out, _reference(x, deq13, deq2, weights, ids, act_quant=_token_quant)) < 1e-5
+    assert _rel_err(out, _reference(x, w13, w2, weights, ids)) < 0.12
+
+
+def test_grouped_mm_only_where_it_applies(monkeypatch):
+    from fastdeploy.ops import fp8_grouped_mm
+
+    x, w13, w2, *_ = _problem(8, 128, 64, torch.bfloat16, seed=3)
+    q13, q2 = fq.quantize_weight_per_channel(w13.float())[0], fq.quantize_weight_per_channel(w2.float())[0]
+    assert not fp8_grouped_mm.grouped_mm_applies(x, q13, q2, None)  # off by default
+    monkeypatch.setenv("FD_MOE_GROUPED_MM_MIN_TOKENS", "4")
+    assert not fp8_grouped_mm.grouped_mm_applies(x, q13, q2, (128, 128))  # block scales
+    assert not fp8_grouped_mm.grouped_mm_applies(x, w13, w2, None)  # bf16 weights
+    if not CUDA:
+        assert not fp8_grouped_mm.grouped_mm_applies(x, q13, q2, None)  # no GPU
+    monkeypatch.setenv("FD_MOE_GROUPED_MM_MIN_TOKENS", "9")
+    assert not fp8_grouped_mm.grouped_mm_applies(x, q13, q2, None)  # too few tokens
+
+
+@pytest.mark.gpu
+def test_grouped_mm_experts_on_the_gpu_equal_the_triton_kernels(monkeypatch):
+    """``torch._scaled_grouped_mm`` itself (Hopper): the same FP8 math as the Triton grouped GEMM
+    (bf16: rounding of the intermediates and of the weighted rows apart, 2e-2), and taken by
+    fused_experts at and above FD_MOE_GROUPED_MM_MIN_TOKENS."""
+    from fastdeploy.ops import fp8_grouped_mm
+
+    if not CUDA or torch.cuda.get_device_capability()[0] not in (9, 10):
+        pytest.skip("needs a GPU with the grouped FP8 GEMM (sm_90 / sm_100)")
+    x, w13, w2, weights, ids = _problem(300, 256, 128, torch.bfloat16, seed=7)
+    (q13, s13), (q2, s2) = (
+        fq.quantize_weight_per_channel(w13.float()),
+        fq.quantize_weight_per_channel(w2.float()),
+    )
+    args = _on("cuda", x, q13, q2, weights, ids, s13, s2)
+    triton_out = moe.fused_experts(*args, block_shape=None)
+    grouped_out = fp8_grouped_mm.grouped_mm_experts(*args)
+    assert _rel_err(grouped_out, triton_out.cpu().double()) < 2e-2
+    assert _rel_err(grouped_out, _reference(x, w13, w2, weights, ids)) < 0.12
+    monkeypatch.setenv("FD_MOE_GROUPED_MM_MIN_TOKENS", "300")
+    assert fp8_grouped_mm.grouped_mm_applies(args[0], q13.cuda(), q2.cuda(), None)
+    dispatched = moe.fused_experts(*args, block_shape=None)  # (the Triton path differs by ~1e-2)
+    assert _rel_err(dispatched, grouped_out.cpu().double()) < 1e-3
