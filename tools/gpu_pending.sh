@@ -57,7 +57,7 @@ prefill() {
 # #20: the GIL switch interval of the engine's process (FD_SWITCH_INTERVAL_MS: each hand-over of the
 # GIL to a mask thread waits for it while the loop runs Python) and the one-task threaded fill
 structured() {
-    for variant in "5" "0.5" "0.5 --threaded-fill" "5 8" "5 4" "5" "0.5" "0.5 --threaded-fill" "5 8"; do
+    for variant in "5" "5 8" "0.5" "0.5 --threaded-fill" "5 4" "5" "5 8"; do
         set -- $variant
         processes=0
         case "${2:-}" in [0-9]*) processes=$2; set -- "$1" ;; esac
