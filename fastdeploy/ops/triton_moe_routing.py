@@ -96,22 +96,6 @@ def _topk_softmax_kernel(
         )
 
 
-def _choice_buffers(tokens: int, top_k: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The routing's outputs, to be written: weights ``[T, k]`` in ``like``'s dtype, ids ``[T, k]`` int64."""
-    weights = torch.empty((tokens, top_k), dtype=like.dtype, device=like.device)
-    return weights, torch.empty((tokens, top_k), dtype=torch.int64, device=like.device)
-
-
-def _flat_bias(correction_bias: torch.Tensor | None, experts: int) -> torch.Tensor | None:
-    """``correction_bias`` as ``[E]`` (None stays None); a ValueError when it has not ``E`` entries."""
-    if correction_bias is None:
-        return None
-    bias = correction_bias.reshape(-1)
-    if bias.numel() != experts:
-        raise ValueError(f"correction_bias must have {experts} entries, got {bias.numel()}")
-    return bias
-
-
 def topk_softmax(
     router_logits: torch.Tensor,
     top_k: int,
@@ -131,10 +115,13 @@ def topk_softmax(
     tokens, experts = router_logits.shape
     if not 0 < top_k <= experts:
         raise ValueError(f"top_k must be in [1, {experts}], got {top_k}")
-    weights, ids = _choice_buffers(tokens, top_k, router_logits)
+    weights = torch.empty((tokens, top_k), dtype=router_logits.dtype, device=router_logits.device)
+    ids = torch.empty((tokens, top_k), dtype=torch.int64, device=router_logits.device)
     if tokens == 0:
         return weights, ids
-    bias = _flat_bias(correction_bias, experts)
+    bias = None if correction_bias is None else correction_bias.reshape(-1)
+    if bias is not None and bias.numel() != experts:
+        raise ValueError(f"correction_bias must have {experts} entries, got {bias.numel()}")
     _topk_softmax_kernel[(tokens,)](
         router_logits, bias if bias is not None else router_logits, weights, ids,
         expert_counts if expert_counts is not None else ids, experts, router_logits.stride(0),

@@ -309,10 +309,9 @@ class ModelRunner:
             and common.attn_mask_offsets is None
             and graphs.padded_size(common.num_reqs) is not None
         )
-        most = common.num_actual_tokens
+        tokens = most = common.num_actual_tokens
         if self.forward_every_step:  # the MoE layers gather every replica's tokens: one size for all
             most, graphable = ep_agree_step(most, graphable)
-        tokens = common.num_actual_tokens
         if graphable:
             self.forward_stats.note("decode_graph", tokens)
             return graphs.run(tensors.input_ids, tensors.positions, common, graphs.padded_size(most))
