@@ -58,7 +58,21 @@ def capture_sizes(max_batch_size: int) -> list[int]:
     return sorted(set(sizes))
 
 
-class DecodeGraphs:
+class StaticStepInputs:
+    """The device buffers a captured forward reads, which each replay's step is copied into:
+    ``num_tokens`` token rows (ids, positions, cache slots: -1 writes nothing) and ``num_reqs``
+    request rows (query starts, sequence lengths, block-table rows), zero-filled."""
+
+    def __init__(self, num_tokens: int, num_reqs: int, max_blocks_per_req: int, device: torch.device):
+        self.input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((num_tokens,), -1, dtype=torch.int64, device=device)
+        self.query_start_loc = torch.zeros(num_reqs + 1, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(num_reqs, dtype=torch.int32, device=device)
+        self.block_table = torch.zeros(num_reqs, max_blocks_per_req, dtype=torch.int32, device=device)
+
+
+class DecodeGraphs(StaticStepInputs):
     """Captured decode forwards and the static buffers they read."""
 
     def __init__(
@@ -77,12 +91,8 @@ class DecodeGraphs:
         self.block_size = block_size
         self.max_model_len = max_model_len
         n = self.sizes[-1]
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
-        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.block_table = torch.zeros(n, max_blocks_per_req, dtype=torch.int32, device=device)
+        super().__init__(n, n, max_blocks_per_req, device)
+        self.query_start_loc.copy_(torch.arange(n + 1, dtype=torch.int32))  # one token a request, fixed
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, object]] = {}
         """size → (graph, its hidden-state output, the attention metadata it was captured with)."""
         self.pool = None

@@ -34,6 +34,7 @@ from fastdeploy.model_executor.attention.backend import AttentionBackend
 from fastdeploy.model_executor.attention.forward_context import set_forward_context
 from fastdeploy.model_executor.attention.metadata import CommonAttentionMetadata
 from fastdeploy.model_executor.layers.linear import small_m_graph_warm_up
+from fastdeploy.worker.cuda_graph import StaticStepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ def mixed_token_sizes(max_tokens: int) -> list[int]:
     return sizes + [max_tokens]
 
 
-class MixedStepGraphs:
+class MixedStepGraphs(StaticStepInputs):
     """Captured forwards of small non-decode steps, one per token size, and the buffers they read.
 
     Without :meth:`capture` (a CPU, tests) :meth:`run` runs the same padded forward eagerly.
@@ -71,13 +72,8 @@ class MixedStepGraphs:
         self.max_reqs = max_reqs
         self.block_size = block_size
         self.max_model_len = max_model_len
-        n, slots = self.sizes[-1], max_reqs + 1  # one more: the request that owns the padding tokens
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
-        self.query_start_loc = torch.zeros(slots + 1, dtype=torch.int32, device=device)
-        self.seq_lens = torch.zeros(slots, dtype=torch.int32, device=device)
-        self.block_table = torch.zeros(slots, max_blocks_per_req, dtype=torch.int32, device=device)
+        # one request slot more: the request that owns the padding tokens
+        super().__init__(self.sizes[-1], max_reqs + 1, max_blocks_per_req, device)
         self.metadata = {size: self._metadata(size) for size in self.sizes}
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         """size → (graph, its hidden-state output)."""
