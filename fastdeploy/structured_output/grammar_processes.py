@@ -29,7 +29,7 @@ import threading
 import weakref
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -453,13 +453,7 @@ def _serve(
     lock = threading.Lock()
 
     def compile_loop() -> None:
-        while True:
-            try:
-                message = control.recv()
-            except (EOFError, OSError):
-                return
-            if message is None:
-                return
+        for message in _messages(control):
             error = None
             try:
                 grammar = build_grammar(message.kind, message.text, reasoning_prefix=message.reasoning_prefix)
@@ -476,17 +470,23 @@ def _serve(
     threading.Thread(target=compile_loop, name="fd-grammar-compile", daemon=True).start()
     matchers: dict[int, Any] = {}
     filler = xgr.BatchGrammarMatcher(1)
-    while True:
-        try:
-            work = mask.recv()
-        except (EOFError, OSError):
-            break
-        if work is None:
-            break
+    for work in _messages(mask):
         try:
             mask.send(_mask_step(work, matchers, grammars, lock, masks[work.buffer], filler, xgr))
         except Exception as exc:  # reported: the engine lifts these rows
             mask.send(MaskReply([], error=f"{type(exc).__name__}: {exc}"))
+
+
+def _messages(connection: Connection) -> Iterator[Any]:
+    """What the engine sends on ``connection``, until it sends None or closes the pipe."""
+    while True:
+        try:
+            message = connection.recv()
+        except (EOFError, OSError):
+            return
+        if message is None:
+            return
+        yield message
 
 
 def _mask_step(

@@ -58,12 +58,29 @@ def capture_sizes(max_batch_size: int) -> list[int]:
     return sorted(set(sizes))
 
 
-class StaticStepInputs:
-    """The device buffers a captured forward reads, which each replay's step is copied into:
-    ``num_tokens`` token rows (ids, positions, cache slots: -1 writes nothing) and ``num_reqs``
-    request rows (query starts, sequence lengths, block-table rows), zero-filled."""
+class CapturedForwards:
+    """A model's forward captured at several ``sizes``, and the device buffers those captures read,
+    which each replay's step is copied into: ``sizes[-1]`` token rows (ids, positions, cache
+    slots: -1 writes nothing) and ``num_reqs`` request rows (query starts, sequence lengths,
+    block-table rows), zero-filled."""
 
-    def __init__(self, num_tokens: int, num_reqs: int, max_blocks_per_req: int, device: torch.device):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        attn_backend: AttentionBackend,
+        sizes: list[int],
+        num_reqs: int,
+        max_blocks_per_req: int,
+        block_size: int,
+        max_model_len: int,
+        device: torch.device,
+    ):
+        self.model = model
+        self.attn_backend = attn_backend
+        self.sizes = sizes
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        num_tokens = sizes[-1]
         self.input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
         self.positions = torch.zeros(num_tokens, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((num_tokens,), -1, dtype=torch.int64, device=device)
@@ -72,7 +89,7 @@ class StaticStepInputs:
         self.block_table = torch.zeros(num_reqs, max_blocks_per_req, dtype=torch.int32, device=device)
 
 
-class DecodeGraphs(StaticStepInputs):
+class DecodeGraphs(CapturedForwards):
     """Captured decode forwards and the static buffers they read."""
 
     def __init__(
@@ -85,13 +102,9 @@ class DecodeGraphs(StaticStepInputs):
         max_model_len: int,
         device: torch.device,
     ):
-        self.model = model
-        self.attn_backend = attn_backend
-        self.sizes = capture_sizes(max_batch_size)
-        self.block_size = block_size
-        self.max_model_len = max_model_len
-        n = self.sizes[-1]
-        super().__init__(n, n, max_blocks_per_req, device)
+        sizes = capture_sizes(max_batch_size)
+        n = sizes[-1]
+        super().__init__(model, attn_backend, sizes, n, max_blocks_per_req, block_size, max_model_len, device)
         self.query_start_loc.copy_(torch.arange(n + 1, dtype=torch.int32))  # one token a request, fixed
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, object]] = {}
         """size → (graph, its hidden-state output, the attention metadata it was captured with)."""

@@ -34,7 +34,7 @@ from fastdeploy.model_executor.attention.backend import AttentionBackend
 from fastdeploy.model_executor.attention.forward_context import set_forward_context
 from fastdeploy.model_executor.attention.metadata import CommonAttentionMetadata
 from fastdeploy.model_executor.layers.linear import small_m_graph_warm_up
-from fastdeploy.worker.cuda_graph import StaticStepInputs
+from fastdeploy.worker.cuda_graph import CapturedForwards
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def mixed_token_sizes(max_tokens: int) -> list[int]:
     return sizes + [max_tokens]
 
 
-class MixedStepGraphs(StaticStepInputs):
+class MixedStepGraphs(CapturedForwards):
     """Captured forwards of small non-decode steps, one per token size, and the buffers they read.
 
     Without :meth:`capture` (a CPU, tests) :meth:`run` runs the same padded forward eagerly.
@@ -66,14 +66,12 @@ class MixedStepGraphs(StaticStepInputs):
         max_model_len: int,
         device: torch.device,
     ):
-        self.model = model
-        self.attn_backend = attn_backend
-        self.sizes = mixed_token_sizes(max_tokens)
         self.max_reqs = max_reqs
-        self.block_size = block_size
-        self.max_model_len = max_model_len
         # one request slot more: the request that owns the padding tokens
-        super().__init__(self.sizes[-1], max_reqs + 1, max_blocks_per_req, device)
+        super().__init__(
+            model, attn_backend, mixed_token_sizes(max_tokens), max_reqs + 1, max_blocks_per_req,
+            block_size, max_model_len, device,
+        )  # fmt: skip
         self.metadata = {size: self._metadata(size) for size in self.sizes}
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         """size → (graph, its hidden-state output)."""
