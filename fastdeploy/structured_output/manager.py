@@ -371,28 +371,22 @@ class StructuredOutputManager:
             array = mask.numpy()
         live, guided, remote = [], [], []
         for row, grammar in enumerate(grammars):
-            if isinstance(grammar, RemoteGrammar):
-                if grammar.failed:
-                    array[row] = -1
-                elif grammar.ended:
-                    grammar.write_stop_row(array[row])
-                else:
-                    remote.append((row, grammar))
-                    continue
-                grammar.unseen = []
-                continue
-            if not isinstance(grammar, RequestGrammar):
+            local = isinstance(grammar, RequestGrammar)
+            if not local and not isinstance(grammar, RemoteGrammar):
                 guided.append(row)
                 continue
-            if len(grammar.unseen) > 1:  # (never at one token a step: after a resume, in tests)
-                grammar.advance_alone(grammar.unseen[:-1])
+            if local and len(grammar.unseen) > 1:  # (never at one token a step: after a resume, in tests)
+                grammar.advance_alone(grammar.unseen[:-1])  # (a grammar process takes them all at once)
                 del grammar.unseen[:-1]
             if grammar.failed:
                 array[row] = -1  # a refused token was taken: the row's mask is lifted
             elif grammar.ended:
                 grammar.write_stop_row(array[row])
-            else:
+            elif local:
                 live.append(row)
+                continue
+            else:
+                remote.append((row, grammar))
                 continue
             grammar.unseen.clear()  # (a token after the end, such as EOS with ignore_eos: ignored)
         pending_remote = self._processes.start(buffer, array, remote) if remote else None
