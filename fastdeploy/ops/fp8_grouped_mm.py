@@ -19,8 +19,7 @@ import torch
 
 from fastdeploy import envs
 from fastdeploy.ops.fp8_quant import FP8_DTYPE, quantize_activation_per_token
-from fastdeploy.ops.layer_ops import silu_and_mul
-from fastdeploy.ops.triton_moe_act import SILU_QUANT_MAX_BLOCK, silu_mul_quant
+from fastdeploy.ops.triton_moe_act import silu_mul_fp8
 
 _ALIGN = 16
 """``torch._scaled_grouped_mm`` wants every GEMM dimension but the grouped one a multiple of 16."""
@@ -66,10 +65,7 @@ def grouped_mm_experts(
     gate_up = torch._scaled_grouped_mm(
         a, w13.transpose(1, 2), a_scale, w13_scale.float(), ends, out_dtype=hidden.dtype, use_fast_accum=True
     )
-    if w2.shape[2] <= SILU_QUANT_MAX_BLOCK:
-        act, act_scale = silu_mul_quant(gate_up, None)
-    else:
-        act, act_scale = quantize_activation_per_token(silu_and_mul(gate_up))
+    act, act_scale = silu_mul_fp8(gate_up, None)
     down = torch._scaled_grouped_mm(
         act,
         w2.transpose(1, 2),

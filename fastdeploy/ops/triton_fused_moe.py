@@ -48,7 +48,7 @@ from fastdeploy.ops.fp8_quant import (
 from fastdeploy.ops.layer_ops import silu_and_mul
 from fastdeploy.ops.tile_config import TileConfig, device_shared_memory, fit_shared_memory, table_config
 from fastdeploy.ops.triton_env import triton_interpreting
-from fastdeploy.ops.triton_moe_act import SILU_QUANT_MAX_BLOCK, silu_and_mul_pairs, silu_mul_quant, sum_pairs
+from fastdeploy.ops.triton_moe_act import silu_and_mul_pairs, silu_mul_fp8, sum_pairs
 from fastdeploy.ops.triton_moe_gemv import fused_experts_gemv, scale_groups, small_batch_max_tokens
 from fastdeploy.ops.triton_moe_routing import moe_align_block_size, padded_length
 from fastdeploy.ops.triton_pdl import pdl_kwargs, pdl_prologue, pdl_trigger
@@ -402,11 +402,10 @@ def fused_experts(
     # skipped pairs (another rank's experts: about (n-1)/n of them when the tokens of n
     # data-parallel ranks are gathered) get no activation and are left out of the sum
     ids = topk_ids.reshape(-1).contiguous() if skip_negative_ids else None
-    if fp8 and (block_shape is not None or w2.shape[2] <= SILU_QUANT_MAX_BLOCK):
-        a, a_scale = silu_mul_quant(gate_up, block_shape, ids)
+    if fp8:
+        a, a_scale = silu_mul_fp8(gate_up, block_shape, ids)
     else:
-        act = silu_and_mul_pairs(gate_up, ids) if skip_negative_ids else silu_and_mul(gate_up)
-        a, a_scale = _quantize_activation(act, block_shape) if fp8 else (act, None)
+        a, a_scale = (silu_and_mul_pairs(gate_up, ids) if skip_negative_ids else silu_and_mul(gate_up)), None
     out = torch.empty((pairs, w2.shape[1]), dtype=hidden.dtype, device=hidden.device)
     weights = topk_weights.reshape(-1).contiguous()
     _launch(a, a_scale, w2, w2_scale, out, routing, weights, 1, block_shape, config)

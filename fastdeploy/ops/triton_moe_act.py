@@ -19,7 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fastdeploy.ops.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_AMAX
+from fastdeploy.ops.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_AMAX, quantize_activation_per_token
+from fastdeploy.ops.layer_ops import silu_and_mul
 from fastdeploy.ops.triton_env import triton_interpreting
 from fastdeploy.ops.triton_layer_ops import silu_mul_cols
 
@@ -103,6 +104,18 @@ def silu_mul_quant(
             FP8_MAX_C=FP8_MAX, MIN_AMAX_C=MIN_AMAX, num_warps=4 if block <= 1024 else 8,
         )  # fmt: skip
     return (q.to(FP8_DTYPE) if interpreting else q), scale
+
+
+def silu_mul_fp8(
+    gate_up: torch.Tensor, block_shape: tuple[int, int] | None, ids: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP8 down GEMM's input from ``gate_up [P, 2I]``: :func:`silu_mul_quant` in one kernel where
+    it holds the width (block scales, or per token up to :data:`SILU_QUANT_MAX_BLOCK`), else
+    SiLU-and-multiply, then the activation quantization (``ids``: as :func:`silu_mul_quant`)."""
+    if block_shape is not None or gate_up.shape[1] // 2 <= SILU_QUANT_MAX_BLOCK:
+        return silu_mul_quant(gate_up, block_shape, ids)
+    act = silu_and_mul_pairs(gate_up, ids) if ids is not None else silu_and_mul(gate_up)
+    return quantize_activation_per_token(act)
 
 
 def silu_and_mul_pairs(gate_up: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
