@@ -140,9 +140,10 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     """Most requests running at once."""
     max_num_batched_tokens: int | None = None
-    """Token budget of one engine step, shared by prefills and decodes. Default: 8192 on a GPU
-    with at least 70 GiB of memory (H100, H200), else 2048 (smaller GPUs, CPUs), as vLLM
-    chooses; the effective value is logged at start-up."""
+    """Token budget of one engine step, shared by prefills and decodes. Default: 4096 on a GPU
+    with at least 70 GiB of memory (H100, H200), else 2048 (smaller GPUs, CPUs); the effective
+    value is logged at start-up. A larger budget prefills long prompts in fewer steps but makes
+    the running requests wait longer between tokens."""
     enable_chunked_prefill: bool = True
     """Split long prompts over several steps to fit the token budget."""
     async_scheduling: bool | None = None
@@ -211,11 +212,11 @@ class DeviceConfig:
     cuda_graph_max_bs: int | None = None
     """Largest decode batch captured as a CUDA graph (sizes 1, 2, 4, 8, then steps
     of 8 up to it); larger batches run eagerly. Default: max_num_seqs, at most 512."""
-    cuda_graph_max_tokens: int = 0
+    cuda_graph_max_tokens: int = 512
     """Largest step that is not decode-only (a prompt, a chunk, decodes with a prompt mixed in)
     replayed as a CUDA graph (sizes 16, 32, 64, ... up to it, padded), with the triton attention
-    backend; a small step runs faster than the host launches it eagerly. 0 (the default until
-    measured on a GPU): such steps run eagerly."""
+    backend; a small step runs faster than the host launches it eagerly (a lone short prompt's
+    first token). 0: such steps run eagerly."""
 
 
 @dataclass

@@ -20,6 +20,7 @@ shift
 sections=${*:-tests moe poisson budget prefill structured}
 mkdir -p "$OUT"
 source tools/gpu_env.sh
+source tools/vllm_env.sh  # keeps the .vllm parts a call carries for a later gpu_vllm_compare.sh call
 export PYTHONUNBUFFERED=1
 MODEL=benchmarks/configs/llama-3.1-8b
 

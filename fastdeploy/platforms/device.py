@@ -71,14 +71,16 @@ LARGE_GPU_BYTES = 70 * (1 << 30)
 
 
 def default_max_num_batched_tokens(device: torch.device) -> int:
-    """The step token budget when ``--max-num-batched-tokens`` is not given: 8192 on a large GPU
-    (long prompts prefill in fewer steps; the card has room for the activations), else 2048.
+    """The step token budget when ``--max-num-batched-tokens`` is not given: 4096 on a large GPU,
+    else 2048. A step's prefill tokens set the longest inter-token gap of the requests decoding
+    beside them; on a large GPU 4096-token steps already run the GEMMs at full rate, so 8192 (vLLM's
+    choice) only doubles that gap (docs/benchmarks.md, nineteenth session).
 
     Reads the card's total memory only (``get_device_properties``, no allocation)."""
     if device.type == "cuda":
         index = device.index if device.index is not None else 0
         if torch.cuda.get_device_properties(index).total_memory >= LARGE_GPU_BYTES:
-            return 8192
+            return 4096
     return 2048
 
 

@@ -14,7 +14,7 @@ from fastdeploy.platforms.device import default_max_num_batched_tokens
 GIB = 1 << 30
 
 
-@pytest.mark.parametrize("total_gib, budget", [(80, 8192), (141, 8192), (70, 8192), (40, 2048), (24, 2048)])
+@pytest.mark.parametrize("total_gib, budget", [(80, 4096), (141, 4096), (70, 4096), (40, 2048), (24, 2048)])
 def test_gpu_budget_by_card_memory(monkeypatch, total_gib, budget):
     seen = []
 
