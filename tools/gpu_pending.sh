@@ -10,8 +10,9 @@
 #   prefill (~2)  one 8,192-token prefill step (16 prompts of 512): wall, kernels, kernel table
 #   structured (~7) the structured-output ratio with the GIL switch interval at 5 and 0.5 ms, the
 #                 one-task threaded fill, and the grammar processes (FD_GRAMMAR_PROCESSES 4, 8)
-#   tests (~2)    the GPU tests of this session's kernels (Qwen3's cache write in the q/k norm
-#                 kernel, the new GEMV candidates, the mixed-step graphs)
+#   tests (~5)    the GPU tests of the eighteenth session's kernels (Qwen3's cache write in the q/k
+#                 norm kernel, the new GEMV candidates, the mixed-step graphs, the grammar processes),
+#                 then which flag of the CPU kernels makes a thrown TORCH_CHECK crash there
 #   moe (~6)      a batch-1 FP8 and bf16 decode step of the Qwen3-30B-A3B shape, kernel table;
 #                 the experts' GEMV configuration sweep at one token
 #   bash tools/gpu_pending.sh OUT [poisson] [budget] [prefill] [structured] [tests] [moe]
@@ -69,14 +70,15 @@ structured() {
     done | tee "$W/structured_outputs.jsonl"
 }
 
-tests() {
-    timeout 400 python3 -m pytest -q -p no:cacheprovider tests/ops/test_layer_ops.py tests/ops/test_triton_gemv.py \
-        tests/ops/test_triton_fp8_gemv.py tests/worker/test_mixed_graphs.py tests/structured_output/test_grammar_processes.py \
+tests() {  # one pytest a file: a crash (the CPU kernels' throw, nineteenth session) hides no other file
+    for target in tests/ops/test_triton_gemv.py tests/ops/test_triton_fp8_gemv.py tests/worker/test_mixed_graphs.py \
+        tests/structured_output/test_grammar_processes.py \
         "tests/model_executor/test_triton_attention.py::test_qwen3_cache_write_in_the_qk_norm_kernel_gives_the_same_tokens" \
-        > "$W/gpu_tests.log" 2>&1
-    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/ops/test_triton_fused_moe.py -k grouped_mm \
-        >> "$W/gpu_tests.log" 2>&1
-    grep -E "passed|failed|FAILED|Error" "$W/gpu_tests.log" | tail -n 8
+        "tests/ops/test_triton_fused_moe.py -k grouped_mm" tests/ops/test_layer_ops.py; do
+        timeout 300 python3 -X faulthandler -m pytest -q -p no:cacheprovider $target >> "$W/gpu_tests.log" 2>&1
+        echo "$target: exit $? $(grep -E '(passed|failed|error)' "$W/gpu_tests.log" | tail -n 1)"
+    done
+    timeout 300 python3 tools/probe_cpu_ext_throw.py 2>&1 | tee "$W/throw_probe.txt"
 }
 
 # #18: the batch-1 decode step of the Qwen3-30B-A3B shape after this session's kernel changes
