@@ -7,8 +7,11 @@ of their output tokens/s is the cost of the grammars (compiles, matchers, bitmas
 ``grammar_wait_us_per_structured_token``: the time the engine loop spent advancing matchers and
 filling bitmasks, per structured output token. With ``FD_STEP_TRACE=1`` (and one process, TP=1)
 ``launch_to_sampled_ms_*``: the median host time from a step's forward launch to its sampling
-launch, each run (how long grammar rows wait for their bitmask; None without the trace). Each of the N/2 schemas is distinct, so every
-one is compiled during the run, off the engine loop.
+launch, each run (how long grammar rows wait for their bitmask; None without the trace). Each of
+the N/2 schemas is distinct, so every one is compiled during the run, off the engine loop, and its
+request joins the batch when it is compiled (``grammar_admit_wait_ms_*``, from arrival); the
+``last_end_s_*`` say which requests end each run (a late-joining request that runs to
+``max_tokens`` makes the structured run longer).
 
 Examples:
     python benchmarks/structured_outputs.py                         # GPU: 256 requests, bfloat16
@@ -20,6 +23,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -51,10 +55,32 @@ def chat_messages(i: int) -> list[dict]:
     return [{"role": "user", "content": f"Request {i}: describe item number {i} as a JSON object."}]
 
 
-def run(llm: LLM, messages: list, params: list[SamplingParams]) -> tuple[float, list]:
+def chat_prompts(llm: LLM, n: int) -> list[list[int]]:
+    """The token ids of the N chat prompts (the chat template applied, as ``LLM.chat`` does)."""
+    tokenizer = llm.get_tokenizer()
+    texts = [
+        tokenizer.apply_chat_template(chat_messages(i), tokenize=False, add_generation_prompt=True)
+        for i in range(n)
+    ]
+    return [tokenizer.encode(text, add_special_tokens=False) for text in texts]
+
+
+def run(
+    llm: LLM, prompts: list[list[int]], params: list[SamplingParams], tag: str
+) -> tuple[float, list, list]:
+    """Every prompt at once through the engine (as ``LLM.generate``): seconds for all, the final
+    outputs in prompt order, and each request's end (seconds from the start)."""
+    engine = llm.engine
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
     start = time.perf_counter()
-    outputs = llm.chat(messages, params, use_tqdm=False)
-    return time.perf_counter() - start, outputs
+    for request_id, prompt, sp in zip(ids, prompts, params):
+        engine.add_request(request_id, prompt, sp)
+    finished, ended = {}, {}
+    while len(finished) < len(ids):
+        for output in engine.step(final_only=True):
+            if output.finished:
+                finished[output.request_id], ended[output.request_id] = output, time.perf_counter() - start
+    return time.perf_counter() - start, [finished[i] for i in ids], [ended[i] for i in ids]
 
 
 def launch_to_sampled_ms(llm: LLM) -> float | None:
@@ -138,7 +164,7 @@ def main() -> None:
         **kwargs,
     )
     n = args.num_requests
-    messages = [chat_messages(i) for i in range(n)]
+    prompts = chat_prompts(llm, n)
     structured = [
         SamplingParams(
             temperature=0,
@@ -153,11 +179,14 @@ def main() -> None:
     ]
     llm.chat([chat_messages(0)] * 2, warm, use_tqdm=False)  # loads the tokenizer info, warms the kernels
 
-    waited = llm.engine.core.grammar_wait_s
+    core = llm.engine.core
+    waited, admits = core.grammar_wait_s, dataclasses.replace(core.grammar_admit_waits)
     launch_to_sampled_ms(llm)  # (drops the warm-up's trace)
-    structured_s, outputs = run(llm, messages, structured)
+    structured_s, outputs, ends = run(llm, prompts, structured, "structured")
     structured_gap = launch_to_sampled_ms(llm)
-    waited = llm.engine.core.grammar_wait_s - waited
+    waited = core.grammar_wait_s - waited
+    admit_count = core.grammar_admit_waits.count - admits.count
+    admit_mean_s = (core.grammar_admit_waits.total_s - admits.total_s) / max(admit_count, 1)
     lengths = [len(o.outputs[0].token_ids) for o in outputs]
     structured_tokens = sum(lengths[0::2])
     valid = 0
@@ -169,7 +198,7 @@ def main() -> None:
             except ValueError:
                 pass
     plain = [SamplingParams(temperature=0, max_tokens=max(k, 1), ignore_eos=True) for k in lengths]
-    plain_s, plain_outputs = run(llm, messages, plain)
+    plain_s, plain_outputs, plain_ends = run(llm, prompts, plain, "plain")
     plain_gap = launch_to_sampled_ms(llm)
     tokens = sum(lengths)
     assert sum(len(o.outputs[0].token_ids) for o in plain_outputs) == sum(max(k, 1) for k in lengths)
@@ -192,6 +221,11 @@ def main() -> None:
         "unconstrained_tok_s": round(tokens / plain_s, 1),
         "throughput_ratio": round(plain_s / structured_s, 3),
         "grammar_wait_us_per_structured_token": round(waited / max(structured_tokens, 1) * 1e6, 1),
+        "grammar_admit_wait_ms_mean": round(admit_mean_s * 1000, 1),
+        "grammar_admit_wait_ms_max": round(core.grammar_admit_waits.max_s * 1000, 1),
+        "last_end_s_structured_requests": round(max(ends[0::2]), 3),
+        "last_end_s_other_requests": round(max(ends[1::2]), 3),
+        "last_end_s_unconstrained_run_same_requests": round(max(plain_ends[0::2]), 3),
         "launch_to_sampled_ms_structured": structured_gap,
         "launch_to_sampled_ms_unconstrained": plain_gap,
         "ttft_new_schema_ms": round(ttft_new * 1000, 1),

@@ -64,6 +64,22 @@ class KVCacheTooSmallError(RuntimeError):
     """The KV cache memory cannot hold even one sequence of max_model_len tokens."""
 
 
+@dataclasses.dataclass
+class GrammarAdmitWaits:
+    """How long structured-output requests waited, from arrival, for their grammar's compile (or
+    the cache) before joining the scheduler: a request of a new schema starts that much later."""
+
+    count: int = 0
+    total_s: float = 0.0
+    max_s: float = 0.0
+
+    def add(self, wait_s: float) -> None:
+        """Count one request's wait."""
+        self.count += 1
+        self.total_s += wait_s
+        self.max_s = max(self.max_s, wait_s)
+
+
 class EngineCore:
     """Schedules, executes and updates; the same loop serves offline and online use."""
 
@@ -78,8 +94,11 @@ class EngineCore:
         self.source = source
         self.structured: StructuredOutputManager | None = None
         """Grammars and matchers of structured-output requests (made with the first such request)."""
-        self._awaiting_grammar: dict[str, tuple[Request, Future]] = {}
-        """Structured-output requests whose grammar is being compiled: not yet in the scheduler."""
+        self._awaiting_grammar: dict[str, tuple[Request, Future, float]] = {}
+        """Structured-output requests whose grammar is being compiled (with when they came): not yet
+        in the scheduler."""
+        self.grammar_admit_waits = GrammarAdmitWaits()
+        """How long structured-output requests waited for their grammar (benchmarks report it)."""
         self._grammar_failures: list[EngineCoreOutput] = []
         self.grammar_wait_s = 0.0
         """Time the engine loop has spent on grammar bitmasks: starting them and waiting for the
@@ -152,7 +171,11 @@ class EngineCore:
         if self.structured is None:
             self.structured = self._new_structured_manager()
         # compiled in a thread; the request joins the scheduler once its grammar is ready
-        self._awaiting_grammar[request.request_id] = (request, self.structured.submit(constraint))
+        self._awaiting_grammar[request.request_id] = (
+            request,
+            self.structured.submit(constraint),
+            time.perf_counter(),
+        )
 
     def _new_structured_manager(self) -> StructuredOutputManager:
         from fastdeploy.engine.input_processor import eos_ids_of
@@ -172,10 +195,11 @@ class EngineCore:
 
     def _admit_compiled(self) -> None:
         """Move the requests whose grammar is compiled into the scheduler (or fail them)."""
-        for req_id, (request, future) in list(self._awaiting_grammar.items()):
+        for req_id, (request, future, came) in list(self._awaiting_grammar.items()):
             if not future.done():
                 continue
             del self._awaiting_grammar[req_id]
+            self.grammar_admit_waits.add(time.perf_counter() - came)
             error = future.exception()
             if error is not None:
                 message = f"the structured-output grammar could not be compiled: {error}"
@@ -238,7 +262,7 @@ class EngineCore:
         if self._awaiting_grammar:
             self._admit_compiled()
             if not self.scheduler.has_unfinished_requests() and self._in_flight is None:
-                wait([f for _, f in self._awaiting_grammar.values()], self.GRAMMAR_WAIT_S, FIRST_COMPLETED)
+                wait([f for _, f, _ in self._awaiting_grammar.values()], self.GRAMMAR_WAIT_S, FIRST_COMPLETED)
                 self._admit_compiled()
         failures, self._grammar_failures = self._grammar_failures, []
         if not self.scheduler.has_unfinished_requests() and self._in_flight is None and not even_if_idle:
