@@ -157,8 +157,8 @@ def test_choice_regex_and_grammar(monkeypatch):
             ),
         ]
         outputs = llm.generate(prompts, params)
-        waits = llm.engine.core.grammar_admit_waits  # each request (n=2 is one) waited once for its compile
-        assert waits.count == len(params) and 0 < waits.total_s <= waits.count * waits.max_s
+        waits = llm.engine.core.grammar_admit_waits  # each sequence (n=2: two) waited once for its grammar
+        assert waits.count == sum(sp.n for sp in params) and 0 < waits.total_s <= waits.count * waits.max_s
     finally:
         llm.shutdown()
         sys.setswitchinterval(interval)
