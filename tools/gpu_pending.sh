@@ -13,12 +13,13 @@
 #   tests (~5)    the GPU tests of the eighteenth session's kernels (Qwen3's cache write in the q/k
 #                 norm kernel, the new GEMV candidates, the mixed-step graphs, the grammar processes),
 #                 then which flag of the CPU kernels makes a thrown TORCH_CHECK crash there
+#   moe_e2e (~6) the whole Qwen3-30B-A3B shape offline in FP8, Triton experts against the grouped mm
 #   moe (~6)      a batch-1 FP8 and bf16 decode step of the Qwen3-30B-A3B shape, kernel table;
 #                 the experts' GEMV configuration sweep at one token
 #   bash tools/gpu_pending.sh OUT [poisson] [budget] [prefill] [structured] [tests] [moe]
-OUT=${1:?usage: tools/gpu_pending.sh OUT [poisson] [budget] [prefill] [structured] [tests] [moe]}
+OUT=${1:?usage: tools/gpu_pending.sh OUT [poisson] [budget] [prefill] [structured] [tests] [moe] [moe_e2e]}
 shift
-sections=${*:-tests moe poisson budget prefill structured}
+sections=${*:-tests moe moe_e2e poisson budget prefill structured}
 mkdir -p "$OUT"
 source tools/gpu_env.sh
 source tools/vllm_env.sh  # keeps the .vllm parts a call carries for a later gpu_vllm_compare.sh call
@@ -49,6 +50,17 @@ budget() {
 }
 
 # #19: the kernels of the burst's 8,192-token prefill step (against vLLM's, ~4% shorter)
+# #18: the whole Qwen3-30B-A3B shape offline in per-channel FP8 (batch-1 ITL, 256 x 512/256 output
+# tok/s, 11,308 in the sixteenth session), the experts of large steps on Triton or on torch's grouped mm
+moe_e2e() {
+    for mm in 0 1024; do
+        FD_MOE_GROUPED_MM_MIN_TOKENS=$mm timeout 280 python3 benchmarks/multi_gpu.py --sections moe --tp 1 \
+            --moe-quantizations ptpc_fp8 --out "$W/moe_e2e$mm" > "$W/moe_e2e$mm.log" 2>&1
+        echo "grouped mm from $mm tokens: $(grep -o "'batch1_[a-z_]*': [0-9.]*\|'output_tok_per_s': [0-9.]*" \
+            "$W/moe_e2e$mm.log" | tr '\n' ' ')"
+    done
+}
+
 prefill() {
     timeout 200 python3 -m benchmarks.gpubench.profile_prefill $MODEL --prompt-len 512 --batch 16 --runs 10 \
         --rows 30 > "$W/prefill8192.txt" 2>&1
