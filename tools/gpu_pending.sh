@@ -49,7 +49,6 @@ budget() {
     done
 }
 
-# #19: the kernels of the burst's 8,192-token prefill step (against vLLM's, ~4% shorter)
 # #18: the whole Qwen3-30B-A3B shape offline in per-channel FP8 (batch-1 ITL, 256 x 512/256 output
 # tok/s, 11,308 in the sixteenth session), the experts of large steps on Triton or on torch's grouped mm
 moe_e2e() {
@@ -61,6 +60,7 @@ moe_e2e() {
     done
 }
 
+# #19: the kernels of the burst's 8,192-token prefill step (against vLLM's, ~4% shorter)
 prefill() {
     timeout 200 python3 -m benchmarks.gpubench.profile_prefill $MODEL --prompt-len 512 --batch 16 --runs 10 \
         --rows 30 > "$W/prefill8192.txt" 2>&1
