@@ -8,8 +8,8 @@
 #   budget (~4)   the burst with --max-num-batched-tokens 4096, 6144, 8192: throughput against the
 #                 longest inter-token gaps (the prefill steps)
 #   prefill (~2)  one 8,192-token prefill step (16 prompts of 512): wall, kernels, kernel table
-#   structured (~7) the structured-output ratio with the GIL switch interval at 5 and 0.5 ms, the
-#                 one-task threaded fill, and the grammar processes (FD_GRAMMAR_PROCESSES 4, 8)
+#   structured (~5) the structured-output ratio without and with 8 grammar processes, alternated,
+#                 three pairs; the structured requests' wait for their compile
 #   tests (~5)    the GPU tests of the eighteenth session's kernels (Qwen3's cache write in the q/k
 #                 norm kernel, the new GEMV candidates, the mixed-step graphs, the grammar processes),
 #                 then which flag of the CPU kernels makes a thrown TORCH_CHECK crash there
@@ -68,17 +68,14 @@ prefill() {
     grep -A 14 "Name" "$W/prefill8192.txt" | cut -c1-60,100-190
 }
 
-# #20: the GIL switch interval of the engine's process (FD_SWITCH_INTERVAL_MS: each hand-over of the
-# GIL to a mask thread waits for it while the loop runs Python) and the one-task threaded fill
+# #20: the grammar processes against threads, alternated (the nineteenth session's pairs: 0.888-0.916
+# with 8 processes, 0.883-0.889 without); each run also says how long the structured requests waited
+# for their compile and which requests ended it (benchmarks/structured_outputs.py)
 structured() {
-    for variant in "5" "5 8" "0.5" "0.5 --threaded-fill" "5 4" "5" "5 8"; do
-        set -- $variant
-        processes=0
-        case "${2:-}" in [0-9]*) processes=$2; set -- "$1" ;; esac
-        echo "switch $1 ms ${2:-slices} processes $processes $(FD_GRAMMAR_PROCESSES=$processes \
-            FD_SWITCH_INTERVAL_MS=$1 FD_STEP_TRACE=1 timeout 150 python3 \
+    for processes in 0 8 0 8 0 8; do
+        echo "processes $processes $(FD_GRAMMAR_PROCESSES=$processes FD_STEP_TRACE=1 timeout 150 python3 \
             benchmarks/structured_outputs.py --model $MODEL --load-format dummy --tokenizer "$TOK" \
-            --max-model-len 2048 --json $2 2>> "$W/so_err.log" | grep '^{')"
+            --max-model-len 2048 --json 2>> "$W/so_err.log" | grep '^{')"
     done | tee "$W/structured_outputs.jsonl"
 }
 
