@@ -214,9 +214,9 @@ class DeviceConfig:
     of 8 up to it); larger batches run eagerly. Default: max_num_seqs, at most 512."""
     cuda_graph_max_tokens: int = 512
     """Largest step that is not decode-only (a prompt, a chunk, decodes with a prompt mixed in)
-    replayed as a CUDA graph (sizes 16, 32, 64, ... up to it, padded), with the triton attention
-    backend; a small step runs faster than the host launches it eagerly (a lone short prompt's
-    first token). 0: such steps run eagerly."""
+    replayed as a CUDA graph (sizes 16, 32, ..., 256, then every 128 up to it, padded), with the
+    triton attention backend; a small step runs faster than the host launches it eagerly (a lone
+    short prompt's first token). 0: such steps run eagerly."""
 
 
 @dataclass

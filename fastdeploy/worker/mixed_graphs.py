@@ -39,13 +39,19 @@ from fastdeploy.worker.cuda_graph import CapturedForwards
 logger = logging.getLogger(__name__)
 
 
+MIXED_SIZE_STEP = 128
+"""Above 256 tokens the sizes grow by this many (below, they double): a step pads by at most
+twice its tokens while that is few tokens, and by at most this many beyond."""
+
+
 def mixed_token_sizes(max_tokens: int) -> list[int]:
-    """16, 32, 64, ... up to ``max_tokens`` (always included): a step pads at most to twice its tokens."""
+    """16, 32, 64, 128, 256, then steps of :data:`MIXED_SIZE_STEP`, up to ``max_tokens`` (always
+    included): one captured graph per size."""
     sizes = []
     size = 16
     while size < max_tokens:
         sizes.append(size)
-        size *= 2
+        size = size * 2 if size < 256 else size + MIXED_SIZE_STEP
     return sizes + [max_tokens]
 
 

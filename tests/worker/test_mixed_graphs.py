@@ -62,8 +62,9 @@ def test_forward_stats_count_paths_and_log_once_a_minute(monkeypatch, caplog):
     )
 
 
-def test_token_sizes_double_up_to_the_maximum():
-    assert mixed_token_sizes(512) == [16, 32, 64, 128, 256, 512]
+def test_token_sizes_double_to_256_then_grow_by_128_up_to_the_maximum():
+    assert mixed_token_sizes(512) == [16, 32, 64, 128, 256, 384, 512]
+    assert mixed_token_sizes(1000) == [16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1000]
     assert mixed_token_sizes(100) == [16, 32, 64, 100]
     assert mixed_token_sizes(16) == [16]
     assert mixed_token_sizes(8) == [8]
