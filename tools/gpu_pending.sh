@@ -3,8 +3,9 @@
 # `run` calls that carry [".gpu"]. Each section works in /tmp/gpu_pending/SECTION and leaves one
 # tarball, OUT/SECTION.tgz (the device tool returns at most 8 files a call); its summary lines go to
 # stdout. A failed step does not stop the others. Sections (all by default; minutes on an H200):
-#   poisson (~3)  the Poisson load with --cuda-graph-max-tokens 0 and 512, and which forward paths
-#                 its steps took (the worker's forward-stats log lines, every 5 s)
+#   poisson (~5)  the Poisson load with --cuda-graph-max-tokens 512 (the default) and 1024 (its
+#                 ~600-token steps, a prompt beside the decodes, replayed too), and which forward
+#                 paths its steps took (the worker's forward-stats log lines, every 5 s)
 #   budget (~4)   the burst with --max-num-batched-tokens 4096, 6144, 8192: throughput against the
 #                 longest inter-token gaps (the prefill steps)
 #   prefill (~2)  one 8,192-token prefill step (16 prompts of 512): wall, kernels, kernel table
@@ -19,7 +20,7 @@
 #   bash tools/gpu_pending.sh OUT [poisson] [budget] [prefill] [structured] [tests] [moe]
 OUT=${1:?usage: tools/gpu_pending.sh OUT [poisson] [budget] [prefill] [structured] [tests] [moe] [moe_e2e]}
 shift
-sections=${*:-tests moe moe_e2e poisson budget prefill structured}
+sections=${*:-tests moe_e2e structured poisson prefill moe budget}
 mkdir -p "$OUT"
 source tools/gpu_env.sh
 source tools/vllm_env.sh  # keeps the .vllm parts a call carries for a later gpu_vllm_compare.sh call
@@ -35,9 +36,9 @@ serve() {  # serve NAME WORKLOADS [our server's flags]: our server and client, s
     grep -h "forward passes since start" "$W/$name"/*server*.log 2>/dev/null | tail -n 1 | sed "s/^/$name /"
 }
 
-# #19: why the Poisson load is slower with the mixed-step graphs on (eighteenth session)
+# #19: the Poisson load's steps (a 512-token prompt beside ~100 decodes) as graphs too
 poisson() {
-    for tokens in 0 512 0 512; do
+    for tokens in 512 1024 512 1024; do
         FD_FORWARD_STATS_LOG_S=5 serve "poisson$tokens" poisson,c1 --cuda-graph-max-tokens $tokens
     done
 }
