@@ -212,7 +212,11 @@ class Request:
         """Set for an embedding request: finished after its prefill, with the pooled vector."""
         self.grammar: GrammarState | None = None
         """The matcher of a structured-output request (set by the engine core once its grammar is
-        compiled, before the request is scheduled); advanced with every output token."""
+        compiled); advanced with every output token."""
+        self.awaiting_grammar = False
+        """A structured-output request whose grammar is being compiled: its prompt is prefilled
+        meanwhile, all but the last token (whose step samples the first output token, under the
+        grammar), so that the compile overlaps the prefill."""
 
     @property
     def num_tokens(self) -> int:

@@ -95,8 +95,8 @@ class EngineCore:
         self.structured: StructuredOutputManager | None = None
         """Grammars and matchers of structured-output requests (made with the first such request)."""
         self._awaiting_grammar: dict[str, tuple[Request, Future, float]] = {}
-        """Structured-output requests whose grammar is being compiled (with when they came): not yet
-        in the scheduler."""
+        """Structured-output requests whose grammar is being compiled (with when they came): in the
+        scheduler, which prefills their prompts but their last token until the grammar is set."""
         self.grammar_admit_waits = GrammarAdmitWaits()
         """How long structured-output requests waited for their grammar (benchmarks report it)."""
         self._grammar_failures: list[EngineCoreOutput] = []
@@ -170,12 +170,14 @@ class EngineCore:
             return
         if self.structured is None:
             self.structured = self._new_structured_manager()
-        # compiled in a thread; the request joins the scheduler once its grammar is ready
+        # compiled in a thread while the scheduler prefills the prompt, all but its last token
+        request.awaiting_grammar = True
         self._awaiting_grammar[request.request_id] = (
             request,
             self.structured.submit(constraint),
             time.perf_counter(),
         )
+        self.scheduler.add_request(request)
 
     def _new_structured_manager(self) -> StructuredOutputManager:
         from fastdeploy.engine.input_processor import eos_ids_of
@@ -194,7 +196,7 @@ class EngineCore:
         )
 
     def _admit_compiled(self) -> None:
-        """Move the requests whose grammar is compiled into the scheduler (or fail them)."""
+        """Give the requests whose grammar is compiled their matcher (or fail them)."""
         for req_id, (request, future, came) in list(self._awaiting_grammar.items()):
             if not future.done():
                 continue
@@ -203,12 +205,12 @@ class EngineCore:
             error = future.exception()
             if error is not None:
                 message = f"the structured-output grammar could not be compiled: {error}"
-                self._grammar_failures.append(EngineCoreOutput(req_id, [], "abort", None, 0, error=message))
+                for output in self.scheduler.abort_requests([req_id]):
+                    output.error = message
+                    self._grammar_failures.append(output)
                 continue
-            request.grammar = self.structured.new_request_grammar(
-                future.result(), sorted(request.eos_token_ids)
-            )
-            self.scheduler.add_request(request)
+            grammar = self.structured.new_request_grammar(future.result(), sorted(request.eos_token_ids))
+            self.scheduler.set_grammar(request, grammar)
 
     def _start_grammar_bitmask(self, req_ids: list[str]) -> PendingBitmask:
         """Start the bitmask rows of the given requests (those still running with a grammar) in the
@@ -234,11 +236,9 @@ class EngineCore:
             self.executor.sample_tokens(self._grammar_bitmask(pending))
 
     def abort_requests(self, request_ids: list[str]) -> EngineCoreOutputs:
-        outputs = []
         for req_id in request_ids:
-            if self._awaiting_grammar.pop(req_id, None) is not None:
-                outputs.append(EngineCoreOutput(req_id, [], "abort", None, 0))
-        return EngineCoreOutputs(outputs=outputs + self.scheduler.abort_requests(request_ids))
+            self._awaiting_grammar.pop(req_id, None)  # (its compile goes on, for the cache)
+        return EngineCoreOutputs(outputs=self.scheduler.abort_requests(request_ids))
 
     def has_unfinished_requests(self) -> bool:
         return (
@@ -261,13 +261,17 @@ class EngineCore:
         """
         if self._awaiting_grammar:
             self._admit_compiled()
-            if not self.scheduler.has_unfinished_requests() and self._in_flight is None:
-                wait([f for _, f, _ in self._awaiting_grammar.values()], self.GRAMMAR_WAIT_S, FIRST_COMPLETED)
-                self._admit_compiled()
         failures, self._grammar_failures = self._grammar_failures, []
         if not self.scheduler.has_unfinished_requests() and self._in_flight is None and not even_if_idle:
             return EngineCoreOutputs(outputs=failures, stats=self.scheduler.make_stats())
         scheduler_output = self.scheduler.schedule()
+        if (
+            not scheduler_output.total_num_scheduled_tokens
+            and self._in_flight is None
+            and self._awaiting_grammar
+        ):
+            # only prompts that wait for their grammar: nothing to run before a compile ends
+            wait([f for _, f, _ in self._awaiting_grammar.values()], self.GRAMMAR_WAIT_S, FIRST_COMPLETED)
         outputs: list[EngineCoreOutput] = []
         try:
             if self.async_scheduling:

@@ -9,6 +9,7 @@ from fastdeploy.config import EngineConfig
 from fastdeploy.core.request import (
     EngineCoreOutput,
     FinishReason,
+    GrammarState,
     Request,
     RequestStatus,
     SchedulerStats,
@@ -100,6 +101,13 @@ class Scheduler:
         self._num_with_grammar += request.grammar is not None
         self.waiting.append(request)
 
+    def set_grammar(self, request: Request, grammar: GrammarState) -> None:
+        """Give a request that was added while its grammar compiled (``awaiting_grammar``) its
+        matcher: the rest of its prompt, and its outputs, are scheduled from the next step on."""
+        request.grammar = grammar
+        request.awaiting_grammar = False
+        self._num_with_grammar += request.request_id in self.requests
+
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         """Finish the given requests with reason ``abort``; unknown ids are ignored."""
         outputs = []
@@ -150,6 +158,8 @@ class Scheduler:
                 continue
             computed = request.num_computed_tokens
             num_new = min(len(request.all_token_ids) + placeholders - computed, budget)
+            if request.awaiting_grammar:  # (no placeholders: it has sampled nothing yet)
+                num_new = min(num_new, request.num_tokens - 1 - computed)
             if request.mm_extra_keys:
                 num_new = self._keep_items_whole(request, computed, num_new)
             if num_new <= 0:
@@ -170,10 +180,16 @@ class Scheduler:
             index += 1
 
         admitted: list[Request] = []
+        held: list[Request] = []  # waiting requests with nothing to compute before their grammar
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             computed_blocks, num_computed = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_computed
+            if request.awaiting_grammar:
+                num_new -= 1
+                if num_new <= 0:
+                    held.append(self.waiting.popleft())
+                    continue
             if num_new > budget and not self.chunked_prefill:
                 break
             num_new = self._keep_items_whole(request, num_computed, min(num_new, budget))
@@ -191,6 +207,7 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             scheduled.append((request, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(held))
 
         output = self._make_output(num_scheduled, new_blocks, admitted)
         structured, async_scheduling = output.structured_req_ids, self.async_scheduling

@@ -1,8 +1,9 @@
 """The engine core's structured-output state: grammars compiled off the engine loop (once per distinct
 constraint, an LRU of futures), one matcher per request, and the token bitmask of each step.
 
-Backends (``FD_STRUCTURED_OUTPUTS_BACKEND``): ``xgrammar`` compiles every constraint and its
-requests wait for the compile (the default); ``guidance`` (llguidance) builds matchers at once
+Backends (``FD_STRUCTURED_OUTPUTS_BACKEND``): ``xgrammar`` compiles every constraint, and its
+requests sample nothing until the compile ends (the default; the engine core prefills their
+prompts meanwhile); ``guidance`` (llguidance) builds matchers at once
 and computes masks lazily; ``auto`` gives a request whose constraint has no compiled xgrammar
 grammar yet an llguidance matcher right away and compiles the constraint with xgrammar in the
 background, so later requests with the same constraint take xgrammar's faster masks. Without
