@@ -8,10 +8,10 @@ of their output tokens/s is the cost of the grammars (compiles, matchers, bitmas
 filling bitmasks, per structured output token. With ``FD_STEP_TRACE=1`` (and one process, TP=1)
 ``launch_to_sampled_ms_*``: the median host time from a step's forward launch to its sampling
 launch, each run (how long grammar rows wait for their bitmask; None without the trace). Each of
-the N/2 schemas is distinct, so every one is compiled during the run, off the engine loop, and its
-request joins the batch when it is compiled (``grammar_admit_wait_ms_*``, from arrival); the
-``last_end_s_*`` say which requests end each run (a late-joining request that runs to
-``max_tokens`` makes the structured run longer).
+the N/2 schemas is distinct, so every one is compiled during the run, off the engine loop; its
+request's prompt is prefilled meanwhile and its first token waits for the compile
+(``grammar_admit_wait_ms_*``, from arrival); the ``last_end_s_*`` say which requests end each run
+(a request that starts late and runs to ``max_tokens`` makes the structured run longer).
 
 Examples:
     python benchmarks/structured_outputs.py                         # GPU: 256 requests, bfloat16

@@ -67,7 +67,8 @@ class KVCacheTooSmallError(RuntimeError):
 @dataclasses.dataclass
 class GrammarAdmitWaits:
     """How long structured-output requests waited, from arrival, for their grammar's compile (or
-    the cache) before joining the scheduler: a request of a new schema starts that much later."""
+    the cache): a request of a new schema samples its first token no earlier (its prompt is
+    prefilled meanwhile)."""
 
     count: int = 0
     total_s: float = 0.0
