@@ -266,12 +266,10 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests() and self._in_flight is None and not even_if_idle:
             return EngineCoreOutputs(outputs=failures, stats=self.scheduler.make_stats())
         scheduler_output = self.scheduler.schedule()
-        if (
-            not scheduler_output.total_num_scheduled_tokens
-            and self._in_flight is None
-            and self._awaiting_grammar
-        ):
-            # only prompts that wait for their grammar: nothing to run before a compile ends
+        idle = not scheduler_output.total_num_scheduled_tokens and self._in_flight is None
+        if idle and self._awaiting_grammar and not even_if_idle:
+            # only prompts that wait for their grammar: nothing to run before a compile ends (in
+            # lockstep with other replicas, their steps go on meanwhile)
             wait([f for _, f, _ in self._awaiting_grammar.values()], self.GRAMMAR_WAIT_S, FIRST_COMPLETED)
         outputs: list[EngineCoreOutput] = []
         try:
