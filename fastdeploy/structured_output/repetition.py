@@ -27,6 +27,8 @@ _ELEMENT = re.compile(
 )
 _REPEAT = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\{(\d+), (\d+)\}$")
 _RULE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*) ::= (.*)$")
+_MAY_REPEAT = re.compile(r"\{\d+, \d+\}")
+"""A cheap first test of a line: most rules have no bounded repetition to parse for."""
 
 
 def unroll_bounded_repetitions(ebnf: str) -> str | None:
@@ -34,8 +36,8 @@ def unroll_bounded_repetitions(ebnf: str) -> str | None:
     could be (then the grammar is best used as it is)."""
     lines, changed = [], False
     for line in ebnf.splitlines():
-        rounds = 0
-        while (rewritten := _rewrite_rule(line, rounds)) is not None:  # one repetition per sequence a round
+        rounds = 0  # one repetition per sequence a round
+        while _MAY_REPEAT.search(line) and (rewritten := _rewrite_rule(line, rounds)) is not None:
             line, chains = rewritten
             lines.extend(chains)
             rounds += 1
