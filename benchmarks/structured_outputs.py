@@ -10,7 +10,7 @@ filling bitmasks, per structured output token. With ``FD_STEP_TRACE=1`` (and one
 launch, each run (how long grammar rows wait for their bitmask; None without the trace). Each of
 the N/2 schemas is distinct, so every one is compiled during the run, off the engine loop; its
 request's prompt is prefilled meanwhile and its first token waits for the compile
-(``grammar_admit_wait_ms_*``, from arrival); the ``last_end_s_*`` say which requests end each run
+(``grammar_ready_wait_ms_*``, from arrival); the ``last_end_s_*`` say which requests end each run
 (a request that starts late and runs to ``max_tokens`` makes the structured run longer).
 
 Examples:
@@ -180,13 +180,13 @@ def main() -> None:
     llm.chat([chat_messages(0)] * 2, warm, use_tqdm=False)  # loads the tokenizer info, warms the kernels
 
     core = llm.engine.core
-    waited, admits = core.grammar_wait_s, dataclasses.replace(core.grammar_admit_waits)
+    waited, ready = core.grammar_wait_s, dataclasses.replace(core.grammar_ready_waits)
     launch_to_sampled_ms(llm)  # (drops the warm-up's trace)
     structured_s, outputs, ends = run(llm, prompts, structured, "structured")
     structured_gap = launch_to_sampled_ms(llm)
     waited = core.grammar_wait_s - waited
-    admit_count = core.grammar_admit_waits.count - admits.count
-    admit_mean_s = (core.grammar_admit_waits.total_s - admits.total_s) / max(admit_count, 1)
+    ready_count = core.grammar_ready_waits.count - ready.count
+    ready_mean_s = (core.grammar_ready_waits.total_s - ready.total_s) / max(ready_count, 1)
     lengths = [len(o.outputs[0].token_ids) for o in outputs]
     structured_tokens = sum(lengths[0::2])
     valid = 0
@@ -221,8 +221,8 @@ def main() -> None:
         "unconstrained_tok_s": round(tokens / plain_s, 1),
         "throughput_ratio": round(plain_s / structured_s, 3),
         "grammar_wait_us_per_structured_token": round(waited / max(structured_tokens, 1) * 1e6, 1),
-        "grammar_admit_wait_ms_mean": round(admit_mean_s * 1000, 1),
-        "grammar_admit_wait_ms_max": round(core.grammar_admit_waits.max_s * 1000, 1),
+        "grammar_ready_wait_ms_mean": round(ready_mean_s * 1000, 1),
+        "grammar_ready_wait_ms_max": round(core.grammar_ready_waits.max_s * 1000, 1),
         "last_end_s_structured_requests": round(max(ends[0::2]), 3),
         "last_end_s_other_requests": round(max(ends[1::2]), 3),
         "last_end_s_unconstrained_run_same_requests": round(max(plain_ends[0::2]), 3),

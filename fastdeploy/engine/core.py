@@ -65,7 +65,7 @@ class KVCacheTooSmallError(RuntimeError):
 
 
 @dataclasses.dataclass
-class GrammarAdmitWaits:
+class GrammarReadyWaits:
     """How long structured-output requests waited, from arrival, for their grammar's compile (or
     the cache): a request of a new schema samples its first token no earlier (its prompt is
     prefilled meanwhile)."""
@@ -98,7 +98,7 @@ class EngineCore:
         self._awaiting_grammar: dict[str, tuple[Request, Future, float]] = {}
         """Structured-output requests whose grammar is being compiled (with when they came): in the
         scheduler, which prefills their prompts but their last token until the grammar is set."""
-        self.grammar_admit_waits = GrammarAdmitWaits()
+        self.grammar_ready_waits = GrammarReadyWaits()
         """How long structured-output requests waited for their grammar (benchmarks report it)."""
         self._grammar_failures: list[EngineCoreOutput] = []
         self.grammar_wait_s = 0.0
@@ -196,13 +196,13 @@ class EngineCore:
             start_process=ChildProcess,
         )
 
-    def _admit_compiled(self) -> None:
+    def _set_compiled_grammars(self) -> None:
         """Give the requests whose grammar is compiled their matcher (or fail them)."""
         for req_id, (request, future, came) in list(self._awaiting_grammar.items()):
             if not future.done():
                 continue
             del self._awaiting_grammar[req_id]
-            self.grammar_admit_waits.add(time.perf_counter() - came)
+            self.grammar_ready_waits.add(time.perf_counter() - came)
             error = future.exception()
             if error is not None:
                 message = f"the structured-output grammar could not be compiled: {error}"
@@ -261,7 +261,7 @@ class EngineCore:
         forward: expert parallelism over data-parallel replicas needs every replica's forward).
         """
         if self._awaiting_grammar:
-            self._admit_compiled()
+            self._set_compiled_grammars()
         failures, self._grammar_failures = self._grammar_failures, []
         if not self.scheduler.has_unfinished_requests() and self._in_flight is None and not even_if_idle:
             return EngineCoreOutputs(outputs=failures, stats=self.scheduler.make_stats())

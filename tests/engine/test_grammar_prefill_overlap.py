@@ -69,7 +69,7 @@ def test_the_prompt_is_prefilled_while_the_grammar_compiles(async_scheduling, mo
         assert request.output_token_ids == [] and request.num_output_placeholders == 0
         gate.set_result(real[0].result())
         assert _finish(llm, "held") == expected
-        assert core.grammar_admit_waits.count == 2 and core.scheduler.kv.usage() == 0
+        assert core.grammar_ready_waits.count == 2 and core.scheduler.kv.usage() == 0
     finally:
         llm.shutdown()
 

@@ -157,7 +157,7 @@ def test_choice_regex_and_grammar(monkeypatch):
             ),
         ]
         outputs = llm.generate(prompts, params)
-        waits = llm.engine.core.grammar_admit_waits  # each sequence (n=2: two) waited once for its grammar
+        waits = llm.engine.core.grammar_ready_waits  # each sequence (n=2: two) waited once for its grammar
         assert waits.count == sum(sp.n for sp in params) and 0 < waits.total_s <= waits.count * waits.max_s
     finally:
         llm.shutdown()
