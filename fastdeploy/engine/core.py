@@ -202,6 +202,8 @@ class EngineCore:
             if not future.done():
                 continue
             del self._awaiting_grammar[req_id]
+            if self.scheduler.requests.get(req_id) is not request:
+                continue  # finished meanwhile (a failed step aborted it): no matcher to make
             self.grammar_ready_waits.add(time.perf_counter() - came)
             error = future.exception()
             if error is not None:
@@ -245,7 +247,6 @@ class EngineCore:
         return (
             self.scheduler.has_unfinished_requests()
             or self._in_flight is not None
-            or bool(self._awaiting_grammar)
             or bool(self._grammar_failures)
         )
 

@@ -91,3 +91,22 @@ def test_a_failed_compile_aborts_the_half_prefilled_request(monkeypatch):
         assert not core.has_unfinished_requests() and core.scheduler.kv.usage() == 0
     finally:
         llm.shutdown()
+
+
+def test_a_request_the_scheduler_dropped_gets_no_matcher(monkeypatch):
+    """A failed step aborts its requests in the scheduler alone (``EngineCore.step``): one whose
+    grammar was still compiling then gets no matcher, and leaves nothing unfinished."""
+    llm = LLM(dtype="float32", num_threads=1, max_num_batched_tokens=32)
+    try:
+        gate, real = _hold_compiles(llm, monkeypatch)
+        core = llm.engine.core
+        core.add_request(llm.engine.input_processor.make_core_requests("dropped", PROMPT, _params(), 0.0)[0])
+        core.step()
+        request = core.scheduler.requests["dropped"]
+        assert [o.request_id for o in core.scheduler.abort_requests(["dropped"])] == ["dropped"]
+        gate.set_result(real[0].result())
+        assert not core.step().outputs
+        assert request.grammar is None and core.grammar_ready_waits.count == 0
+        assert not core.has_unfinished_requests() and core.scheduler.kv.usage() == 0
+    finally:
+        llm.shutdown()
