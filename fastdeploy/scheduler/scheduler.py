@@ -361,7 +361,7 @@ class Scheduler:
                     stop_reason,
                     request.num_cached_tokens,
                     request.queue_time if len(request.output_token_ids) <= 1 else None,
-                    None,
+                    None,  # (error; positional arguments: this runs for every row of every step)
                     None if logprobs is None else [logprobs],
                     prompt_logprobs,
                 )

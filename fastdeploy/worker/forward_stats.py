@@ -1,5 +1,6 @@
 """How the runner's forward passes ran: replayed decode graphs, replayed mixed-step graphs, or
-eagerly, with their step and token counts, logged once a minute while they change.
+eagerly, with their step and token counts, logged every ``FD_FORWARD_STATS_LOG_S`` seconds (a
+minute by default) while they change.
 
 It answers, from a server's log, which path a workload's steps took (a Poisson load of
 512-token prompts beside ~100 running requests should replay no mixed-step graph: every step
@@ -29,8 +30,8 @@ class ForwardStats:
     _logged_steps: int = 0
 
     def note(self, path: str, num_tokens: int) -> None:
-        """Count one forward of ``num_tokens`` tokens on ``path``; log the totals when a minute has
-        passed since the last line and steps ran meanwhile."""
+        """Count one forward of ``num_tokens`` tokens on ``path``; log the totals when ``log_every_s``
+        have passed since the last line and steps ran meanwhile."""
         self.steps[path] += 1
         self.tokens[path] += num_tokens
         now = time.monotonic()

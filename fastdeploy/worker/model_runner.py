@@ -127,7 +127,7 @@ class ModelRunner:
         """Agree with the other replicas on every step's size, and run a padding forward in a step
         with no tokens: the MoE layers gather every replica's tokens."""
         self.forward_stats = ForwardStats(envs.FD_FORWARD_STATS_LOG_S)
-        """Steps and tokens per forward path (graphs or eager), logged once a minute."""
+        """Steps and tokens per forward path (graphs or eager), logged every ``FD_FORWARD_STATS_LOG_S``."""
         self.trace: list[tuple[str, int, float]] | None = [] if envs.FD_STEP_TRACE else None
         """(stage, step id, perf_counter seconds) of every stage when ``FD_STEP_TRACE=1``."""
 
