@@ -8,7 +8,8 @@ the offline engine's loop: the wall time from ``add_request`` to its token (the 
 a concurrency-1 TTFT, no HTTP), the GPU's kernel time of the same (torch profiler, CUDA
 activity), and the kernel table. Issue #19 compares the served TTFT at concurrency 1 with it.
 ``--batch 16`` adds 16 prompts at once instead: one prefill step of 8,192 tokens at 512 each
-(the token budget's step of a burst, whose length is the burst's longest inter-token gap).
+(a burst's step under an 8,192-token budget, vLLM's, whose length is the burst's longest
+inter-token gap; the engine here takes a budget of at least 8,192 whatever the default).
 """
 
 from __future__ import annotations
