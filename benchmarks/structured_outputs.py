@@ -27,6 +27,7 @@ import dataclasses
 import json
 import statistics
 import time
+from typing import Any
 
 from fastdeploy import LLM, SamplingParams
 from fastdeploy.core.sampling_params import StructuredOutputsParams
@@ -67,9 +68,10 @@ def chat_prompts(llm: LLM, n: int) -> list[list[int]]:
 
 def run(
     llm: LLM, prompts: list[list[int]], params: list[SamplingParams], tag: str
-) -> tuple[float, list, list]:
+) -> tuple[float, list, list, float]:
     """Every prompt at once through the engine (as ``LLM.generate``): seconds for all, the final
-    outputs in prompt order, and each request's end (seconds from the start)."""
+    outputs in prompt order, each request's end (seconds from the start) and the start
+    (``time.perf_counter``)."""
     engine = llm.engine
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
     start = time.perf_counter()
@@ -80,16 +82,24 @@ def run(
         for output in engine.step(final_only=True):
             if output.finished:
                 finished[output.request_id], ended[output.request_id] = output, time.perf_counter() - start
-    return time.perf_counter() - start, [finished[i] for i in ids], [ended[i] for i in ids]
+    return time.perf_counter() - start, [finished[i] for i in ids], [ended[i] for i in ids], start
 
 
-def launch_to_sampled_ms(llm: LLM) -> float | None:
-    """Median host time from a step's forward being launched (run, on a CPU) to its sampling being
-    launched, over the steps traced since the last call (``FD_STEP_TRACE=1``, single process);
-    grammar rows wait there for the engine's advance and fill. None without a trace."""
+def trace_stats(llm: LLM, split_s: float | None = None, start: float = 0.0) -> dict[str, Any]:
+    """From the steps traced since the last call (``FD_STEP_TRACE=1``, single process; all None
+    without a trace): ``launch_to_sampled_ms``, the median host time from a step's forward being
+    launched (run, on a CPU) to its sampling being launched (grammar rows wait there for the
+    engine's advance and fill); ``step_ms_before`` / ``step_ms_after``, the median time between
+    consecutive forward launches before and after ``split_s`` seconds from ``start`` (the steps
+    with structured rows against those without, when ``split_s`` is when the last one ended)."""
+    stats: dict[str, Any] = {
+        "launch_to_sampled_ms": None,
+        "step_ms_before": None,
+        "step_ms_after": None,
+    }
     runner = getattr(getattr(llm.engine.core.executor, "worker", None), "runner", None)
     if runner is None or runner.trace is None:
-        return None
+        return stats
     launched = {step: t for stage, step, t in runner.trace if stage == "execute_end"}
     gaps = [
         t - launched[step]
@@ -97,7 +107,26 @@ def launch_to_sampled_ms(llm: LLM) -> float | None:
         if stage == "postprocess_end" and step in launched
     ]
     runner.trace.clear()
-    return round(statistics.median(gaps) * 1000, 2) if gaps else None
+    if gaps:
+        stats["launch_to_sampled_ms"] = round(statistics.median(gaps) * 1000, 2)
+    times = sorted(launched.values())
+    if split_s is not None and len(times) > 2:
+        pairs = list(zip(times, times[1:]))
+        before = [b - a for a, b in pairs if b - start <= split_s]
+        after = [b - a for a, b in pairs if a - start > split_s]
+        stats["step_ms_before"] = round(statistics.median(before) * 1000, 2) if before else None
+        stats["step_ms_after"] = round(statistics.median(after) * 1000, 2) if after else None
+        stats["steps_before"], stats["steps_after"] = len(before), len(after)
+        # the longest steps before the split: (ms from the start, step ms)
+        longest = sorted(((b - start, b - a) for a, b in pairs if b - start <= split_s), key=lambda p: -p[1])
+        stats["longest_steps_before"] = [(round(t * 1000), round(d * 1000, 1)) for t, d in longest[:6]]
+    counts = runner.forward_stats.steps
+    stats["forward_paths"] = {path: counts[path] - _last_paths.get(path, 0) for path in counts}
+    _last_paths.update(counts)
+    return stats
+
+
+_last_paths: dict[str, int] = {}
 
 
 def first_token_latency(llm: LLM, params: SamplingParams, tag: str) -> float:
@@ -133,6 +162,12 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto")
     parser.add_argument("--json", action="store_true", help="also print the result as one JSON line")
+    parser.add_argument(
+        "--repeat-structured",
+        action="store_true",
+        help="run the structured requests again after the unconstrained run, their grammars compiled "
+        "(the per-step cost of the grammars without their compiles)",
+    )
     parser.add_argument(
         "--grammar-slice-rows",
         type=int,
@@ -181,9 +216,10 @@ def main() -> None:
 
     core = llm.engine.core
     waited, ready = core.grammar_wait_s, dataclasses.replace(core.grammar_ready_waits)
-    launch_to_sampled_ms(llm)  # (drops the warm-up's trace)
-    structured_s, outputs, ends = run(llm, prompts, structured, "structured")
-    structured_gap = launch_to_sampled_ms(llm)
+    trace_stats(llm)  # (drops the warm-up's trace)
+    structured_s, outputs, ends, started = run(llm, prompts, structured, "structured")
+    split_s = max(ends[0::2])  # when the last structured request ended
+    structured_trace = trace_stats(llm, split_s, started)
     waited = core.grammar_wait_s - waited
     ready_count = core.grammar_ready_waits.count - ready.count
     ready_mean_s = (core.grammar_ready_waits.total_s - ready.total_s) / max(ready_count, 1)
@@ -198,10 +234,20 @@ def main() -> None:
             except ValueError:
                 pass
     plain = [SamplingParams(temperature=0, max_tokens=max(k, 1), ignore_eos=True) for k in lengths]
-    plain_s, plain_outputs, plain_ends = run(llm, prompts, plain, "plain")
-    plain_gap = launch_to_sampled_ms(llm)
+    plain_s, plain_outputs, plain_ends, started = run(llm, prompts, plain, "plain")
+    plain_trace = trace_stats(llm, max(plain_ends[0::2]), started)
     tokens = sum(lengths)
     assert sum(len(o.outputs[0].token_ids) for o in plain_outputs) == sum(max(k, 1) for k in lengths)
+    repeat: dict[str, Any] = {}
+    if args.repeat_structured:
+        again_s, again_outputs, again_ends, started = run(llm, prompts, structured, "again")
+        repeat = {
+            "cached_grammars_structured_s": round(again_s, 3),
+            "cached_grammars_ratio": round(plain_s / again_s, 3),
+            **{
+                f"{k}_cached_grammars": v for k, v in trace_stats(llm, max(again_ends[0::2]), started).items()
+            },
+        }
 
     new_schema = SamplingParams(
         temperature=0, structured_outputs=StructuredOutputsParams(json=make_schema(10**6))
@@ -226,8 +272,9 @@ def main() -> None:
         "last_end_s_structured_requests": round(max(ends[0::2]), 3),
         "last_end_s_other_requests": round(max(ends[1::2]), 3),
         "last_end_s_unconstrained_run_same_requests": round(max(plain_ends[0::2]), 3),
-        "launch_to_sampled_ms_structured": structured_gap,
-        "launch_to_sampled_ms_unconstrained": plain_gap,
+        **{f"{key}_structured": value for key, value in structured_trace.items()},
+        **{f"{key}_unconstrained": value for key, value in plain_trace.items()},
+        **repeat,
         "ttft_new_schema_ms": round(ttft_new * 1000, 1),
         "ttft_cached_schema_ms": round(ttft_cached * 1000, 1),
         "ttft_unconstrained_ms": round(ttft_plain * 1000, 1),

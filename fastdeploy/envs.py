@@ -192,6 +192,12 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "Threads of the engine core that compile structured-output grammars (off the engine loop) "
         "and fill their bitmasks; default: half the CPU cores, between 2 and 8.",
     ),
+    "FD_GRAMMAR_COMPILE_NICE": (
+        lambda: max(0, min(19, int(os.environ.get("FD_GRAMMAR_COMPILE_NICE", "10")))),
+        "How much lower the CPU priority of the grammar compiles runs (the nice increment of their "
+        "threads, in the engine core or the grammar processes; 0: same priority): a burst of new "
+        "schemas then takes no cores from the engine loop and the worker on a busy host.",
+    ),
     "FD_GRAMMAR_PROCESSES": (
         lambda: int(os.environ.get("FD_GRAMMAR_PROCESSES", "0")),
         "Helper processes that compile xgrammar grammars and make the structured-output bitmasks, "

@@ -73,10 +73,10 @@ prefill() {
 # with 8 processes, 0.883-0.889 without); each run also says how long the structured requests waited
 # for their compile and which requests ended it (benchmarks/structured_outputs.py)
 structured() {
-    for processes in 0 8 0 8 0 8; do
+    for processes in 0 8 0 8; do
         echo "processes $processes $(FD_GRAMMAR_PROCESSES=$processes FD_STEP_TRACE=1 timeout 150 python3 \
             benchmarks/structured_outputs.py --model $MODEL --load-format dummy --tokenizer "$TOK" \
-            --max-model-len 2048 --json 2>> "$W/so_err.log" | grep '^{')"
+            --max-model-len 2048 --repeat-structured --json 2>> "$W/so_err.log" | grep '^{')"
     done | tee "$W/structured_outputs.jsonl"
 }
 
@@ -85,10 +85,10 @@ tests() {  # one pytest a file: a crash (the CPU kernels' throw, nineteenth sess
         tests/structured_output/test_grammar_processes.py \
         "tests/model_executor/test_triton_attention.py::test_qwen3_cache_write_in_the_qk_norm_kernel_gives_the_same_tokens" \
         "tests/ops/test_triton_fused_moe.py -k grouped_mm" tests/ops/test_layer_ops.py; do
-        timeout 300 python3 -X faulthandler -m pytest -q -p no:cacheprovider $target >> "$W/gpu_tests.log" 2>&1
+        timeout 100 python3 -X faulthandler -m pytest -q -p no:cacheprovider $target >> "$W/gpu_tests.log" 2>&1
         echo "$target: exit $? $(grep -E '(passed|failed|error)' "$W/gpu_tests.log" | tail -n 1)"
     done
-    timeout 300 python3 tools/probe_cpu_ext_throw.py 2>&1 | tee "$W/throw_probe.txt"
+    timeout 200 python3 tools/probe_cpu_ext_throw.py 2>&1 | tee "$W/throw_probe.txt"
 }
 
 # #18: the batch-1 decode step of the Qwen3-30B-A3B shape after this session's kernel changes

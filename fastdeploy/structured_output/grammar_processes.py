@@ -438,6 +438,7 @@ def _serve(
     import xgrammar as xgr
 
     from fastdeploy import envs
+    from fastdeploy.platforms.thread_priority import lower_thread_priority
     from fastdeploy.structured_output.grammar import build_grammar, clean_message
 
     control, mask = Connection(control_fd), Connection(mask_fd)
@@ -453,6 +454,7 @@ def _serve(
     lock = threading.Lock()
 
     def compile_loop() -> None:
+        lower_thread_priority(envs.FD_GRAMMAR_COMPILE_NICE)  # (the mask loop keeps its priority)
         for message in _messages(control):
             error = None
             try:

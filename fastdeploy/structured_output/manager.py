@@ -27,6 +27,7 @@ from fastdeploy import envs
 from fastdeploy.core.sampling_params import StructuredOutputsParams
 from fastdeploy.core.step_io import GrammarBitmask, bitmask_words
 from fastdeploy.platforms.gc_heap import freeze_late_heap, unfreeze_heap
+from fastdeploy.platforms.thread_priority import lower_thread_priority
 from fastdeploy.structured_output import guidance
 from fastdeploy.structured_output.grammar import build_grammar, constraint_key
 from fastdeploy.structured_output.grammar_processes import (
@@ -179,7 +180,13 @@ class StructuredOutputManager:
         self._compiler: Any = None
         self._hf_tokenizer: Any = None
         self._init_lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max(envs.FD_GRAMMAR_COMPILE_THREADS, 1), "fd-grammar")
+        self._pool = ThreadPoolExecutor(
+            max(envs.FD_GRAMMAR_COMPILE_THREADS, 1),
+            "fd-grammar",
+            initializer=lower_thread_priority,
+            initargs=(envs.FD_GRAMMAR_COMPILE_NICE,),
+        )
+        """Compiles (xgrammar's own compile threads inherit their lower priority)."""
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self.cache_size = envs.FD_GRAMMAR_CACHE_SIZE
         self._slice_threads = max(envs.FD_GRAMMAR_COMPILE_THREADS, 1)

@@ -427,3 +427,33 @@ def test_the_mask_is_made_in_the_pool_threads_while_the_caller_goes_on(tokenizer
     matcher.fill_next_token_bitmask(reference)
     for row in mask:
         np.testing.assert_array_equal(row, reference[0].numpy())
+
+
+def test_compiles_run_at_a_lower_cpu_priority(tokenizer, monkeypatch):
+    """A burst of new schemas must not take cores from the engine loop: the compile threads run
+    ``FD_GRAMMAR_COMPILE_NICE`` lower; the engine loop's thread keeps its priority."""
+    import sys
+
+    from fastdeploy.platforms.thread_priority import thread_nice
+    from fastdeploy.structured_output import manager as manager_module
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("per-thread nice is Linux's")
+    monkeypatch.setenv("FD_GRAMMAR_COMPILE_NICE", "4")
+    monkeypatch.setenv("FD_STRUCTURED_OUTPUTS_BACKEND", "xgrammar")
+    seen: list[int | None] = []
+    real_build = manager_module.build_grammar
+
+    def recording_build(*args, **kwargs):
+        seen.append(thread_nice())
+        return real_build(*args, **kwargs)
+
+    monkeypatch.setattr(manager_module, "build_grammar", recording_build)
+    loop_nice = thread_nice()
+    manager = StructuredOutputManager(lambda: tokenizer, 49152, [tokenizer.eos_token_id])
+    try:
+        manager.submit(StructuredOutputsParams(regex="[0-9]+")).result(timeout=60)
+    finally:
+        manager.shutdown()
+    assert seen == [min(19, loop_nice + 4)]
+    assert thread_nice() == loop_nice

@@ -1,0 +1,36 @@
+"""Lower the CPU priority of the calling thread: background work (grammar compiles) that must not
+take cores from the engine loop and the worker when the host's cores are all busy."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+logger = logging.getLogger(__name__)
+
+
+def lower_thread_priority(increment: int) -> bool:
+    """Raise the calling thread's nice value by ``increment`` (at most to 19); threads it starts
+    afterwards inherit it (Linux keeps a nice value per thread). Returns whether it changed: False
+    for ``increment <= 0``, where the OS has no per-thread priority, or where it refuses."""
+    if increment <= 0 or not hasattr(os, "setpriority"):
+        return False
+    try:
+        tid = threading.get_native_id()
+        current = os.getpriority(os.PRIO_PROCESS, tid)
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, current + increment))
+    except OSError as exc:  # (a sandbox may forbid it: the thread keeps its priority)
+        logger.debug("could not lower the priority of thread %s: %s", threading.current_thread().name, exc)
+        return False
+    return True
+
+
+def thread_nice(native_id: int | None = None) -> int | None:
+    """The nice value of a thread (default: the calling one), None where the OS does not say."""
+    if not hasattr(os, "getpriority"):
+        return None
+    try:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id() if native_id is None else native_id)
+    except OSError:
+        return None
