@@ -10,17 +10,19 @@
 #                 longest inter-token gaps (the prefill steps)
 #   prefill (~2)  one 8,192-token prefill step (16 prompts of 512): wall, kernels, kernel table
 #   structured (~5) the structured-output ratio without and with 8 grammar processes, alternated,
-#                 three pairs; the structured requests' wait for their compile
-#   tests (~5)    the GPU tests of the eighteenth session's kernels (Qwen3's cache write in the q/k
-#                 norm kernel, the new GEMV candidates, the mixed-step graphs, the grammar processes),
-#                 then which flag of the CPU kernels makes a thrown TORCH_CHECK crash there
+#                 two pairs, each also with its grammars compiled (--repeat-structured)
+#   structured_nice (~7) the compiles at a lower CPU priority or not (FD_GRAMMAR_COMPILE_NICE 0 / 10)
+#   tests (~3)    the GPU tests (one pytest a file, all at once), then which flag of the CPU kernels
+#                 makes a thrown TORCH_CHECK crash there
 #   moe_e2e (~6) the whole Qwen3-30B-A3B shape offline in FP8, Triton experts against the grouped mm
 #   moe (~6)      a batch-1 FP8 and bf16 decode step of the Qwen3-30B-A3B shape, kernel table;
 #                 the experts' GEMV configuration sweep at one token
-#   bash tools/gpu_pending.sh OUT [poisson] [budget] [prefill] [structured] [tests] [moe]
-OUT=${1:?usage: tools/gpu_pending.sh OUT [poisson] [budget] [prefill] [structured] [tests] [moe] [moe_e2e]}
+#   bash tools/gpu_pending.sh OUT [section ...]
+# Run it without `| tail` in the `run` call: a call stopped at its time limit returns only what it
+# already printed (twice in the twentieth session a tail held back every line of a 600 s call).
+OUT=${1:?usage: tools/gpu_pending.sh OUT [structured_nice] [structured] [tests] [moe_e2e] [poisson] [prefill] [moe] [budget]}
 shift
-sections=${*:-tests moe_e2e structured poisson prefill moe budget}
+sections=${*:-structured_nice tests moe_e2e poisson prefill moe budget}
 mkdir -p "$OUT"
 source tools/gpu_env.sh
 source tools/vllm_env.sh  # keeps the .vllm parts a call carries for a later gpu_vllm_compare.sh call
@@ -80,15 +82,32 @@ structured() {
     done | tee "$W/structured_outputs.jsonl"
 }
 
-tests() {  # one pytest a file: a crash (the CPU kernels' throw, nineteenth session) hides no other file
-    for target in tests/ops/test_triton_gemv.py tests/ops/test_triton_fp8_gemv.py tests/worker/test_mixed_graphs.py \
-        tests/structured_output/test_grammar_processes.py \
-        "tests/model_executor/test_triton_attention.py::test_qwen3_cache_write_in_the_qk_norm_kernel_gives_the_same_tokens" \
-        "tests/ops/test_triton_fused_moe.py -k grouped_mm" tests/ops/test_layer_ops.py; do
-        timeout 100 python3 -X faulthandler -m pytest -q -p no:cacheprovider $target >> "$W/gpu_tests.log" 2>&1
-        echo "$target: exit $? $(grep -E '(passed|failed|error)' "$W/gpu_tests.log" | tail -n 1)"
+# #20: the grammar compiles at a lower CPU priority (FD_GRAMMAR_COMPILE_NICE, twentieth session) against
+# the same priority as the engine loop, alternated; threads (the default), then 8 processes
+structured_nice() {
+    for run in "0 0" "10 0" "0 0" "10 0" "0 8" "10 8"; do
+        set -- $run
+        echo "nice $1 processes $2 $(FD_GRAMMAR_COMPILE_NICE=$1 FD_GRAMMAR_PROCESSES=$2 FD_STEP_TRACE=1 timeout 150 \
+            python3 benchmarks/structured_outputs.py --model $MODEL --load-format dummy --tokenizer "$TOK" \
+            --max-model-len 2048 --repeat-structured --json 2>> "$W/so_err.log" | grep '^{')"
+    done | tee "$W/structured_outputs.jsonl"
+}
+
+tests() {  # one pytest a file, all at once (small tests; one GPU is enough): a crash hides no other file
+    local i=0 pids=() targets=(tests/ops/test_triton_gemv.py tests/ops/test_triton_fp8_gemv.py
+        tests/worker/test_mixed_graphs.py tests/structured_output/test_grammar_processes.py
+        "tests/model_executor/test_triton_attention.py::test_qwen3_cache_write_in_the_qk_norm_kernel_gives_the_same_tokens"
+        "tests/ops/test_triton_fused_moe.py -k grouped_mm" tests/ops/test_layer_ops.py)
+    for target in "${targets[@]}"; do
+        timeout 150 python3 -X faulthandler -m pytest -q -p no:cacheprovider $target > "$W/gpu_tests_$i.log" 2>&1 &
+        pids+=($!)
+        i=$((i + 1))
     done
-    timeout 200 python3 tools/probe_cpu_ext_throw.py 2>&1 | tee "$W/throw_probe.txt"
+    for i in "${!targets[@]}"; do
+        wait "${pids[$i]}"
+        echo "${targets[$i]}: exit $? $(grep -E '(passed|failed|error)' "$W/gpu_tests_$i.log" | tail -n 1)"
+    done
+    timeout 120 python3 tools/probe_cpu_ext_throw.py 2>&1 | tee "$W/throw_probe.txt"
 }
 
 # #18: the batch-1 decode step of the Qwen3-30B-A3B shape after this session's kernel changes
