@@ -182,6 +182,13 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "rules, which distinct schemas share (a schema whose parts were seen compiles ~10x faster); "
         "0 turns the cache off.",
     ),
+    "FD_GRAMMAR_PRIME_LENGTH": (
+        lambda: max(0, int(os.environ.get("FD_GRAMMAR_PRIME_LENGTH", "128"))),
+        "When xgrammar's compiler is made (the first structured-output request), a JSON string of up "
+        "to this many characters is compiled beside the requests' compiles, at their low priority, so "
+        "that xgrammar's cache holds the rules of every string with a shorter maxLength (those schemas "
+        "then compile in milliseconds); 0: no priming. Needs FD_XGRAMMAR_CACHE_MB > 0.",
+    ),
     "FD_STRUCTURED_OUTPUTS_BACKEND": (
         lambda: os.environ.get("FD_STRUCTURED_OUTPUTS_BACKEND", "xgrammar").strip().lower() or "xgrammar",
         "Structured-output backend: xgrammar (default), guidance (llguidance), or auto (llguidance "

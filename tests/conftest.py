@@ -12,6 +12,9 @@ import fastdeploy  # noqa: F401  (first: under FD_BACKEND=paddle it binds `impor
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# no priming compile (~1 s of a core) beside every test's first structured request on the 2-core CI;
+# tests/structured_output/test_structured_grammar.py turns it on where it is the subject
+os.environ.setdefault("FD_GRAMMAR_PRIME_LENGTH", "0")
 if not torch.cuda.is_available():
     # Triton kernels run in its interpreter on CPU-only machines; this must be set before any
     # test module imports a kernel, or that kernel would be compiled for a GPU there is not

@@ -61,6 +61,23 @@ def choice_ebnf(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+def prime_compiler(compiler: Any, length: int) -> None:
+    """Fill ``compiler``'s rule cache with the unrolled chain of a plain JSON string of at most
+    ``length`` characters (a string's ``maxLength``, unrolled by :mod:`.repetition`): the chain's
+    rules of every shorter ``maxLength`` are the same rules, so a schema with such strings then
+    compiles in milliseconds instead of tens to hundreds (the token masks of each rule in the chain
+    are computed once here). A one-off cost of ~1 s of one thread for 128 characters on the CI CPU
+    (docs/benchmarks.md, twentieth session)."""
+    if length <= 0:
+        return
+    schema = {
+        "type": "object",
+        "properties": {"s": {"type": "string", "maxLength": length}},
+        "required": ["s"],
+    }
+    compiler.compile_grammar(build_grammar("json", json.dumps(schema)))
+
+
 def build_grammar(kind: str, text: str, reasoning_prefix: str = "", unroll: bool = True) -> Any:
     """The ``xgrammar.Grammar`` of a constraint key; ``ValueError`` saying what is wrong if invalid.
 

@@ -439,7 +439,8 @@ def _serve(
 
     from fastdeploy import envs
     from fastdeploy.platforms.thread_priority import lower_thread_priority
-    from fastdeploy.structured_output.grammar import build_grammar, clean_message
+    from fastdeploy.structured_output.grammar import build_grammar, clean_message, prime_compiler
+    from fastdeploy.structured_output.repetition import MAX_UNROLLED
 
     control, mask = Connection(control_fd), Connection(mask_fd)
     info = xgr.TokenizerInfo.deserialize_json(tokenizer_info_json)
@@ -468,8 +469,14 @@ def _serve(
                 error = clean_message(str(exc))
             control.send(CompileReply(message.key_id, error))
 
+    def prime() -> None:
+        lower_thread_priority(envs.FD_GRAMMAR_COMPILE_NICE)
+        if cache_mb > 0:
+            prime_compiler(compiler, min(envs.FD_GRAMMAR_PRIME_LENGTH, MAX_UNROLLED))
+
     control.send(READY)
     threading.Thread(target=compile_loop, name="fd-grammar-compile", daemon=True).start()
+    threading.Thread(target=prime, name="fd-grammar-prime", daemon=True).start()
     matchers: dict[int, Any] = {}
     filler = xgr.BatchGrammarMatcher(1)
     for work in _messages(mask):

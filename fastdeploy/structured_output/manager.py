@@ -29,7 +29,7 @@ from fastdeploy.core.step_io import GrammarBitmask, bitmask_words
 from fastdeploy.platforms.gc_heap import freeze_late_heap, unfreeze_heap
 from fastdeploy.platforms.thread_priority import lower_thread_priority
 from fastdeploy.structured_output import guidance
-from fastdeploy.structured_output.grammar import build_grammar, constraint_key
+from fastdeploy.structured_output.grammar import build_grammar, constraint_key, prime_compiler
 from fastdeploy.structured_output.grammar_processes import (
     GrammarProcessPool,
     PendingRemote,
@@ -37,6 +37,7 @@ from fastdeploy.structured_output.grammar_processes import (
     RemoteGrammar,
     write_stop_row,
 )
+from fastdeploy.structured_output.repetition import MAX_UNROLLED
 
 logger = logging.getLogger(__name__)
 
@@ -216,6 +217,8 @@ class StructuredOutputManager:
         self._num_processes = max(envs.FD_GRAMMAR_PROCESSES, 0) if start_process is not None else 0
         self._max_rows = max_rows
         """Most grammar rows of a step (the scheduler's running requests): the processes' mask buffers."""
+        self.primed: Future | None = None
+        """The priming compile of the in-process compiler (:func:`prime_compiler`), once it started."""
         self._processes: GrammarProcessPool | None = None
         """The grammar processes (``FD_GRAMMAR_PROCESSES``), started with the first compile."""
         self._process_stop_ids: list[int] = []
@@ -266,6 +269,10 @@ class StructuredOutputManager:
                 # the tokenizer's Python heap lives as long as the engine: out of the collector's
                 # full scans, which otherwise stall the engine loop (~100 ms each; docs/benchmarks.md)
                 freeze_late_heap()
+                if cache_mb > 0 and envs.FD_GRAMMAR_PRIME_LENGTH > 0:
+                    self.primed = self._pool.submit(
+                        prime_compiler, self._compiler, min(envs.FD_GRAMMAR_PRIME_LENGTH, MAX_UNROLLED)
+                    )
             return self._compiler
 
     def submit(self, params: StructuredOutputsParams) -> Future:

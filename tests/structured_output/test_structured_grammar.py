@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -457,3 +458,39 @@ def test_compiles_run_at_a_lower_cpu_priority(tokenizer, monkeypatch):
         manager.shutdown()
     assert seen == [min(19, loop_nice + 4)]
     assert thread_nice() == loop_nice
+
+
+def _compile_seconds(manager: StructuredOutputManager, schema: dict) -> float:
+    """Seconds ``manager`` takes to compile ``schema``, after its priming (if any) has ended."""
+    manager.compiler()
+    if manager.primed is not None:
+        manager.primed.result(timeout=300)
+    start = time.perf_counter()
+    manager.submit(StructuredOutputsParams(json=schema)).result(timeout=120)
+    return time.perf_counter() - start
+
+
+def test_priming_caches_the_rules_of_shorter_bounded_strings(tokenizer, monkeypatch):
+    """With ``FD_GRAMMAR_PRIME_LENGTH=N`` the compiler, once made, compiles a string of up to N
+    characters in the background: a schema whose strings have a shorter ``maxLength`` then finds
+    their unrolled rules' token masks in xgrammar's cache and compiles many times faster (~2 against
+    ~60 ms on the CI CPU) than on an unprimed compiler, which computes them all."""
+    monkeypatch.setenv("FD_STRUCTURED_OUTPUTS_BACKEND", "xgrammar")
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 20},
+            "city": {"type": "string", "maxLength": 12},
+        },
+        "required": ["name", "city"],
+    }
+    seconds = {}
+    for length in (0, 24):
+        monkeypatch.setenv("FD_GRAMMAR_PRIME_LENGTH", str(length))
+        manager = StructuredOutputManager(lambda: tokenizer, 49152, [tokenizer.eos_token_id])
+        try:
+            seconds[length] = _compile_seconds(manager, schema)
+            assert (manager.primed is None) == (length == 0)
+        finally:
+            manager.shutdown()
+    assert seconds[24] < seconds[0] / 3, seconds
