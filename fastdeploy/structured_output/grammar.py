@@ -4,11 +4,14 @@ server to validate a request (a 400 before it is submitted) and by the engine co
 from __future__ import annotations
 
 import json
+import logging
 import re
 from typing import Any
 
 from fastdeploy.core.sampling_params import SamplingParamsError, StructuredOutputsParams
 from fastdeploy.structured_output.repetition import unroll_bounded_repetitions
+
+logger = logging.getLogger(__name__)
 
 JSON_OBJECT_SCHEMA = {"type": "object"}
 """``response_format: {"type": "json_object"}``: any JSON object (not any JSON value)."""
@@ -75,7 +78,10 @@ def prime_compiler(compiler: Any, length: int) -> None:
         "properties": {"s": {"type": "string", "maxLength": length}},
         "required": ["s"],
     }
-    compiler.compile_grammar(build_grammar("json", json.dumps(schema)))
+    try:
+        compiler.compile_grammar(build_grammar("json", json.dumps(schema)))
+    except Exception as exc:  # only an optimization: the requests' compiles go on without it
+        logger.warning("priming the grammar compiler failed: %s", exc)
 
 
 def build_grammar(kind: str, text: str, reasoning_prefix: str = "", unroll: bool = True) -> Any:
