@@ -11,7 +11,8 @@
 #   prefill (~2)  one 8,192-token prefill step (16 prompts of 512): wall, kernels, kernel table
 #   structured (~5) the structured-output ratio without and with 8 grammar processes, alternated,
 #                 two pairs, each also with its grammars compiled (--repeat-structured)
-#   structured_nice (~7) the compiles at a lower CPU priority or not (FD_GRAMMAR_COMPILE_NICE 0 / 10)
+#   structured_nice (~7) the compiles at a lower CPU priority or not (FD_GRAMMAR_COMPILE_NICE 0 / 10),
+#                 xgrammar's cache primed or not (FD_GRAMMAR_PRIME_LENGTH 128 / 0)
 #   tests (~3)    the GPU tests (one pytest a file, all at once), then which flag of the CPU kernels
 #                 makes a thrown TORCH_CHECK crash there
 #   moe_e2e (~6) the whole Qwen3-30B-A3B shape offline in FP8, Triton experts against the grouped mm
@@ -82,14 +83,15 @@ structured() {
     done | tee "$W/structured_outputs.jsonl"
 }
 
-# #20: the grammar compiles at a lower CPU priority (FD_GRAMMAR_COMPILE_NICE, twentieth session) against
-# the same priority as the engine loop, alternated; threads (the default), then 8 processes
+# #20: the twentieth session's changes against the nineteenth's behaviour, in turn: the compiles at a
+# lower CPU priority (FD_GRAMMAR_COMPILE_NICE) and xgrammar's cache primed (FD_GRAMMAR_PRIME_LENGTH)
 structured_nice() {
-    for run in "0 0" "10 0" "0 0" "10 0" "0 8" "10 8"; do
+    for run in "10 128 0" "0 0 0" "10 0 0" "0 128 0" "10 128 0" "10 128 8"; do
         set -- $run
-        echo "nice $1 processes $2 $(FD_GRAMMAR_COMPILE_NICE=$1 FD_GRAMMAR_PROCESSES=$2 FD_STEP_TRACE=1 timeout 150 \
-            python3 benchmarks/structured_outputs.py --model $MODEL --load-format dummy --tokenizer "$TOK" \
-            --max-model-len 2048 --repeat-structured --json 2>> "$W/so_err.log" | grep '^{')"
+        echo "nice $1 prime $2 processes $3 $(FD_GRAMMAR_COMPILE_NICE=$1 FD_GRAMMAR_PRIME_LENGTH=$2 \
+            FD_GRAMMAR_PROCESSES=$3 FD_STEP_TRACE=1 timeout 150 python3 benchmarks/structured_outputs.py \
+            --model $MODEL --load-format dummy --tokenizer "$TOK" --max-model-len 2048 --repeat-structured \
+            --json 2>> "$W/so_err.log" | grep '^{')"
     done | tee "$W/structured_outputs.jsonl"
 }
 
