@@ -181,13 +181,18 @@ class StructuredOutputManager:
         self._compiler: Any = None
         self._hf_tokenizer: Any = None
         self._init_lock = threading.Lock()
+        self._num_processes = max(envs.FD_GRAMMAR_PROCESSES, 0) if start_process is not None else 0
+        # compiles here run at a lower priority (xgrammar's own compile threads inherit it); with the
+        # grammar processes these threads only hand compiles over and start the processes, which
+        # would inherit it (a process lowers its own compile thread: its mask loop keeps the priority)
+        nice = envs.FD_GRAMMAR_COMPILE_NICE if not self._num_processes else 0
         self._pool = ThreadPoolExecutor(
             max(envs.FD_GRAMMAR_COMPILE_THREADS, 1),
             "fd-grammar",
             initializer=lower_thread_priority,
-            initargs=(envs.FD_GRAMMAR_COMPILE_NICE,),
+            initargs=(nice,),
         )
-        """Compiles (xgrammar's own compile threads inherit their lower priority)."""
+        """Compiles, or hands them to the grammar processes."""
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self.cache_size = envs.FD_GRAMMAR_CACHE_SIZE
         self._slice_threads = max(envs.FD_GRAMMAR_COMPILE_THREADS, 1)
@@ -214,7 +219,6 @@ class StructuredOutputManager:
         """Constraints handed to llguidance so far."""
         self._start_process = start_process
         """How the grammar processes start (the engine's ``ChildProcess``; None: no processes)."""
-        self._num_processes = max(envs.FD_GRAMMAR_PROCESSES, 0) if start_process is not None else 0
         self._max_rows = max_rows
         """Most grammar rows of a step (the scheduler's running requests): the processes' mask buffers."""
         self.primed: Future | None = None

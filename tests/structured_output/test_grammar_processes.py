@@ -168,3 +168,24 @@ def test_page_locked_masks_for_a_worker_on_the_gpu(tokenizer, monkeypatch):
         assert torch.equal(on_device.cpu(), torch.from_numpy(bitmask.array().copy()))
     finally:
         manager.shutdown()
+
+
+def test_processes_keep_the_engine_priority_and_lower_only_their_compiles(manager, tokenizer):
+    """Each process's mask loop (on every step's path) runs at the engine's priority; only its
+    compile thread runs ``FD_GRAMMAR_COMPILE_NICE`` lower (children inherit the nice value of the
+    thread that starts them, so the engine must not start them from a lowered thread)."""
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("per-thread nice is Linux's")
+    from fastdeploy.envs import FD_GRAMMAR_COMPILE_NICE
+
+    manager.submit(StructuredOutputsParams(json=SCHEMA)).result(timeout=120)
+    engine_nice = os.getpriority(os.PRIO_PROCESS, 0)
+    for proc in manager.processes()._procs:
+        threads = {}
+        for task in os.listdir(f"/proc/{proc.pid}/task"):
+            with open(f"/proc/{proc.pid}/task/{task}/stat") as f:
+                threads[int(task)] = int(f.read().rsplit(")", 1)[1].split()[16])  # nice
+        assert threads[proc.pid] == engine_nice  # the main thread: the mask loop
+        assert min(19, engine_nice + FD_GRAMMAR_COMPILE_NICE) in threads.values()  # the compile thread
