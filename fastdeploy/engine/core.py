@@ -94,7 +94,8 @@ class EngineCore:
             sys.setswitchinterval(envs.FD_SWITCH_INTERVAL_MS / 1000)
         self.source = source
         self.structured: StructuredOutputManager | None = None
-        """Grammars and matchers of structured-output requests (made with the first such request)."""
+        """Grammars and matchers of structured-output requests (made with the first such request, or at
+        start-up with the grammar processes)."""
         self._awaiting_grammar: dict[str, tuple[Request, Future, float]] = {}
         """Structured-output requests whose grammar is being compiled (with when they came): in the
         scheduler, which prefills their prompts but their last token until the grammar is set."""
@@ -143,6 +144,10 @@ class EngineCore:
             sched.max_num_batched_tokens, sched.max_num_seqs, self.max_model_len, self.async_scheduling,
             num_blocks, block_size, num_blocks * block_size,
         )  # fmt: skip
+        if envs.FD_GRAMMAR_PROCESSES > 0 and self.source.pooler is None:
+            # asked for: started now, beside the start-up, not with the first structured request
+            self.structured = self._new_structured_manager()
+            self.structured.start_processes_soon()
         pooler = self.source.pooler
         if pooler is not None:
             logger.info(

@@ -224,7 +224,11 @@ class StructuredOutputManager:
         self.primed: Future | None = None
         """The priming compile of the in-process compiler (:func:`prime_compiler`), once it started."""
         self._processes: GrammarProcessPool | None = None
-        """The grammar processes (``FD_GRAMMAR_PROCESSES``), started with the first compile."""
+        """The grammar processes (``FD_GRAMMAR_PROCESSES``), started by :meth:`start_processes_soon` or
+        with the first compile."""
+        self._closed = False
+        self._state_lock = threading.Lock()
+        """Makes "shut down" and "processes started" exclusive (:meth:`processes`, :meth:`shutdown`)."""
         self._process_stop_ids: list[int] = []
         if self._num_processes and self.backend == "auto":
             self.backend = "xgrammar"  # (llguidance's matchers would stay in this process)
@@ -240,12 +244,15 @@ class StructuredOutputManager:
         )
 
     def processes(self) -> GrammarProcessPool:
-        """The grammar processes (started on first use, in a compile thread: a second or two)."""
+        """The grammar processes: started by :meth:`start_processes_soon` or on first use, in a
+        compile thread (seconds: each imports xgrammar and torch and reads the tokenizer)."""
         with self._init_lock:
             if self._processes is None:
+                if self._closed:
+                    raise RuntimeError("the structured-output manager was shut down")
                 info = self._tokenizer_info()
                 self._process_stop_ids = list(info.stop_token_ids)
-                self._processes = GrammarProcessPool(
+                pool = GrammarProcessPool(
                     self._num_processes,
                     info.serialize_json(),
                     self._max_rows,
@@ -253,8 +260,28 @@ class StructuredOutputManager:
                     self.pin_memory,
                     self._start_process,
                 )
+                with self._state_lock:  # (a shutdown meanwhile would not see them)
+                    if self._closed:
+                        pool.shutdown()
+                        raise RuntimeError("the structured-output manager was shut down")
+                    self._processes = pool
                 freeze_late_heap()
             return self._processes
+
+    def start_processes_soon(self) -> None:
+        """Start the grammar processes (``FD_GRAMMAR_PROCESSES``) now, in a compile thread, beside
+        the engine's start-up, rather than with the first compile: their start takes seconds (6.6-9.3
+        s on the GPU host, docs/benchmarks.md) that the first structured request would wait. A start
+        that fails is logged and tried again by the first compile. Nothing to do without processes."""
+        if self._num_processes:
+            self._pool.submit(self._start_processes_logged)
+
+    def _start_processes_logged(self) -> None:
+        try:
+            self.processes()
+        except Exception as exc:
+            if not self._closed:
+                logger.warning("the grammar processes did not start (the first compile tries again): %s", exc)
 
     def compiler(self) -> Any:
         """xgrammar's compiler for this model's tokenizer (built on first use)."""
@@ -463,8 +490,11 @@ class StructuredOutputManager:
         return xgr.BatchGrammarMatcher(max(self._slice_threads, 2))
 
     def shutdown(self) -> None:
-        if self._processes is not None:
-            self._processes.shutdown()
+        with self._state_lock:
+            self._closed = True
+            processes = self._processes
+        if processes is not None:
+            processes.shutdown()
         self._slice_pool.shutdown(wait=False, cancel_futures=True)
         self._fill_pool.shutdown(wait=False, cancel_futures=True)
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -189,3 +189,73 @@ def test_processes_keep_the_engine_priority_and_lower_only_their_compiles(manage
                 threads[int(task)] = int(f.read().rsplit(")", 1)[1].split()[16])  # nice
         assert threads[proc.pid] == engine_nice  # the main thread: the mask loop
         assert min(19, engine_nice + FD_GRAMMAR_COMPILE_NICE) in threads.values()  # the compile thread
+
+
+def _grammar_children() -> list:
+    import psutil
+
+    kids = psutil.Process().children(recursive=True)
+    return [p for p in kids if p.is_running() and any("fastdeploy-grammar" in a for a in _cmdline(p))]
+
+
+def _cmdline(proc) -> list[str]:
+    import psutil
+
+    try:
+        return proc.cmdline()
+    except psutil.Error:
+        return []
+
+
+def _wait_for_pool_threads_to_end(timeout_s: float = 120.0) -> None:
+    import threading
+    import time
+
+    end = time.monotonic() + timeout_s
+    while any(t.name.startswith("fd-grammar_") for t in threading.enumerate()) and time.monotonic() < end:
+        time.sleep(0.05)
+
+
+def test_processes_start_soon_without_a_compile(tokenizer, monkeypatch):
+    """``start_processes_soon`` (the engine core calls it at start-up) starts them in the background,
+    so that the first structured request does not wait seconds for them; shut down, they exit."""
+    import time
+
+    monkeypatch.setenv("FD_GRAMMAR_PROCESSES", "2")
+    monkeypatch.setenv("FD_STRUCTURED_OUTPUTS_BACKEND", "xgrammar")
+    manager = StructuredOutputManager(
+        lambda: tokenizer, len(tokenizer), [tokenizer.eos_token_id], max_rows=16, start_process=ChildProcess
+    )
+    try:
+        manager.start_processes_soon()
+        end = time.monotonic() + 120
+        while len(_grammar_children()) < 2 and time.monotonic() < end:
+            time.sleep(0.05)
+        assert len(_grammar_children()) == 2
+        assert manager.num_compiles == 0
+        assert manager.submit(StructuredOutputsParams(json=SCHEMA)).result(timeout=120) is not None
+    finally:
+        manager.shutdown()
+    end = time.monotonic() + 60
+    while _grammar_children() and time.monotonic() < end:
+        time.sleep(0.05)
+    assert not _grammar_children()
+
+
+def test_a_shutdown_during_their_start_leaves_no_process(tokenizer, monkeypatch):
+    monkeypatch.setenv("FD_GRAMMAR_PROCESSES", "2")
+    monkeypatch.setenv("FD_STRUCTURED_OUTPUTS_BACKEND", "xgrammar")
+    manager = StructuredOutputManager(
+        lambda: tokenizer, len(tokenizer), [tokenizer.eos_token_id], max_rows=16, start_process=ChildProcess
+    )
+    manager.start_processes_soon()
+    manager.shutdown()
+    _wait_for_pool_threads_to_end()
+    import time
+
+    end = time.monotonic() + 60
+    while _grammar_children() and time.monotonic() < end:
+        time.sleep(0.05)
+    assert not _grammar_children()
+    with pytest.raises(RuntimeError, match="shut down"):
+        manager.processes()
