@@ -191,11 +191,17 @@ def test_processes_keep_the_engine_priority_and_lower_only_their_compiles(manage
         assert min(19, engine_nice + FD_GRAMMAR_COMPILE_NICE) in threads.values()  # the compile thread
 
 
-def _grammar_children() -> list:
+def _grammar_children(before: frozenset[int] = frozenset()) -> list:
+    """This process's grammar processes still running, but those whose pid is in ``before`` (another
+    test's, maybe still exiting)."""
     import psutil
 
     kids = psutil.Process().children(recursive=True)
-    return [p for p in kids if p.is_running() and any("fastdeploy-grammar" in a for a in _cmdline(p))]
+    return [
+        p
+        for p in kids
+        if p.pid not in before and p.is_running() and any("fastdeploy-grammar" in a for a in _cmdline(p))
+    ]
 
 
 def _cmdline(proc) -> list[str]:
@@ -223,39 +229,41 @@ def test_processes_start_soon_without_a_compile(tokenizer, monkeypatch):
 
     monkeypatch.setenv("FD_GRAMMAR_PROCESSES", "2")
     monkeypatch.setenv("FD_STRUCTURED_OUTPUTS_BACKEND", "xgrammar")
+    before = frozenset(p.pid for p in _grammar_children())
     manager = StructuredOutputManager(
         lambda: tokenizer, len(tokenizer), [tokenizer.eos_token_id], max_rows=16, start_process=ChildProcess
     )
     try:
         manager.start_processes_soon()
         end = time.monotonic() + 120
-        while len(_grammar_children()) < 2 and time.monotonic() < end:
+        while len(_grammar_children(before)) < 2 and time.monotonic() < end:
             time.sleep(0.05)
-        assert len(_grammar_children()) == 2
+        assert len(_grammar_children(before)) == 2
         assert manager.num_compiles == 0
         assert manager.submit(StructuredOutputsParams(json=SCHEMA)).result(timeout=120) is not None
     finally:
         manager.shutdown()
     end = time.monotonic() + 60
-    while _grammar_children() and time.monotonic() < end:
+    while _grammar_children(before) and time.monotonic() < end:
         time.sleep(0.05)
-    assert not _grammar_children()
+    assert not _grammar_children(before)
 
 
 def test_a_shutdown_during_their_start_leaves_no_process(tokenizer, monkeypatch):
+    import time
+
     monkeypatch.setenv("FD_GRAMMAR_PROCESSES", "2")
     monkeypatch.setenv("FD_STRUCTURED_OUTPUTS_BACKEND", "xgrammar")
+    before = frozenset(p.pid for p in _grammar_children())
     manager = StructuredOutputManager(
         lambda: tokenizer, len(tokenizer), [tokenizer.eos_token_id], max_rows=16, start_process=ChildProcess
     )
     manager.start_processes_soon()
     manager.shutdown()
     _wait_for_pool_threads_to_end()
-    import time
-
     end = time.monotonic() + 60
-    while _grammar_children() and time.monotonic() < end:
+    while _grammar_children(before) and time.monotonic() < end:
         time.sleep(0.05)
-    assert not _grammar_children()
+    assert not _grammar_children(before)
     with pytest.raises(RuntimeError, match="shut down"):
         manager.processes()
