@@ -268,13 +268,13 @@ class StructuredOutputManager:
                 freeze_late_heap()
             return self._processes
 
-    def start_processes_soon(self) -> None:
+    def start_processes_soon(self) -> Future | None:
         """Start the grammar processes (``FD_GRAMMAR_PROCESSES``) now, in a compile thread, beside
         the engine's start-up, rather than with the first compile: their start takes seconds (6.6-9.3
         s on the GPU host, docs/benchmarks.md) that the first structured request would wait. A start
-        that fails is logged and tried again by the first compile. Nothing to do without processes."""
-        if self._num_processes:
-            self._pool.submit(self._start_processes_logged)
+        that fails is logged and tried again by the first compile. Returns the start's future (None
+        without processes)."""
+        return self._pool.submit(self._start_processes_logged) if self._num_processes else None
 
     def _start_processes_logged(self) -> None:
         try:
