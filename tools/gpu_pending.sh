@@ -16,12 +16,13 @@
 #   tests (~3)    the GPU tests (one pytest a file, all at once), then which flag of the CPU kernels
 #                 makes a thrown TORCH_CHECK crash there
 #   moe_e2e (~6) the whole Qwen3-30B-A3B shape offline in FP8, Triton experts against the grouped mm
+#   moe_phases (~4) the same FP8 run's step times by phase and a decode window's kernels
 #   moe (~6)      a batch-1 FP8 and bf16 decode step of the Qwen3-30B-A3B shape, kernel table;
 #                 the experts' GEMV configuration sweep at one token
 #   bash tools/gpu_pending.sh OUT [section ...]
 # Run it without `| tail` in the `run` call: a call stopped at its time limit returns only what it
 # already printed (twice in the twentieth session a tail held back every line of a 600 s call).
-OUT=${1:?usage: tools/gpu_pending.sh OUT [structured_nice] [structured] [tests] [moe_e2e] [poisson] [prefill] [moe] [budget]}
+OUT=${1:?usage: tools/gpu_pending.sh OUT [structured_nice] [structured] [tests] [moe_e2e] [moe_phases] [poisson] [prefill] [moe] [budget]}
 shift
 sections=${*:-structured_nice tests moe_e2e poisson prefill moe budget}
 mkdir -p "$OUT"
@@ -62,6 +63,14 @@ moe_e2e() {
         echo "grouped mm from $mm tokens: $(grep -o "'batch1_[a-z_]*': [0-9.]*\|'output_tok_per_s': [0-9.]*" \
             "$W/moe_e2e$mm.log" | tr '\n' ' ')"
     done
+}
+
+# #18: where the FP8 throughput run's time goes (11,308 tok/s against the 17,194 target): step times
+# by phase (prefill-carrying against decode-only steps) and a decode window's kernels at batch 256
+moe_phases() {
+    timeout 400 python3 -m benchmarks.gpubench.profile_throughput benchmarks/configs/qwen3-30b-a3b \
+        --quantization ptpc_fp8 > "$W/moe_phases.txt" 2>&1
+    grep -v "^WARNING" "$W/moe_phases.txt" | tail -n 40
 }
 
 # #19: the kernels of the burst's 8,192-token prefill step (against vLLM's, ~4% shorter)

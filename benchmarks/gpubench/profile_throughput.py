@@ -101,7 +101,9 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="the token budget (default: the engine's)"
+    )
     parser.add_argument("--window-step", type=int, default=100)
     parser.add_argument("--quantization", default=None, help="e.g. fp8 (weights quantized at load)")
     parser.add_argument(
