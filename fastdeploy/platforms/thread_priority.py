@@ -34,3 +34,12 @@ def thread_nice(native_id: int | None = None) -> int | None:
         return os.getpriority(os.PRIO_PROCESS, threading.get_native_id() if native_id is None else native_id)
     except OSError:
         return None
+
+
+def nice_is_permitted() -> bool:
+    """Whether this host lets a thread lower its own priority (a throwaway thread tries)."""
+    result: list[bool] = []
+    probe = threading.Thread(target=lambda: result.append(lower_thread_priority(1)), name="fd-nice-probe")
+    probe.start()
+    probe.join()
+    return bool(result and result[0])

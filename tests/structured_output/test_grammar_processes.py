@@ -176,9 +176,11 @@ def test_processes_keep_the_engine_priority_and_lower_only_their_compiles(manage
     thread that starts them, so the engine must not start them from a lowered thread)."""
     import sys
 
-    if not sys.platform.startswith("linux"):
-        pytest.skip("per-thread nice is Linux's")
     from fastdeploy.envs import FD_GRAMMAR_COMPILE_NICE
+    from fastdeploy.platforms.thread_priority import nice_is_permitted
+
+    if not sys.platform.startswith("linux") or not nice_is_permitted():
+        pytest.skip("per-thread nice is Linux's, where setpriority is permitted")
 
     manager.submit(StructuredOutputsParams(json=SCHEMA)).result(timeout=120)
     engine_nice = os.getpriority(os.PRIO_PROCESS, 0)
