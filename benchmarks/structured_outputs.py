@@ -114,13 +114,14 @@ def trace_stats(llm: LLM, split_s: float | None = None, start: float = 0.0) -> d
     times = sorted(launched.values())
     if split_s is not None and len(times) > 2:
         pairs = list(zip(times, times[1:]))
-        before = [b - a for a, b in pairs if b - start <= split_s]
+        before_pairs = [(a, b) for a, b in pairs if b - start <= split_s]
+        before = [b - a for a, b in before_pairs]
         after = [b - a for a, b in pairs if a - start > split_s]
         stats["step_ms_before"] = round(statistics.median(before) * 1000, 2) if before else None
         stats["step_ms_after"] = round(statistics.median(after) * 1000, 2) if after else None
         stats["steps_before"], stats["steps_after"] = len(before), len(after)
         # the longest steps before the split: (ms from the start, step ms)
-        longest = sorted(((b - start, b - a) for a, b in pairs if b - start <= split_s), key=lambda p: -p[1])
+        longest = sorted(((b - start, b - a) for a, b in before_pairs), key=lambda p: -p[1])
         stats["longest_steps_before"] = [(round(t * 1000), round(d * 1000, 1)) for t, d in longest[:6]]
     counts = runner.forward_stats.steps
     stats["forward_paths"] = {path: counts[path] - _last_paths.get(path, 0) for path in counts}

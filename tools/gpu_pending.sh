@@ -81,14 +81,18 @@ prefill() {
     grep -A 14 "Name" "$W/prefill8192.txt" | cut -c1-60,100-190
 }
 
+structured_run() {  # structured_run LABEL: one benchmark run under the caller's FD_* settings, its JSON line
+    echo "$1 $(FD_STEP_TRACE=1 timeout 150 python3 benchmarks/structured_outputs.py --model $MODEL \
+        --load-format dummy --tokenizer "$TOK" --max-model-len 2048 --repeat-structured --json \
+        2>> "$W/so_err.log" | grep '^{')"
+}
+
 # #20: the grammar processes against threads, alternated (the nineteenth session's pairs: 0.888-0.916
 # with 8 processes, 0.883-0.889 without); each run also says how long the structured requests waited
 # for their compile and which requests ended it (benchmarks/structured_outputs.py)
 structured() {
     for processes in 0 8 0 8; do
-        echo "processes $processes $(FD_GRAMMAR_PROCESSES=$processes FD_STEP_TRACE=1 timeout 150 python3 \
-            benchmarks/structured_outputs.py --model $MODEL --load-format dummy --tokenizer "$TOK" \
-            --max-model-len 2048 --repeat-structured --json 2>> "$W/so_err.log" | grep '^{')"
+        FD_GRAMMAR_PROCESSES=$processes structured_run "processes $processes"
     done | tee "$W/structured_outputs.jsonl"
 }
 
@@ -97,10 +101,8 @@ structured() {
 structured_nice() {
     for run in "10 128 0" "0 0 0" "10 0 0" "0 128 0" "10 128 0" "10 128 8"; do
         set -- $run
-        echo "nice $1 prime $2 processes $3 $(FD_GRAMMAR_COMPILE_NICE=$1 FD_GRAMMAR_PRIME_LENGTH=$2 \
-            FD_GRAMMAR_PROCESSES=$3 FD_STEP_TRACE=1 timeout 150 python3 benchmarks/structured_outputs.py \
-            --model $MODEL --load-format dummy --tokenizer "$TOK" --max-model-len 2048 --repeat-structured \
-            --json 2>> "$W/so_err.log" | grep '^{')"
+        FD_GRAMMAR_COMPILE_NICE=$1 FD_GRAMMAR_PRIME_LENGTH=$2 FD_GRAMMAR_PROCESSES=$3 \
+            structured_run "nice $1 prime $2 processes $3"
     done | tee "$W/structured_outputs.jsonl"
 }
 

@@ -9,7 +9,7 @@ import re
 from typing import Any
 
 from fastdeploy.core.sampling_params import SamplingParamsError, StructuredOutputsParams
-from fastdeploy.structured_output.repetition import unroll_bounded_repetitions
+from fastdeploy.structured_output.repetition import MAX_UNROLLED, unroll_bounded_repetitions
 
 logger = logging.getLogger(__name__)
 
@@ -66,11 +66,13 @@ def choice_ebnf(choices: list[str]) -> str:
 
 def prime_compiler(compiler: Any, length: int) -> None:
     """Fill ``compiler``'s rule cache with the unrolled chain of a plain JSON string of at most
-    ``length`` characters (a string's ``maxLength``, unrolled by :mod:`.repetition`): the chain's
+    ``length`` characters (at most :data:`~.repetition.MAX_UNROLLED`: a longer ``maxLength`` is not
+    unrolled, by :mod:`.repetition`, and so shares nothing with the chain): the chain's
     rules of every shorter ``maxLength`` are the same rules, so a schema with such strings then
     compiles in milliseconds instead of tens to hundreds (the token masks of each rule in the chain
     are computed once here). A one-off cost of ~1 s of one thread for 128 characters on the CI CPU
     (docs/benchmarks.md, twentieth session)."""
+    length = min(length, MAX_UNROLLED)
     if length <= 0:
         return
     schema = {

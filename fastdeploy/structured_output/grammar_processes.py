@@ -440,7 +440,6 @@ def _serve(
     from fastdeploy import envs
     from fastdeploy.platforms.thread_priority import lower_thread_priority
     from fastdeploy.structured_output.grammar import build_grammar, clean_message, prime_compiler
-    from fastdeploy.structured_output.repetition import MAX_UNROLLED
 
     control, mask = Connection(control_fd), Connection(mask_fd)
     info = xgr.TokenizerInfo.deserialize_json(tokenizer_info_json)
@@ -472,7 +471,7 @@ def _serve(
     def prime() -> None:
         lower_thread_priority(envs.FD_GRAMMAR_COMPILE_NICE)
         if cache_mb > 0:
-            prime_compiler(compiler, min(envs.FD_GRAMMAR_PRIME_LENGTH, MAX_UNROLLED))
+            prime_compiler(compiler, envs.FD_GRAMMAR_PRIME_LENGTH)
 
     control.send(READY)
     threading.Thread(target=compile_loop, name="fd-grammar-compile", daemon=True).start()

@@ -37,7 +37,6 @@ from fastdeploy.structured_output.grammar_processes import (
     RemoteGrammar,
     write_stop_row,
 )
-from fastdeploy.structured_output.repetition import MAX_UNROLLED
 
 logger = logging.getLogger(__name__)
 
@@ -302,7 +301,7 @@ class StructuredOutputManager:
                 freeze_late_heap()
                 if cache_mb > 0 and envs.FD_GRAMMAR_PRIME_LENGTH > 0:
                     self.primed = self._pool.submit(
-                        prime_compiler, self._compiler, min(envs.FD_GRAMMAR_PRIME_LENGTH, MAX_UNROLLED)
+                        prime_compiler, self._compiler, envs.FD_GRAMMAR_PRIME_LENGTH
                     )
             return self._compiler
 

@@ -177,7 +177,7 @@ def test_processes_keep_the_engine_priority_and_lower_only_their_compiles(manage
     import sys
 
     from fastdeploy.envs import FD_GRAMMAR_COMPILE_NICE
-    from fastdeploy.platforms.thread_priority import nice_is_permitted
+    from fastdeploy.platforms.thread_priority import nice_is_permitted, thread_nice
 
     if not sys.platform.startswith("linux") or not nice_is_permitted():
         pytest.skip("per-thread nice is Linux's, where setpriority is permitted")
@@ -185,10 +185,7 @@ def test_processes_keep_the_engine_priority_and_lower_only_their_compiles(manage
     manager.submit(StructuredOutputsParams(json=SCHEMA)).result(timeout=120)
     engine_nice = os.getpriority(os.PRIO_PROCESS, 0)
     for proc in manager.processes()._procs:
-        threads = {}
-        for task in os.listdir(f"/proc/{proc.pid}/task"):
-            with open(f"/proc/{proc.pid}/task/{task}/stat") as f:
-                threads[int(task)] = int(f.read().rsplit(")", 1)[1].split()[16])  # nice
+        threads = {int(task): thread_nice(int(task)) for task in os.listdir(f"/proc/{proc.pid}/task")}
         assert threads[proc.pid] == engine_nice  # the main thread: the mask loop
         assert min(19, engine_nice + FD_GRAMMAR_COMPILE_NICE) in threads.values()  # the compile thread
 
