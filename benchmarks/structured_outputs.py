@@ -13,7 +13,8 @@ request's prompt is prefilled meanwhile and its first token waits for the compil
 (``grammar_ready_wait_ms_*``, from arrival); the ``last_end_s_*`` say which requests end each run
 (a request that starts late and runs to ``max_tokens`` makes the structured run longer). The run
 starts once the compiler's priming (``FD_GRAMMAR_PRIME_LENGTH``) has ended (``priming_wait_s``: how
-long after the warm-up that was), as on a server that has been up a while.
+long after the warm-up that was), as on a server that has been up a while. ``phases_ms_*``: the
+engine loop's milliseconds in each of its phases, each run (:func:`time_engine_phases`).
 
 Examples:
     python benchmarks/structured_outputs.py                         # GPU: 256 requests, bfloat16
@@ -87,6 +88,46 @@ def run(
     return time.perf_counter() - start, [finished[i] for i in ids], [ended[i] for i in ids], start
 
 
+def time_engine_phases(llm: LLM) -> dict[str, float]:
+    """Wrap the engine loop's phases (methods of this engine's core, scheduler and executor, on the
+    instances) so that each adds its host seconds to the returned totals: where the loop's time
+    goes in each run (``phases_ms_*``; ``outside_step``: the run's wall time outside the core's
+    ``step``, i.e. the front end's output handling)."""
+    core = llm.engine.core
+    totals: dict[str, float] = dict.fromkeys(
+        ["step", "set_grammars", "schedule", "sample_pending", "execute", "start_mask", "update"], 0.0
+    )
+    targets = [
+        ("step", core, "step"),
+        ("set_grammars", core, "_set_compiled_grammars"),
+        ("schedule", core.scheduler, "schedule"),
+        ("sample_pending", core, "_sample_pending"),
+        ("execute", core.executor, "execute_model_overlap"),
+        ("execute", core.executor, "execute_model"),  # (without async scheduling)
+        ("start_mask", core, "_start_grammar_bitmask"),
+        ("update", core.scheduler, "update_from_output"),
+    ]
+    for name, owner, attr in targets:
+        method = getattr(owner, attr)
+
+        def timed(*args: Any, _method: Any = method, _name: str = name, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return _method(*args, **kwargs)
+            finally:
+                totals[_name] += time.perf_counter() - start
+
+        setattr(owner, attr, timed)
+    return totals
+
+
+def phase_delta(totals: dict[str, float], before: dict[str, float], wall_s: float) -> dict[str, float]:
+    """The phases' milliseconds since ``before`` (a copy of ``totals``), and the wall time outside ``step``."""
+    delta = {k: round((totals[k] - before[k]) * 1000, 1) for k in totals}
+    delta["outside_step"] = round(wall_s * 1000 - delta["step"], 1)
+    return delta
+
+
 def trace_stats(llm: LLM, split_s: float | None = None, start: float = 0.0) -> dict[str, Any]:
     """From the steps traced since the last call (``FD_STEP_TRACE=1``, single process; all None
     without a trace): ``launch_to_sampled_ms``, the median host time from a step's forward being
@@ -103,6 +144,7 @@ def trace_stats(llm: LLM, split_s: float | None = None, start: float = 0.0) -> d
     if runner is None or runner.trace is None:
         return stats
     launched = {step: t for stage, step, t in runner.trace if stage == "execute_end"}
+    entered = [t for stage, _, t in runner.trace if stage == "execute_start"]
     gaps = [
         t - launched[step]
         for stage, step, t in runner.trace
@@ -123,6 +165,13 @@ def trace_stats(llm: LLM, split_s: float | None = None, start: float = 0.0) -> d
         # the longest steps before the split: (ms from the start, step ms)
         longest = sorted(((b - start, b - a) for a, b in before_pairs), key=lambda p: -p[1])
         stats["longest_steps_before"] = [(round(t * 1000), round(d * 1000, 1)) for t, d in longest[:6]]
+        # the time the steps before the split took past their median, and when the first one started
+        if before:
+            median = statistics.median(before)
+            stats["step_excess_ms_before"] = round(sum(d - median for d in before) * 1000, 1)
+        stats["first_launch_ms"] = round((times[0] - start) * 1000, 1)
+        stats["first_execute_start_ms"] = round((min(entered) - start) * 1000, 1) if entered else None
+        stats["first_steps"] = [(round((a - start) * 1000), round((b - a) * 1000, 1)) for a, b in pairs[:8]]
     counts = runner.forward_stats.steps
     stats["forward_paths"] = {path: counts[path] - _last_paths.get(path, 0) for path in counts}
     _last_paths.update(counts)
@@ -172,6 +221,13 @@ def main() -> None:
         "(the per-step cost of the grammars without their compiles)",
     )
     parser.add_argument(
+        "--warm-run",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the batch once, unconstrained and 8 tokens long, before the measured runs (the "
+        "structured run goes first and would otherwise pay the engine's first burst of this width)",
+    )
+    parser.add_argument(
         "--grammar-slice-rows",
         type=int,
         default=0,
@@ -216,6 +272,10 @@ def main() -> None:
         SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(json_object=True)),
     ]
     llm.chat([chat_messages(0)] * 2, warm, use_tqdm=False)  # loads the tokenizer info, warms the kernels
+    if args.warm_run:
+        # the whole batch once, unconstrained and short: the engine's first burst of this width
+        # (first-time shapes, allocations) is then paid before both measured runs, not by the first
+        run(llm, prompts, [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] * n, "warm")
     # the compiler, made by the warm-up, primes its cache in the background (FD_GRAMMAR_PRIME_LENGTH;
     # in-process compiles): a server that has been up a while has done it, so the run starts after
     primed = getattr(llm.engine.core.structured, "primed", None)
@@ -227,7 +287,10 @@ def main() -> None:
     core = llm.engine.core
     waited, ready = core.grammar_wait_s, dataclasses.replace(core.grammar_ready_waits)
     trace_stats(llm)  # (drops the warm-up's trace)
+    phases = time_engine_phases(llm)
+    phases_before = dict(phases)
     structured_s, outputs, ends, started = run(llm, prompts, structured, "structured")
+    structured_phases = phase_delta(phases, phases_before, structured_s)
     split_s = max(ends[0::2])  # when the last structured request ended
     structured_trace = trace_stats(llm, split_s, started)
     waited = core.grammar_wait_s - waited
@@ -244,16 +307,20 @@ def main() -> None:
             except ValueError:
                 pass
     plain = [SamplingParams(temperature=0, max_tokens=max(k, 1), ignore_eos=True) for k in lengths]
+    phases_before = dict(phases)
     plain_s, plain_outputs, plain_ends, started = run(llm, prompts, plain, "plain")
+    plain_phases = phase_delta(phases, phases_before, plain_s)
     plain_trace = trace_stats(llm, max(plain_ends[0::2]), started)
     tokens = sum(lengths)
     assert sum(len(o.outputs[0].token_ids) for o in plain_outputs) == sum(max(k, 1) for k in lengths)
     repeat: dict[str, Any] = {}
     if args.repeat_structured:
+        phases_before = dict(phases)
         again_s, again_outputs, again_ends, started = run(llm, prompts, structured, "again")
         repeat = {
             "cached_grammars_structured_s": round(again_s, 3),
             "cached_grammars_ratio": round(plain_s / again_s, 3),
+            "phases_ms_cached_grammars": phase_delta(phases, phases_before, again_s),
             **{
                 f"{k}_cached_grammars": v for k, v in trace_stats(llm, max(again_ends[0::2]), started).items()
             },
@@ -283,6 +350,8 @@ def main() -> None:
         "last_end_s_structured_requests": round(max(ends[0::2]), 3),
         "last_end_s_other_requests": round(max(ends[1::2]), 3),
         "last_end_s_unconstrained_run_same_requests": round(max(plain_ends[0::2]), 3),
+        "phases_ms_structured": structured_phases,
+        "phases_ms_unconstrained": plain_phases,
         **{f"{key}_structured": value for key, value in structured_trace.items()},
         **{f"{key}_unconstrained": value for key, value in plain_trace.items()},
         **repeat,

@@ -196,8 +196,13 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
     ),
     "FD_GRAMMAR_COMPILE_THREADS": (
         lambda: int(os.environ.get("FD_GRAMMAR_COMPILE_THREADS", "0")) or _default_grammar_threads(),
-        "Threads of the engine core that compile structured-output grammars (off the engine loop) "
-        "and fill their bitmasks; default: half the CPU cores, between 2 and 8.",
+        "Threads of the engine core that compile structured-output grammars (off the engine loop); "
+        "default: half the CPU cores, between 2 and 8.",
+    ),
+    "FD_GRAMMAR_MASK_THREADS": (
+        lambda: int(os.environ.get("FD_GRAMMAR_MASK_THREADS", "0")) or _default_grammar_threads(),
+        "Threads of the engine core that advance the grammar matchers and fill their bitmask rows "
+        "each step, in slices; default: half the CPU cores, between 2 and 8.",
     ),
     "FD_GRAMMAR_COMPILE_NICE": (
         lambda: max(0, min(19, int(os.environ.get("FD_GRAMMAR_COMPILE_NICE", "10")))),

@@ -11,10 +11,13 @@
 #   prefill (~2)  one 8,192-token prefill step (16 prompts of 512): wall, kernels, kernel table
 #   structured (~5) the structured-output ratio without and with 8 grammar processes, alternated,
 #                 two pairs, each also with its grammars compiled (--repeat-structured)
+#   structured_threads (~6) the compile threads (FD_GRAMMAR_COMPILE_THREADS 8 / 1 / 2), alternated
+#   structured_gil (~6) Python's switch interval 5 / 0.5 ms, and 8 grammar processes, alternated
 #   structured_nice (~7) the compiles at a lower CPU priority or not (FD_GRAMMAR_COMPILE_NICE 0 / 10),
 #                 xgrammar's cache primed or not (FD_GRAMMAR_PRIME_LENGTH 128 / 0)
-#   tests (~3)    the GPU tests (one pytest a file, all at once), then which flag of the CPU kernels
-#                 makes a thrown TORCH_CHECK crash there
+#   tests (~8)    the GPU tests (one pytest a file, all at once; the two GEMV files compile many
+#                 kernels: 150 s was too short beside the others), then whether a thrown TORCH_CHECK
+#                 still crashes there (it does under every flag: the tests that throw skip on a GPU)
 #   moe_e2e (~6) the whole Qwen3-30B-A3B shape offline in FP8, Triton experts against the grouped mm
 #   moe_phases (~4) the same FP8 run's step times by phase and a decode window's kernels
 #   moe (~6)      a batch-1 FP8 and bf16 decode step of the Qwen3-30B-A3B shape, kernel table;
@@ -22,7 +25,7 @@
 #   bash tools/gpu_pending.sh OUT [section ...]
 # Run it without `| tail` in the `run` call: a call stopped at its time limit returns only what it
 # already printed (twice in the twentieth session a tail held back every line of a 600 s call).
-OUT=${1:?usage: tools/gpu_pending.sh OUT [structured_nice] [structured] [tests] [moe_e2e] [moe_phases] [poisson] [prefill] [moe] [budget]}
+OUT=${1:?usage: tools/gpu_pending.sh OUT [structured_nice] [structured_threads] [structured_gil] [structured] [tests] [moe_e2e] [moe_phases] [poisson] [prefill] [moe] [budget]}
 shift
 sections=${*:-structured_nice tests moe_e2e poisson prefill moe budget}
 mkdir -p "$OUT"
@@ -106,13 +109,30 @@ structured_nice() {
     done | tee "$W/structured_outputs.jsonl"
 }
 
+# #20: how many threads compile the burst of new schemas (FD_GRAMMAR_COMPILE_THREADS; the default 8 on
+# 16 cores), the mask threads left at theirs: compile threads take the GIL from the engine loop too
+structured_threads() {
+    for threads in 8 1 2 8 1 2; do
+        FD_GRAMMAR_COMPILE_THREADS=$threads structured_run "compile threads $threads"
+    done | tee "$W/structured_outputs.jsonl"
+}
+
+# #20: is the structured run's first-step delay the GIL (compile threads against the launching
+# engine loop)? Python's switch interval 0.5 ms (FD_SWITCH_INTERVAL_MS), and compiles in 8 processes
+structured_gil() {
+    for run in "0 0" "0.5 0" "0 8" "0 0" "0.5 0" "0 8"; do
+        set -- $run
+        FD_SWITCH_INTERVAL_MS=$1 FD_GRAMMAR_PROCESSES=$2 structured_run "switch $1 processes $2"
+    done | tee "$W/structured_outputs.jsonl"
+}
+
 tests() {  # one pytest a file, all at once (small tests; one GPU is enough): a crash hides no other file
     local i=0 pids=() targets=(tests/ops/test_triton_gemv.py tests/ops/test_triton_fp8_gemv.py
         tests/worker/test_mixed_graphs.py tests/structured_output/test_grammar_processes.py
         "tests/model_executor/test_triton_attention.py::test_qwen3_cache_write_in_the_qk_norm_kernel_gives_the_same_tokens"
         "tests/ops/test_triton_fused_moe.py -k grouped_mm" tests/ops/test_layer_ops.py)
     for target in "${targets[@]}"; do
-        timeout 150 python3 -X faulthandler -m pytest -q -p no:cacheprovider $target > "$W/gpu_tests_$i.log" 2>&1 &
+        timeout 400 python3 -X faulthandler -m pytest -q -p no:cacheprovider $target > "$W/gpu_tests_$i.log" 2>&1 &
         pids+=($!)
         i=$((i + 1))
     done

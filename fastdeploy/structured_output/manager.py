@@ -194,7 +194,7 @@ class StructuredOutputManager:
         """Compiles, or hands them to the grammar processes."""
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self.cache_size = envs.FD_GRAMMAR_CACHE_SIZE
-        self._slice_threads = max(envs.FD_GRAMMAR_COMPILE_THREADS, 1)
+        self._slice_threads = max(envs.FD_GRAMMAR_MASK_THREADS, 1)
         self._slice_pool = ThreadPoolExecutor(self._slice_threads, "fd-grammar-mask")
         """Advances the matchers (and fills the rows of a few), in slices, beside the engine loop."""
         self._fill_pool = ThreadPoolExecutor(1, "fd-grammar-fill")
@@ -344,7 +344,7 @@ class StructuredOutputManager:
                         self._tokenizer(),
                         self.vocab_size,
                         self.eos_token_ids,
-                        envs.FD_GRAMMAR_COMPILE_THREADS,
+                        envs.FD_GRAMMAR_MASK_THREADS,
                     )
                 except ValueError as exc:  # kept: not retried for every constraint
                     self._guidance_error = exc

@@ -318,7 +318,7 @@ def test_matchers_advance_in_parallel_slices_like_one_by_one(tokenizer, monkeypa
     filling its rows), or in one task (one advance of them all, then xgrammar's threaded fill): each row's mask equals that of a matcher
     advanced alone; a refused token lifts only its own row's mask."""
     monkeypatch.setenv("FD_STRUCTURED_OUTPUTS_BACKEND", "xgrammar")
-    monkeypatch.setenv("FD_GRAMMAR_COMPILE_THREADS", "3")
+    monkeypatch.setenv("FD_GRAMMAR_MASK_THREADS", "3")
     monkeypatch.setattr(StructuredOutputManager, "SLICE_ROWS", 4)
     monkeypatch.setattr(StructuredOutputManager, "THREADED_FILL", threaded_fill)
     vocab = len(tokenizer)
