@@ -19,13 +19,15 @@
 #                 kernels: 150 s was too short beside the others), then whether a thrown TORCH_CHECK
 #                 still crashes there (it does under every flag: the tests that throw skip on a GPU)
 #   moe_e2e (~6) the whole Qwen3-30B-A3B shape offline in FP8, Triton experts against the grouped mm
+#   moe_budget (~5) the same run with a token budget of 8,192 (as above), 16,384 and 32,768
+#   moe_prefill (~3) one 8,192-token prefill step of that shape: wall, kernels, kernel table
 #   moe_phases (~4) the same FP8 run's step times by phase and a decode window's kernels
 #   moe (~6)      a batch-1 FP8 and bf16 decode step of the Qwen3-30B-A3B shape, kernel table;
 #                 the experts' GEMV configuration sweep at one token
 #   bash tools/gpu_pending.sh OUT [section ...]
 # Run it without `| tail` in the `run` call: a call stopped at its time limit returns only what it
 # already printed (twice in the twentieth session a tail held back every line of a 600 s call).
-OUT=${1:?usage: tools/gpu_pending.sh OUT [structured_nice] [structured_threads] [structured_gil] [structured] [tests] [moe_e2e] [moe_phases] [poisson] [prefill] [moe] [budget]}
+OUT=${1:?usage: tools/gpu_pending.sh OUT [structured_nice] [structured_threads] [structured_gil] [structured] [tests] [moe_e2e] [moe_budget] [moe_prefill] [moe_phases] [poisson] [prefill] [moe] [budget]}
 shift
 sections=${*:-structured_nice tests moe_e2e poisson prefill moe budget}
 mkdir -p "$OUT"
@@ -68,11 +70,31 @@ moe_e2e() {
     done
 }
 
+# #18: the FP8 throughput run's token budget: 8,192 (multi_gpu.py's, the 11,517 tok/s above) against
+# 16,384 and 32,768 (more tokens per expert in a prefill step: the grouped GEMM runs at a higher rate)
+moe_budget() {
+    for budget in 16384 8192 32768; do
+        timeout 190 python3 benchmarks/multi_gpu.py --sections moe --tp 1 --moe-quantizations ptpc_fp8 \
+            --max-num-batched-tokens $budget --out "$W/moe_budget$budget" > "$W/moe_budget$budget.log" 2>&1
+        echo "budget $budget: $(grep -o "'batch1_itl_ms_mean': [0-9.]*\|'output_tok_per_s': [0-9.]*" \
+            "$W/moe_budget$budget.log" | tr '\n' ' ')"
+    done
+}
+
+# #18: one 8,192-token prefill step of the FP8 Qwen3-30B-A3B shape (16 prompts of 512): its kernels
+# (the throughput run's prefill steps take ~2x their FLOPs at the grouped GEMM's measured rate)
+moe_prefill() {
+    timeout 250 python3 -m benchmarks.gpubench.profile_prefill benchmarks/configs/qwen3-30b-a3b \
+        --quantization ptpc_fp8 --prompt-len 512 --batch 16 --runs 10 --rows 30 > "$W/moe_prefill.txt" 2>&1
+    grep "^prompt" "$W/moe_prefill.txt"
+    grep -A 32 "Name" "$W/moe_prefill.txt" | cut -c1-60,100-190
+}
+
 # #18: where the FP8 throughput run's time goes (11,308 tok/s against the 17,194 target): step times
 # by phase (prefill-carrying against decode-only steps) and a decode window's kernels at batch 256
 moe_phases() {
     timeout 400 python3 -m benchmarks.gpubench.profile_throughput benchmarks/configs/qwen3-30b-a3b \
-        --quantization ptpc_fp8 > "$W/moe_phases.txt" 2>&1
+        --quantization ptpc_fp8 --max-num-batched-tokens 8192 > "$W/moe_phases.txt" 2>&1
     grep -v "^WARNING" "$W/moe_phases.txt" | tail -n 40
 }
 
