@@ -13,6 +13,7 @@
 #                 two pairs, each also with its grammars compiled (--repeat-structured)
 #   structured_threads (~6) the compile threads (FD_GRAMMAR_COMPILE_THREADS 8 / 1 / 2), alternated
 #   structured_gil (~6) Python's switch interval 5 / 0.5 ms, and 8 grammar processes, alternated
+#   first_burst (~2) the host profile of the first step of three bursts of 256 short prompts
 #   structured_nice (~7) the compiles at a lower CPU priority or not (FD_GRAMMAR_COMPILE_NICE 0 / 10),
 #                 xgrammar's cache primed or not (FD_GRAMMAR_PRIME_LENGTH 128 / 0)
 #   tests (~8)    the GPU tests (one pytest a file, all at once; the two GEMV files compile many
@@ -27,7 +28,7 @@
 #   bash tools/gpu_pending.sh OUT [section ...]
 # Run it without `| tail` in the `run` call: a call stopped at its time limit returns only what it
 # already printed (twice in the twentieth session a tail held back every line of a 600 s call).
-OUT=${1:?usage: tools/gpu_pending.sh OUT [structured_nice] [structured_threads] [structured_gil] [structured] [tests] [moe_e2e] [moe_budget] [moe_prefill] [moe_phases] [poisson] [prefill] [moe] [budget]}
+OUT=${1:?usage: tools/gpu_pending.sh OUT [structured_nice] [structured_threads] [structured_gil] [first_burst] [structured] [tests] [moe_e2e] [moe_budget] [moe_prefill] [moe_phases] [poisson] [prefill] [moe] [budget]}
 shift
 sections=${*:-structured_nice tests moe_e2e poisson prefill moe budget}
 mkdir -p "$OUT"
@@ -146,6 +147,13 @@ structured_gil() {
         set -- $run
         FD_SWITCH_INTERVAL_MS=$1 FD_GRAMMAR_PROCESSES=$2 structured_run "switch $1 processes $2"
     done | tee "$W/structured_outputs.jsonl"
+}
+
+# #20 / #19: why the first burst's first step launches 60-100 ms later than a later burst's (nothing
+# compiles then): the host profile of each burst's first step
+first_burst() {
+    timeout 200 python3 -m benchmarks.gpubench.first_burst $MODEL > "$W/first_burst.txt" 2>&1
+    grep -v "^WARNING" "$W/first_burst.txt" | grep -A 16 "^burst"
 }
 
 tests() {  # one pytest a file, all at once (small tests; one GPU is enough): a crash hides no other file
