@@ -149,8 +149,8 @@ structured_gil() {
     done | tee "$W/structured_outputs.jsonl"
 }
 
-# #20 / #19: why the first burst's first step launches 60-100 ms later than a later burst's (nothing
-# compiles then): the host profile of each burst's first step
+# #19: why a first burst is slower than the next one with nothing compiled in it (cold_start: 0.18
+# against 0.11 s): the host profile of each burst's first step
 first_burst() {
     timeout 200 python3 -m benchmarks.gpubench.first_burst $MODEL > "$W/first_burst.txt" 2>&1
     grep -v "^WARNING" "$W/first_burst.txt" | grep -A 16 "^burst"

@@ -3,10 +3,9 @@ of each burst's first engine step.
 
     python -m benchmarks.gpubench.first_burst [config dir] [--num-prompts 256] [--input-len 40]
 
-The structured-output benchmark found the first step of its first run over 256 short chat prompts
-launching 60-100 ms later than the same step of a later run, with or without grammars
-(docs/benchmarks.md, twenty-first session), and ``cold_start`` found nothing compiled then. Here the
-same burst (random prompts, greedy, a few output tokens) runs three times after start-up; for each
+``cold_start`` found a first burst still ~60% slower than the second once nothing compiled in it
+(0.18 against 0.11 s, docs/benchmarks.md). Here bursts of the same shape (new random prompts each
+time, so no prefix-cache hits; greedy, a few output tokens) run three times after start-up; for each
 it prints the wall time of its first ``engine.step()`` (scheduling, inputs and the forward's
 launch; with async scheduling no wait for the device) and of the whole burst, and the functions
 that took the most host time in that first step (``cProfile``): what differs between the first
