@@ -15,7 +15,6 @@ from fastdeploy.core.step_io import (
     ModelRunnerOutput,
     SchedulerOutput,
     StopCode,
-    bitmask_words,
 )
 from fastdeploy.distributed import ep_agree_step, ep_step_tokens, tp_broadcast, tp_size
 from fastdeploy.model_executor.attention.backend import AttentionMetadata
@@ -26,12 +25,13 @@ from fastdeploy.model_executor.layers.linear import prepack_linear_weights
 from fastdeploy.model_executor.layers.moe_load import MoELoadMeter
 from fastdeploy.model_executor.layers.parallel_linear import local_heads
 from fastdeploy.model_executor.model_loader import ModelSource, load_model, resolve_dtype
-from fastdeploy.model_executor.sampler import LogprobsTensors, Sampler, apply_token_bitmask
+from fastdeploy.model_executor.sampler import LogprobsTensors, Sampler
 from fastdeploy.ops._ext import has_cuda_ops
 from fastdeploy.ops.cache_ops import check_fp8_supported, normalize_kv_cache_dtype
 from fastdeploy.ops.stop_ops import alloc_stop_flag, get_stop, set_stop
 from fastdeploy.ops.upload import upload
 from fastdeploy.platforms import get_attention_backend
+from fastdeploy.worker import warm_up
 from fastdeploy.worker.cuda_graph import DecodeGraphs, GraphOutput
 from fastdeploy.worker.forward_stats import ForwardStats
 from fastdeploy.worker.input_batch import InputBatch
@@ -49,21 +49,6 @@ from fastdeploy.worker.step_state import (
 )
 
 logger = logging.getLogger(__name__)
-
-WARM_UP_QUERY_LENS = (2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096)
-"""Token counts of the start-up prefills (capped at the step token budget, which is warmed up
-too): powers of two, so that for any GQA group one of them falls in each row-block class of the
-attention kernel and of either class of Triton's integer specialization (multiples of 16 or
-not); 1,024, 4,096 and the budget for the fused-MoE kernels' larger tile and expert-sort chunk
-classes, which a fresh machine otherwise compiled in the first requests' steps (~1.2 s,
-``benchmarks/gpubench/cold_start.py``). A count above ``max_model_len`` runs as several requests."""
-
-
-def warm_up_request_lens(num_tokens: int, max_model_len: int) -> list[int]:
-    """The prompt lengths of a warm-up step of ``num_tokens`` tokens: one request, or requests of
-    ``max_model_len`` tokens and the rest (a step may hold more tokens than one request can)."""
-    full, rest = divmod(num_tokens, max_model_len)
-    return [max_model_len] * full + ([rest] if rest else [])
 
 
 class ModelRunner:
@@ -180,77 +165,13 @@ class ModelRunner:
         if self.device.type == "cuda":
             self.warm_up_kernels()
 
-    @torch.inference_mode()
     def warm_up_kernels(self) -> None:
-        """Compile the attention kernels at start-up rather than in the first requests' steps.
+        """Compile the kernels' variants now, not in the first requests' steps (:mod:`~fastdeploy.worker.warm_up`)."""
+        warm_up.warm_up_kernels(self)
 
-        Triton and FlashInfer compile a kernel variant the first time a step needs it, a
-        second or more each: the first prompt waited for its prefill kernels, and with
-        ``--enforce-eager`` the first step of each new decode batch size for its own. Here one
-        prefill per query-length class runs, and, when no graphs were captured, one decode per
-        size a graph would have had; their requests write nothing to the KV cache. Multimodal
-        models are skipped: their M-RoPE positions are not the plain ones these steps use.
-        """
-        if self.mm is not None:
-            return
-        start = time.perf_counter()
-        budget = self.config.scheduler.max_num_batched_tokens
-        query_lens = sorted({min(n, budget) for n in WARM_UP_QUERY_LENS} | {budget})
-        for query_len in query_lens:
-            logits = self._warm_up_prefill(query_len)
-        self._warm_up_grammar_mask(logits)
-        decode_sizes: list[int] = []
-        if self.graphs is None and self.device.type == "cuda":
-            if self.attn_backend.supports_cuda_graphs:  # its graph metadata works eagerly
-                graphs = self._new_decode_graphs()
-                graphs.warm_up()
-                decode_sizes = graphs.sizes
-        logger.info(
-            "compiled the kernels of prefill lengths %s and eager decode sizes 1..%s in %.1f s",
-            query_lens,
-            decode_sizes[-1] if decode_sizes else "-",
-            time.perf_counter() - start,
-        )
-
-    def _warm_up_prefill(self, num_tokens: int) -> torch.Tensor:
-        """One forward of ``num_tokens`` new prompt tokens that writes no cache slot: one request, or
-        as many of at most ``max_model_len`` as a step of that many tokens needs; returns its logits."""
-        width = self.batch.block_table.table.shape[1]
-        seq_lens = np.array(warm_up_request_lens(num_tokens, self.max_model_len), dtype=np.int64)
-        query_start_loc = np.concatenate([[0], np.cumsum(seq_lens)])
-        no_tokens = np.zeros(0, dtype=np.int64)
-        host = StepArrays(
-            query_start_loc=query_start_loc.astype(np.int32),
-            seq_lens=seq_lens.astype(np.int32),
-            block_table=np.zeros((len(seq_lens), width), dtype=np.int32),
-            slot_mapping=np.full(num_tokens, -1, dtype=np.int64),
-            input_ids=np.zeros(num_tokens, dtype=np.int64),
-            positions=np.concatenate([np.arange(n, dtype=np.int64) for n in seq_lens]),
-            logits_indices=query_start_loc[1:] - 1,
-            unsaved_tokens=no_tokens,
-            unsaved_rows=no_tokens,
-            length_codes=np.zeros(len(seq_lens), dtype=np.int32),
-        )
-        dev = host.upload(self.device)
-        attn_metadata = self._attention_metadata(host, dev, query_start_loc, seq_lens, int(seq_lens.max()))
-        with set_forward_context(attn_metadata):
-            hidden = self.model(dev.input_ids, dev.positions)
-        return self.model.compute_logits(hidden[dev.logits_indices])
-
-    @staticmethod
-    def _warm_up_grammar_mask(logits: torch.Tensor) -> None:
-        """Compile xgrammar's bitmask kernel (Triton) now, for the row counts it is specialized on
-        (one, a multiple of 16, any other), rather than in the first structured-output steps
-        (docs/benchmarks.md, sixteenth session). Nothing to do without xgrammar."""
-        try:
-            import xgrammar  # noqa: F401
-        except ImportError:
-            return
-        vocab = logits.shape[-1]
-        scratch = logits.new_zeros((16, vocab))
-        mask = torch.full((16, bitmask_words(vocab)), -1, dtype=torch.int32, device=logits.device)
-        for rows in (1, 2, 16):
-            apply_token_bitmask(scratch, mask, torch.arange(rows, device=logits.device))
+    def profile_run(self) -> None:
+        """The largest step's forward and sampling without a KV cache: its peak memory (:mod:`~fastdeploy.worker.warm_up`)."""
+        warm_up.profile_run(self)
 
     # ---- one step ------------------------------------------------------------------
 
@@ -335,7 +256,7 @@ class ModelRunner:
             self.graphs.run_padding(self.graphs.padded_size(most))
             return
         with ep_step_tokens(max(most, 1)):
-            self._warm_up_prefill(1)
+            warm_up.warm_up_prefill(self, 1)  # (a forward that writes no cache slot)
 
     def _capture_graphs(self) -> DecodeGraphs | None:
         """Capture decode CUDA graphs unless eager mode is asked for or the parts are not graph-safe."""
@@ -350,7 +271,7 @@ class ModelRunner:
                 "(python setup_ops.py build_ext --inplace); running every step eagerly"
             )
             return None
-        graphs = self._new_decode_graphs()
+        graphs = self.new_decode_graphs()
         try:
             graphs.capture()
         except torch.OutOfMemoryError:
@@ -373,7 +294,7 @@ class ModelRunner:
             self.model, self.attn_backend, self.config, width, self.max_model_len, self.device
         )
 
-    def _new_decode_graphs(self) -> DecodeGraphs:
+    def new_decode_graphs(self) -> DecodeGraphs:
         """Decode graphs (not yet captured) for batch sizes up to ``--cuda-graph-max-bs``."""
         max_bs = self.config.device.cuda_graph_max_bs or min(self.config.scheduler.max_num_seqs, 512)
         return DecodeGraphs(
@@ -385,26 +306,6 @@ class ModelRunner:
             self.max_model_len,
             self.device,
         )
-
-    @torch.inference_mode()
-    def profile_run(self) -> None:
-        """One forward pass of ``max_num_batched_tokens`` tokens plus sampling of ``max_num_seqs``
-        rows, without a KV cache, so that the peak activation memory can be measured. A budget past
-        ``max_model_len`` is the prompts of several requests, as a real step of that size is (their
-        positions restart; the cache-less attention reads them as one causal run)."""
-        sched = self.config.scheduler
-        num_tokens = sched.max_num_batched_tokens
-        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-        positions = torch.cat(
-            [torch.arange(n, dtype=torch.int64) for n in warm_up_request_lens(num_tokens, self.max_model_len)]
-        ).to(self.device)
-        hidden = self.model(ids, positions)
-        rows = min(sched.max_num_seqs, num_tokens)
-        logits = self.model.compute_logits(hidden[:rows])
-        logits.softmax(-1).sort(dim=-1)  # top-p sorts the whole vocabulary
-        del hidden, logits
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
     def _preprocess_and_execute_model(self, so: SchedulerOutput) -> StepState:
         """Apply the scheduler's deltas, build inputs, run the model and the LM head."""
@@ -623,7 +524,7 @@ class ModelRunner:
         inputs_embeds = None if mm_step is None else self.mm.inputs_embeds(self.model, dev.input_ids, mm_step)
         return StepInputs(
             tensors=dev,
-            attn_metadata=self._attention_metadata(host, dev, query_start_loc, seq_lens, int(counts.max())),
+            attn_metadata=self.attention_metadata(host, dev, query_start_loc, seq_lens, int(counts.max())),
             inputs_embeds=inputs_embeds,
             sample_slots=sample_slots,
             num_tokens_after=num_tokens_after,
@@ -631,7 +532,7 @@ class ModelRunner:
             query_start_loc_cpu=query_start_loc,
         )
 
-    def _attention_metadata(
+    def attention_metadata(
         self,
         host: StepArrays[np.ndarray],
         dev: StepArrays[torch.Tensor],

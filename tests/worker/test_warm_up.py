@@ -1,4 +1,4 @@
-"""Start-up kernel warm-up (``ModelRunner.warm_up_kernels``): it writes nothing and changes no output.
+"""Start-up kernel warm-up (``fastdeploy.worker.warm_up``, ``ModelRunner.warm_up_kernels``): it writes nothing and changes no output.
 
 On a GPU the engine runs it after the KV cache is allocated, so that Triton and
 FlashInfer compile their kernel variants then and not in the first requests' steps. On a
@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from fastdeploy import LLM, SamplingParams
-from fastdeploy.worker.model_runner import WARM_UP_QUERY_LENS
+from fastdeploy.worker import warm_up
+from fastdeploy.worker.warm_up import WARM_UP_QUERY_LENS
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -64,12 +65,8 @@ def test_warm_up_writes_no_cache_and_changes_no_output(backend):
 
 
 def test_warm_up_lengths_cover_each_block_class_and_respect_the_limits(monkeypatch):
-    from fastdeploy.worker import model_runner
-
     seen: list[int] = []
-    monkeypatch.setattr(
-        model_runner.ModelRunner, "_warm_up_prefill", lambda self, n: seen.append(n) or torch.randn(1, 64)
-    )
+    monkeypatch.setattr(warm_up, "warm_up_prefill", lambda runner, n: seen.append(n) or torch.randn(1, 64))
     llm = LLM(**{**ENGINE, "max_model_len": 48, "max_num_batched_tokens": 300})
     try:
         llm.engine.core.executor.worker.runner.warm_up_kernels()
@@ -84,14 +81,12 @@ def test_warm_up_compiles_the_grammar_mask_kernel(monkeypatch):
     """The start-up warm-up applies an all-allowing grammar bitmask to scratch logits of the step's
     width, for 1, 2 and 16 rows (the row counts xgrammar's Triton kernel is specialized on), so that
     it compiles then, not in the first structured-output steps."""
-    from fastdeploy.worker import model_runner
-
     calls = []
     monkeypatch.setattr(
-        model_runner, "apply_token_bitmask", lambda logits, mask, rows: calls.append((logits, mask, rows))
+        warm_up, "apply_token_bitmask", lambda logits, mask, rows: calls.append((logits, mask, rows))
     )
     step_logits = torch.randn(3, 100)
-    model_runner.ModelRunner._warm_up_grammar_mask(step_logits)
+    warm_up.warm_up_grammar_mask(step_logits)
     assert [rows.tolist() for _, _, rows in calls] == [[0], [0, 1], list(range(16))]
     for logits, mask, _ in calls:
         assert logits.shape == (16, 100) and logits.data_ptr() != step_logits.data_ptr()
@@ -99,7 +94,7 @@ def test_warm_up_compiles_the_grammar_mask_kernel(monkeypatch):
 
 
 def test_a_warm_up_step_past_max_model_len_is_several_requests():
-    from fastdeploy.worker.model_runner import warm_up_request_lens
+    from fastdeploy.worker.warm_up import warm_up_request_lens
 
     assert warm_up_request_lens(32, 48) == [32]
     assert warm_up_request_lens(300, 48) == [48] * 6 + [12]
@@ -111,7 +106,7 @@ def test_warm_up_of_a_step_of_several_requests_writes_no_cache():
     llm = LLM(**{**ENGINE, "max_model_len": 48, "max_num_batched_tokens": 200})
     try:
         runner = llm.engine.core.executor.worker.runner
-        runner._warm_up_prefill(200)
+        warm_up.warm_up_prefill(runner, 200)
         assert all(not k.any() and not v.any() for k, v in runner.kv_caches)
     finally:
         llm.shutdown()
