@@ -140,8 +140,8 @@ structured_threads() {
     done | tee "$W/structured_outputs.jsonl"
 }
 
-# #20: is the structured run's first-step delay the GIL (compile threads against the launching
-# engine loop)? Python's switch interval 0.5 ms (FD_SWITCH_INTERVAL_MS), and compiles in 8 processes
+# #20: what the compiles' GIL costs the engine loop (its steps past their median while they run):
+# Python's switch interval 0.5 ms (FD_SWITCH_INTERVAL_MS), and compiles in 8 processes (no GIL shared)
 structured_gil() {
     for run in "0 0" "0.5 0" "0 8" "0 0" "0.5 0" "0 8"; do
         set -- $run

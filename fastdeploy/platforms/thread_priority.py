@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 
 logger = logging.getLogger(__name__)
@@ -12,9 +13,10 @@ logger = logging.getLogger(__name__)
 
 def lower_thread_priority(increment: int) -> bool:
     """Raise the calling thread's nice value by ``increment`` (at most to 19); threads it starts
-    afterwards inherit it (Linux keeps a nice value per thread). Returns whether it changed: False
-    for ``increment <= 0``, where the OS has no per-thread priority, or where it refuses."""
-    if increment <= 0 or not hasattr(os, "setpriority"):
+    afterwards inherit it (Linux keeps a nice value per thread; elsewhere ``setpriority`` takes no
+    thread id). Returns whether it changed: False for ``increment <= 0``, off Linux, or where the OS
+    refuses."""
+    if increment <= 0 or not sys.platform.startswith("linux"):
         return False
     try:
         tid = threading.get_native_id()
@@ -27,8 +29,8 @@ def lower_thread_priority(increment: int) -> bool:
 
 
 def thread_nice(native_id: int | None = None) -> int | None:
-    """The nice value of a thread (default: the calling one), None where the OS does not say."""
-    if not hasattr(os, "getpriority"):
+    """The nice value of a thread (default: the calling one), None off Linux or where the OS does not say."""
+    if not sys.platform.startswith("linux"):
         return None
     try:
         return os.getpriority(os.PRIO_PROCESS, threading.get_native_id() if native_id is None else native_id)
@@ -37,7 +39,7 @@ def thread_nice(native_id: int | None = None) -> int | None:
 
 
 def nice_is_permitted() -> bool:
-    """Whether this host lets a thread lower its own priority (a throwaway thread tries)."""
+    """Whether this host lets a thread lower its own priority (a throwaway thread tries; False off Linux)."""
     result: list[bool] = []
     probe = threading.Thread(target=lambda: result.append(lower_thread_priority(1)), name="fd-nice-probe")
     probe.start()

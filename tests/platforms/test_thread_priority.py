@@ -3,21 +3,19 @@
 from __future__ import annotations
 
 import os
-import sys
 import threading
 
 import pytest
 
 from fastdeploy.platforms.thread_priority import lower_thread_priority, nice_is_permitted, thread_nice
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
-
 
 @pytest.fixture(autouse=True)
 def _nice_allowed():
-    """Skip where the sandbox forbids even lowering a thread's own priority."""
+    """Skip off Linux (per-thread nice is its) and where the sandbox forbids even lowering a thread's
+    own priority."""
     if not nice_is_permitted():
-        pytest.skip("setpriority is not permitted here")
+        pytest.skip("per-thread nice needs Linux, where setpriority is permitted")
 
 
 def _in_thread(fn):
