@@ -128,6 +128,16 @@ def phase_delta(totals: dict[str, float], before: dict[str, float], wall_s: floa
     return delta
 
 
+def timed_run(
+    llm: LLM, prompts: list[list[int]], params: list[SamplingParams], tag: str, phases: dict[str, float]
+) -> tuple[float, list, list, float, dict[str, float]]:
+    """:func:`run`, and the engine loop's phase milliseconds over it (``phases``: the totals of
+    :func:`time_engine_phases`)."""
+    before = dict(phases)
+    seconds, outputs, ends, start = run(llm, prompts, params, tag)
+    return seconds, outputs, ends, start, phase_delta(phases, before, seconds)
+
+
 def trace_stats(llm: LLM, split_s: float | None = None, start: float = 0.0) -> dict[str, Any]:
     """From the steps traced since the last call (``FD_STEP_TRACE=1``, single process; all None
     without a trace): ``launch_to_sampled_ms``, the median host time from a step's forward being
@@ -289,9 +299,9 @@ def main() -> None:
     waited, ready = core.grammar_wait_s, dataclasses.replace(core.grammar_ready_waits)
     trace_stats(llm)  # (drops the warm-up's trace)
     phases = time_engine_phases(llm)
-    phases_before = dict(phases)
-    structured_s, outputs, ends, started = run(llm, prompts, structured, "structured")
-    structured_phases = phase_delta(phases, phases_before, structured_s)
+    structured_s, outputs, ends, started, structured_phases = timed_run(
+        llm, prompts, structured, "structured", phases
+    )
     split_s = max(ends[0::2])  # when the last structured request ended
     structured_trace = trace_stats(llm, split_s, started)
     waited = core.grammar_wait_s - waited
@@ -308,20 +318,21 @@ def main() -> None:
             except ValueError:
                 pass
     plain = [SamplingParams(temperature=0, max_tokens=max(k, 1), ignore_eos=True) for k in lengths]
-    phases_before = dict(phases)
-    plain_s, plain_outputs, plain_ends, started = run(llm, prompts, plain, "plain")
-    plain_phases = phase_delta(phases, phases_before, plain_s)
+    plain_s, plain_outputs, plain_ends, started, plain_phases = timed_run(
+        llm, prompts, plain, "plain", phases
+    )
     plain_trace = trace_stats(llm, max(plain_ends[0::2]), started)
     tokens = sum(lengths)
     assert sum(len(o.outputs[0].token_ids) for o in plain_outputs) == sum(max(k, 1) for k in lengths)
     repeat: dict[str, Any] = {}
     if args.repeat_structured:
-        phases_before = dict(phases)
-        again_s, again_outputs, again_ends, started = run(llm, prompts, structured, "again")
+        again_s, again_outputs, again_ends, started, again_phases = timed_run(
+            llm, prompts, structured, "again", phases
+        )
         repeat = {
             "cached_grammars_structured_s": round(again_s, 3),
             "cached_grammars_ratio": round(plain_s / again_s, 3),
-            "phases_ms_cached_grammars": phase_delta(phases, phases_before, again_s),
+            "phases_ms_cached_grammars": again_phases,
             **{
                 f"{k}_cached_grammars": v for k, v in trace_stats(llm, max(again_ends[0::2]), started).items()
             },
