@@ -17,6 +17,12 @@ def _default_grammar_threads() -> int:
     return min(8, max(2, (os.cpu_count() or 2) // 2))
 
 
+def _optional_int(name: str) -> int | None:
+    """An integer variable whose unset, empty or ``auto`` value means "let the engine choose" (None)."""
+    value = os.environ.get(name, "").strip().lower()
+    return None if value in ("", "auto") else int(value)
+
+
 def _bool(name: str, default: str) -> Callable[[], bool]:
     return lambda: os.environ.get(name, default).strip().lower() in ("1", "true", "yes", "on")
 
@@ -211,10 +217,11 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "schemas then takes no cores from the engine loop and the worker on a busy host.",
     ),
     "FD_GRAMMAR_PROCESSES": (
-        lambda: int(os.environ.get("FD_GRAMMAR_PROCESSES", "0")),
+        lambda: _optional_int("FD_GRAMMAR_PROCESSES"),
         "Helper processes that compile xgrammar grammars and make the structured-output bitmasks, "
         "beside the engine loop with no GIL shared with it (structured_output/grammar_processes.py); "
-        "0 (the default): threads of the engine core's process.",
+        "0: threads of the engine core's process; auto (the default): 8 processes for an engine with "
+        "16 or more CPU cores of its own, threads with fewer.",
     ),
     "FD_API_KEY": (
         lambda: os.environ.get("FD_API_KEY") or None,

@@ -15,6 +15,7 @@ from fastdeploy.core.request import EngineCoreOutput, EngineCoreOutputs, EngineC
 from fastdeploy.core.step_io import GrammarBitmask, SchedulerOutput
 from fastdeploy.engine.feature_mirror import FeatureMirror
 from fastdeploy.model_executor.model_loader import ModelSource
+from fastdeploy.structured_output.grammar_processes import grammar_process_count
 
 if TYPE_CHECKING:
     from fastdeploy.structured_output.manager import PendingBitmask, StructuredOutputManager
@@ -45,6 +46,15 @@ def resolve_async_scheduling(config: EngineConfig) -> bool:
     from fastdeploy.platforms import resolve_device
 
     return resolve_device(config).type == "cuda"
+
+
+def resolve_grammar_processes(config: EngineConfig) -> int:
+    """The engine core's grammar processes: ``FD_GRAMMAR_PROCESSES``, or by default 8 on a GPU host
+    with cores to spare (:func:`~fastdeploy.structured_output.grammar_processes.grammar_process_count`)."""
+    from fastdeploy.platforms import resolve_device
+
+    on_gpu = resolve_device(config).type == "cuda"
+    return grammar_process_count(envs.FD_GRAMMAR_PROCESSES, config.parallel.data_parallel_size, on_gpu)
 
 
 def resolve_scheduler_limits(config: EngineConfig) -> EngineConfig:
@@ -109,11 +119,23 @@ class EngineCore:
         """With async scheduling, the bitmask of the step in flight, being made while the loop hands
         out the previous step's outputs and schedules the next (sampled before the next launch)."""
         self.max_model_len = resolve_max_model_len(config, source)
-        self.executor = executor_cls(config, source, self.max_model_len)
+        processes = resolve_grammar_processes(config)
+        self._grammar_processes_started: Future | None = None
+        if processes and source.pooler is None:
+            # started now, beside the model's load and warm-up (seconds each), not with the first
+            # structured request, which would wait for them
+            self.structured = self._new_structured_manager(processes)
+            self._grammar_processes_started = self.structured.start_processes_soon()
+        try:
+            self.executor = executor_cls(config, source, self.max_model_len)
+        except BaseException:
+            if self.structured is not None:
+                self.structured.shutdown()
+            raise
         try:
             self._set_up(config)
         except BaseException:  # an error or SIGTERM while sizing the cache: the worker goes too
-            self.executor.shutdown()
+            self.shutdown()
             raise
 
     def _set_up(self, config: EngineConfig) -> None:
@@ -144,10 +166,11 @@ class EngineCore:
             sched.max_num_batched_tokens, sched.max_num_seqs, self.max_model_len, self.async_scheduling,
             num_blocks, block_size, num_blocks * block_size,
         )  # fmt: skip
-        if envs.FD_GRAMMAR_PROCESSES > 0 and self.source.pooler is None:
-            # asked for: started now, beside the start-up, not with the first structured request
-            self.structured = self._new_structured_manager()
-            self.structured.start_processes_soon()
+        if self._grammar_processes_started is not None:  # ready before the engine is (a failed start
+            # is logged and tried again by the first compile)
+            if self.executor.worker_on_gpu_in_process:
+                self.structured.pin_masks()
+            self._grammar_processes_started.result()
         pooler = self.source.pooler
         if pooler is not None:
             logger.info(
@@ -175,7 +198,7 @@ class EngineCore:
             self.scheduler.add_request(request)
             return
         if self.structured is None:
-            self.structured = self._new_structured_manager()
+            self.structured = self._new_structured_manager(pin_memory=self.executor.worker_on_gpu_in_process)
         # compiled in a thread while the scheduler prefills the prompt, all but its last token
         request.awaiting_grammar = True
         self._awaiting_grammar[request.request_id] = (
@@ -185,7 +208,9 @@ class EngineCore:
         )
         self.scheduler.add_request(request)
 
-    def _new_structured_manager(self) -> StructuredOutputManager:
+    def _new_structured_manager(
+        self, num_processes: int = 0, pin_memory: bool = False
+    ) -> StructuredOutputManager:
         from fastdeploy.engine.input_processor import eos_ids_of
         from fastdeploy.engine.ipc import ChildProcess
         from fastdeploy.model_executor.model_loader import load_tokenizer
@@ -196,9 +221,10 @@ class EngineCore:
             lambda: load_tokenizer(model, source),
             source.arch.vocab_size,
             eos_ids_of(source.arch.eos_token_ids, None),
-            pin_memory=self.executor.worker_on_gpu_in_process,
+            pin_memory=pin_memory,
             max_rows=self.config.scheduler.max_num_seqs,
             start_process=ChildProcess,
+            num_processes=num_processes,
         )
 
     def _set_compiled_grammars(self) -> None:

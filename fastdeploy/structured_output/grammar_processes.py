@@ -51,6 +51,29 @@ COMPILE_TIMEOUT_S = 300.0
 """Longest wait for one compile."""
 
 
+AUTO_PROCESSES = 8
+"""Grammar processes an engine core runs by default on a GPU host with :data:`AUTO_MIN_CORES`."""
+AUTO_MIN_CORES = 16
+"""Cores of its own an engine core needs for :data:`AUTO_PROCESSES` by default: the processes then
+leave the engine loop, the workers and the API server theirs (fewer: the compiles run in threads)."""
+
+
+def grammar_process_count(setting: int | None, engines_on_host: int, on_gpu: bool) -> int:
+    """How many grammar processes an engine core runs: ``setting`` (``FD_GRAMMAR_PROCESSES``) when
+    given; else, where the model runs on a GPU, :data:`AUTO_PROCESSES` if this host's usable cores,
+    shared by its ``engines_on_host`` engine cores (data-parallel replicas), give each
+    :data:`AUTO_MIN_CORES`; else none (threads). On a GPU the engine loop's Python is the step's
+    critical path and the processes hold none of its GIL, so a burst of new schemas delays no
+    step (docs/benchmarks.md, twenty-second session); on a CPU the forward's own threads take the
+    cores and the loop's Python matters less."""
+    if setting is not None:
+        return max(setting, 0)
+    if not on_gpu:
+        return 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return AUTO_PROCESSES if cores // max(engines_on_host, 1) >= AUTO_MIN_CORES else 0
+
+
 @dataclass
 class CompileRequest:
     """Compile a constraint (its :func:`~fastdeploy.structured_output.grammar.constraint_key`)."""
@@ -169,9 +192,9 @@ class GrammarProcessPool:
         self._buffer_fds = [_shared_file(size) for _ in range(2)]
         self._maps = [mmap.mmap(fd, size) for fd in self._buffer_fds]
         self.buffers = [np.ndarray((rows, words), dtype=np.int32, buffer=m) for m in self._maps]
-        self._registered = []
+        self._registered: list[int] = []
         if pin:
-            self._register_pinned()
+            self.pin_buffers()
         self._next_buffer = 0
         self._unfinished: PendingRemote | None = None
         """The last step's processes' work if its replies were never read (a step that failed)."""
@@ -227,10 +250,12 @@ class GrammarProcessPool:
                 self.shutdown()
                 raise RuntimeError(f"grammar process {index} did not start (its error is in the log above)")
 
-    def _register_pinned(self) -> None:
+    def pin_buffers(self) -> None:
         """Page-lock the buffers for the GPU (the worker copies a mask to the device as it is)."""
         import torch
 
+        if self._registered:
+            return
         cudart = torch.cuda.cudart()
         for buffer in self.buffers:
             pointer, size = buffer.ctypes.data, buffer.nbytes

@@ -169,9 +169,12 @@ class StructuredOutputManager:
         pin_memory: bool = False,
         max_rows: int = 1024,
         start_process: Callable[..., Any] | None = None,
+        num_processes: int = 0,
     ):
         """``pin_memory``: the worker runs in this process on a GPU (offline): masks are filled into
-        pinned host memory, which the worker copies to the device as it is."""
+        pinned host memory, which the worker copies to the device as it is (or :meth:`pin_masks`
+        later). ``num_processes``: grammar processes (:func:`grammar_process_count`), started with
+        ``start_process``; 0: threads of this process."""
         self._load_tokenizer = load_tokenizer
         self.pin_memory = pin_memory
         self.vocab_size = vocab_size
@@ -180,7 +183,7 @@ class StructuredOutputManager:
         self._compiler: Any = None
         self._hf_tokenizer: Any = None
         self._init_lock = threading.Lock()
-        self._num_processes = max(envs.FD_GRAMMAR_PROCESSES, 0) if start_process is not None else 0
+        self._num_processes = max(num_processes, 0) if start_process is not None else 0
         # compiles here run at a lower priority (xgrammar's own compile threads inherit it); with the
         # grammar processes these threads only hand compiles over and start the processes, which
         # would inherit it (a process lowers its own compile thread: its mask loop keeps the priority)
@@ -223,8 +226,8 @@ class StructuredOutputManager:
         self.primed: Future | None = None
         """The priming compile of the in-process compiler (:func:`prime_compiler`), once it started."""
         self._processes: GrammarProcessPool | None = None
-        """The grammar processes (``FD_GRAMMAR_PROCESSES``), started by :meth:`start_processes_soon` or
-        with the first compile."""
+        """The grammar processes (``num_processes``), started by :meth:`start_processes_soon` or with
+        the first compile."""
         self._closed = False
         self._state_lock = threading.Lock()
         """Makes "shut down" and "processes started" exclusive (:meth:`processes`, :meth:`shutdown`)."""
@@ -268,7 +271,7 @@ class StructuredOutputManager:
             return self._processes
 
     def start_processes_soon(self) -> Future | None:
-        """Start the grammar processes (``FD_GRAMMAR_PROCESSES``) now, in a compile thread, beside
+        """Start the grammar processes (``num_processes``) now, in a compile thread, beside
         the engine's start-up, rather than with the first compile: their start takes seconds (6.6-9.3
         s on the GPU host, docs/benchmarks.md) that the first structured request would wait. A start
         that fails is logged and tried again by the first compile. Returns the start's future (None
@@ -281,6 +284,14 @@ class StructuredOutputManager:
         except Exception as exc:
             if not self._closed:
                 logger.warning("the grammar processes did not start (the first compile tries again): %s", exc)
+
+    def pin_masks(self) -> None:
+        """Fill the masks into pinned host memory from now on: the worker turned out to run in this
+        process on a GPU (known once the executor exists, after the grammar processes started)."""
+        with self._init_lock:
+            self.pin_memory = True
+            if self._processes is not None:
+                self._processes.pin_buffers()
 
     def compiler(self) -> Any:
         """xgrammar's compiler for this model's tokenizer (built on first use)."""

@@ -178,6 +178,9 @@ def test_grammar_processes_give_the_same_outputs(monkeypatch):
         monkeypatch.setenv("FD_GRAMMAR_PROCESSES", processes)
         llm = LLM(dtype="float32", num_threads=1, async_scheduling=True, max_num_batched_tokens=32)
         try:
+            # started with the engine and running before the first structured request
+            started = llm.engine.core.structured
+            assert (started is not None and started._processes is not None) == (processes == "2")
             outputs[processes] = llm.chat([m for m, _ in greedy], [p for _, p in greedy])
             manager = llm.engine.core.structured
             assert (manager._processes is not None) == (processes == "2")

@@ -16,7 +16,11 @@ import xgrammar as xgr
 from fastdeploy.core.sampling_params import StructuredOutputsParams
 from fastdeploy.engine.ipc import ChildProcess
 from fastdeploy.structured_output.grammar import build_grammar
-from fastdeploy.structured_output.grammar_processes import RemoteCompiled, RemoteGrammar
+from fastdeploy.structured_output.grammar_processes import (
+    RemoteCompiled,
+    RemoteGrammar,
+    grammar_process_count,
+)
 from fastdeploy.structured_output.manager import StructuredOutputManager
 
 WORDS = ["alpha", "bravo", "charlie", "delta"]
@@ -42,10 +46,14 @@ def tokenizer(request):
 
 @pytest.fixture
 def manager(tokenizer, monkeypatch):
-    monkeypatch.setenv("FD_GRAMMAR_PROCESSES", "2")
     monkeypatch.setenv("FD_STRUCTURED_OUTPUTS_BACKEND", "xgrammar")
     manager = StructuredOutputManager(
-        lambda: tokenizer, len(tokenizer), [tokenizer.eos_token_id], max_rows=16, start_process=ChildProcess
+        lambda: tokenizer,
+        len(tokenizer),
+        [tokenizer.eos_token_id],
+        max_rows=16,
+        start_process=ChildProcess,
+        num_processes=2,
     )
     yield manager
     manager.shutdown()
@@ -145,20 +153,30 @@ def test_finished_requests_free_their_matchers_in_the_process(manager, tokenizer
 
 
 @pytest.mark.gpu
-def test_page_locked_masks_for_a_worker_on_the_gpu(tokenizer, monkeypatch):
-    """With the worker on a GPU in the engine's process, the shared mask buffers are page-locked:
+@pytest.mark.parametrize("pinned_later", [False, True])
+def test_page_locked_masks_for_a_worker_on_the_gpu(tokenizer, monkeypatch, pinned_later):
+    """With the worker on a GPU in the engine's process, the shared mask buffers are page-locked
+    (asked for at the start, or once the processes run: the engine starts them before its worker):
     the mask goes to the device as it is, and reads back the same."""
     import torch
 
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
-    monkeypatch.setenv("FD_GRAMMAR_PROCESSES", "2")
     monkeypatch.setenv("FD_STRUCTURED_OUTPUTS_BACKEND", "xgrammar")
     eos = tokenizer.eos_token_id
     manager = StructuredOutputManager(
-        lambda: tokenizer, len(tokenizer), [eos], pin_memory=True, max_rows=16, start_process=ChildProcess
+        lambda: tokenizer,
+        len(tokenizer),
+        [eos],
+        pin_memory=not pinned_later,
+        max_rows=16,
+        start_process=ChildProcess,
+        num_processes=2,
     )
     try:
+        if pinned_later:
+            manager.start_processes_soon().result(timeout=120)
+            manager.pin_masks()
         compiled = manager.submit(StructuredOutputsParams(choice=WORDS)).result(timeout=120)
         grammars = [manager.new_request_grammar(compiled, [eos]) for _ in range(3)]
         bitmask = manager.bitmask(["a", "b", "c"], grammars)
@@ -215,11 +233,15 @@ def test_processes_start_soon_without_a_compile(tokenizer, monkeypatch):
     so that the first structured request does not wait seconds for them; shut down, they exit."""
     import time
 
-    monkeypatch.setenv("FD_GRAMMAR_PROCESSES", "2")
     monkeypatch.setenv("FD_STRUCTURED_OUTPUTS_BACKEND", "xgrammar")
     before = frozenset(p.pid for p in _grammar_children())
     manager = StructuredOutputManager(
-        lambda: tokenizer, len(tokenizer), [tokenizer.eos_token_id], max_rows=16, start_process=ChildProcess
+        lambda: tokenizer,
+        len(tokenizer),
+        [tokenizer.eos_token_id],
+        max_rows=16,
+        start_process=ChildProcess,
+        num_processes=2,
     )
     try:
         manager.start_processes_soon()
@@ -240,11 +262,15 @@ def test_processes_start_soon_without_a_compile(tokenizer, monkeypatch):
 def test_a_shutdown_during_their_start_leaves_no_process(tokenizer, monkeypatch):
     import time
 
-    monkeypatch.setenv("FD_GRAMMAR_PROCESSES", "2")
     monkeypatch.setenv("FD_STRUCTURED_OUTPUTS_BACKEND", "xgrammar")
     before = frozenset(p.pid for p in _grammar_children())
     manager = StructuredOutputManager(
-        lambda: tokenizer, len(tokenizer), [tokenizer.eos_token_id], max_rows=16, start_process=ChildProcess
+        lambda: tokenizer,
+        len(tokenizer),
+        [tokenizer.eos_token_id],
+        max_rows=16,
+        start_process=ChildProcess,
+        num_processes=2,
     )
     started = manager.start_processes_soon()
     manager.shutdown()
@@ -256,3 +282,21 @@ def test_a_shutdown_during_their_start_leaves_no_process(tokenizer, monkeypatch)
     assert not _grammar_children(before)
     with pytest.raises(RuntimeError, match="shut down"):
         manager.processes()
+
+
+@pytest.mark.parametrize(
+    ("setting", "cores", "engines", "on_gpu", "expected"),
+    [
+        (2, 4, 1, False, 2),  # asked for: always
+        (0, 64, 1, True, 0),
+        (-3, 64, 1, True, 0),
+        (None, 64, 1, False, 0),  # auto on a CPU: threads (the forward's threads take the cores)
+        (None, 16, 1, True, 8),  # auto on a GPU host with cores to spare
+        (None, 64, 4, True, 8),
+        (None, 15, 1, True, 0),
+        (None, 32, 4, True, 0),  # four replicas' engine cores share 32 cores
+    ],
+)
+def test_how_many_grammar_processes(monkeypatch, setting, cores, engines, on_gpu, expected):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(cores)), raising=False)
+    assert grammar_process_count(setting, engines, on_gpu) == expected
