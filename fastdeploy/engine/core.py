@@ -235,8 +235,13 @@ class EngineCore:
             del self._awaiting_grammar[req_id]
             if self.scheduler.requests.get(req_id) is not request:
                 continue  # finished meanwhile (a failed step aborted it): no matcher to make
-            self.grammar_ready_waits.add(time.perf_counter() - came)
             error = future.exception()
+            if error is None and not self.structured.is_usable(future):  # its grammar process was
+                # started again since (a crash): compiled again there
+                again = self.structured.submit(request.sampling_params.structured_outputs)
+                self._awaiting_grammar[req_id] = (request, again, came)
+                continue
+            self.grammar_ready_waits.add(time.perf_counter() - came)
             if error is not None:
                 message = f"the structured-output grammar could not be compiled: {error}"
                 for output in self.scheduler.abort_requests([req_id]):

@@ -13,9 +13,10 @@ token or ended.
 
 Two pipes per process: the control pipe (compiles, each answered to a reader thread that
 resolves the compile's future; a process keeps its last ``4 * FD_GRAMMAR_CACHE_SIZE`` grammars)
-and the mask pipe (one request and one reply a step, read by the engine loop). Messages are the
-dataclasses below, pickled by ``multiprocessing.connection``: both ends are this engine's own
-processes.
+and the mask pipe (one request and one reply a step, read by the engine loop). The messages are
+in :mod:`~fastdeploy.structured_output.grammar_messages`, the process's side in
+:mod:`~fastdeploy.structured_output.grammar_process_main`. A process that dies is started again by
+the next compile that maps to it (:meth:`GrammarProcessPool.compile`).
 """
 
 from __future__ import annotations
@@ -28,23 +29,28 @@ import tempfile
 import threading
 import weakref
 import zlib
-from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
 
+from fastdeploy.structured_output.grammar_messages import (
+    ENDED,
+    READY,
+    REFUSED,
+    CompileRequest,
+    MaskReply,
+    MaskRow,
+    MaskWork,
+    NewMatcher,
+)
+from fastdeploy.structured_output.grammar_process_main import serve
+
 logger = logging.getLogger(__name__)
 
-LIVE, REFUSED, ENDED = 0, 1, 2
-"""A remote row's state after its step: the grammar goes on (its row filled), refused a token
-(the row's mask is lifted), or took a stop token (only stop tokens may follow)."""
-
-READY = "ready"
-"""What a grammar process sends on its control pipe once it has started."""
 START_TIMEOUT_S = 120.0
 """Longest wait for a process to start (imports, tokenizer)."""
 COMPILE_TIMEOUT_S = 300.0
@@ -75,77 +81,23 @@ def grammar_process_count(setting: int | None, engines_on_host: int, on_gpu: boo
 
 
 @dataclass
-class CompileRequest:
-    """Compile a constraint (its :func:`~fastdeploy.structured_output.grammar.constraint_key`)."""
-
-    key_id: int
-    kind: str
-    text: str
-    reasoning_prefix: str
-
-
-@dataclass
-class CompileReply:
-    """A compile's outcome: ``error`` is xgrammar's message for an invalid constraint, else None."""
-
-    key_id: int
-    error: str | None
-
-
-@dataclass
-class NewMatcher:
-    """Make the matcher ``handle`` of one request from compiled constraint ``key_id``."""
-
-    handle: int
-    key_id: int
-    stop_token_ids: list[int]
-
-
-@dataclass
-class MaskRow:
-    """One row of a step's mask: the matcher ``handle`` fills row ``row``."""
-
-    row: int
-    handle: int
-    tokens: list[int]
-    """Output tokens to advance past before the row is filled (one a step; more after a resume)."""
-
-
-@dataclass
-class MaskWork:
-    """One step's work for one process: its rows of mask buffer ``buffer``."""
-
-    buffer: int
-    rows: list[MaskRow]
-    new: list[NewMatcher] = field(default_factory=list)
-    freed: list[int] = field(default_factory=list)
-
-
-@dataclass
-class MaskReply:
-    """A process's answer to :class:`MaskWork` (``error``: it failed as a whole)."""
-
-    states: list[int]
-    """Per row of the work: :data:`LIVE`, :data:`REFUSED` or :data:`ENDED`."""
-    error: str | None = None
-    matchers: int = 0
-    """Matchers the process holds after the step (those of requests still running)."""
-
-
-@dataclass
 class RemoteCompiled:
-    """A constraint compiled in process ``process`` (what the manager's compile future gives)."""
+    """A constraint compiled in process ``process`` (what the manager's compile future gives), in
+    its ``generation``-th start: a process restarted since no longer holds it."""
 
     key_id: int
     process: int
+    generation: int = 0
 
 
 class RemoteGrammar:
     """One request's matcher, kept in a grammar process (the scheduler's ``GrammarState``)."""
 
-    def __init__(self, handle: int, process: int, stop_token_ids: list[int]):
+    def __init__(self, handle: int, process: int, stop_token_ids: list[int], generation: int = 0):
         self.handle = handle
         self.process = process
+        self.generation = generation
+        """The process's start that holds the matcher (:attr:`GrammarProcessPool.generations`)."""
         self.stop_token_ids = list(stop_token_ids)
         self.failed = False
         """A token the grammar refused was taken anyway: the row's mask is lifted from then on."""
@@ -188,6 +140,8 @@ class GrammarProcessPool:
         start_process: Callable[..., Any],
     ):
         self.rows, self.words = rows, words
+        self._tokenizer_info_json = tokenizer_info_json
+        self._start_process = start_process
         size = max(rows * words * 4, mmap.PAGESIZE)
         self._buffer_fds = [_shared_file(size) for _ in range(2)]
         self._maps = [mmap.mmap(fd, size) for fd in self._buffer_fds]
@@ -199,56 +153,115 @@ class GrammarProcessPool:
         self._unfinished: PendingRemote | None = None
         """The last step's processes' work if its replies were never read (a step that failed)."""
         self._procs, self._control, self._mask = [], [], []
+        self._closed = False
+        self._lock = threading.Lock()
         try:
-            for index in range(num_processes):
-                self._start(index, tokenizer_info_json, start_process)
+            for _ in range(num_processes):
+                proc, control, mask = self._start_one(len(self._procs))
+                self._procs.append(proc)
+                self._control.append(control)
+                self._mask.append(mask)
+            for index, control in enumerate(self._control):
+                self._wait_until_ready(index, control)
         except BaseException:
             self.shutdown()
             raise
-        self._wait_until_ready()
-        self._lock = threading.Lock()
         self._send_locks = [threading.Lock() for _ in range(num_processes)]
         """One sender at a time on each control pipe (compile threads, the engine loop)."""
-        self._futures: dict[int, Future] = {}
+        self._futures: dict[int, tuple[Future, int]] = {}
+        """Compiles awaiting their reply, by key: (future, process)."""
         self._next_key = 0
         self._next_handle = 0
         self._new: list[list[NewMatcher]] = [[] for _ in range(num_processes)]
         self._freed: list[list[int]] = [[] for _ in range(num_processes)]
         self._dead = [False] * num_processes
+        self.generations = [0] * num_processes
+        """How many times each process was restarted (:meth:`is_current`)."""
+        self._restart_locks = [threading.Lock() for _ in range(num_processes)]
         self.matcher_counts = [0] * num_processes
         """Matchers each process held after its last step (a leak would show here)."""
-        self._readers = [
-            threading.Thread(target=self._read_replies, args=(i,), name=f"fd-grammar-reply-{i}", daemon=True)
-            for i in range(num_processes)
-        ]
-        for reader in self._readers:
-            reader.start()
+        for index in range(num_processes):
+            self._start_reader(index, 0, self._control[index])
 
-    def _start(self, index: int, tokenizer_info_json: str, start_process: Callable[..., Any]) -> None:
-        """Start grammar process ``index`` with its two pipes and the mask buffers' descriptors."""
+    def _start_one(self, index: int) -> tuple[Any, Connection, Connection]:
+        """Start grammar process ``index`` with its two pipes and the mask buffers' descriptors:
+        ``(process, control pipe, mask pipe)``."""
         control, child_control = socket.socketpair()
         mask, child_mask = socket.socketpair()
         fds = (child_control.fileno(), child_mask.fileno(), *self._buffer_fds)
-        args = (fds[0], fds[1], list(self._buffer_fds), tokenizer_info_json, self.rows, self.words)
+        args = (fds[0], fds[1], list(self._buffer_fds), self._tokenizer_info_json, self.rows, self.words)
         try:
-            self._procs.append(start_process(_serve, args, f"fastdeploy-grammar-{index}", pass_fds=fds))
+            proc = self._start_process(serve, args, f"fastdeploy-grammar-{index}", pass_fds=fds)
+        except BaseException:
+            control.close()
+            mask.close()
+            raise
         finally:
             child_control.close()
             child_mask.close()
-        self._control.append(Connection(control.detach()))
-        self._mask.append(Connection(mask.detach()))
+        return proc, Connection(control.detach()), Connection(mask.detach())
 
-    def _wait_until_ready(self) -> None:
-        """Wait for every process to have started (imports, tokenizer: a second or two), so that the
-        first steps do not wait for them; a RuntimeError (and none left running) if one cannot."""
-        for index, connection in enumerate(self._control):
+    def _wait_until_ready(self, index: int, control: Connection) -> None:
+        """Wait for a process to have started (imports, tokenizer: seconds), so that the first steps
+        do not wait for it; a RuntimeError if it cannot (the caller stops it)."""
+        try:
+            ready = control.poll(START_TIMEOUT_S) and control.recv() == READY
+        except (EOFError, OSError):
+            ready = False
+        if not ready:
+            raise RuntimeError(f"grammar process {index} did not start (its error is in the log above)")
+
+    def _start_reader(self, process: int, generation: int, control: Connection) -> None:
+        threading.Thread(
+            target=self._read_replies,
+            args=(process, generation, control),
+            name=f"fd-grammar-reply-{process}",
+            daemon=True,
+        ).start()
+
+    def is_current(self, compiled: RemoteCompiled) -> bool:
+        """Whether the process that compiled ``compiled`` still holds it: running, and not started
+        again since."""
+        with self._lock:
+            return (
+                compiled.generation == self.generations[compiled.process] and not self._dead[compiled.process]
+            )
+
+    def _restart(self, process: int) -> None:
+        """Start a stopped process again (a compile for it found it stopped: a crash must not fail
+        every later constraint that maps to it). Its requests' masks were lifted; what it compiled
+        is gone (:meth:`is_current`). A RuntimeError if it cannot start."""
+        with self._restart_locks[process]:
+            with self._lock:
+                if not self._dead[process] or self._closed:
+                    return
+                old = (self._procs[process], self._control[process], self._mask[process])
+            logger.warning("structured output: grammar process %d stopped; starting it again", process)
+            if not old[0].join(0):
+                old[0].kill_and_wait()
+            proc, control, mask = self._start_one(process)
             try:
-                ready = connection.poll(START_TIMEOUT_S) and connection.recv() == READY
-            except (EOFError, OSError):
-                ready = False
-            if not ready:
-                self.shutdown()
-                raise RuntimeError(f"grammar process {index} did not start (its error is in the log above)")
+                self._wait_until_ready(process, control)
+            except BaseException:
+                for connection in (control, mask):
+                    connection.close()
+                proc.kill_and_wait()
+                raise
+            with self._lock:
+                if self._closed:  # (shut down meanwhile: this one goes too)
+                    proc.kill_and_wait()
+                    control.close()
+                    mask.close()
+                    return
+                self._procs[process], self._control[process], self._mask[process] = proc, control, mask
+                self.generations[process] += 1
+                self._new[process], self._freed[process] = [], []
+                self.matcher_counts[process] = 0
+                self._dead[process] = False
+                generation = self.generations[process]
+            for connection in old[1:]:
+                connection.close()
+            self._start_reader(process, generation, control)
 
     def pin_buffers(self) -> None:
         """Page-lock the buffers for the GPU (the worker copies a mask to the device as it is)."""
@@ -265,20 +278,27 @@ class GrammarProcessPool:
     # ---- compiling (any thread; blocks until the process answers) --------------------
 
     def compile(self, kind: str, text: str, reasoning_prefix: str) -> RemoteCompiled:
-        """Compile a constraint in the process its text maps to; a ValueError with xgrammar's
-        message when it is invalid."""
+        """Compile a constraint in the process its text maps to (started again first if it has
+        stopped); a ValueError with xgrammar's message when it is invalid, or when the process
+        stopped during the compile."""
         process = zlib.crc32(f"{kind}\0{text}\0{reasoning_prefix}".encode()) % len(self._procs)
+        if self._dead[process]:
+            try:
+                self._restart(process)
+            except RuntimeError as exc:
+                raise ValueError(
+                    f"the grammar process has stopped and could not start again: {exc}"
+                ) from None
         future: Future = Future()
         with self._lock:
             key_id = self._next_key
             self._next_key += 1
-            self._futures[key_id] = future
-            dead = self._dead[process]
-        if dead:
-            raise ValueError("the grammar process has stopped")
+            self._futures[key_id] = (future, process)
+            generation = self.generations[process]
+            control = self._control[process]
         try:
             with self._send_locks[process]:  # (not under _lock: a full pipe must not block the reader)
-                self._control[process].send(CompileRequest(key_id, kind, text, reasoning_prefix))
+                control.send(CompileRequest(key_id, kind, text, reasoning_prefix))
         except OSError:
             with self._lock:
                 self._futures.pop(key_id, None)
@@ -286,24 +306,26 @@ class GrammarProcessPool:
         error = future.result(timeout=COMPILE_TIMEOUT_S)
         if error is not None:
             raise ValueError(error)
-        return RemoteCompiled(key_id, process)
+        return RemoteCompiled(key_id, process, generation)
 
-    def _read_replies(self, process: int) -> None:
-        """Resolve compile futures from the process's control pipe until it closes."""
-        connection = self._control[process]
+    def _read_replies(self, process: int, generation: int, connection: Connection) -> None:
+        """Resolve compile futures from one start of a process's control pipe until it closes."""
         while True:
             try:
                 reply = connection.recv()
             except (EOFError, OSError):
                 break
             with self._lock:
-                future = self._futures.pop(reply.key_id, None)
+                future, _ = self._futures.pop(reply.key_id, (None, None))
             if future is not None:
                 future.set_result(reply.error)
         with self._lock:
+            if self.generations[process] != generation:
+                return  # (an older start's pipe, closed by the restart)
             self._dead[process] = True
-            pending, self._futures = self._futures, {}
-        for future in pending.values():
+            pending = [key for key, (_, owner) in self._futures.items() if owner == process]
+            futures = [self._futures.pop(key)[0] for key in pending]
+        for future in futures:
             if not future.done():
                 future.set_exception(ValueError("the grammar process has stopped"))
 
@@ -313,7 +335,7 @@ class GrammarProcessPool:
         """A matcher for one request, made in the constraint's process with the next mask work."""
         handle = self._next_handle
         self._next_handle += 1
-        grammar = RemoteGrammar(handle, compiled.process, stop_token_ids)
+        grammar = RemoteGrammar(handle, compiled.process, stop_token_ids, compiled.generation)
         self._new[compiled.process].append(NewMatcher(handle, compiled.key_id, list(stop_token_ids)))
         weakref.finalize(grammar, self._note_freed, compiled.process, handle)
         return grammar
@@ -339,20 +361,32 @@ class GrammarProcessPool:
         per_process: dict[int, list[tuple[int, RemoteGrammar]]] = {}
         for row, grammar in rows:
             per_process.setdefault(grammar.process, []).append((row, grammar))
-        sent: list[tuple[int, list[tuple[int, RemoteGrammar]]]] = []
-        for process, items in per_process.items():
+        sent: list[tuple[int, Connection, list[tuple[int, RemoteGrammar]]]] = []
+        for process, all_items in per_process.items():
+            with self._lock:  # (one start of the process: a restart swaps all three together)
+                generation, connection, dead = (
+                    self.generations[process],
+                    self._mask[process],
+                    self._dead[process],
+                )
+            lost = [(row, g) for row, g in all_items if g.generation != generation]  # (restarted since)
+            if lost:
+                self._lift(array, lost)
+            items = [(row, g) for row, g in all_items if g.generation == generation]
+            if not items:
+                continue
             work = MaskWork(buffer, [MaskRow(row, g.handle, g.unseen) for row, g in items])
             work.new, self._new[process] = self._new[process], []
             work.freed, self._freed[process] = self._freed[process], []
             for _, grammar in items:
                 grammar.unseen = []
-            if not self._dead[process]:
+            if not dead:
                 try:
-                    self._mask[process].send(work)
-                    sent.append((process, items))
+                    connection.send(work)
+                    sent.append((process, connection, items))
                     continue
                 except OSError:
-                    self._dead[process] = True
+                    self._mark_dead(process, connection)
             self._lift(array, items)
         pending = PendingRemote(self, array, sent)
         self._unfinished = pending if sent else None
@@ -367,15 +401,24 @@ class GrammarProcessPool:
             grammar.failed = True
             array[row] = -1
 
-    def receive(self, process: int) -> MaskReply | None:
+    def receive(self, process: int, connection: Connection) -> MaskReply | None:
+        """A process's reply to the mask work sent on ``connection`` (None: it has stopped)."""
         try:
-            return self._mask[process].recv()
+            return connection.recv()
         except (EOFError, OSError):
-            self._dead[process] = True
+            self._mark_dead(process, connection)
             return None
+
+    def _mark_dead(self, process: int, connection: Connection) -> None:
+        """The process behind ``connection`` has stopped (unless it was restarted since)."""
+        with self._lock:
+            if self._mask[process] is connection:
+                self._dead[process] = True
 
     def shutdown(self) -> None:
         """Stop the processes and free the shared memory."""
+        with self._lock:
+            self._closed = True
         for connection in self._control + self._mask:
             try:
                 connection.send(None)
@@ -422,7 +465,7 @@ class PendingRemote:
         self,
         pool: GrammarProcessPool,
         array: np.ndarray,
-        sent: list[tuple[int, list[tuple[int, RemoteGrammar]]]],
+        sent: list[tuple[int, Connection, list[tuple[int, RemoteGrammar]]]],
     ):
         self._pool = pool
         self._array = array
@@ -433,8 +476,8 @@ class PendingRemote:
         sent, self._sent = self._sent, []
         if self._pool._unfinished is self:
             self._pool._unfinished = None
-        for process, items in sent:
-            reply = self._pool.receive(process)
+        for process, connection, items in sent:
+            reply = self._pool.receive(process, connection)
             if reply is None or reply.error is not None:
                 if reply is not None:
                     logger.error("structured output: grammar process error: %s", reply.error)
@@ -449,118 +492,3 @@ class PendingRemote:
                 elif state == ENDED:
                     grammar.ended = True
                     grammar.write_stop_row(self._array[row])
-
-
-# ---- the grammar process ------------------------------------------------------------------
-
-
-def _serve(
-    control_fd: int, mask_fd: int, buffer_fds: list[int], tokenizer_info_json: str, rows: int, words: int
-) -> None:
-    """A grammar process: compiles on its control pipe (in a thread), advances matchers and fills
-    mask rows on its mask pipe, until either pipe sends None or closes."""
-    import torch
-    import xgrammar as xgr
-
-    from fastdeploy import envs
-    from fastdeploy.platforms.thread_priority import lower_thread_priority
-    from fastdeploy.structured_output.grammar import build_grammar, clean_message, prime_compiler
-
-    control, mask = Connection(control_fd), Connection(mask_fd)
-    info = xgr.TokenizerInfo.deserialize_json(tokenizer_info_json)
-    cache_mb = envs.FD_XGRAMMAR_CACHE_MB
-    compiler = xgr.GrammarCompiler(
-        info, max_threads=2, cache_enabled=cache_mb > 0, cache_limit_bytes=cache_mb << 20
-    )
-    maps = [mmap.mmap(fd, max(rows * words * 4, mmap.PAGESIZE)) for fd in buffer_fds]
-    masks = [torch.from_numpy(np.ndarray((rows, words), dtype=np.int32, buffer=m)) for m in maps]
-    grammars: OrderedDict[int, Any] = OrderedDict()
-    keep = 4 * max(envs.FD_GRAMMAR_CACHE_SIZE, 1)
-    lock = threading.Lock()
-
-    def compile_loop() -> None:
-        lower_thread_priority(envs.FD_GRAMMAR_COMPILE_NICE)  # (the mask loop keeps its priority)
-        for message in _messages(control):
-            error = None
-            try:
-                grammar = build_grammar(message.kind, message.text, reasoning_prefix=message.reasoning_prefix)
-                compiled = compiler.compile_grammar(grammar)
-                with lock:  # (the engine's cache holds fewer: one evicted there is not asked for again)
-                    grammars[message.key_id] = compiled
-                    while len(grammars) > keep:
-                        grammars.popitem(last=False)
-            except Exception as exc:  # an invalid constraint: its requests fail with the message
-                error = clean_message(str(exc))
-            control.send(CompileReply(message.key_id, error))
-
-    def prime() -> None:
-        lower_thread_priority(envs.FD_GRAMMAR_COMPILE_NICE)
-        if cache_mb > 0:
-            prime_compiler(compiler, envs.FD_GRAMMAR_PRIME_LENGTH)
-
-    control.send(READY)
-    threading.Thread(target=compile_loop, name="fd-grammar-compile", daemon=True).start()
-    threading.Thread(target=prime, name="fd-grammar-prime", daemon=True).start()
-    matchers: dict[int, Any] = {}
-    filler = xgr.BatchGrammarMatcher(1)
-    for work in _messages(mask):
-        try:
-            mask.send(_mask_step(work, matchers, grammars, lock, masks[work.buffer], filler, xgr))
-        except Exception as exc:  # reported: the engine lifts these rows
-            mask.send(MaskReply([], error=f"{type(exc).__name__}: {exc}"))
-
-
-def _messages(connection: Connection) -> Iterator[Any]:
-    """What the engine sends on ``connection``, until it sends None or closes the pipe."""
-    while True:
-        try:
-            message = connection.recv()
-        except (EOFError, OSError):
-            return
-        if message is None:
-            return
-        yield message
-
-
-def _mask_step(
-    work: MaskWork,
-    matchers: dict[int, Any],
-    grammars: dict[int, Any],
-    lock: threading.Lock,
-    buffer: Any,
-    filler: Any,
-    xgr: Any,
-) -> MaskReply:
-    """Make and free matchers, advance each row's matcher past its tokens, fill the live rows.
-
-    (The rows never name a freed handle: the engine frees a grammar only once nothing holds it.)"""
-    for new in work.new:
-        with lock:
-            compiled = grammars.get(new.key_id)
-        if compiled is not None:  # (else its rows are refused: the engine lifts their masks)
-            matchers[new.handle] = xgr.GrammarMatcher(
-                compiled, override_stop_tokens=new.stop_token_ids or None
-            )
-    for handle in work.freed:  # (after the new ones: a request may end before its first mask)
-        matchers.pop(handle, None)
-    states, fill_matchers, fill_rows = [], [], []
-    for item in work.rows:
-        matcher = matchers.get(item.handle)
-        if matcher is None:
-            states.append(REFUSED)
-            continue
-        state = LIVE
-        for token in item.tokens:
-            if not matcher.accept_token(token):
-                state = REFUSED
-                break
-            if matcher.is_terminated():
-                state = ENDED
-                break
-        states.append(state)
-        if state == LIVE:
-            fill_matchers.append(matcher)
-            fill_rows.append(item.row)
-    if fill_matchers:
-        filler.batch_fill_next_token_bitmask(fill_matchers, buffer, fill_rows)
-    return MaskReply(states, matchers=len(matchers))

@@ -336,7 +336,7 @@ class StructuredOutputManager:
     def _compile_later(self, key: tuple[str, str, str]) -> Future:
         """The xgrammar compile of ``key``: the cached future, or a new one in the pool."""
         future = self._cache.get(key)
-        if future is not None and not (future.done() and future.exception() is not None):
+        if future is not None and (not future.done() or self.is_usable(future)):
             self._cache.move_to_end(key)
             return future
         future = self._pool.submit(self._compile, *key)
@@ -386,6 +386,14 @@ class StructuredOutputManager:
         compiler = self.compiler()
         self.num_compiles += 1
         return compiler.compile_grammar(build_grammar(kind, text, reasoning_prefix))
+
+    def is_usable(self, future: Future) -> bool:
+        """Whether a finished compile can make matchers: it succeeded, and not in a grammar process
+        that was started again since (which no longer holds it: compile it again)."""
+        if future.exception() is not None:
+            return False
+        compiled = future.result()
+        return not isinstance(compiled, RemoteCompiled) or self._processes.is_current(compiled)
 
     def new_request_grammar(
         self, compiled: Any, eos_token_ids: list[int]

@@ -189,3 +189,25 @@ def test_grammar_processes_give_the_same_outputs(monkeypatch):
     _check_valid(outputs["2"], [p for _, p in greedy])
     for mine, theirs in zip(outputs["2"], outputs["0"]):
         assert mine.outputs[0].token_ids == theirs.outputs[0].token_ids
+
+
+def test_a_crashed_grammar_process_starts_again(monkeypatch):
+    """Grammar processes killed (as a crash would) between two batches: the second batch's cached
+    grammars are compiled again in the processes' new starts, and its greedy outputs equal the
+    first's (nothing reused from the dead processes, no mask lifted)."""
+    messages, params = _requests()
+    greedy = [(m, p) for m, p in zip(messages, params) if p.temperature == 0]
+    monkeypatch.setenv("FD_GRAMMAR_PROCESSES", "2")
+    llm = LLM(dtype="float32", num_threads=1, async_scheduling=True, max_num_batched_tokens=32)
+    try:
+        first = llm.chat([m for m, _ in greedy], [p for _, p in greedy])
+        pool = llm.engine.core.structured.processes()
+        for proc in pool._procs:
+            proc.kill_and_wait()
+        again = llm.chat([m for m, _ in greedy], [p for _, p in greedy])
+        assert pool.generations == [1, 1]
+    finally:
+        llm.shutdown()
+    _check_valid(again, [p for _, p in greedy])
+    for mine, theirs in zip(again, first):
+        assert mine.outputs[0].token_ids == theirs.outputs[0].token_ids

@@ -114,16 +114,39 @@ def test_an_invalid_constraint_fails_with_the_message(manager):
         future.result(timeout=120)
 
 
-def test_a_stopped_process_lifts_its_rows_and_fails_its_compiles(manager, tokenizer):
+def test_a_stopped_process_lifts_its_rows_and_starts_again(manager, tokenizer):
+    """A grammar process that dies (a crash) lifts the masks of its requests; the next compile
+    for it starts it again, and what it had compiled is compiled again there, not reused."""
     eos = tokenizer.eos_token_id
-    compiled = manager.submit(StructuredOutputsParams(choice=WORDS)).result(timeout=120)
+    params = StructuredOutputsParams(choice=WORDS)
+    first = manager.submit(params)
+    compiled = first.result(timeout=120)
     grammar = manager.new_request_grammar(compiled, [eos])
     pool = manager.processes()
+    old_pid = pool._procs[compiled.process].pid
     pool._procs[compiled.process].kill_and_wait()
     mask = manager.bitmask(["a"], [grammar]).array()
     assert grammar.failed and (mask[0] == -1).all()
-    with pytest.raises(ValueError, match="stopped"):
-        pool.compile("choice", json.dumps(WORDS), "")
+    assert not manager.is_usable(first)
+    again = manager.submit(params)
+    assert again is not first
+    recompiled = again.result(timeout=120)
+    assert recompiled.process == compiled.process and recompiled.generation == compiled.generation + 1
+    assert pool._procs[compiled.process].pid != old_pid and manager.is_usable(again)
+    assert manager.submit(params) is again  # (cached again)
+    fresh = manager.new_request_grammar(recompiled, [eos])
+    word = tokenizer.encode("alpha", add_special_tokens=False)
+    reference = _local_matcher(manager, "choice", json.dumps(WORDS), eos)
+    expected = xgr.allocate_token_bitmask(1, len(tokenizer))
+    for token in word:
+        mask = manager.bitmask(["b"], [fresh]).array()
+        reference.fill_next_token_bitmask(expected, 0)
+        assert not fresh.failed and np.array_equal(mask[0], expected[0].numpy())
+        assert reference.accept_token(token)
+        fresh.accept_token(token)
+    # a grammar of the old start, its process running again: still lifted, the new one's not
+    mask = manager.bitmask(["a", "b"], [grammar, fresh]).array()
+    assert (mask[0] == -1).all() and not fresh.failed and not (mask[1] == -1).all()
 
 
 def test_a_grammar_the_process_no_longer_holds_lifts_only_its_row(manager, tokenizer):
