@@ -11,6 +11,11 @@ the prefill cancels) and the offline output tokens/s of ``--num-prompts`` random
 ``--input-len`` tokens, ``--output-len`` tokens each (greedy, EOS ignored), after a warm-up of
 32 short requests. Prints one JSON line and writes it to ``--out``. Needs ``vllm`` importable
 (docs/benchmarks.md says how it is carried to the GPU machine).
+
+``--profile-window STEP`` runs the throughput workload step by step with vLLM's engine core in this
+process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and prints what ``gpubench/profile_throughput.py``
+prints for ours: the steps' wall times by phase, and the kernels of four steps from ``STEP`` on
+(torch profiler, CUDA activity), so that the two engines' decode steps compare kernel by kernel.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import json
 import os
 import random
 import time
+from typing import Any
 
 
 def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -43,7 +49,13 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--itl-tokens", type=int, default=128)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: vLLM's")
+    parser.add_argument(
+        "--profile-window", type=int, default=None, help="profile 4 steps of the throughput run from this one"
+    )
     args = parser.parse_args()
+    if args.profile_window is not None:  # (the engine core's kernels then run in this process)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -59,6 +71,7 @@ def main() -> None:
         max_model_len=max(args.input_len + args.output_len, 32 + args.itl_tokens) + 16,
         max_num_seqs=args.num_prompts,
         seed=0,
+        **({"max_num_batched_tokens": args.max_num_batched_tokens} if args.max_num_batched_tokens else {}),
     )
     vocab = llm.llm_engine.model_config.get_vocab_size()
 
@@ -74,7 +87,12 @@ def main() -> None:
     full = min(generate(one, 1 + args.itl_tokens)[0] for _ in range(2))
     itl_ms = (full - short) * 1000.0 / (args.itl_tokens - 8)
     generate(random_prompts(min(32, args.num_prompts), args.input_len, vocab, 2), 4)
-    elapsed, tokens = generate(random_prompts(args.num_prompts, args.input_len, vocab, 0), args.output_len)
+    prompts = random_prompts(args.num_prompts, args.input_len, vocab, 0)
+    if args.profile_window is not None:
+        params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+        profile_steps(llm, [TokensPrompt(prompt_token_ids=p) for p in prompts], params, args.profile_window)
+        return
+    elapsed, tokens = generate(prompts, args.output_len)
     row = {
         "engine": "vllm",
         "model": os.path.basename(args.model.rstrip("/")),
@@ -90,6 +108,57 @@ def main() -> None:
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump(row, f)
+
+
+def profile_steps(llm: Any, prompts: list[Any], params: Any, window_step: int) -> None:
+    """The throughput run through ``llm.llm_engine.step()``: each step's wall time (charged to the
+    step before, as async scheduling shows a step's GPU time in the next one's), the phases by
+    the scheduler's tokens and requests a step, and four steps' kernels from ``window_step``."""
+    import torch
+    from gpubench.kernel_window import kernel_window, phase_table
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.llm_engine
+    log: list[tuple[int, int]] = []
+    scheduler = getattr(getattr(getattr(engine, "engine_core", None), "engine_core", None), "scheduler", None)
+    if scheduler is not None:
+        schedule = scheduler.schedule
+
+        def logged_schedule(*a, **kw):
+            out = schedule(*a, **kw)
+            log.append((out.total_num_scheduled_tokens, len(out.num_scheduled_tokens)))
+            return out
+
+        scheduler.schedule = logged_schedule
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"tp-{i}", prompt, params)
+    times: list[float] = []
+    window: list[str] = []
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        if len(times) == window_step:
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                begin = time.perf_counter()
+                for _ in range(4):
+                    engine.step()
+                torch.cuda.synchronize()
+                wall = time.perf_counter() - begin
+            times += [wall / 4] * 4
+            window = kernel_window(list(prof.events()), 4, wall)
+            continue
+        begin = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - begin)
+    elapsed = time.perf_counter() - start
+    print(f"vllm: {len(prompts)} prompts: {elapsed:.2f} s ({len(prompts) * params.max_tokens / elapsed:,.0f} "
+          f"output tok/s, profiled window included), {len(times)} steps")  # fmt: skip
+    if log:
+        print("\n".join(phase_table(log, times, len(prompts))))
+    else:
+        print("(the scheduler was not found: no phase table)")
+    print(f"\nvllm decode steps {window_step}-{window_step + 3}:")
+    print("\n".join(window))
 
 
 if __name__ == "__main__":

@@ -24,12 +24,13 @@
 #   moe_budget (~5) the same run with a token budget of 8,192 (as above), 16,384 and 32,768
 #   moe_prefill (~3) one 8,192-token prefill step of that shape: wall, kernels, kernel table
 #   moe_phases (~4) the same FP8 run's step times by phase and a decode window's kernels
+#   moe_vllm (~5) vLLM's FP8 run of that shape the same way (vLLM carried and installed first)
 #   moe (~6)      a batch-1 FP8 and bf16 decode step of the Qwen3-30B-A3B shape, kernel table;
 #                 the experts' GEMV configuration sweep at one token
 #   bash tools/gpu_pending.sh OUT [section ...]
 # Run it without `| tail` in the `run` call: a call stopped at its time limit returns only what it
 # already printed (twice in the twentieth session a tail held back every line of a 600 s call).
-OUT=${1:?usage: tools/gpu_pending.sh OUT [structured_nice] [structured_threads] [structured_gil] [structured_default] [first_burst] [structured] [tests] [moe_e2e] [moe_budget] [moe_prefill] [moe_phases] [poisson] [prefill] [moe] [budget]}
+OUT=${1:?usage: tools/gpu_pending.sh OUT [structured_nice] [structured_threads] [structured_gil] [structured_default] [first_burst] [structured] [tests] [moe_e2e] [moe_budget] [moe_prefill] [moe_phases] [moe_vllm] [poisson] [prefill] [moe] [budget]}
 shift
 sections=${*:-structured_nice tests moe_e2e poisson prefill moe budget}
 mkdir -p "$OUT"
@@ -98,6 +99,15 @@ moe_phases() {
     timeout 400 python3 -m benchmarks.gpubench.profile_throughput benchmarks/configs/qwen3-30b-a3b \
         --quantization ptpc_fp8 --max-num-batched-tokens 8192 > "$W/moe_phases.txt" 2>&1
     grep -v "^WARNING" "$W/moe_phases.txt" | tail -n 40
+}
+
+# #18: vLLM's FP8 run of the same shape step by step (its decode step at batch 256 kernel by kernel, to
+# set beside moe_phases'): needs vLLM installed by earlier calls of this lease (tools/vllm_env.sh)
+moe_vllm() {
+    [ -f /tmp/vllm-site/.installed ] || { echo "vllm is not installed on this machine yet"; return; }
+    timeout 400 python3 benchmarks/vllm_offline.py --model benchmarks/configs/qwen3-30b-a3b --tokenizer "$TOK" \
+        --quantization fp8 --max-num-batched-tokens 8192 --profile-window 100 > "$W/vllm_moe_phases.txt" 2>&1
+    grep -v "WARNING\|INFO" "$W/vllm_moe_phases.txt" | tail -n 40
 }
 
 # #19: the kernels of the burst's 8,192-token prefill step (against vLLM's, ~4% shorter)

@@ -14,7 +14,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from gpubench.profile_throughput import kernel_window, phase_table  # noqa: E402
+from gpubench.kernel_window import kernel_window, phase_table  # noqa: E402
 from gpubench.settings import TINY_OVERRIDES  # noqa: E402
 
 
