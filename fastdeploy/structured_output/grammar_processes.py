@@ -168,8 +168,8 @@ class GrammarProcessPool:
             raise
         self._send_locks = [threading.Lock() for _ in range(num_processes)]
         """One sender at a time on each control pipe (compile threads, the engine loop)."""
-        self._futures: dict[int, tuple[Future, int]] = {}
-        """Compiles awaiting their reply, by key: (future, process)."""
+        self._futures: dict[int, tuple[Future, int, int]] = {}
+        """Compiles awaiting their reply, by key: (future, process, the process's generation)."""
         self._next_key = 0
         self._next_handle = 0
         self._new: list[list[NewMatcher]] = [[] for _ in range(num_processes)]
@@ -282,20 +282,26 @@ class GrammarProcessPool:
         stopped); a ValueError with xgrammar's message when it is invalid, or when the process
         stopped during the compile."""
         process = zlib.crc32(f"{kind}\0{text}\0{reasoning_prefix}".encode()) % len(self._procs)
-        if self._dead[process]:
-            try:
-                self._restart(process)
-            except RuntimeError as exc:
-                raise ValueError(
-                    f"the grammar process has stopped and could not start again: {exc}"
-                ) from None
         future: Future = Future()
-        with self._lock:
-            key_id = self._next_key
-            self._next_key += 1
-            self._futures[key_id] = (future, process)
-            generation = self.generations[process]
-            control = self._control[process]
+        while True:
+            if self._dead[process]:
+                try:
+                    self._restart(process)
+                except Exception as exc:  # (logged; this compile's request fails with it)
+                    raise ValueError(
+                        f"the grammar process has stopped and could not start again: {exc}"
+                    ) from None
+            with self._lock:  # (registered while running: a stop from now on fails it, in its reader)
+                if self._closed:
+                    raise ValueError("the grammar processes were shut down")
+                if self._dead[process]:
+                    continue
+                key_id = self._next_key
+                self._next_key += 1
+                generation = self.generations[process]
+                self._futures[key_id] = (future, process, generation)
+                control = self._control[process]
+                break
         try:
             with self._send_locks[process]:  # (not under _lock: a full pipe must not block the reader)
                 control.send(CompileRequest(key_id, kind, text, reasoning_prefix))
@@ -316,14 +322,13 @@ class GrammarProcessPool:
             except (EOFError, OSError):
                 break
             with self._lock:
-                future, _ = self._futures.pop(reply.key_id, (None, None))
+                future = self._futures.pop(reply.key_id, (None,))[0]
             if future is not None:
                 future.set_result(reply.error)
         with self._lock:
-            if self.generations[process] != generation:
-                return  # (an older start's pipe, closed by the restart)
-            self._dead[process] = True
-            pending = [key for key, (_, owner) in self._futures.items() if owner == process]
+            if self.generations[process] == generation:  # (else an older start's pipe)
+                self._dead[process] = True
+            pending = [key for key, (_, p, g) in self._futures.items() if (p, g) == (process, generation)]
             futures = [self._futures.pop(key)[0] for key in pending]
         for future in futures:
             if not future.done():
