@@ -14,6 +14,7 @@
 #   structured_threads (~6) the compile threads (FD_GRAMMAR_COMPILE_THREADS 8 / 1 / 2), alternated
 #   structured_gil (~6) Python's switch interval 5 / 0.5 ms, and 8 grammar processes, alternated
 #   structured_default (~7) the default (auto: 8 grammar processes here) 4 runs against threads 2
+#   structured_guidance (~6) threads with llguidance (the auto backend) against the processes
 #   first_burst (~2) the host profile of the first step of three bursts of 256 short prompts
 #   structured_nice (~7) the compiles at a lower CPU priority or not (FD_GRAMMAR_COMPILE_NICE 0 / 10),
 #                 xgrammar's cache primed or not (FD_GRAMMAR_PRIME_LENGTH 128 / 0)
@@ -30,7 +31,7 @@
 #   bash tools/gpu_pending.sh OUT [section ...]
 # Run it without `| tail` in the `run` call: a call stopped at its time limit returns only what it
 # already printed (twice in the twentieth session a tail held back every line of a 600 s call).
-OUT=${1:?usage: tools/gpu_pending.sh OUT [structured_nice] [structured_threads] [structured_gil] [structured_default] [first_burst] [structured] [tests] [moe_e2e] [moe_budget] [moe_prefill] [moe_phases] [moe_vllm] [poisson] [prefill] [moe] [budget]}
+OUT=${1:?usage: tools/gpu_pending.sh OUT [structured_nice] [structured_threads] [structured_gil] [structured_default] [structured_guidance] [first_burst] [structured] [tests] [moe_e2e] [moe_budget] [moe_prefill] [moe_phases] [moe_vllm] [poisson] [prefill] [moe] [budget]}
 shift
 sections=${*:-structured_nice tests moe_e2e poisson prefill moe budget}
 mkdir -p "$OUT"
@@ -170,6 +171,15 @@ structured_default() {
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/structured_output/test_grammar_processes.py \
         > "$W/grammar_process_tests.log" 2>&1
     echo "grammar process tests: exit $? $(tail -n 1 "$W/grammar_process_tests.log")"
+}
+
+# #20: llguidance (in the bundle since the twenty-second session; until then the GPU runs had xgrammar
+# alone): threads with the auto backend (llguidance first: a grammar in ~1 ms, xgrammar's compile
+# later for repeats) against the default grammar processes (xgrammar only), alternated
+structured_guidance() {
+    for processes in 0 auto 0 auto 0 auto; do
+        FD_GRAMMAR_PROCESSES=$processes structured_run "processes $processes"
+    done | tee "$W/structured_outputs.jsonl"
 }
 
 # #19: why a first burst is slower than the next one with nothing compiled in it (cold_start: 0.18
