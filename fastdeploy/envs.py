@@ -220,8 +220,9 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         lambda: _optional_int("FD_GRAMMAR_PROCESSES"),
         "Helper processes that compile xgrammar grammars and make the structured-output bitmasks, "
         "beside the engine loop with no GIL shared with it (structured_output/grammar_processes.py); "
-        "0: threads of the engine core's process; auto (the default): 8 processes for an engine with "
-        "16 or more CPU cores of its own, threads with fewer.",
+        "0: threads of the engine core's process; auto (the default): 8 processes where the model runs "
+        "on a GPU and the engine core has 16 or more CPU cores of its own (the host's shared by its "
+        "data-parallel replicas), threads otherwise.",
     ),
     "FD_API_KEY": (
         lambda: os.environ.get("FD_API_KEY") or None,
