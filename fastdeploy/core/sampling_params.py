@@ -48,6 +48,15 @@ class StructuredOutputsParams:
         return next(name for name in self.CONSTRAINTS if getattr(self, name) not in (None, False))
 
 
+def _is_int(key: object) -> bool:
+    """Whether a ``logit_bias`` key reads as an integer (JSON gives strings)."""
+    try:
+        int(key)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
 class SamplingParamsError(ValueError):
     """An out-of-range sampling field; ``param`` names the field for the 400 body."""
 
@@ -152,12 +161,15 @@ class SamplingParams:
         """Int keys (JSON and msgpack may give strings), biases checked to be in [-100, 100]."""
         if not bias:
             return None
+        not_ids = [key for key in bias if not _is_int(key)]
+        if not_ids:  # (every one named: a client fixing them all at once)
+            named = ", ".join(repr(key) for key in not_ids)
+            raise SamplingParamsError(
+                "logit_bias", f"logit_bias key{'s' if len(not_ids) > 1 else ''} {named}: not a token id"
+            )
         out: dict[int, float] = {}
         for key, value in bias.items():
-            try:
-                token = int(key)
-            except (TypeError, ValueError):
-                raise SamplingParamsError("logit_bias", f"logit_bias key {key!r} is not a token id") from None
+            token = int(key)
             cls._check(token >= 0, "logit_bias", f"logit_bias token id {token} is negative")
             cls._check(
                 isinstance(value, (int, float)) and -100 <= value <= 100,
@@ -174,7 +186,7 @@ class SamplingParams:
                 self._check(
                     token < vocab_size,
                     name,
-                    f"token id {token} is out of range (vocabulary size {vocab_size})",
+                    f"token id {token} is out of vocabulary (vocabulary size {vocab_size})",
                 )
 
     @staticmethod

@@ -69,7 +69,7 @@ class InputProcessor:
             if low < 0 or high >= self.vocab_size:
                 bad = low if low < 0 else high
                 raise PromptTokenError(
-                    f"prompt token id {bad} is out of range (vocabulary size {self.vocab_size}); "
+                    f"prompt token id {bad} is out of vocabulary (vocabulary size {self.vocab_size}); "
                     "does the tokenizer belong to this model?"
                 )
 

@@ -90,4 +90,4 @@ def test_min_tokens_suppresses_eos_until_reached(llm):
 def test_out_of_vocab_logit_bias_is_rejected(llm):
     with pytest.raises(SamplingParamsError) as info:
         llm.generate([PROMPT], SamplingParams(logit_bias={10**7: 1.0}))
-    assert info.value.param == "logit_bias"
+    assert info.value.param == "logit_bias" and "out of vocabulary" in str(info.value)

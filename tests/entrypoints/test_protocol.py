@@ -284,6 +284,13 @@ def test_out_of_range_sampling_fields_are_400_naming_the_field(fields, param):
     assert err.param == param
 
 
+def test_every_logit_bias_key_that_is_not_a_token_id_is_named():
+    err = bad_request(chat(logit_bias={"bad1": 50.0, "7": 1.0, "bad2": 20.0}).to_sampling_params)
+    assert (
+        err.param == "logit_bias" and "'bad1'" in str(err) and "'bad2'" in str(err) and "'7'" not in str(err)
+    )
+
+
 def test_completion_logprobs_range():
     assert completion(logprobs=5).to_sampling_params().logprobs == 5
     assert completion(logprobs=0).to_sampling_params().logprobs == 0

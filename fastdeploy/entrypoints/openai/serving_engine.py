@@ -385,7 +385,9 @@ class OpenAIServing:
         vocab = self.vocab_size
         for t in token_ids:
             if t >= vocab:
-                raise BadRequestError(f"token id {t} is out of range (vocabulary size {vocab})", param=param)
+                raise BadRequestError(
+                    f"token id {t} is out of vocabulary (vocabulary size {vocab})", param=param
+                )
 
     def check_params(self, params: SamplingParams) -> None:
         """400 if a token id in ``stop_token_ids`` or ``logit_bias`` is outside the vocabulary."""
