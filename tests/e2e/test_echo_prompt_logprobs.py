@@ -99,7 +99,11 @@ def test_prompt_logprobs_in_completions_and_chat(server):
     )
     check_prompt_logprobs(events[with_lps[0]]["prompt_logprobs"], chat_ids, 1)
     plain = post(server, COMPLETIONS_PATH, {"prompt": PROMPT, "max_tokens": 1}).json()
-    assert "prompt_logprobs" not in plain["choices"][0]
+    assert plain["choices"][0]["prompt_logprobs"] is None  # present and null, as vLLM's clients read it
+    assert (
+        client.completions.create(model=name, prompt=PROMPT, max_tokens=1).choices[0].prompt_logprobs is None
+    )
+    assert client.chat.completions.create(model=name, messages=MESSAGES, max_tokens=1).prompt_logprobs is None
 
 
 @pytest.mark.parametrize(

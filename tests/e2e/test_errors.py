@@ -33,7 +33,7 @@ BAD_REQUESTS = [
     ("prompt-number", COMPLETIONS_PATH, {"prompt": 123}, "prompt"),
     ("messages-string", CHAT_PATH, {"messages": "Hi"}, "messages"),
     ("message-content-number", CHAT_PATH, {"messages": [{"role": "user", "content": 5}]}, None),
-    ("unknown-role", CHAT_PATH, {"messages": [{"role": "wizard", "content": "Hi"}]}, None),
+    ("empty-role", CHAT_PATH, {"messages": [{"role": "", "content": "Hi"}]}, None),
     ("stream-string", COMPLETIONS_PATH, {"prompt": "Hi", "stream": "yes"}, "stream"),
     ("stop-number", COMPLETIONS_PATH, {"prompt": "Hi", "stop": 7}, "stop"),
     ("negative-max_tokens", COMPLETIONS_PATH, {"prompt": "Hi", "max_tokens": -1}, "max_tokens"),

@@ -352,7 +352,7 @@ def test_developer_role_is_shown_as_system_and_assistant_may_lack_content():
         ([], "messages"),
         ("hello", "messages"),
         ([{"role": "user"}], "messages"),
-        ([{"role": "function", "content": "x"}], "messages[0].role"),
+        ([{"role": "", "content": "x"}], "messages[0].role"),
         ([{"role": "tool", "content": "x"}], "messages"),  # no tool_call_id
         (
             [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],

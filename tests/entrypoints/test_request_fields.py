@@ -75,11 +75,21 @@ def test_unknown_fields_are_400_with_strict_fields():
     assert info.value.message == f"Unrecognized request argument supplied: {name}"
 
 
-def test_an_unknown_field_inside_a_message_stays_400():
-    """Dropping part of a message would change the prompt the model sees."""
+def test_a_messages_own_fields_and_custom_roles_reach_the_template_unless_strict():
+    """As vLLM: a message's field outside OpenAI's goes to the chat template with the message (no
+    part of the prompt is dropped), and a custom role is rendered as it is; both are 400 with
+    --strict-request-fields."""
+    messages = [{"role": "my-custom-role", "content": "x", "extra": 1}, {"role": "user", "content": "y"}]
+    request = parse_request(ChatCompletionRequest, {"messages": messages})
+    assert request.messages[0].to_template_dict() == {"role": "my-custom-role", "content": "x", "extra": 1}
     with pytest.raises(BadRequestError) as info:
-        parse_request(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x", "extra": 1}]})
+        parse_request(ChatCompletionRequest, {"messages": messages}, strict_fields=True)
+    assert info.value.param == "messages[0].role"
+    messages[0]["role"] = "user"
+    with pytest.raises(BadRequestError) as info:
+        parse_request(ChatCompletionRequest, {"messages": messages}, strict_fields=True)
     assert info.value.param == "messages[0].extra"
+    assert info.value.message == "Unrecognized request argument supplied: messages[0].extra"
 
 
 def test_other_errors_still_win_after_unknown_fields_are_dropped():
@@ -164,11 +174,27 @@ def test_tools_and_response_format_are_still_400(fields):
 
 
 def test_add_generation_prompt_and_continue_final_message_are_exclusive():
+    """Both set true is vLLM's 400; continue_final_message alone turns the generation prompt off
+    (as SGLang reads it)."""
     assert chat().add_generation_prompt and not chat().continue_final_message
     chat(add_generation_prompt=False, continue_final_message=True).to_sampling_params()
+    alone = chat(continue_final_message=True)
+    alone.to_sampling_params()
+    assert not alone.add_generation_prompt
     with pytest.raises(BadRequestError) as info:
-        chat(continue_final_message=True).to_sampling_params()
+        chat(continue_final_message=True, add_generation_prompt=True).to_sampling_params()
     assert info.value.param == "continue_final_message"
+
+
+@pytest.mark.parametrize("stream_options", [{"include_usage": True}, {"continuous_usage_stats": True}, {}])
+def test_stream_options_need_stream(stream_options):
+    """As OpenAI and vLLM: stream options without a stream are a 400 naming the field."""
+    for stream in (False, None):
+        with pytest.raises(BadRequestError) as info:
+            chat(stream=stream, stream_options=stream_options).to_sampling_params()
+        assert info.value.param == "stream_options"
+    chat(stream=True, stream_options=stream_options).to_sampling_params()
+    chat(stream=False, stream_options=None).to_sampling_params()
 
 
 def test_chat_echo_echoes_the_message_the_answer_continues():

@@ -9,7 +9,7 @@ import pytest
 from fastdeploy.entrypoints.openai.protocol import (
     ChatCompletionStreamChoice,
     ChatCompletionStreamResponse,
-    CompletionResponseChoice,
+    CompletionStreamChoice,
     CompletionStreamResponse,
     DeltaMessage,
 )
@@ -28,7 +28,7 @@ def sse(model, usage_null: bool) -> bytes:
     "text, end, ids, usage_null", list(itertools.product(TEXTS, ENDS, IDS, [False, True]))
 )
 def test_completion_chunk_bytes(text, end, ids, usage_null):
-    choice = CompletionResponseChoice(index=3, text=text, logprobs=None, finish_reason=end[0], stop_reason=end[1],
+    choice = CompletionStreamChoice(index=3, text=text, logprobs=None, finish_reason=end[0], stop_reason=end[1],
                                       token_ids=ids)  # fmt: skip
     model = CompletionStreamResponse(
         id="cmpl-1", created=1700000000, model="m/x", choices=[choice], usage=None

@@ -23,6 +23,7 @@ from fastdeploy.entrypoints.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
     CompletionResponseChoice,
+    CompletionStreamChoice,
     CompletionStreamResponse,
     PromptLogprobs,
     random_id,
@@ -230,7 +231,7 @@ class OpenAIServingCompletion(OpenAIServing):
                             if recorder is not None and c.token_ids:
                                 recorder.written(out)
                             continue
-                        choice = CompletionResponseChoice(
+                        choice = CompletionStreamChoice(
                             index=k,
                             text=text,
                             logprobs=logprobs_of(k, token_ids, logprobs),

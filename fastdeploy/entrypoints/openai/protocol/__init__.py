@@ -55,6 +55,7 @@ from fastdeploy.entrypoints.openai.protocol.completion import (
     CompletionRequest,
     CompletionResponse,
     CompletionResponseChoice,
+    CompletionStreamChoice,
     CompletionStreamResponse,
 )
 from fastdeploy.entrypoints.openai.protocol.embeddings import (
@@ -118,6 +119,7 @@ __all__ = [
     "CompletionRequest",
     "CompletionResponse",
     "CompletionResponseChoice",
+    "CompletionStreamChoice",
     "CompletionStreamResponse",
     "DeltaMessage",
     "EmbeddingData",

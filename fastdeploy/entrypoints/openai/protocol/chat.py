@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_serializer
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
 
 from fastdeploy.core.sampling_params import MAX_LOGPROBS
 from fastdeploy.entrypoints.openai.errors import BadRequestError
@@ -18,6 +18,7 @@ from fastdeploy.entrypoints.openai.protocol.common import (
     WithExtensions,
     WithPromptLogprobs,
     _now,
+    warn_once,
 )
 from fastdeploy.entrypoints.openai.protocol.sampling import SamplingRequest
 from fastdeploy.entrypoints.openai.protocol.tools import (
@@ -40,6 +41,10 @@ class TextContentPart(OpenAIModel):
     text: str
 
 
+OPENAI_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+"""The roles of OpenAI's chat messages (its deprecated ``function`` role aside)."""
+
+
 class ChatMessage(OpenAIModel):
     """One message of a chat. ``content`` is a string or a list of content parts.
 
@@ -48,9 +53,16 @@ class ChatMessage(OpenAIModel):
     docs/multimodal.md) keep the content a list of parts, in order. An assistant
     message may carry the ``tool_calls`` it made (its content then may be null); a
     ``tool`` message answers the call ``tool_call_id``.
+
+    As vLLM does, a message may have a role outside OpenAI's (a custom role the chat
+    template renders as it is) and fields outside OpenAI's (``model_extra``: handed to the
+    chat template with the message, which may use them); both are refused with
+    ``--strict-request-fields`` (:meth:`ChatCompletionRequest.refuse_extensions`).
     """
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+
+    role: str = Field(min_length=1)
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
@@ -111,6 +123,8 @@ class ChatMessage(OpenAIModel):
             ]
         if self.tool_call_id is not None:
             msg["tool_call_id"] = self.tool_call_id
+        for key, value in (self.model_extra or {}).items():  # (the template may use them, as in vLLM)
+            msg.setdefault(key, value)
         return msg
 
 
@@ -123,10 +137,35 @@ def _arguments(text: str) -> Any:
     return value if isinstance(value, dict) else text
 
 
+def refuse_message_extensions(messages: list[ChatMessage]) -> None:
+    """Under ``--strict-request-fields``: a 400 for a message's role or field outside OpenAI's."""
+    for i, msg in enumerate(messages):
+        if msg.role not in OPENAI_ROLES:
+            raise BadRequestError(
+                f"messages[{i}].role: {msg.role[:100]!r} is not one of {', '.join(sorted(OPENAI_ROLES))}",
+                param=f"messages[{i}].role",
+            )
+        for key in msg.model_extra or {}:
+            param = f"messages[{i}].{key[:100]}"
+            raise BadRequestError(f"Unrecognized request argument supplied: {param}", param=param)
+
+
 def _check_messages(value: list[ChatMessage]) -> list[ChatMessage]:
     if not value:
         raise ValueError("must not be empty")
     for i, msg in enumerate(value):
+        if msg.role not in OPENAI_ROLES:
+            warn_once(
+                f"role:{msg.role[:100]}",
+                f"A chat message has the role {msg.role[:100]!r}, outside OpenAI's: the chat template "
+                "renders it as it is (start the server with --strict-request-fields to refuse such requests)",
+            )
+        for key in msg.model_extra or {}:
+            warn_once(
+                f"message-field:{key[:100]}",
+                f"A chat message has the field {key[:100]!r}, outside OpenAI's: it is handed to the chat "
+                "template with the message (start the server with --strict-request-fields to refuse it)",
+            )
         if msg.content is None and msg.role != "assistant":
             raise ValueError(f"message {i} ({msg.role}) has no content")
         if msg.tool_calls is not None and msg.role != "assistant":
@@ -218,6 +257,9 @@ class ChatCompletionRequest(SamplingRequest):
     def _validate_messages(cls, v: list[ChatMessage]) -> list[ChatMessage]:
         return _check_messages(v)
 
+    def refuse_extensions(self) -> None:
+        refuse_message_extensions(self.messages)
+
     def _requested_max_tokens(self) -> tuple[int | None, str]:
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens, "max_completion_tokens"
@@ -233,6 +275,14 @@ class ChatCompletionRequest(SamplingRequest):
                 raise BadRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
             return None
         return self.top_logprobs or 0
+
+    @model_validator(mode="after")
+    def _continue_without_generation_prompt(self) -> ChatCompletionRequest:
+        # continue_final_message alone: no generation prompt (SGLang's reading; both set true
+        # explicitly stays vLLM's 400 below)
+        if self.continue_final_message and "add_generation_prompt" not in self.model_fields_set:
+            self.add_generation_prompt = False
+        return self
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -311,8 +361,10 @@ class ChatCompletionResponseChoice(WithExtensions):
 
 
 class ChatCompletionResponse(WithPromptLogprobs):
-    """A chat answer; ``prompt_logprobs`` and ``prompt_token_ids`` (vLLM's extensions, at this level
-    as in vLLM) only when asked."""
+    """A chat answer; vLLM's extensions at this level as in vLLM: ``prompt_logprobs`` (null when not
+    asked, as vLLM's clients read it) and, only when asked, ``prompt_token_ids``."""
+
+    OMIT_IF_NULL = ("prompt_token_ids",)
 
     id: str
     object: Literal["chat.completion"] = "chat.completion"

@@ -48,6 +48,11 @@ class OpenAIModel(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
+    def refuse_extensions(self) -> None:
+        """Under ``--strict-request-fields``: a ``BadRequestError`` for what the request carries
+        beyond OpenAI's protocol other than unknown top-level fields (which the model refuses
+        itself), e.g. a chat message's custom role. Nothing by default."""
+
 
 class ResponseModel(BaseModel):
     """Base of response models (lenient; we build them ourselves)."""
@@ -61,21 +66,25 @@ def parse_request(cls: type[OpenAIModel], data: Any, *, strict_fields: bool = Fa
     A field that no model declares (outside the OpenAI protocol and the
     supported extensions) is dropped with a warning, logged once per field name,
     as vLLM does; with ``strict_fields`` (``--strict-request-fields``) it is a
-    400 (``Unrecognized request argument supplied: NAME``). Inside a chat
-    message an unknown field is always a 400.
+    400 (``Unrecognized request argument supplied: NAME``), and so are the
+    extensions :meth:`OpenAIModel.refuse_extensions` names. A chat message's own
+    fields are the message's (handed to the chat template, as vLLM does).
     """
     try:
-        return cls.model_validate(data)
+        request = cls.model_validate(data)
     except ValidationError as exc:
         if strict_fields:
             raise from_pydantic(exc) from None
         cleaned = _drop_unknown_fields(data, exc)
         if cleaned is None:
             raise from_pydantic(exc) from None
-    try:
-        return cls.model_validate(cleaned)
-    except ValidationError as exc:
-        raise from_pydantic(exc) from None
+        try:
+            request = cls.model_validate(cleaned)
+        except ValidationError as exc:
+            raise from_pydantic(exc) from None
+    if strict_fields:
+        request.refuse_extensions()
+    return request
 
 
 _NEVER_DROPPED = frozenset({"messages"})

@@ -83,10 +83,10 @@ class CompletionLogProbs(ResponseModel):
 
 
 class CompletionResponseChoice(WithPromptLogprobs):
-    """One choice. vLLM's extensions, only when asked: ``prompt_logprobs`` and ``prompt_token_ids``
-    (in the choice's first chunk when streaming) and ``token_ids`` (the chunk's when streaming)."""
+    """One choice. vLLM's extensions: ``prompt_logprobs`` (null when not asked, as in vLLM, whose
+    clients read it); only when asked, ``prompt_token_ids`` and ``token_ids``."""
 
-    OMIT_IF_NULL = ("token_ids", "prompt_logprobs", "prompt_token_ids")
+    OMIT_IF_NULL = ("token_ids", "prompt_token_ids")
 
     index: int
     text: str
@@ -94,6 +94,13 @@ class CompletionResponseChoice(WithPromptLogprobs):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
+
+
+class CompletionStreamChoice(CompletionResponseChoice):
+    """One choice of a streamed chunk: ``prompt_logprobs`` and ``prompt_token_ids`` only in the
+    choice's first chunk when asked, ``token_ids`` the chunk's when asked."""
+
+    OMIT_IF_NULL = ("token_ids", "prompt_logprobs", "prompt_token_ids")
 
 
 class CompletionResponse(ResponseModel):
@@ -112,7 +119,7 @@ class CompletionStreamResponse(ResponseModel):
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=_now)
     model: str
-    choices: list[CompletionResponseChoice]
+    choices: list[CompletionStreamChoice]
     usage: UsageInfo | None = None
 
 

@@ -168,6 +168,8 @@ class SamplingRequest(StructuredOutputsRequest, SamplingControls):
         for name, (why, quiet_values) in self.IGNORED_FIELDS.items():
             if not _is_off(getattr(self, name), quiet_values):
                 warn_once(f"ignored:{name}", f"The request field '{name}' is accepted but ignored: {why}")
+        if self.stream_options is not None and not self.stream:
+            raise BadRequestError("stream_options: only allowed when stream is true", param="stream_options")
         if self.stream_options is not None and self.stream_options.include_obfuscation:
             warn_once(
                 "ignored:stream_options.include_obfuscation",

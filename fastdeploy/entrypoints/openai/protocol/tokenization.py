@@ -9,7 +9,11 @@ from typing import Any
 
 from pydantic import field_validator
 
-from fastdeploy.entrypoints.openai.protocol.chat import ChatMessage, _check_messages
+from fastdeploy.entrypoints.openai.protocol.chat import (
+    ChatMessage,
+    _check_messages,
+    refuse_message_extensions,
+)
 from fastdeploy.entrypoints.openai.protocol.common import (
     OpenAIModel,
     ResponseModel,
@@ -40,6 +44,9 @@ class TokenizeChatRequest(OpenAIModel):
     @classmethod
     def _validate_messages(cls, v: list[ChatMessage]) -> list[ChatMessage]:
         return _check_messages(v)
+
+    def refuse_extensions(self) -> None:
+        refuse_message_extensions(self.messages)
 
 
 class DetokenizeRequest(OpenAIModel):
