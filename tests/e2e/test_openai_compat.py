@@ -167,6 +167,9 @@ def test_continuous_usage_stats(client, model_name, endpoint):
     assert counts == sorted(counts) and counts[-1] == 2 * GREEDY["max_tokens"]
     assert {c.usage.prompt_tokens for c in chunks} == {chunks[-1].usage.prompt_tokens}
     assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
+    if endpoint == "chat":  # the role chunks come before any token (vLLM's test: strictly rising after)
+        roles = [c for c in chunks if c.choices and c.choices[0].delta.role == "assistant"]
+        assert len(roles) == 2 and all(c.usage.completion_tokens == 0 for c in roles)
 
 
 def test_continue_final_message_with_echo(server, client, model_name, tokenizer):
@@ -188,9 +191,20 @@ def test_continue_final_message_with_echo(server, client, model_name, tokenizer)
     deltas = [c.choices[0].delta.content for c in stream if c.choices and c.choices[0].delta.content]
     assert deltas[0] == start and "".join(deltas) == reply.choices[0].message.content
 
+    # continue_final_message alone: no generation prompt (SGLang's reading); both set true: vLLM's 400
+    alone = client.chat.completions.create(
+        model=model_name,
+        messages=messages,
+        extra_body={"continue_final_message": True, "echo": True},
+        **GREEDY,
+    )
+    assert alone.choices[0].message.content == reply.choices[0].message.content
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(
-            model=model_name, messages=messages, extra_body={"continue_final_message": True}, max_tokens=2
+            model=model_name,
+            messages=messages,
+            extra_body={"continue_final_message": True, "add_generation_prompt": True},
+            max_tokens=2,
         )
     assert info.value.body["param"] == "continue_final_message"
 

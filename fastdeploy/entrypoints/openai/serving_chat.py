@@ -44,6 +44,7 @@ from fastdeploy.entrypoints.openai.protocol import (
     ChatCompletionStreamResponse,
     ChatMessageOut,
     DeltaMessage,
+    UsageInfo,
     random_id,
     resolve_max_tokens,
 )
@@ -323,8 +324,17 @@ class OpenAIServingChat(OpenAIServing):
         )
         """Content deltas carry text only (and token ids when asked): the fast encoder."""
 
-        def chunk(choice: ChatCompletionStreamChoice) -> str:
+        def chunk(choice: ChatCompletionStreamChoice, opening: bool = False) -> str:
+            """``opening``: a role or echo chunk, sent before any output token (its continuous usage
+            counts none, as vLLM's)."""
             nonlocal pending_prompt_lps, pending_prompt_ids
+            usage = None
+            if options.continuous_usage:
+                usage = (
+                    UsageInfo.build(tracker.prompt_tokens, 0, tracker.total_cached_tokens)
+                    if opening
+                    else tracker.usage()
+                )
             body = ChatCompletionStreamResponse(
                 id=request_id,
                 created=created,
@@ -332,7 +342,7 @@ class OpenAIServingChat(OpenAIServing):
                 choices=[choice],
                 prompt_logprobs=pending_prompt_lps,
                 prompt_token_ids=pending_prompt_ids,
-                usage=tracker.usage() if options.continuous_usage else None,
+                usage=usage,
             )
             pending_prompt_lps = pending_prompt_ids = None
             return f"data: {body.model_dump_json(exclude=exclude)}\n\n"
@@ -351,14 +361,16 @@ class OpenAIServingChat(OpenAIServing):
                             yield chunk(
                                 ChatCompletionStreamChoice(
                                     index=k, delta=DeltaMessage(role="assistant", content="")
-                                )
+                                ),
+                                opening=True,
                             )
                         if options.echo_text:
                             for k in range(n):
                                 yield chunk(
                                     ChatCompletionStreamChoice(
                                         index=k, delta=DeltaMessage(content=options.echo_text)
-                                    )
+                                    ),
+                                    opening=True,
                                 )
                     for c in out.outputs:
                         has_ids = options.return_token_ids and bool(c.token_ids)

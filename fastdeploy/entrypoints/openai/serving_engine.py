@@ -257,8 +257,12 @@ class UsageTracker:
     def unfinished_request_ids(self) -> list[str]:
         return [rid for rid, done in zip(self.request_ids, self.finished) if not done]
 
+    @property
+    def total_cached_tokens(self) -> int:
+        return sum(self.cached_tokens)
+
     def usage(self) -> UsageInfo:
-        return UsageInfo.build(self.prompt_tokens, self.completion_tokens, sum(self.cached_tokens))
+        return UsageInfo.build(self.prompt_tokens, self.completion_tokens, self.total_cached_tokens)
 
 
 class StartedRequests:
