@@ -310,6 +310,18 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(server, client, model_name
     whole = client.completions.create(model=model_name, prompt=kept, **GREEDY)
     assert cut.usage.prompt_tokens == 40 and cut.choices[0].text == whole.choices[0].text
     assert cut.choices[0].prompt_token_ids == kept
+    right = client.completions.create(  # vLLM's truncation_side: right keeps the first N
+        model=model_name,
+        prompt=long,
+        extra_body={"truncate_prompt_tokens": 40, "truncation_side": "right", "return_token_ids": True},
+        max_tokens=1,
+    )
+    assert right.choices[0].prompt_token_ids == long[:40]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(
+            model=model_name, prompt=long, extra_body={"truncate_prompt_tokens": 4, "truncation_side": "up"}
+        )
+    assert info.value.body["param"] == "truncation_side"
     chat = client.chat.completions.create(
         model=model_name, messages=CHAT, extra_body={"truncate_prompt_tokens": 5}, **GREEDY
     )

@@ -182,7 +182,7 @@ class OpenAIServingChat(OpenAIServing):
         token_ids = await self.encode(text, add_special_tokens=False, param="messages")
         if not token_ids:
             raise BadRequestError("The chat template produced an empty prompt", param="messages")
-        kept = self.keep_last(token_ids, request.truncate_prompt_tokens)
+        kept = self.keep_last(token_ids, request.truncate_prompt_tokens, request.truncation_side)
         if len(kept) < len(token_ids):
             if items:
                 raise BadRequestError(

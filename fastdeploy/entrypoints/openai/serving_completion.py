@@ -98,7 +98,7 @@ class OpenAIServingCompletion(OpenAIServing):
             else:
                 text, token_ids = None, list(prompt)
                 self.check_token_ids(token_ids, "prompt")
-            kept = self.keep_last(token_ids, request.truncate_prompt_tokens)
+            kept = self.keep_last(token_ids, request.truncate_prompt_tokens, request.truncation_side)
             if len(kept) < len(token_ids):  # cut: the prompt is its kept tokens (echo decodes them)
                 text, token_ids = None, kept
             max_tokens = resolve_max_tokens(

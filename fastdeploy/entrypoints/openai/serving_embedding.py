@@ -92,7 +92,7 @@ class OpenAIServingEmbedding(OpenAIServing):
             else:
                 text, token_ids = None, list(item)
                 self.check_token_ids(token_ids, "input")
-            token_ids = self.keep_last(token_ids, request.truncate_prompt_tokens)
+            token_ids = self.keep_last(token_ids, request.truncate_prompt_tokens, request.truncation_side)
             if len(token_ids) > max_len:
                 raise BadRequestError(
                     f"an input has {len(token_ids)} tokens, more than this model's maximum context length "

@@ -433,9 +433,12 @@ class OpenAIServing:
         (``return_tokens_as_token_ids``) or the server does for every request."""
         return bool(request.return_tokens_as_token_ids) or self.return_tokens_as_token_ids
 
-    def keep_last(self, token_ids: list[int], truncate_prompt_tokens: int | None) -> list[int]:
-        """``token_ids`` cut to their last ``truncate_prompt_tokens`` (-1: the last ``max_model_len``;
-        None: all), vLLM's left truncation; a 400 if it asks for more than the context."""
+    def keep_last(
+        self, token_ids: list[int], truncate_prompt_tokens: int | None, truncation_side: str | None = None
+    ) -> list[int]:
+        """``token_ids`` cut to ``truncate_prompt_tokens`` (-1: ``max_model_len``; None: all): the last
+        ones (vLLM's default, ``truncation_side`` left) or the first (``right``); a 400 if it asks for
+        more than the context."""
         if truncate_prompt_tokens is None:
             return token_ids
         max_len = self.engine.max_model_len
@@ -445,7 +448,7 @@ class OpenAIServing:
                 f"truncate_prompt_tokens is {keep}, more than this model's maximum context length of {max_len}",
                 param="truncate_prompt_tokens",
             )
-        return token_ids[-keep:]
+        return token_ids[:keep] if truncation_side == "right" else token_ids[-keep:]
 
     async def encode(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
         """Token ids of ``text`` (a 400 naming ``param`` if it cannot fit the context)."""

@@ -13,7 +13,7 @@ are a 400 that says so otherwise.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import field_validator
 
@@ -130,6 +130,8 @@ class SamplingRequest(StructuredOutputsRequest, SamplingControls):
     """vLLM's: the prompt's token ids (``prompt_token_ids``) and each choice's (``token_ids``) in the response."""
     truncate_prompt_tokens: int | None = None
     """vLLM's: keep only the last N prompt tokens (-1: the last ``max_model_len``)."""
+    truncation_side: Literal["left", "right"] | None = None
+    """vLLM's: which end ``truncate_prompt_tokens`` cuts (left, the default: the first tokens go)."""
 
     IGNORED_FIELDS: ClassVar[dict[str, tuple[str, tuple[Any, ...]]]] = {
         "user": ("end-user ids are not used by this server", (None,)),
