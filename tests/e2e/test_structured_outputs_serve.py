@@ -188,6 +188,22 @@ def test_guided_choice_and_regex_on_completions(server, model_name):
         extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
     )
     assert reply.choices[0].message.content in ("yes", "no")
+    reply = client.chat.completions.create(  # SGLang's field names
+        model=model_name,
+        messages=[{"role": "user", "content": "Say hello."}],
+        max_tokens=8,
+        temperature=0,
+        extra_body={"ebnf": 'root ::= "Hello" | "Hi" | "Hey"'},
+    )
+    assert reply.choices[0].message.content in ("Hello", "Hi", "Hey")
+    reply = client.completions.create(
+        model=model_name,
+        prompt="The year is",
+        max_tokens=8,
+        temperature=0,
+        extra_body={"regex": r" 20\d\d"},
+    )
+    assert re.fullmatch(r" 20\d\d", reply.choices[0].text)
 
 
 @pytest.mark.parametrize(

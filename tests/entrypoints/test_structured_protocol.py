@@ -35,6 +35,10 @@ def completion(**fields):
         ({"guided_regex": r"\d+"}, "regex", r"\d+"),
         ({"guided_choice": ["a", "b"]}, "choice", ["a", "b"]),
         ({"guided_grammar": 'root ::= "x"'}, "grammar", 'root ::= "x"'),
+        # SGLang's names
+        ({"json_schema": SCHEMA}, "json", SCHEMA),
+        ({"regex": r"\d+"}, "regex", r"\d+"),
+        ({"ebnf": 'root ::= "Hi" | "Hey"'}, "grammar", 'root ::= "Hi" | "Hey"'),
     ],
 )
 def test_fields_become_the_constraint(make, fields, kind, value):
@@ -71,6 +75,8 @@ def test_text_format_and_no_fields_mean_free_text():
         ({"guided_choice": []}, "guided_choice", "non-empty"),
         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one"),
         ({"guided_json": SCHEMA, "guided_regex": "a"}, "guided_regex", "only one"),
+        ({"ebnf": "root ::= y"}, "ebnf", "invalid grammar"),
+        ({"regex": "[a-"}, "regex", "invalid regex"),
         (
             {"guided_json": SCHEMA, "guided_decoding_backend": "outlines"},
             "guided_decoding_backend",

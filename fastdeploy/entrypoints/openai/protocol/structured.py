@@ -1,5 +1,6 @@
 """Structured-output request fields: OpenAI's ``response_format``, vLLM's ``structured_outputs`` object
-and its older ``guided_*`` fields, turned into the one ``StructuredOutputsParams`` of a request.
+and its older ``guided_*`` fields, and SGLang's ``json_schema`` / ``regex`` / ``ebnf``, turned into the
+one ``StructuredOutputsParams`` of a request.
 
 At most one of them may constrain a request. The grammar is built here, in the API server, so that
 an invalid schema, regex or grammar is a 400 naming the field before anything reaches the engine.
@@ -62,6 +63,10 @@ class StructuredOutputsRequest(OpenAIModel):
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
+    # SGLang's names
+    json_schema: dict[str, Any] | str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     def structured_output_params(self) -> StructuredOutputsParams | None:
         """The request's constraint (None: free text); a 400 naming the field if it is invalid."""
@@ -116,14 +121,17 @@ class StructuredOutputsRequest(OpenAIModel):
                 )
             ((kind, value),) = set_fields.items()
             out.append((f"structured_outputs.{kind}", _params(kind, value, f"structured_outputs.{kind}")))
-        for kind, value in (
-            ("json", self.guided_json),
-            ("regex", self.guided_regex),
-            ("choice", self.guided_choice),
-            ("grammar", self.guided_grammar),
+        for field, kind, value in (
+            ("guided_json", "json", self.guided_json),
+            ("guided_regex", "regex", self.guided_regex),
+            ("guided_choice", "choice", self.guided_choice),
+            ("guided_grammar", "grammar", self.guided_grammar),
+            ("json_schema", "json", self.json_schema),
+            ("regex", "regex", self.regex),
+            ("ebnf", "grammar", self.ebnf),
         ):
             if value is not None:
-                out.append((f"guided_{kind}", _params(kind, value, f"guided_{kind}")))
+                out.append((field, _params(kind, value, field)))
         return out
 
 
