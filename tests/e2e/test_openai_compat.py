@@ -362,3 +362,29 @@ def test_return_tokens_as_token_ids(client, model_name, chat):
 def test_ping_answers_like_health(server):
     for method in ("GET", "POST"):
         assert httpx.request(method, server.url + "/ping", timeout=10).status_code == 200  # no API key needed
+
+
+def test_matched_stop(client, model_name, tokenizer):
+    """SGLang's ``matched_stop`` in non-streamed choices: the stop string or stop token id that
+    ended the choice, the end-of-sequence token id when that did, null for a length finish."""
+    free = client.completions.create(model=model_name, prompt=PROMPT, **GREEDY)
+    assert free.choices[0].finish_reason == "length" and free.choices[0].matched_stop is None
+    word = free.choices[0].text.split()[0]
+    cut = client.completions.create(model=model_name, prompt=PROMPT, stop=[word], **GREEDY)
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].matched_stop == word
+    first = (
+        client.completions.create(
+            model=model_name, prompt=PROMPT, extra_body={"return_token_ids": True}, **GREEDY
+        )
+        .choices[0]
+        .token_ids[0]
+    )
+    by_id = client.completions.create(
+        model=model_name, prompt=PROMPT, extra_body={"stop_token_ids": [first]}, **GREEDY
+    )
+    assert by_id.choices[0].matched_stop == first
+    eos = tokenizer.eos_token_id
+    ended = client.chat.completions.create(
+        model=model_name, messages=CHAT, logit_bias={str(eos): 100}, **GREEDY
+    )
+    assert ended.choices[0].finish_reason == "stop" and ended.choices[0].matched_stop == eos

@@ -48,6 +48,7 @@ from fastdeploy.entrypoints.openai.protocol import (
     random_id,
     resolve_max_tokens,
 )
+from fastdeploy.entrypoints.openai.protocol.common import matched_stop
 from fastdeploy.entrypoints.openai.protocol.tools import (
     DeltaFunctionCall,
     DeltaToolCall,
@@ -455,6 +456,7 @@ class OpenAIServingChat(OpenAIServing):
                 else chat_logprobs(token_ids[k], logprobs[k], num_top, options.tokens_as_ids),
                 finish_reason=_finish_reason(finish[k] or "abort", bool(messages[k].tool_calls)),
                 stop_reason=stop_reason[k],
+                matched_stop=matched_stop(finish[k], stop_reason[k], token_ids[k]),
                 token_ids=token_ids[k] if options.return_token_ids else None,
             )
             for k in range(n)

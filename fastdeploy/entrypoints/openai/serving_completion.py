@@ -29,6 +29,7 @@ from fastdeploy.entrypoints.openai.protocol import (
     random_id,
     resolve_max_tokens,
 )
+from fastdeploy.entrypoints.openai.protocol.common import matched_stop
 from fastdeploy.entrypoints.openai.serving_engine import (
     SSE_DONE,
     EnginePrompt,
@@ -316,6 +317,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     else completion_logprobs(ids, lps, num_top, 0, self._decode_token, extras.tokens_as_ids),
                     finish_reason=finish[k] or "abort",
                     stop_reason=stop_reason[k],
+                    matched_stop=matched_stop(finish[k], stop_reason[k], token_ids[k]),
                     token_ids=token_ids[k] if extras.return_token_ids else None,
                     prompt_logprobs=self._prompt_logprobs_field(prompts[i], prompt_lps[i], extras),
                     prompt_token_ids=list(prompts[i].token_ids) if extras.return_token_ids else None,

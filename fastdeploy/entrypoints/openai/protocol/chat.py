@@ -357,6 +357,8 @@ class ChatCompletionResponseChoice(WithExtensions):
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    matched_stop: int | str | None = None
+    """SGLang's: what ended the answer (:func:`~.common.matched_stop`)."""
     token_ids: list[int] | None = None
 
 

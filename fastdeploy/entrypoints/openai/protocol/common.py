@@ -230,6 +230,18 @@ class WithExtensions(ResponseModel):
         return data
 
 
+def matched_stop(
+    finish_reason: str | None, stop_reason: int | str | None, token_ids: list[int]
+) -> int | str | None:
+    """SGLang's ``matched_stop`` of a finished choice: the stop string or stop token id that ended
+    it (``stop_reason``), the end-of-sequence token id when that did (the last token), else None."""
+    if finish_reason != "stop":
+        return None
+    if stop_reason is not None:
+        return stop_reason
+    return token_ids[-1] if token_ids else None
+
+
 class WithPromptLogprobs(WithExtensions):
     """A response part that may carry ``prompt_logprobs`` (and ``prompt_token_ids``); left out when null."""
 

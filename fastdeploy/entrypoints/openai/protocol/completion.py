@@ -93,14 +93,16 @@ class CompletionResponseChoice(WithPromptLogprobs):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    matched_stop: int | str | None = None
+    """SGLang's: what ended the choice (:func:`~.common.matched_stop`)."""
     token_ids: list[int] | None = None
 
 
 class CompletionStreamChoice(CompletionResponseChoice):
     """One choice of a streamed chunk: ``prompt_logprobs`` and ``prompt_token_ids`` only in the
-    choice's first chunk when asked, ``token_ids`` the chunk's when asked."""
+    choice's first chunk when asked, ``token_ids`` the chunk's when asked (no ``matched_stop``)."""
 
-    OMIT_IF_NULL = ("token_ids", "prompt_logprobs", "prompt_token_ids")
+    OMIT_IF_NULL = ("token_ids", "prompt_logprobs", "prompt_token_ids", "matched_stop")
 
 
 class CompletionResponse(ResponseModel):
