@@ -388,3 +388,18 @@ def test_matched_stop(client, model_name, tokenizer):
         model=model_name, messages=CHAT, logit_bias={str(eos): 100}, **GREEDY
     )
     assert ended.choices[0].finish_reason == "stop" and ended.choices[0].matched_stop == eos
+
+
+def test_sagemaker_invocations(server, client, model_name):
+    """``POST /invocations`` (SageMaker's route, as vLLM serves it) answers a chat or completion
+    body as its own endpoint does; a body that is neither is a 400."""
+    chat_body = {"model": model_name, "messages": CHAT, **GREEDY}
+    with server.http() as http:
+        via = http.post("/invocations", json=chat_body).json()
+        direct = http.post("/v1/chat/completions", json=chat_body).json()
+        assert via["object"] == "chat.completion" and set(via) == set(direct)
+        assert via["choices"][0]["message"] == direct["choices"][0]["message"]
+        completion = http.post("/invocations", json={"model": model_name, "prompt": PROMPT, **GREEDY}).json()
+        assert completion["object"] == "text_completion" and completion["choices"][0]["text"]
+        bad = http.post("/invocations", json={"model": model_name})
+        assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"

@@ -30,6 +30,7 @@ from fastdeploy.config import ServerConfig
 from fastdeploy.engine.protocol import EngineClient
 from fastdeploy.entrypoints.openai.errors import (
     AuthenticationError,
+    BadRequestError,
     NotFoundError,
     OpenAIError,
     ServiceUnavailableError,
@@ -217,21 +218,31 @@ def build_app(
     received = api_server_request_counter(served_model_names[0], api_server_index)
     v1 = APIRouter(prefix="/v1", route_class=OpenAIRoute, dependencies=auth)
 
+    async def completion(data: Any, raw_request: Request) -> Response:
+        request = parse_request(CompletionRequest, data, strict_fields=strict)
+        check_generation_model(engine_client)
+        return await completions.create_completion(request, raw_request)
+
+    async def chat_completion(data: Any, raw_request: Request) -> Response:
+        request = parse_request(ChatCompletionRequest, data, strict_fields=strict)
+        check_generation_model(engine_client)
+        return await chat.create_chat_completion(request, raw_request)
+
+    async def embedding(data: Any, raw_request: Request) -> Response:
+        request = parse_request(EmbeddingRequest, data, strict_fields=strict)
+        return await embeddings.create_embedding(request, raw_request)
+
     @v1.post("/completions", openapi_extra=json_body(CompletionRequest))
     async def create_completion(raw_request: Request) -> Response:
         raw_request.state.received = time.monotonic()  # the request timeline's start
         received.inc()
-        request = parse_request(CompletionRequest, await read_json(raw_request), strict_fields=strict)
-        check_generation_model(engine_client)
-        return await completions.create_completion(request, raw_request)
+        return await completion(await read_json(raw_request), raw_request)
 
     @v1.post("/chat/completions", openapi_extra=json_body(ChatCompletionRequest))
     async def create_chat_completion(raw_request: Request) -> Response:
         raw_request.state.received = time.monotonic()
         received.inc()
-        request = parse_request(ChatCompletionRequest, await read_json(raw_request), strict_fields=strict)
-        check_generation_model(engine_client)
-        return await chat.create_chat_completion(request, raw_request)
+        return await chat_completion(await read_json(raw_request), raw_request)
 
     @v1.post("/responses", openapi_extra=json_body(ResponsesRequest))
     async def create_response(raw_request: Request) -> Response:
@@ -262,8 +273,7 @@ def build_app(
     @v1.post("/embeddings", openapi_extra=json_body(EmbeddingRequest))
     async def create_embedding(raw_request: Request) -> Response:
         received.inc()
-        request = parse_request(EmbeddingRequest, await read_json(raw_request), strict_fields=strict)
-        return await embeddings.create_embedding(request, raw_request)
+        return await embedding(await read_json(raw_request), raw_request)
 
     @v1.get("/models")
     async def list_models() -> Response:
@@ -274,6 +284,28 @@ def build_app(
         return JSONResponse(tokenization.retrieve_model(model).model_dump())
 
     app.include_router(v1)
+    sagemaker = APIRouter(route_class=OpenAIRoute, dependencies=auth)
+
+    @sagemaker.post("/invocations")
+    async def invocations(raw_request: Request) -> Response:
+        """SageMaker's inference route (as vLLM serves it): a chat completion, completion or
+        embedding request, told apart by its ``messages``, ``prompt`` or ``input``."""
+        raw_request.state.received = time.monotonic()
+        received.inc()
+        data = await read_json(raw_request)
+        kind = next(
+            (key for key in ("messages", "prompt", "input") if isinstance(data, dict) and key in data), None
+        )
+        if kind is None:
+            raise BadRequestError(
+                "/invocations takes a chat completion (messages), completion (prompt) or embedding (input) "
+                "request body"
+            )
+        return await {"messages": chat_completion, "prompt": completion, "input": embedding}[kind](
+            data, raw_request
+        )
+
+    app.include_router(sagemaker)
 
     @app.get("/health")
     @app.api_route("/ping", methods=["GET", "POST"])  # SageMaker's health check, as vLLM answers it

@@ -30,7 +30,8 @@ JSON_MEDIA_TYPES = ("application/json",)
 
 def _too_large(limit: int) -> RequestTooLargeError:
     return RequestTooLargeError(
-        f"The request body is larger than this server accepts ({limit} bytes; --max-request-body-bytes).",
+        f"Payload Too Large: the request body is larger than this server accepts ({limit} bytes; "
+        "--max-request-body-bytes).",
         code="request_too_large",
     )
 
