@@ -105,6 +105,9 @@ class SamplingParams:
     this many top alternatives (None: off). Such a request never reads the prefix cache."""
     structured_outputs: StructuredOutputsParams | None = None
     """A grammar the output must follow (JSON schema, regex, choice, ...); None: free text."""
+    cache_salt: str | None = None
+    """The request's prefix-cache reads and writes are kept apart from every request without the
+    same salt (vLLM's ``cache_salt``): tenants sharing a server cannot time each other's prompts."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -130,6 +133,11 @@ class SamplingParams:
             f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
         )
         self._check(all(s for s in self.stop), "stop", "stop strings must not be empty")
+        self._check(
+            self.cache_salt is None or (isinstance(self.cache_salt, str) and bool(self.cache_salt)),
+            "cache_salt",
+            "cache_salt must be a non-empty string",
+        )
         self._check(
             self.repetition_penalty > 0,
             "repetition_penalty",

@@ -9,6 +9,14 @@ from collections.abc import Sequence
 ROOT_HASH = b"fastdeploy-root"
 
 
+def root_hash(cache_salt: str | None) -> bytes:
+    """The parent of a request's first block: :data:`ROOT_HASH`, or one of its salt's (``cache_salt``),
+    so that salted requests share cached blocks only with requests of the same salt."""
+    if cache_salt is None:
+        return ROOT_HASH
+    return hashlib.sha256(ROOT_HASH + b"\x00salt\x00" + cache_salt.encode()).digest()
+
+
 def hash_block(parent: bytes, token_ids: Sequence[int], extra_keys: tuple[str, ...] = ()) -> bytes:
     """``hash(parent_hash, token_ids, extra_keys)`` as a 32-byte SHA-256 digest.
 
@@ -34,9 +42,11 @@ def extend_block_hashes(
     token_ids: Sequence[int],
     block_size: int,
     mm_items: Sequence[tuple[int, int, str]] = (),
+    root: bytes = ROOT_HASH,
 ) -> None:
-    """Append the hashes of blocks that became full since the last call (in place)."""
+    """Append the hashes of blocks that became full since the last call (in place); ``root`` is the
+    first block's parent (:func:`root_hash`)."""
     for i in range(len(hashes), len(token_ids) // block_size):
         start, end = i * block_size, (i + 1) * block_size
-        parent = hashes[-1] if hashes else ROOT_HASH
+        parent = hashes[-1] if hashes else root
         hashes.append(hash_block(parent, token_ids[start:end], block_extra_keys(start, end, mm_items)))

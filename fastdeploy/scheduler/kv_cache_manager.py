@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fastdeploy.core.request import Request
-from fastdeploy.scheduler.block_hash import extend_block_hashes
+from fastdeploy.scheduler.block_hash import extend_block_hashes, root_hash
 from fastdeploy.scheduler.block_pool import BlockPool, KVCacheBlock
 
 
@@ -110,6 +110,7 @@ class KVCacheManager:
                 request.all_token_ids[:num_tokens],
                 self.block_size,
                 request.mm_extra_keys,
+                root_hash(request.sampling_params.cache_salt if request.sampling_params else None),
             )
 
     def block_ids(self, request_id: str) -> list[int]:

@@ -403,3 +403,25 @@ def test_sagemaker_invocations(server, client, model_name):
         assert completion["object"] == "text_completion" and completion["choices"][0]["text"]
         bad = http.post("/invocations", json={"model": model_name})
         assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_cache_salt_keeps_prefix_caches_apart(client, model_name):
+    """vLLM's ``cache_salt``: a salted request reads cached prompt blocks only from requests with
+    the same salt (a tenant cannot time another's prompts); an empty salt is a 400."""
+    prompt = "Salted prompt. " * 12 + "The end"
+
+    def cached(salt: str | None) -> int:
+        extra = {} if salt is None else {"cache_salt": salt}
+        reply = client.completions.create(model=model_name, prompt=prompt, max_tokens=1, extra_body=extra)
+        return reply.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-a") > 0  # the same salt shares
+    assert cached("tenant-b") == 0
+    assert cached(None) == 0  # nor do unsalted requests see salted blocks
+    assert cached(None) > 0
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(
+            model=model_name, prompt=prompt, max_tokens=1, extra_body={"cache_salt": ""}
+        )
+    assert info.value.body["param"] == "cache_salt"

@@ -130,6 +130,8 @@ class SamplingRequest(StructuredOutputsRequest, SamplingControls):
     """vLLM's: the prompt's token ids (``prompt_token_ids``) and each choice's (``token_ids``) in the response."""
     truncate_prompt_tokens: int | None = None
     """vLLM's: keep only the last N prompt tokens (-1: the last ``max_model_len``)."""
+    cache_salt: str | None = None
+    """vLLM's: prefix-cache isolation; requests share cached prompt blocks only with the same salt."""
     truncation_side: Literal["left", "right"] | None = None
     """vLLM's: which end ``truncate_prompt_tokens`` cuts (left, the default: the first tokens go)."""
 
@@ -245,6 +247,7 @@ class SamplingRequest(StructuredOutputsRequest, SamplingControls):
             "logprobs": self._num_logprobs(),
             "prompt_logprobs": self._num_prompt_logprobs(),
             "structured_outputs": self.structured_output_params(),
+            "cache_salt": self.cache_salt,
         }
         for flag in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if getattr(self, flag) is not None:
