@@ -243,7 +243,8 @@ def matched_stop(
 
 
 class WithPromptLogprobs(WithExtensions):
-    """A response part that may carry ``prompt_logprobs`` (and ``prompt_token_ids``); left out when null."""
+    """A response part that may carry ``prompt_logprobs`` (and ``prompt_token_ids``); left out when
+    null (the non-streamed responses keep a null ``prompt_logprobs``, as vLLM's do)."""
 
     OMIT_IF_NULL = ("prompt_logprobs", "prompt_token_ids")
 
