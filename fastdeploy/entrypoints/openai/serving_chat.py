@@ -45,10 +45,10 @@ from fastdeploy.entrypoints.openai.protocol import (
     ChatMessageOut,
     DeltaMessage,
     UsageInfo,
+    matched_stop,
     random_id,
     resolve_max_tokens,
 )
-from fastdeploy.entrypoints.openai.protocol.common import matched_stop
 from fastdeploy.entrypoints.openai.protocol.tools import (
     DeltaFunctionCall,
     DeltaToolCall,

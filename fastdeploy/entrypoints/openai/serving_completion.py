@@ -26,10 +26,10 @@ from fastdeploy.entrypoints.openai.protocol import (
     CompletionStreamChoice,
     CompletionStreamResponse,
     PromptLogprobs,
+    matched_stop,
     random_id,
     resolve_max_tokens,
 )
-from fastdeploy.entrypoints.openai.protocol.common import matched_stop
 from fastdeploy.entrypoints.openai.serving_engine import (
     SSE_DONE,
     EnginePrompt,
