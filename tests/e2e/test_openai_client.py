@@ -352,7 +352,29 @@ def test_tokenize_token_strs_and_model(server, model_name):
         assert response.status_code == 200, response.text
         body = response.json()
         assert len(body["token_strs"]) == body["count"]
+        assert client.post("/tokenize", json={"prompt": "Hello world"}).json()["token_strs"] is None  # vLLM's
         server.check_error(client.post("/tokenize", json={"model": "nope", "prompt": "x"}), 404)
+
+
+def test_tokenize_chat_counts_what_a_chat_completion_sees(server, model_name):
+    """``/tokenize`` with messages renders them as a chat completion does: continue_final_message,
+    tools and chat_template_kwargs included (vLLM's tokenize fields)."""
+    messages = [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Sure,"}]
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    for extra in ({"continue_final_message": True}, {"tools": tools}, {}):
+        with server.http() as client:
+            count = client.post("/tokenize", json={"messages": messages, **extra}).json()["count"]
+            reply = client.post(
+                "/v1/chat/completions",
+                json={"model": model_name, "messages": messages, "max_tokens": 1, **extra},
+            ).json()
+        assert count == reply["usage"]["prompt_tokens"], extra
+    with server.http() as client:
+        continued = client.post(
+            "/tokenize", json={"messages": messages, "continue_final_message": True}
+        ).json()
+        plain = client.post("/tokenize", json={"messages": messages}).json()
+    assert continued["count"] < plain["count"]  # the final message left open: no end tag, no new header
 
 
 def test_version(server):

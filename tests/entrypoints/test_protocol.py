@@ -395,7 +395,17 @@ def test_tokenize_request_forms():
     assert isinstance(parse_tokenize_request({"prompt": "x"}), TokenizeCompletionRequest)
     chat_req = parse_tokenize_request({"messages": USER})
     assert isinstance(chat_req, TokenizeChatRequest)
-    assert chat_req.add_generation_prompt and not chat_req.add_special_tokens
+    assert chat_req.add_generation_prompt is None and not chat_req.add_special_tokens  # (the chat's default)
+    assert chat_req.chat_request() == {"messages": USER, "continue_final_message": False}
+    continued = parse_tokenize_request(
+        {"messages": USER, "continue_final_message": True, "add_generation_prompt": False, "tools": []}
+    ).chat_request()
+    assert continued == {
+        "messages": USER,
+        "continue_final_message": True,
+        "add_generation_prompt": False,
+        "tools": [],
+    }
     assert bad_request(parse_tokenize_request, {"messages": []}).param == "messages"
     assert bad_request(parse_request, DetokenizeRequest, {"tokens": [1, -2]}).param == "tokens"
     assert bad_request(parse_request, DetokenizeRequest, {"tokens": "12"}).param == "tokens"

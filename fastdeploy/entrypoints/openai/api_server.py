@@ -203,7 +203,9 @@ def build_app(
         tool_call_parser=server.tool_call_parser,
         return_tokens_as_token_ids=server.return_tokens_as_token_ids,
     )
-    tokenization = OpenAIServingTokenization(engine_client, served_model_names, tokenizers, shutdown_event)
+    tokenization = OpenAIServingTokenization(
+        engine_client, served_model_names, tokenizers, shutdown_event, chat=chat
+    )
     embeddings = OpenAIServingEmbedding(
         engine_client,
         served_model_names,
@@ -331,7 +333,8 @@ def build_app(
     )
     async def tokenize(raw_request: Request) -> Response:
         request = parse_tokenize_request(await read_json(raw_request), strict_fields=strict)
-        return JSONResponse((await tokenization.tokenize(request)).model_dump(exclude_none=True))
+        # token_strs stays in the body, null when not asked (vLLM's clients read it)
+        return JSONResponse((await tokenization.tokenize(request)).model_dump())
 
     @app.post("/detokenize", dependencies=auth, openapi_extra=json_body(DetokenizeRequest))
     async def detokenize(raw_request: Request) -> Response:

@@ -236,6 +236,16 @@ class OpenAIServingChat(OpenAIServing):
             await started.close()
         return JSONResponse(response.model_dump())
 
+    async def render_prompt_text(self, request: ChatCompletionRequest) -> str:
+        """The prompt text of a chat request as a chat completion renders it (tools, chat template
+        variables, ``continue_final_message``), without image or video parts: ``/tokenize`` counts
+        the tokens a chat completion would see."""
+        tools = self.tool_calling.plan(request)
+        template_kwargs = dict(request.chat_template_kwargs or {})
+        if tools.template_tools:
+            template_kwargs["tools"] = tools.template_tools
+        return await self._render(request, tools.conversation(request.template_messages()), template_kwargs)
+
     async def _render(
         self,
         request: ChatCompletionRequest,

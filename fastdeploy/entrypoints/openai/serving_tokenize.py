@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastdeploy.entrypoints.openai.errors import NotFoundError
 from fastdeploy.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
     ModelCard,
@@ -11,26 +14,27 @@ from fastdeploy.entrypoints.openai.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
+    parse_request,
 )
+from fastdeploy.entrypoints.openai.serving_chat import OpenAIServingChat
 from fastdeploy.entrypoints.openai.serving_engine import OpenAIServing
-from fastdeploy.entrypoints.openai.tool_template import hermes_conversation, renders_tools, template_text
 
 
 class OpenAIServingTokenization(OpenAIServing):
-    """Tokenize with the server's tokenizer (and chat template), detokenize, list models."""
+    """Tokenize with the server's tokenizer (chat messages as ``chat`` renders a chat completion's
+    prompt), detokenize, list models."""
+
+    def __init__(self, *args: Any, chat: OpenAIServingChat, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.chat = chat
 
     async def tokenize(self, request: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
         """Token ids of a prompt, or of chat messages rendered by the chat template."""
         self.resolve_model(request.model)
         if isinstance(request, TokenizeChatRequest):
-            conversation = [m.to_template_dict() for m in request.messages]
-            if not renders_tools(template_text(self.tokenizer)):  # tool calls and results as text
-                conversation = hermes_conversation(conversation, None)
-            text = await self.render_chat(
-                request.messages,
-                add_generation_prompt=request.add_generation_prompt,
-                conversation=conversation,
-            )
+            chat_request = parse_request(ChatCompletionRequest, request.chat_request())
+            chat_request.check_supported()
+            text = await self.chat.render_prompt_text(chat_request)
         else:
             text = request.prompt
         param = "messages" if isinstance(request, TokenizeChatRequest) else "prompt"

@@ -32,13 +32,31 @@ class TokenizeCompletionRequest(OpenAIModel):
 
 
 class TokenizeChatRequest(OpenAIModel):
-    """``POST /tokenize`` with chat messages (the chat template is applied)."""
+    """``POST /tokenize`` with chat messages, rendered as a chat completion renders them (the chat
+    template with ``tools``, ``chat_template_kwargs``, ``add_generation_prompt`` /
+    ``continue_final_message``; vLLM's fields)."""
 
     model: str | None = None
     messages: list[ChatMessage]
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
     add_special_tokens: bool = False
     return_token_strs: bool = False
+
+    def chat_request(self) -> dict[str, Any]:
+        """The chat completion request body whose prompt this request tokenizes."""
+        body = self.model_dump(
+            include={"messages", "continue_final_message", "chat_template_kwargs", "tools", "tool_choice"},
+            exclude_none=True,
+            by_alias=True,
+        )
+        body["messages"] = [m.model_dump(exclude_none=True) for m in self.messages]
+        if self.add_generation_prompt is not None:
+            body["add_generation_prompt"] = self.add_generation_prompt
+        return body
 
     @field_validator("messages")
     @classmethod
