@@ -245,8 +245,10 @@ def test_completion_logprobs_zero_returns_the_sampled_token_per_position():
 def test_completion_top_logprobs_always_hold_the_sampled_token():
     top = [(1, -0.1), (2, -0.5)]
     out = completion_logprobs([9, 2], [entry(9, 4, top), entry(2, 2, top)], 2, 0)
-    assert out.top_logprobs[0] == {"t1": -0.1, "t2": -0.5, "t9": -5.0}  # logprobs + 1 entries, by likelihood
+    assert out.top_logprobs[0] == {"t1": -0.1, "t2": -0.5, "t9": -5.0}  # logprobs + 1 entries
     assert out.top_logprobs[1] == {"t1": -0.1, "t2": -0.5}
+    # the sampled token first, then by likelihood (vLLM's order: its clients read the first key)
+    assert [list(top) for top in out.top_logprobs] == [["t9", "t1", "t2"], ["t2", "t1"]]
 
 
 # --------------------------------------------------------------------------- the app

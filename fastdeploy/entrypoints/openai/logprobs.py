@@ -97,11 +97,12 @@ def completion_logprobs(
 
 def _top_logprobs(token: int, entry: dict[int, Logprob], num_top: int, as_ids: bool) -> dict[str, float]:
     """A legacy ``top_logprobs`` entry: the ``num_top`` most likely tokens and, always, the sampled
-    one (OpenAI: "up to logprobs+1 elements"; with ``logprobs: 0`` just the sampled token)."""
-    chosen = [(token, entry[token])] + [
-        (t, lp) for t, lp in entry.items() if t != token and lp.rank is not None and lp.rank <= num_top
-    ]
-    chosen.sort(key=lambda x: -x[1].logprob)
+    one (OpenAI: "up to logprobs+1 elements"; with ``logprobs: 0`` just the sampled token). The
+    sampled token comes first, then the others most likely first, as vLLM orders them (its clients
+    read the first key as the chosen token)."""
+    others = [(t, lp) for t, lp in entry.items() if t != token and lp.rank is not None and lp.rank <= num_top]
+    others.sort(key=lambda x: -x[1].logprob)
+    chosen = [(token, entry[token]), *others]
     return {_token_str(t, lp, as_ids): _finite(lp.logprob) for t, lp in chosen}
 
 
