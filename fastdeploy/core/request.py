@@ -87,6 +87,24 @@ class EngineCoreOutput:
     """An embedding request's pooled vector (float32, native byte order), sent with its finish."""
 
 
+@dataclass(frozen=True)
+class FinishedRequestStats:
+    """One finished generation request (all its choices), for the per-request histograms; times in
+    seconds, None where the request never reached that point (aborted while waiting, say)."""
+
+    prompt_tokens: int
+    generation_tokens: int
+    """Output tokens of all its choices."""
+    n: int
+    max_tokens: int | None
+    prefill_time: float | None
+    """First scheduled to first token."""
+    decode_time: float | None
+    """First token to the last one."""
+    inference_time: float | None
+    """First scheduled to finish."""
+
+
 @dataclass
 class SchedulerStats:
     """A snapshot of the scheduler for metrics."""

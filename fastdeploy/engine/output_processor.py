@@ -13,7 +13,7 @@ from typing import Any
 
 from fastdeploy.core.outputs import CompletionOutput, Logprob, RequestOutput
 from fastdeploy.core.prompt_logprobs import to_prompt_logprobs
-from fastdeploy.core.request import EngineCoreOutput
+from fastdeploy.core.request import EngineCoreOutput, FinishedRequestStats
 from fastdeploy.core.sampling_params import SamplingParams
 from fastdeploy.core.timeline import RequestTimeline
 from fastdeploy.engine.detokenizer import IncrementalDetokenizer, StreamDetokenizer, new_detokenizer
@@ -267,8 +267,25 @@ class OutputProcessor:
         return None if self.tokenizer is None else self.tokenizer.decode([token])
 
     def _on_choice_finished(self, state: RequestState, choice: ChoiceState, now: float) -> None:
-        if self.metrics:
-            self.metrics.on_finished(choice.finish_reason, now - state.times.arrival, state.times.queue_time)
+        if not self.metrics:
+            return
+        times = state.times
+        self.metrics.on_finished(choice.finish_reason, now - times.arrival, times.queue_time)
+        if state.pooled is not None or any(c.finish_reason is None for c in state.choices):
+            return  # (an embedding, or choices still running: the request is not finished)
+        scheduled = None if times.queue_time is None else times.arrival + times.queue_time
+        first, last = times.first_token, times.last_token
+        self.metrics.on_request_finished(
+            FinishedRequestStats(
+                prompt_tokens=len(state.prompt_token_ids),
+                generation_tokens=sum(len(c.token_ids) for c in state.choices),
+                n=len(state.choices),
+                max_tokens=state.params.max_tokens,
+                prefill_time=None if scheduled is None or first is None else max(first - scheduled, 0.0),
+                decode_time=None if first is None or last is None else last - first,
+                inference_time=None if scheduled is None else max(now - scheduled, 0.0),
+            )
+        )
 
     @staticmethod
     def _match_stop(state: RequestState, choice: ChoiceState, delta_len: int) -> bool:

@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from fastdeploy.core.request import SchedulerStats
+from fastdeploy.core.request import FinishedRequestStats, SchedulerStats
 
 REGISTRY = CollectorRegistry()
 
@@ -50,6 +50,9 @@ _LATENCY_BUCKETS = (
     160.0,
 )
 _LABELS = ["model_name"]
+_TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))
+"""1, 2, 5, 10, ... 5,000,000: token counts and ``max_tokens`` (vLLM's 1-2-5 series)."""
+_N_BUCKETS = (1, 2, 5, 10, 20)
 
 
 class _SchedulerGauges(Collector):
@@ -140,6 +143,34 @@ _queue = Histogram(
     buckets=_LATENCY_BUCKETS,
     registry=REGISTRY,
 )
+_request_prompt_tokens = Histogram(
+    "fastdeploy:request_prompt_tokens", "Prompt tokens of each finished request.", _LABELS,
+    buckets=_TOKEN_BUCKETS, registry=REGISTRY,
+)  # fmt: skip
+_request_generation_tokens = Histogram(
+    "fastdeploy:request_generation_tokens", "Output tokens of each finished request (all its choices).",
+    _LABELS, buckets=_TOKEN_BUCKETS, registry=REGISTRY,
+)  # fmt: skip
+_request_params_n = Histogram(
+    "fastdeploy:request_params_n", "The n (choices) of each finished request.", _LABELS,
+    buckets=_N_BUCKETS, registry=REGISTRY,
+)  # fmt: skip
+_request_params_max_tokens = Histogram(
+    "fastdeploy:request_params_max_tokens", "The max_tokens of each finished request.", _LABELS,
+    buckets=_TOKEN_BUCKETS, registry=REGISTRY,
+)  # fmt: skip
+_request_prefill = Histogram(
+    "fastdeploy:request_prefill_time_seconds", "First scheduling to first token, per finished request.",
+    _LABELS, buckets=_LATENCY_BUCKETS, registry=REGISTRY,
+)  # fmt: skip
+_request_decode = Histogram(
+    "fastdeploy:request_decode_time_seconds", "First token to last token, per finished request.",
+    _LABELS, buckets=_LATENCY_BUCKETS, registry=REGISTRY,
+)  # fmt: skip
+_request_inference = Histogram(
+    "fastdeploy:request_inference_time_seconds", "First scheduling to finish, per finished request.",
+    _LABELS, buckets=_LATENCY_BUCKETS, registry=REGISTRY,
+)  # fmt: skip
 _encoder_cache_hits = Counter(
     "fastdeploy:encoder_cache_hits",
     "Multimodal items found in the encoder cache.",
@@ -215,7 +246,10 @@ class EngineMetrics:
             self.on_scheduler_gauges(SchedulerStats(), rank)
         for metric in (_prefix_queries, _prefix_hits, _preemptions,
                        _prompt_tokens, _generation_tokens, _ttft, _itl, _e2e, _queue,
-                       _encoder_cache_hits, _encoder_cache_misses, _feature_fetch):  # fmt: skip
+                       _encoder_cache_hits, _encoder_cache_misses, _feature_fetch,
+                       _request_prompt_tokens, _request_generation_tokens, _request_params_n,
+                       _request_params_max_tokens, _request_prefill, _request_decode,
+                       _request_inference):  # fmt: skip
             metric.labels(**self.labels)
         for reason in ("stop", "length", "abort"):
             _success.labels(model_name=model_name, finished_reason=reason)  # expose zeros from the start
@@ -249,6 +283,22 @@ class EngineMetrics:
         _e2e.labels(**self.labels).observe(e2e)
         if queue_time is not None:
             _queue.labels(**self.labels).observe(queue_time)
+
+    def on_request_finished(self, stats: FinishedRequestStats) -> None:
+        """A generation request whose every choice has finished: its sizes and phases (vLLM's
+        per-request histograms)."""
+        _request_prompt_tokens.labels(**self.labels).observe(stats.prompt_tokens)
+        _request_generation_tokens.labels(**self.labels).observe(stats.generation_tokens)
+        _request_params_n.labels(**self.labels).observe(stats.n)
+        if stats.max_tokens is not None:
+            _request_params_max_tokens.labels(**self.labels).observe(stats.max_tokens)
+        for histogram, seconds in (
+            (_request_prefill, stats.prefill_time),
+            (_request_decode, stats.decode_time),
+            (_request_inference, stats.inference_time),
+        ):
+            if seconds is not None:
+                histogram.labels(**self.labels).observe(seconds)
 
     def on_encoder_cache(self, hits: int, misses: int) -> None:
         """Add an interval's encoder cache lookups (``EncoderCacheManager.take_stats()``)."""

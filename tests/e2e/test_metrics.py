@@ -22,6 +22,13 @@ EXPECTED_FAMILIES = {
     "fastdeploy:inter_token_latency_seconds": "histogram",
     "fastdeploy:e2e_request_latency_seconds": "histogram",
     "fastdeploy:request_queue_time_seconds": "histogram",
+    "fastdeploy:request_prompt_tokens": "histogram",
+    "fastdeploy:request_generation_tokens": "histogram",
+    "fastdeploy:request_params_n": "histogram",
+    "fastdeploy:request_params_max_tokens": "histogram",
+    "fastdeploy:request_prefill_time_seconds": "histogram",
+    "fastdeploy:request_decode_time_seconds": "histogram",
+    "fastdeploy:request_inference_time_seconds": "histogram",
     "fastdeploy:encoder_cache_hits": "counter",
     "fastdeploy:encoder_cache_misses": "counter",
     "fastdeploy:feature_fetch_latency_seconds": "histogram",
@@ -110,6 +117,18 @@ def test_counters_move_as_requests_are_served(server, model_name):
     for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
         assert delta(f"fastdeploy:{name}_count") == 4, name
         assert delta(f"fastdeploy:{name}_sum") >= 0, name
+    # the per-request histograms (vLLM's): one observation per finished request
+    for name in ("request_prompt_tokens", "request_generation_tokens", "request_params_n",
+                 "request_params_max_tokens", "request_prefill_time_seconds",
+                 "request_decode_time_seconds", "request_inference_time_seconds"):  # fmt: skip
+        assert delta(f"fastdeploy:{name}_count") == 4, name
+    assert delta("fastdeploy:request_prompt_tokens_sum") == prompt_tokens
+    assert completion_tokens <= delta("fastdeploy:request_generation_tokens_sum") <= completion_tokens + 8
+    assert delta("fastdeploy:request_params_n_sum") == 4
+    assert delta("fastdeploy:request_params_max_tokens_sum") == 5 + 5 + 8 + 8
+    assert delta("fastdeploy:request_inference_time_seconds_sum") >= delta(
+        "fastdeploy:request_decode_time_seconds_sum"
+    )
     # one inter-token gap per token after the first, at least (5 + 5 tokens, plus the others)
     assert delta("fastdeploy:inter_token_latency_seconds_count") >= 8
     assert delta("fastdeploy:e2e_request_latency_seconds_sum") > delta(
