@@ -114,9 +114,7 @@ def profile_steps(llm: Any, prompts: list[Any], params: Any, window_step: int) -
     """The throughput run through ``llm.llm_engine.step()``: each step's wall time (charged to the
     step before, as async scheduling shows a step's GPU time in the next one's), the phases by
     the scheduler's tokens and requests a step, and four steps' kernels from ``window_step``."""
-    import torch
-    from gpubench.kernel_window import kernel_window, phase_table
-    from torch.profiler import ProfilerActivity, profile
+    from gpubench.kernel_window import phase_table, run_steps
 
     engine = llm.llm_engine
     log: list[tuple[int, int]] = []
@@ -132,24 +130,8 @@ def profile_steps(llm: Any, prompts: list[Any], params: Any, window_step: int) -
         scheduler.schedule = logged_schedule
     for i, prompt in enumerate(prompts):
         engine.add_request(f"tp-{i}", prompt, params)
-    times: list[float] = []
-    window: list[str] = []
     start = time.perf_counter()
-    while engine.has_unfinished_requests():
-        if len(times) == window_step:
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                begin = time.perf_counter()
-                for _ in range(4):
-                    engine.step()
-                torch.cuda.synchronize()
-                wall = time.perf_counter() - begin
-            times += [wall / 4] * 4
-            window = kernel_window(list(prof.events()), 4, wall)
-            continue
-        begin = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - begin)
+    times, window = run_steps(engine.step, engine.has_unfinished_requests, window_step)
     elapsed = time.perf_counter() - start
     print(f"vllm: {len(prompts)} prompts: {elapsed:.2f} s ({len(prompts) * params.max_tokens / elapsed:,.0f} "
           f"output tok/s, profiled window included), {len(times)} steps")  # fmt: skip

@@ -5,11 +5,42 @@ kernels. Imports neither engine."""
 from __future__ import annotations
 
 import collections
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 GAP_BUCKETS_US = (1, 2, 4, 10, 100)
+WINDOW_STEPS = 4
+"""Steps of the profiled window."""
+
+
+def run_steps(
+    step: Callable[[], Any], unfinished: Callable[[], bool], window_step: int | None
+) -> tuple[list[float], list[str]]:
+    """Step an engine until ``unfinished()`` is false: each step's wall time, and the
+    :func:`kernel_window` of :data:`WINDOW_STEPS` steps from ``window_step`` on (torch profiler,
+    CUDA activity; None: no window)."""
+    times: list[float] = []
+    window: list[str] = []
+    while unfinished():
+        if window_step is not None and len(times) == window_step:
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                begin = time.perf_counter()
+                for _ in range(WINDOW_STEPS):
+                    step()
+                torch.cuda.synchronize()
+                wall = time.perf_counter() - begin
+            times += [wall / WINDOW_STEPS] * WINDOW_STEPS
+            window = kernel_window(list(prof.events()), WINDOW_STEPS, wall)
+            continue
+        begin = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - begin)
+    return times, window
 
 
 def phase_table(log: list[tuple[int, int]], times: list[float], max_batch: int) -> list[str]:

@@ -23,14 +23,11 @@ import argparse
 import json
 import time
 
-import torch
-from torch.profiler import ProfilerActivity, profile
-
 from fastdeploy import LLM, SamplingParams
 from fastdeploy.config import ModelConfig
 from fastdeploy.model_executor.model_loader import resolve_model
 
-from .kernel_window import kernel_window, phase_table
+from .kernel_window import phase_table, run_steps
 from .measure import random_prompts
 from .settings import MODEL_8B
 
@@ -76,24 +73,12 @@ def main() -> None:
     scheduler.schedule = logged_schedule
     for i, prompt in enumerate(prompts):
         llm.engine.add_request(f"tp-{i}", prompt, params)
-    times: list[float] = []
-    window: list[str] = []
     start = time.perf_counter()
-    while llm.engine.has_unfinished_requests():
-        if len(times) == args.window_step and args.device == "cuda":
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                begin = time.perf_counter()
-                for _ in range(4):
-                    llm.engine.step(final_only=True)  # as LLM.generate
-                torch.cuda.synchronize()
-                wall = time.perf_counter() - begin
-            times += [wall / 4] * 4
-            window = kernel_window(list(prof.events()), 4, wall)
-            continue
-        begin = time.perf_counter()
-        llm.engine.step(final_only=True)
-        times.append(time.perf_counter() - begin)
+    times, window = run_steps(
+        lambda: llm.engine.step(final_only=True),  # as LLM.generate
+        llm.engine.has_unfinished_requests,
+        args.window_step if args.device == "cuda" else None,
+    )
     elapsed = time.perf_counter() - start
     llm.shutdown()
     print(f"{args.num_prompts} prompts x {args.input_len} / {args.output_len} tokens: {elapsed:.2f} s "
