@@ -5,6 +5,7 @@ the chat request and its (streamed) responses.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
@@ -137,35 +138,46 @@ def _arguments(text: str) -> Any:
     return value if isinstance(value, dict) else text
 
 
-def refuse_message_extensions(messages: list[ChatMessage]) -> None:
-    """Under ``--strict-request-fields``: a 400 for a message's role or field outside OpenAI's."""
+def message_extensions(messages: list[ChatMessage]) -> Iterator[tuple[int, str | None]]:
+    """What the messages carry beyond OpenAI's protocol, in order: ``(i, None)`` for message ``i``'s
+    role outside OpenAI's, ``(i, field)`` for each of its own fields."""
     for i, msg in enumerate(messages):
         if msg.role not in OPENAI_ROLES:
+            yield i, None
+        for key in msg.model_extra or {}:
+            yield i, key
+
+
+def refuse_message_extensions(messages: list[ChatMessage]) -> None:
+    """Under ``--strict-request-fields``: a 400 for a message's role or field outside OpenAI's."""
+    for i, key in message_extensions(messages):
+        if key is None:
             raise BadRequestError(
-                f"messages[{i}].role: {msg.role[:100]!r} is not one of {', '.join(sorted(OPENAI_ROLES))}",
+                f"messages[{i}].role: {messages[i].role[:100]!r} is not one of {', '.join(sorted(OPENAI_ROLES))}",
                 param=f"messages[{i}].role",
             )
-        for key in msg.model_extra or {}:
-            param = f"messages[{i}].{key[:100]}"
-            raise BadRequestError(f"Unrecognized request argument supplied: {param}", param=param)
+        param = f"messages[{i}].{key[:100]}"
+        raise BadRequestError(f"Unrecognized request argument supplied: {param}", param=param)
 
 
 def _check_messages(value: list[ChatMessage]) -> list[ChatMessage]:
     if not value:
         raise ValueError("must not be empty")
-    for i, msg in enumerate(value):
-        if msg.role not in OPENAI_ROLES:
+    for i, key in message_extensions(value):
+        if key is None:
+            role = value[i].role[:100]
             warn_once(
-                f"role:{msg.role[:100]}",
-                f"A chat message has the role {msg.role[:100]!r}, outside OpenAI's: the chat template "
-                "renders it as it is (start the server with --strict-request-fields to refuse such requests)",
+                f"role:{role}",
+                f"A chat message has the role {role!r}, outside OpenAI's: the chat template renders it as "
+                "it is (start the server with --strict-request-fields to refuse such requests)",
             )
-        for key in msg.model_extra or {}:
+        else:
             warn_once(
                 f"message-field:{key[:100]}",
                 f"A chat message has the field {key[:100]!r}, outside OpenAI's: it is handed to the chat "
                 "template with the message (start the server with --strict-request-fields to refuse it)",
             )
+    for i, msg in enumerate(value):
         if msg.content is None and msg.role != "assistant":
             raise ValueError(f"message {i} ({msg.role}) has no content")
         if msg.tool_calls is not None and msg.role != "assistant":
