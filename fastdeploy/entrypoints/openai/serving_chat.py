@@ -176,10 +176,7 @@ class OpenAIServingChat(OpenAIServing):
 
         conversation, items = await self.mm_inputs.split(request.messages, self._run_tokenizer)
         conversation = tools.conversation(conversation or request.template_messages())
-        template_kwargs = dict(request.chat_template_kwargs or {})
-        if tools.template_tools:
-            template_kwargs["tools"] = tools.template_tools
-        text = await self._render(request, conversation, template_kwargs)
+        text = await self._render(request, conversation, tools)
         token_ids = await self.encode(text, add_special_tokens=False, param="messages")
         if not token_ids:
             raise BadRequestError("The chat template produced an empty prompt", param="messages")
@@ -241,24 +238,25 @@ class OpenAIServingChat(OpenAIServing):
         variables, ``continue_final_message``), without image or video parts: ``/tokenize`` counts
         the tokens a chat completion would see."""
         tools = self.tool_calling.plan(request)
-        template_kwargs = dict(request.chat_template_kwargs or {})
-        if tools.template_tools:
-            template_kwargs["tools"] = tools.template_tools
-        return await self._render(request, tools.conversation(request.template_messages()), template_kwargs)
+        return await self._render(request, tools.conversation(request.template_messages()), tools)
 
     async def _render(
         self,
         request: ChatCompletionRequest,
         conversation: list[dict[str, Any]],
-        template_kwargs: dict[str, Any],
+        tools: ToolPlan,
     ) -> str:
         """The prompt text: the chat template applied with ``add_generation_prompt``, or, with
-        ``continue_final_message``, cut right after the final message's content.
-        ``template_kwargs`` are the template's extra variables (``chat_template_kwargs``, ``tools``).
+        ``continue_final_message``, cut right after the final message's content. The template's
+        extra variables are the request's ``chat_template_kwargs`` and the ``tools`` of a template
+        that renders them (``tools``' plan).
 
         The cut works as ``transformers``' ``apply_chat_template(continue_final_message=True)``: a
         tag appended to the final message marks where its content ends in the rendered text.
         """
+        template_kwargs = dict(request.chat_template_kwargs or {})
+        if tools.template_tools:
+            template_kwargs["tools"] = tools.template_tools
         if not request.continue_final_message:
             return await self.render_chat(
                 request.messages,
