@@ -243,15 +243,11 @@ class GrammarProcessPool:
             try:
                 self._wait_until_ready(process, control)
             except BaseException:
-                for connection in (control, mask):
-                    connection.close()
-                proc.kill_and_wait()
+                _discard(proc, control, mask)
                 raise
             with self._lock:
                 if self._closed:  # (shut down meanwhile: this one goes too)
-                    proc.kill_and_wait()
-                    control.close()
-                    mask.close()
+                    _discard(proc, control, mask)
                     return
                 self._procs[process], self._control[process], self._mask[process] = proc, control, mask
                 self.generations[process] += 1
@@ -450,6 +446,13 @@ class GrammarProcessPool:
         for fd in self._buffer_fds:
             os.close(fd)
         self._maps, self._buffer_fds = [], []
+
+
+def _discard(proc: Any, control: Connection, mask: Connection) -> None:
+    """Stop a grammar process that will not be used and close its pipes."""
+    control.close()
+    mask.close()
+    proc.kill_and_wait()
 
 
 def _shared_file(size: int) -> int:
