@@ -44,17 +44,23 @@ def tokenizer(request):
     return load_tokenizer(config.model, resolve_model(config.model))
 
 
-@pytest.fixture
-def manager(tokenizer, monkeypatch):
-    monkeypatch.setenv("FD_STRUCTURED_OUTPUTS_BACKEND", "xgrammar")
-    manager = StructuredOutputManager(
+def two_process_manager(tokenizer, pin_memory: bool = False) -> StructuredOutputManager:
+    """A manager whose grammars and matchers live in two grammar processes (real ones)."""
+    return StructuredOutputManager(
         lambda: tokenizer,
         len(tokenizer),
         [tokenizer.eos_token_id],
+        pin_memory=pin_memory,
         max_rows=16,
         start_process=ChildProcess,
         num_processes=2,
     )
+
+
+@pytest.fixture
+def manager(tokenizer, monkeypatch):
+    monkeypatch.setenv("FD_STRUCTURED_OUTPUTS_BACKEND", "xgrammar")
+    manager = two_process_manager(tokenizer)
     yield manager
     manager.shutdown()
 
@@ -187,15 +193,7 @@ def test_page_locked_masks_for_a_worker_on_the_gpu(tokenizer, monkeypatch, pinne
         pytest.skip("needs a GPU")
     monkeypatch.setenv("FD_STRUCTURED_OUTPUTS_BACKEND", "xgrammar")
     eos = tokenizer.eos_token_id
-    manager = StructuredOutputManager(
-        lambda: tokenizer,
-        len(tokenizer),
-        [eos],
-        pin_memory=not pinned_later,
-        max_rows=16,
-        start_process=ChildProcess,
-        num_processes=2,
-    )
+    manager = two_process_manager(tokenizer, pin_memory=not pinned_later)
     try:
         if pinned_later:
             manager.start_processes_soon().result(timeout=120)
@@ -258,14 +256,7 @@ def test_processes_start_soon_without_a_compile(tokenizer, monkeypatch):
 
     monkeypatch.setenv("FD_STRUCTURED_OUTPUTS_BACKEND", "xgrammar")
     before = frozenset(p.pid for p in _grammar_children())
-    manager = StructuredOutputManager(
-        lambda: tokenizer,
-        len(tokenizer),
-        [tokenizer.eos_token_id],
-        max_rows=16,
-        start_process=ChildProcess,
-        num_processes=2,
-    )
+    manager = two_process_manager(tokenizer)
     try:
         manager.start_processes_soon()
         end = time.monotonic() + 120
@@ -287,14 +278,7 @@ def test_a_shutdown_during_their_start_leaves_no_process(tokenizer, monkeypatch)
 
     monkeypatch.setenv("FD_STRUCTURED_OUTPUTS_BACKEND", "xgrammar")
     before = frozenset(p.pid for p in _grammar_children())
-    manager = StructuredOutputManager(
-        lambda: tokenizer,
-        len(tokenizer),
-        [tokenizer.eos_token_id],
-        max_rows=16,
-        start_process=ChildProcess,
-        num_processes=2,
-    )
+    manager = two_process_manager(tokenizer)
     started = manager.start_processes_soon()
     manager.shutdown()
     if not started.cancelled():  # (began before the shutdown: it ends by shutting its processes down)
