@@ -262,11 +262,21 @@ def tp_run(args: argparse.Namespace, model: str, tp: int, **engine: Any) -> dict
         elapsed = time.perf_counter() - start
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         row |= {"elapsed_s": elapsed, "output_tokens": tokens, "output_tok_per_s": tokens / elapsed}
+        row["moe_load_imbalance"] = last_moe_load_imbalance(llm)
         return row
     finally:
         llm.shutdown()
         del llm
         free_memory(torch.device(args.device))
+
+
+def last_moe_load_imbalance(llm: Any) -> float | None:
+    """The engine's last MoE load-balance reading (max / mean pairs per expert over the 48 layers'
+    sum, the last ~0.5 s of the run; None for a dense model or an engine core in another process):
+    ~1 when the routing spreads over the experts as a trained router's does, up to E / top-k when
+    every token picks the same experts (vLLM's dummy weights; docs/benchmarks.md, 23rd session)."""
+    scheduler = getattr(getattr(llm.engine, "core", None), "scheduler", None)
+    return getattr(scheduler, "moe_load_imbalance", None)
 
 
 def engine_runs(args: argparse.Namespace, model: str, layouts: list[dict[str, Any]]) -> dict[str, Any]:

@@ -26,12 +26,14 @@
 #   moe_prefill (~3) one 8,192-token prefill step of that shape: wall, kernels, kernel table
 #   moe_phases (~4) the same FP8 run's step times by phase and a decode window's kernels
 #   moe_vllm (~5) vLLM's FP8 run of that shape the same way (vLLM carried and installed first)
+#   moe_fair (~6) ours, FP8 and bf16, with the run's routing spread (moe_load_imbalance)
+#   moe_vllm_fair (~7) vLLM's bar runs with uniform simulated routing (FP8, bf16), and FP8 as before
 #   moe (~6)      a batch-1 FP8 and bf16 decode step of the Qwen3-30B-A3B shape, kernel table;
 #                 the experts' GEMV configuration sweep at one token
 #   bash tools/gpu_pending.sh OUT [section ...]
 # Run it without `| tail` in the `run` call: a call stopped at its time limit returns only what it
 # already printed (twice in the twentieth session a tail held back every line of a 600 s call).
-OUT=${1:?usage: tools/gpu_pending.sh OUT [structured_nice] [structured_threads] [structured_gil] [structured_default] [structured_guidance] [first_burst] [structured] [tests] [moe_e2e] [moe_budget] [moe_prefill] [moe_phases] [moe_vllm] [poisson] [prefill] [moe] [budget]}
+OUT=${1:?usage: tools/gpu_pending.sh OUT [structured_nice] [structured_threads] [structured_gil] [structured_default] [structured_guidance] [first_burst] [structured] [tests] [moe_e2e] [moe_budget] [moe_prefill] [moe_phases] [moe_vllm] [moe_fair] [moe_vllm_fair] [poisson] [prefill] [moe] [budget]}
 shift
 sections=${*:-structured_nice tests moe_e2e poisson prefill moe budget}
 mkdir -p "$OUT"
@@ -109,6 +111,34 @@ moe_vllm() {
     timeout 400 python3 benchmarks/vllm_offline.py --model benchmarks/configs/qwen3-30b-a3b --tokenizer "$TOK" \
         --quantization fp8 --max-num-batched-tokens 8192 --profile-window 100 > "$W/vllm_moe_phases.txt" 2>&1
     grep -v "WARNING\|INFO" "$W/vllm_moe_phases.txt" | tail -n 40
+}
+
+# #18: ours in FP8 and bf16 (batch-1 ITL, 256 x 512/256 tok/s) with the routing spread of the run's
+# end (moe_load_imbalance: ~1 uniform, up to 16 when every token picks the same 8 of 128 experts)
+moe_fair() {
+    timeout 420 python3 benchmarks/multi_gpu.py --sections moe --tp 1 --moe-quantizations ptpc_fp8,none \
+        --out "$W/moe_fair" > "$W/moe_fair.log" 2>&1
+    grep -o "'quantization': [^,]*\|'batch1_itl_ms_mean': [0-9.]*\|'output_tok_per_s': [0-9.]*\|'moe_load_imbalance': [^,}]*" \
+        "$W/moe_fair.log" | tr '\n' ' '
+    echo
+}
+
+# #18: vLLM's run of the issue's bar (vllm_offline.py, batch-1 ITL and 256 x 512/256 tok/s) with its
+# routing simulated uniform (VLLM_MOE_ROUTING_SIMULATION_STRATEGY=uniform_random: its dummy weights,
+# U(-1e-3, 1e-3) and the same values in every layer, send the tokens to a few experts; its decode step's
+# fused_moe_kernel took 1.6 ms against our 7.9 ms reading every expert), FP8 and bf16, then FP8 as
+# it was measured for the bar (its own dummy routing); needs vLLM installed by earlier calls
+moe_vllm_fair() {
+    [ -f /tmp/vllm-site/.installed ] || { echo "vllm is not installed on this machine yet"; return; }
+    for run in "uniform_random fp8" "uniform_random none" " fp8"; do
+        set -- $run
+        local strategy=$1 quant=${2:-$1}
+        [ $# = 1 ] && strategy=
+        VLLM_MOE_ROUTING_SIMULATION_STRATEGY=$strategy timeout 240 python3 benchmarks/vllm_offline.py \
+            --model benchmarks/configs/qwen3-30b-a3b --tokenizer "$TOK" \
+            $([ "$quant" = none ] || echo --quantization $quant) > "$W/vllm_$quant$strategy.log" 2>&1
+        echo "vllm routing '${strategy:-dummy}' $quant: $(grep '^{' "$W/vllm_$quant$strategy.log")"
+    done
 }
 
 # #19: the kernels of the burst's 8,192-token prefill step (against vLLM's, ~4% shorter)
