@@ -379,3 +379,96 @@ def test_reasoning_is_split_before_the_calls(client_for):
     choices = stream_choices(client, tools=[WEATHER])
     assert "".join(c["delta"].get("reasoning_content") or "" for c in choices) == "Need the weather."
     assert joined_calls(choices) == [{"name": "get_weather", "arguments": '{"city": "Paris"}'}]
+
+
+@pytest.mark.parametrize(
+    "tool_choice,body",
+    [
+        ("required", '[{"name": "get_weather", "parameters": {"city": "Rome"}}]'),
+        ({"type": "function", "function": {"name": "get_weather"}}, '{"city": "Rome"}'),
+    ],
+)
+def test_forced_call_keeps_the_reasoning(client_for, tool_choice, body):
+    # as vLLM (and SGLang): the model thinks freely, the call's grammar applies after </think>,
+    # and the reasoning is reported apart from the call
+    engine = ScriptedEngine(["<think>Rome is", " asked.</think>\n\n", body])
+    client = client_for(engine, reasoning_parser="qwen3")
+    message = chat(client, tools=[WEATHER, TIME], tool_choice=tool_choice).json()["choices"][0]["message"]
+    assert message["reasoning_content"] == "Rome is asked." and message["content"] is None
+    assert [c["function"] for c in message["tool_calls"]] == [
+        {"name": "get_weather", "arguments": '{"city": "Rome"}'}
+    ]
+    assert engine.params[0].structured_outputs.reasoning_prefix is not None
+    choices = stream_choices(client, tools=[WEATHER, TIME], tool_choice=tool_choice)
+    assert "".join(c["delta"].get("reasoning_content") or "" for c in choices) == "Rome is asked."
+    assert joined_calls(choices) == [{"name": "get_weather", "arguments": '{"city": "Rome"}'}]
+    assert not any(c["delta"].get("content") for c in choices)
+    assert choices[-1]["finish_reason"] == "tool_calls"
+
+
+def test_named_stream_sends_no_empty_argument_piece(client_for):
+    engine = ScriptedEngine(['{"city"', ': "Oslo"}', ""])  # the last output carries no text
+    choice_field = {"type": "function", "function": {"name": "get_weather"}}
+    choices = stream_choices(client_for(engine), tools=[WEATHER], tool_choice=choice_field)
+    pieces = [p for c in choices for p in c["delta"].get("tool_calls", [])]
+    assert all(p["function"].get("arguments") for p in pieces), pieces
+    assert choices[-1] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "tool_calls",
+                           "stop_reason": None}  # fmt: skip
+
+
+CONFLICTING_DEFS = [
+    {
+        "type": "function",
+        "function": {
+            "name": f"tool{i}",
+            "parameters": {
+                "type": "object",
+                "properties": {"data": {"$ref": "#/$defs/DataType"}},
+                "$defs": {"DataType": {"type": "object", "properties": {"value": {"type": kind}}}},
+            },
+        },
+    }
+    for i, kind in enumerate(["string", "number"])
+]
+
+
+@pytest.mark.parametrize(
+    "fields,words",
+    [
+        (  # SGLang's test_tool_choice checks these words of each 400
+            {
+                "tools": [WEATHER],
+                "tool_choice": {"type": "function", "function": {"name": "nonexistent_function"}},
+            },
+            ["Tool 'nonexistent_function' not found in tools list"],
+        ),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {"type": "object", "properties": {"x": {"type": "unknown_type"}}},
+                        },
+                    }
+                ],  # fmt: skip
+                "tool_choice": "required",
+            },
+            ["invalid 'parameters' schema"],
+        ),
+        ({"tools": CONFLICTING_DEFS, "tool_choice": "required"}, ["multiple schemas", "not supported"]),
+        (
+            {
+                "tools": [{"type": "function", "function": {"description": "no name"}}],
+                "tool_choice": "required",
+            },
+            ["name"],
+        ),
+    ],
+)
+def test_tool_400s_say_what_sglang_clients_look_for(client_for, fields, words):
+    response = chat(client_for(ScriptedEngine(["x"])), **fields)
+    assert response.status_code == 400, response.text
+    message = response.json()["error"]["message"]
+    assert all(word.lower() in message.lower() for word in words), message

@@ -198,7 +198,7 @@ class OpenAIServingChat(OpenAIServing):
             prompt_kind="messages",
         )
         reasoning = None
-        if self.reasoning_parser is not None and not tools.forced:
+        if self.reasoning_parser is not None:
             reasoning = self.reasoning_parser(text, request.chat_template_kwargs)
             params = _constrain_after_reasoning(params, reasoning)
         prompt = EnginePrompt(

@@ -30,10 +30,8 @@ class ToolPlan:
 
     parser: ToolParser | None
     """Reads the calls out of each answer (None: ``tool_choice`` none, or no tools)."""
-    forced: bool = False
-    """The answer is a call generated under a grammar (no reasoning split before parsing it)."""
     constraint: StructuredOutputsParams | None = None
-    """The grammar of a forced call."""
+    """The grammar of a forced call (with a reasoning parser, it applies after the reasoning)."""
     template_tools: list[dict[str, Any]] | None = None
     """The tools as ``tools=`` of a template that renders them."""
     prompt_tools: list[dict[str, Any]] | None = None
@@ -89,7 +87,6 @@ class ToolCalling:
             plan.parser = self.parser_cls(max_calls=max_calls)
         elif choice.forced:
             schema = forced_call_schema(request.tools or [], choice, request.parallel_tool_calls is not False)
-            plan.forced = True
             plan.constraint = StructuredOutputsParams(json=schema)
             # a parameters schema the grammar engine cannot take is the client's 400, not an engine error
             validate_structured_outputs(plan.constraint, "tools")

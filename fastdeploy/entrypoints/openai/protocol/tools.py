@@ -53,9 +53,13 @@ class FunctionDefinition(OpenAIModel):
         try:
             jsonschema.validators.validator_for(v).check_schema(v)
         except jsonschema.SchemaError as exc:
-            raise ValueError(f"is not a valid JSON schema: {exc.message}") from None
+            raise ValueError(
+                f"invalid 'parameters' schema (not a valid JSON schema): {exc.message}"
+            ) from None
         except Exception as exc:  # a malformed "$schema" and the like
-            raise ValueError(f"is not a valid JSON schema: {type(exc).__name__}: {exc}") from None
+            raise ValueError(
+                f"invalid 'parameters' schema (not a valid JSON schema): {type(exc).__name__}: {exc}"
+            ) from None
         if v.get("type", "object") != "object":
             raise ValueError(f"must be a schema of an object (type 'object'), got type {v['type']!r}")
         return v
@@ -128,8 +132,9 @@ def resolve_tool_choice(tools: list[ChatCompletionTool] | None, tool_choice: Any
         )
     if name not in names:
         raise BadRequestError(
-            f"tool_choice names the function {name!r}, which is not in tools"
-            + (f" ({', '.join(names)})" if names else ""),
+            f"Tool {name!r} not found in tools list"
+            + (f" ({', '.join(names)})" if names else " (the request has no tools)")
+            + ": tool_choice must name one of the functions in tools",
             param="tool_choice.function.name",
         )
     return ToolChoice("named", name)
@@ -156,7 +161,8 @@ def forced_call_schema(tools: list[ChatCompletionTool], choice: ToolChoice, para
         for key, value in params.pop("$defs", {}).items():
             if key in defs and defs[key] != value:
                 raise BadRequestError(
-                    f"tools define $defs {key!r} differently; tool_choice 'required' needs them to agree",
+                    f"tools define $defs {key!r} differently: multiple schemas under one $defs name are "
+                    "not supported with tool_choice 'required' (its grammar puts all tools' $defs together)",
                     param="tools",
                 )
             defs[key] = value

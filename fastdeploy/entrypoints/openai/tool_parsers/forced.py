@@ -45,7 +45,9 @@ class _NamedCallStream(ToolCallStream):
                 return "", []
             self._started = True
             deltas.append(ToolCallDelta(0, id=new_call_id(), name=self._function))
-        return "", [*deltas, ToolCallDelta(0, arguments=text)]
+        if text:  # an empty piece (the last output of a finished answer) is no argument delta
+            deltas.append(ToolCallDelta(0, arguments=text))
+        return "", deltas
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
         if self._started:
