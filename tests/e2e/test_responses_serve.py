@@ -72,15 +72,17 @@ def test_text_equals_the_chat_answer_and_is_stored(client, model_name):
     assert usage.total_tokens == usage.input_tokens + usage.output_tokens
     assert response.instructions == "Answer in one word." and response.metadata == {"k": "v"}
     assert response.store
+    assert (response.temperature, response.top_p) == (0, 1)  # the sampling used, never null
 
     stored = client.responses.retrieve(response.id)
     assert stored.model_dump() == response.model_dump()
     items = client.responses.input_items.list(response.id).data
     assert [(i.type, i.role, i.content[0].text) for i in items] == [("message", "user", "Name a color.")]
     client.responses.delete(response.id)
-    with pytest.raises(openai.NotFoundError):
+    gone = "Response with id .* not found."  # (vLLM's suite matches this)
+    with pytest.raises(openai.NotFoundError, match=gone):
         client.responses.retrieve(response.id)
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.NotFoundError, match=gone):
         client.responses.delete(response.id)
 
 
@@ -111,6 +113,7 @@ def test_previous_response_id_continues_the_conversation(client, model_name):
     with pytest.raises(openai.NotFoundError) as info:  # not stored: nothing to continue
         client.responses.create(model=model_name, input="Hi", previous_response_id=third.id, **GREEDY)
     assert info.value.body["param"] == "previous_response_id"
+    assert info.value.body["code"] == "previous_response_not_found"
 
 
 def test_stream_events_add_up_to_the_whole_response(client, model_name):

@@ -10,9 +10,11 @@ import os
 import pytest
 
 from fastdeploy.core.outputs import CompletionOutput
-from fastdeploy.entrypoints.openai.errors import BadRequestError
+from fastdeploy.core.sampling_params import SamplingParams
+from fastdeploy.entrypoints.openai.errors import BadRequestError, NotFoundError
 from fastdeploy.entrypoints.openai.protocol import parse_request
 from fastdeploy.entrypoints.openai.protocol.responses import (
+    ResponseObject,
     ResponsesRequest,
     input_items,
     new_id,
@@ -409,7 +411,6 @@ def test_a_stream_that_fails_ends_with_error_and_response_failed(tmp_path):
     from types import SimpleNamespace
 
     from fastdeploy.engine.protocol import EngineDeadError
-    from fastdeploy.entrypoints.openai.protocol.responses import ResponseObject
     from fastdeploy.entrypoints.openai.serving_engine import UsageTracker
     from fastdeploy.entrypoints.openai.serving_responses import OpenAIServingResponses, _Run
 
@@ -420,7 +421,7 @@ def test_a_stream_that_fails_ends_with_error_and_response_failed(tmp_path):
     started = SimpleNamespace(outputs=outputs, tracker=UsageTracker(["r"], []))
     handler = OpenAIServingResponses(None, ResponseStore(str(tmp_path), max_bytes=1 << 20))
     req = request(input="Hi")
-    base = ResponseObject.of(new_id("resp"), "m", req)
+    base = ResponseObject.of(new_id("resp"), "m", req, SamplingParams())
 
     async def collect() -> list[dict]:
         run = _Run(req, base, started, ResponseOutput(ChatOptions(), None), input_items(req))
@@ -441,3 +442,35 @@ def test_a_stream_that_fails_ends_with_error_and_response_failed(tmp_path):
     assert item["status"] == "incomplete" and item["content"][0]["text"] == "Hel"
     assert events[-3]["type"] == "response.output_item.done" and events[-3]["item"] == item
     assert handler.store.load(base.id) is None
+
+
+def test_unknown_ids_are_404s_in_openai_words(tmp_path):
+    """Retrieve, delete, cancel and input_items of an unknown id: OpenAI's (and vLLM's) sentence,
+    full stop included, which vLLM's suite matches ("Response with id .* not found."); an unknown
+    ``previous_response_id`` carries OpenAI's code ``previous_response_not_found``."""
+    import asyncio
+    import re
+
+    from fastdeploy.entrypoints.openai.serving_responses import OpenAIServingResponses
+
+    handler = OpenAIServingResponses(None, ResponseStore(str(tmp_path), max_bytes=1 << 20))
+    rid = new_id("resp")
+    for call in (handler.retrieve, handler.delete, handler.cancel, handler.list_input_items):
+        with pytest.raises(NotFoundError) as info:
+            asyncio.run(call(rid))
+        assert info.value.message == f"Response with id '{rid}' not found."
+        assert re.search("Response with id .* not found.", info.value.message)
+        assert info.value.param == "response_id"
+    with pytest.raises(NotFoundError) as info:
+        asyncio.run(handler.create_response(request(input="Hi", previous_response_id=rid), None))
+    assert info.value.message == f"Previous response with id '{rid}' not found."
+    assert (info.value.param, info.value.code) == ("previous_response_id", "previous_response_not_found")
+
+
+def test_the_response_reports_the_sampling_it_runs_with():
+    """``temperature`` and ``top_p`` are the values sampled with, defaults included (never null)."""
+    base = ResponseObject.of(new_id("resp"), "m", request(input="Hi"), SamplingParams())
+    assert (base.temperature, base.top_p) == (1.0, 1.0)
+    params = SamplingParams(temperature=0.0, top_p=0.5)
+    base = ResponseObject.of(new_id("resp"), "m", request(input="Hi", temperature=0, top_p=0.5), params)
+    assert (base.temperature, base.top_p) == (0.0, 0.5)

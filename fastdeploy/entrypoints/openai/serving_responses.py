@@ -108,10 +108,10 @@ class OpenAIServingResponses:
                 else await asyncio.to_thread(self.store.conversation, request.previous_response_id, previous)
             )
             if found is None:
-                raise NotFoundError(
-                    f"Previous response with id '{request.previous_response_id}' not found (never stored, "
-                    "deleted, or dropped past the store's size bound)",
+                raise NotFoundError(  # (OpenAI's words and code; never stored, deleted, or dropped)
+                    f"Previous response with id '{request.previous_response_id}' not found.",
                     param="previous_response_id",
+                    code="previous_response_not_found",
                 )
             history = found
         try:
@@ -119,7 +119,7 @@ class OpenAIServingResponses:
         except BadRequestError as exc:
             raise responses_error(exc) from None
         response_id = new_id("resp")
-        base = ResponseObject.of(response_id, prepared.model, request)
+        base = ResponseObject.of(response_id, prepared.model, request, prepared.prompts[0].params)
         base.store = request.stores and self.store.enabled
         output = ResponseOutput(prepared.options, prepared.prompts[0].params.logprobs)
         started = await self.chat.start_requests([response_id], prepared.prompts)
@@ -301,7 +301,7 @@ class OpenAIServingResponses:
     async def _stored(self, response_id: str) -> StoredResponse:
         stored = await asyncio.to_thread(self.store.load, response_id)
         if stored is None:
-            raise NotFoundError(f"Response with id '{response_id}' not found", param="response_id")
+            raise _not_found(response_id)
         return stored
 
     async def retrieve(self, response_id: str) -> dict[str, Any]:
@@ -311,7 +311,7 @@ class OpenAIServingResponses:
     async def delete(self, response_id: str) -> dict[str, Any]:
         """``DELETE /v1/responses/{id}``: forget a stored response (404 if it is not stored)."""
         if not await asyncio.to_thread(self.store.delete, response_id):
-            raise NotFoundError(f"Response with id '{response_id}' not found", param="response_id")
+            raise _not_found(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
     async def list_input_items(
@@ -338,3 +338,9 @@ class OpenAIServingResponses:
             "last_id": page[-1]["id"] if page else None,
             "has_more": len(items) > limit,
         }
+
+
+def _not_found(response_id: str) -> NotFoundError:
+    """The 404 of an unknown response id, in OpenAI's (and vLLM's) words: "Response with id '...' not
+    found." (clients and test suites match the sentence, its full stop included)."""
+    return NotFoundError(f"Response with id '{response_id}' not found.", param="response_id")

@@ -24,7 +24,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, ValidationError
 
-from fastdeploy.core.sampling_params import MAX_LOGPROBS
+from fastdeploy.core.sampling_params import MAX_LOGPROBS, SamplingParams
 from fastdeploy.entrypoints.openai.errors import BadRequestError, encodable, from_pydantic
 from fastdeploy.entrypoints.openai.protocol.chat import ChatCompletionRequest
 from fastdeploy.entrypoints.openai.protocol.common import OpenAIModel, ResponseModel, warn_once
@@ -448,8 +448,12 @@ class ResponseObject(ResponseModel):
     metadata: dict[str, str] = Field(default_factory=dict)
 
     @classmethod
-    def of(cls, response_id: str, model: str, request: ResponsesRequest) -> ResponseObject:
-        """The response to ``request``, in progress and without output."""
+    def of(
+        cls, response_id: str, model: str, request: ResponsesRequest, params: SamplingParams
+    ) -> ResponseObject:
+        """The response to ``request``, in progress and without output; ``params``: the sampling it
+        runs with, whose ``temperature`` and ``top_p`` it reports (the values used, defaults
+        included, as OpenAI's and vLLM's do: never null)."""
         text = request.text.model_dump(exclude_none=True) if request.text else {}
         return cls(
             id=response_id,
@@ -463,12 +467,12 @@ class ResponseObject(ResponseModel):
             if request.reasoning
             else {"effort": None, "summary": None},
             store=request.stores,
-            temperature=request.temperature,
+            temperature=params.temperature,
             text={"format": {"type": "text"}, **text},
             tool_choice=request.tool_choice if request.tool_choice is not None else "auto",
             tools=list(request.tools or []),
             top_logprobs=request.top_logprobs,
-            top_p=request.top_p,
+            top_p=params.top_p,
             truncation=request.truncation or "disabled",
             background=bool(request.background),
             user=request.user,
