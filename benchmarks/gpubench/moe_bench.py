@@ -94,9 +94,10 @@ def _candidates(tokens: int, dtype: str) -> list[moe.MoEKernelConfig]:
     ks = (128,) if _is_fp8(dtype) else (64, 128)
     return [
         cfg(m, n, k, g, w, s)
-        for m, n in ((32, 128), (64, 128), (64, 256), (128, 128), (128, 256))
+        for m, n in ((16, 128), (16, 256), (32, 128), (64, 128), (64, 256), (128, 128), (128, 256))
         for k in ks
-        for g, w, s in ((16, 4, 3), (16, 4, 4), (16, 8, 4), (1, 8, 3))
+        for g, w, s in ((16, 4, 3), (16, 4, 4), (8, 4, 4), (16, 8, 4), (1, 8, 3))
+        if m >= 64 or tokens <= 2048  # 16-32-row tiles: decode batches (~16 pairs an expert at 256 tokens)
     ]
 
 
