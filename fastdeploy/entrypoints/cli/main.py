@@ -23,6 +23,7 @@ from fastdeploy.engine.ipc import STOP_SIGNALS
 
 SUBCOMMAND_MODULES: tuple[str, ...] = (
     "fastdeploy.entrypoints.cli.serve",
+    "fastdeploy.entrypoints.cli.run_batch",
     "fastdeploy.entrypoints.cli.bench",
 )
 """Modules that each register one subcommand, in the order ``--help`` lists them."""
@@ -44,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default: ``sys.argv[1:]``) and run the chosen subcommand; returns the exit code.
 
-    Run as the program (``argv`` None), ``serve`` ends the process itself once it
+    Run as the program (``argv`` None), ``serve`` and ``run-batch`` end the process once it
     has cleaned up: the interpreter's teardown of torch would add a second or more
     to every shutdown, and nothing is left for it to do.
     """
@@ -57,7 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             code = _run(parser, args)
         except KeyboardInterrupt:  # SIGINT or SIGTERM before the command could stop by itself
             code = STOP_SIGNALS.exit_code or 130
-    if argv is None and command == "serve":
+    if argv is None and command in ("serve", "run-batch"):
         _exit_now(code)
     return code
 
