@@ -12,6 +12,9 @@ Workloads (random prompts of 512 tokens, 256 output tokens each, ``ignore_eos``)
   of saturation: take 0.8 x the burst's request throughput of the faster server);
 * ``chat``: 256 requests at once on ``/v1/chat/completions``, streamed.
 
+A workload named more than once in ``--workloads`` runs again each time (``burst,burst,burst``:
+three bursts on the one server; their files get ``_2``, ``_3``).
+
 The server starts with its defaults plus dummy weights and the tokenizer (``--load-format
 dummy``); everything after ``--`` is passed to it. Each client run writes its JSON under
 ``--out``; the script prints one markdown row per (workload, client) and saves them to
@@ -153,11 +156,14 @@ def main() -> None:
         wait_healthy(f"http://127.0.0.1:{args.port}", proc, args.start_timeout_s)
         print(f"healthy after {time.monotonic() - started:.0f} s", flush=True)
         rate = args.rate
-        for workload in args.workloads.split(","):
+        workloads = args.workloads.split(",")
+        for index, workload in enumerate(workloads):
+            run = workloads[:index].count(workload)  # a workload named again is run again (repeats)
+            name = f"{workload}{f'_{run + 1}' if run else ''}"
             for client in args.clients.split(","):
-                out = os.path.join(args.out, f"{args.server}_{workload}_{client}.json")
+                out = os.path.join(args.out, f"{args.server}_{name}_{client}.json")
                 ccmd = client_command(client, workload, args.port, args.tokenizer, rate or 1.0, out)
-                with open(os.path.join(args.out, f"{args.server}_{workload}_{client}.log"), "w") as clog:
+                with open(os.path.join(args.out, f"{args.server}_{name}_{client}.log"), "w") as clog:
                     rc = subprocess.run(
                         ccmd, stdout=clog, stderr=subprocess.STDOUT, env=env, timeout=300
                     ).returncode
