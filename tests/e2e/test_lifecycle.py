@@ -190,3 +190,46 @@ def test_https_with_a_key_and_a_certificate(server_factory, tmp_path, monkeypatc
     assert reply.choices[0].text is not None
     with pytest.raises(httpx.HTTPError):  # plain HTTP is not served on that port
         httpx.get(f"http://127.0.0.1:{srv.port}/health", timeout=5)
+
+
+def _wait_healthy_on_uds(srv, path: Path) -> httpx.Client:
+    """A client over the Unix domain socket ``path`` once ``/health`` answers 200 there."""
+    client = httpx.Client(
+        transport=httpx.HTTPTransport(uds=str(path)), base_url="http://localhost", timeout=60
+    )
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        assert srv.proc.poll() is None, srv.log()
+        try:
+            if client.get("/health").status_code == 200:
+                return client
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"no /health on unix:{path}:\n{srv.log()}")
+
+
+def test_serves_on_a_unix_domain_socket(server_factory, tmp_path):
+    """``--uds PATH`` (vLLM's flag, vLLM's test_uds): HTTP on that socket instead of the TCP port, a
+    stale socket file there replaced, and the file removed when the server stops."""
+    import socket as socket_module
+
+    path = tmp_path / "fd.sock"
+    stale = socket_module.socket(socket_module.AF_UNIX)
+    stale.bind(str(path))  # a socket file left by an earlier server
+    stale.close()
+    srv = server_factory("--uds", str(path), wait=False)
+    client = _wait_healthy_on_uds(srv, path)
+    try:
+        assert "version" in client.get("/version").json()
+        model = client.get("/v1/models").json()["data"][0]["id"]
+        reply = client.post("/v1/completions", json={"model": model, "prompt": "Hi", "max_tokens": 2})
+        assert reply.status_code == 200, reply.text
+    finally:
+        client.close()
+    assert f"FastDeploy API server ready at unix:{path}" in srv.log()
+    with pytest.raises(httpx.HTTPError):  # nothing on the TCP port
+        httpx.get(f"http://127.0.0.1:{srv.port}/health", timeout=5)
+    srv.remember_descendants()
+    assert srv.send_signal_and_wait(signal.SIGTERM) == 143
+    assert not path.exists()

@@ -425,3 +425,39 @@ def test_cache_salt_keeps_prefix_caches_apart(client, model_name):
             model=model_name, prompt=prompt, max_tokens=1, extra_body={"cache_salt": ""}
         )
     assert info.value.body["param"] == "cache_salt"
+
+
+def test_context_length_errors_use_sglangs_words(server, client, model_name):
+    """SGLang's test_request_length_validation.py: a prompt too long for the context (streamed or
+    not) is a 400 saying it ``is longer than the model's context length``; a ``max_tokens`` or
+    ``max_completion_tokens`` beyond it says ``Requested token count exceeds the model's maximum
+    context`` (older SGLang) and ``max_completion_tokens is too large`` (newer)."""
+    long_chat = [{"role": "user", "content": "hello " * (server.max_model_len + 100)}]
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=model_name, messages=long_chat, temperature=0, stream=stream)
+        assert "is longer than the model's context length" in str(info.value)
+        assert "This model's maximum context length is" in str(info.value)
+    for field in ("max_tokens", "max_completion_tokens"):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(
+                model=model_name,
+                messages=[{"role": "user", "content": "hello "}],
+                temperature=0,
+                **{field: server.max_model_len + 200},
+            )
+        assert "Requested token count exceeds the model's maximum context" in str(info.value)
+        assert "max_completion_tokens is too large" in str(info.value)
+
+
+def test_no_stop_trim_keeps_the_stop_string(client, model_name):
+    """SGLang's ``no_stop_trim``: the matched stop string stays in the text, as with vLLM's
+    ``include_stop_str_in_output``."""
+    free = client.completions.create(model=model_name, prompt=PROMPT, **GREEDY).choices[0].text
+    word = free.split()[1]
+    trimmed = client.completions.create(model=model_name, prompt=PROMPT, stop=[word], **GREEDY).choices[0]
+    kept = client.completions.create(
+        model=model_name, prompt=PROMPT, stop=[word], extra_body={"no_stop_trim": True}, **GREEDY
+    ).choices[0]
+    assert trimmed.finish_reason == kept.finish_reason == "stop"
+    assert kept.text == trimmed.text + word and kept.text.endswith(word)

@@ -299,6 +299,24 @@ def test_retrieve_model_and_its_root():
         assert client.get("/v1/models/m").status_code == 401
 
 
+def test_model_card_has_vllms_fields():
+    """vLLM's model cards (and clients reading them) carry ``parent``: null for a base model."""
+    app = build_app(fake_engine("/models/m.gguf"), ["m"], ServerConfig())
+    with TestClient(app) as client:
+        (card,) = client.get("/v1/models").json()["data"]
+    assert {"id", "object", "created", "owned_by", "root", "parent", "max_model_len"} <= set(card)
+    assert card["parent"] is None and card["max_model_len"] == 64
+
+
+def test_tokenize_refuses_a_request_chat_template():
+    app = build_app(fake_engine(), ["m"], ServerConfig())
+    body = {"messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ messages }}"}
+    with TestClient(app) as client:
+        response = client.post("/tokenize", json=body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "chat_template"
+
+
 # --------------------------------------------------------------------------- detokenization
 
 

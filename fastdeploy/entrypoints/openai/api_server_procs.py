@@ -1,4 +1,5 @@
-"""``fastdeploy serve --api-server-count N`` (N > 1): N API server processes sharing one port.
+"""``fastdeploy serve --api-server-count N`` (N > 1): N API server processes sharing one port
+(or, with ``--uds``, one Unix domain socket).
 
 The ``serve`` process binds N sockets to the port with ``SO_REUSEPORT`` (before the model
 loads, so a taken port fails at once), starts the engine cores (every data-parallel rank)
@@ -29,7 +30,12 @@ import tempfile
 import time
 
 from fastdeploy.engine.ipc import STOP_SIGNALS, ChildProcess, kill_process_group, new_ipc_dir, remove_ipc_dir
-from fastdeploy.entrypoints.openai.http_server import GRACEFUL_SHUTDOWN_S, bind_socket
+from fastdeploy.entrypoints.openai.http_server import (
+    GRACEFUL_SHUTDOWN_S,
+    bind_socket,
+    bind_unix_socket,
+    remove_socket_file,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +73,15 @@ def bind_shared_sockets(host: str, port: int, count: int) -> list[socket.socket]
     return sockets
 
 
+def bind_api_server_sockets(args: argparse.Namespace, count: int, uds: str | None) -> list[socket.socket]:
+    """The ``count`` API servers' sockets: one ``SO_REUSEPORT`` socket each on ``--host``/``--port``,
+    or on the ``--uds`` path ``uds`` the one Unix domain socket they all accept on (the kernel
+    hands each connection to one of them)."""
+    if uds:
+        return [bind_unix_socket(uds)] * count
+    return bind_shared_sockets(args.host, args.port, count)
+
+
 def api_server_main(args: argparse.Namespace, attach, sock_fd: int) -> None:
     """Entry point of one API server process (a :class:`ChildProcess` of ``serve``): serve on the
     inherited socket ``sock_fd`` with an engine client attached to the running engine cores."""
@@ -89,7 +104,12 @@ def run_api_servers(args: argparse.Namespace) -> int:
     """
     from fastdeploy.engine.engine_cores import EngineAttachment, EngineCores, with_replica_init_method
     from fastdeploy.engine.parallel_layout import check_parallel_layout
-    from fastdeploy.entrypoints.cli.args import engine_config_from_args, resolve_args, server_config_from_args
+    from fastdeploy.entrypoints.cli.args import (
+        engine_config_from_args,
+        listen_config_from_args,
+        resolve_args,
+        server_config_from_args,
+    )
     from fastdeploy.metrics import MULTIPROC_DIR_ENV
     from fastdeploy.model_executor.model_loader import resolve_model
 
@@ -97,8 +117,9 @@ def run_api_servers(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     server_config = server_config_from_args(args)
     count = server_config.api_server_count
-    sockets = bind_shared_sockets(args.host, args.port, count)
-    port = sockets[0].getsockname()[1]
+    uds = listen_config_from_args(args).uds
+    sockets = bind_api_server_sockets(args, count, uds)
+    where = f"unix:{uds}" if uds else f"port {sockets[0].getsockname()[1]}"
     ipc_dir = new_ipc_dir()
     metrics_dir = tempfile.mkdtemp(prefix="fastdeploy-metrics-")
     responses_dir = tempfile.mkdtemp(prefix="fastdeploy-responses-")  # stored /v1/responses, shared
@@ -133,7 +154,7 @@ def run_api_servers(args: argparse.Namespace) -> int:
         for sock in sockets:  # each API server holds its own now
             sock.close()
         print(
-            f"fastdeploy serve: {count} API server processes on port {port} "
+            f"fastdeploy serve: {count} API server processes on {where} "
             f"(pids {', '.join(str(s.pid) for s in servers)}), "
             f"{cores.num_ranks} engine core{'s' if cores.num_ranks > 1 else ''}",
             flush=True,
@@ -146,6 +167,8 @@ def run_api_servers(args: argparse.Namespace) -> int:
                 cores.stop()
             for sock in sockets:
                 sock.close()
+            if uds:
+                remove_socket_file(uds)
             remove_ipc_dir(ipc_dir)
             shutil.rmtree(metrics_dir, ignore_errors=True)
             shutil.rmtree(responses_dir, ignore_errors=True)

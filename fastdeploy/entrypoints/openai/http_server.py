@@ -11,10 +11,13 @@ gracefully, and during the cleanup they are ignored.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import inspect
 import logging
 import os
 import socket
+import stat
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -136,14 +139,23 @@ class _Server(uvicorn.Server):
         await super().startup(sockets=sockets)
         if self.started and not self.should_exit and self._on_ready is not None:
             host, port = self.config.host, self.config.port
+            scheme = "https" if self.config.is_ssl else "http"
             for server in getattr(self, "servers", []):
                 for sock in server.sockets or []:
-                    port = sock.getsockname()[1]
+                    name = sock.getsockname()
+                    if isinstance(name, str):  # a Unix domain socket: its path
+                        host, port, scheme = name, 0, "unix"
+                    else:
+                        port = name[1]
                     break
-            self._on_ready(host, port, "https" if self.config.is_ssl else "http")
+            self._on_ready(host, port, scheme)
 
 
 def _print_ready(host: str, port: int, scheme: str = "http") -> None:
+    """The ready line; ``scheme`` ``unix``: ``host`` is the socket's path."""
+    if scheme == "unix":
+        print(f"FastDeploy API server ready at unix:{host}", flush=True)
+        return
     shown = f"[{host}]" if ":" in host else host
     print(f"FastDeploy API server ready at {scheme}://{shown}:{port}", flush=True)
 
@@ -174,6 +186,41 @@ def bind_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket
         sock.close()
         raise BindError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     return sock
+
+
+def bind_unix_socket(path: str) -> socket.socket:
+    """A Unix domain stream socket bound (not yet listening) to ``path`` (``--uds``, as vLLM's);
+    a :class:`BindError` if that fails.
+
+    A socket file already at ``path`` (left by a server that did not remove it) is replaced, as
+    uvicorn's own ``--uds`` does; any other file there is an error, never deleted.
+    """
+    if os.path.exists(path) and not stat.S_ISSOCK(os.stat(path).st_mode):
+        raise BindError(errno.EEXIST, f"cannot listen on unix:{path}: a file that is not a socket is there")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        if os.path.exists(path):
+            os.unlink(path)
+        sock.bind(path)
+    except OSError as exc:
+        sock.close()
+        raise BindError(exc.errno, f"cannot listen on unix:{path}: {exc.strerror or exc}") from None
+    return sock
+
+
+def bind_listen_socket(args: argparse.Namespace) -> socket.socket:
+    """The server's socket: on ``--uds`` if given, else on ``--host``/``--port``."""
+    from fastdeploy.entrypoints.cli.args import listen_config_from_args
+
+    uds = listen_config_from_args(args).uds
+    return bind_unix_socket(uds) if uds else bind_socket(args.host, args.port)
+
+
+def remove_socket_file(path: str) -> None:
+    """Remove the file of a Unix domain socket that is closed (nothing answers there any more)."""
+    with contextlib.suppress(FileNotFoundError):
+        if stat.S_ISSOCK(os.stat(path).st_mode):
+            os.unlink(path)
 
 
 async def serve_http(
@@ -229,7 +276,7 @@ async def run_server(
 
     Returns the exit status: :data:`EXIT_ENGINE_DEAD` when serving ended because
     the engine died, else ``128 + signal number`` of the signal that stopped it.
-    The port is bound first (a busy port fails before the model loads). A signal
+    The port (or the ``--uds`` socket) is bound first (a busy port fails before the model loads). A signal
     while the engine loads raises ``KeyboardInterrupt`` (see :data:`STOP_SIGNALS`).
     Either way ``engine.shutdown()`` runs, shielded from further signals, and
     returns only once every engine process is gone.
@@ -240,8 +287,10 @@ async def run_server(
     config = engine_config_from_args(args)
     server_config = server_config_from_args(args)
     served_model_names = default_served_model_names(config)
+    socket_file: str | None = None  # a --uds socket's file, removed on exit by its owner
     if sock is None:
-        sock = bind_socket(args.host, args.port)
+        sock = bind_listen_socket(args)
+        socket_file = sock.getsockname() if sock.family == socket.AF_UNIX else None
     index = attach.client_index if attach is not None else 0
     engine: Any = None
     responses_store: Any = None
@@ -272,6 +321,8 @@ async def run_server(
     finally:
         with STOP_SIGNALS.shielded():
             sock.close()
+            if socket_file:
+                remove_socket_file(socket_file)
             if responses_store is not None:
                 responses_store.close()
             if engine is not None:

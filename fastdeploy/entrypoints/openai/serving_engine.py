@@ -422,8 +422,9 @@ class OpenAIServing:
         limit = self.engine.max_model_len * self.max_token_chars
         if num_chars > limit:
             raise BadRequestError(
-                f"{param} has {num_chars} characters, more than fit this model's maximum context length "
-                f"of {self.engine.max_model_len} tokens",
+                f"This model's maximum context length is {self.engine.max_model_len} tokens. However, "
+                f"{param} has {num_chars} characters, more than fit in that many tokens, so the input is "
+                f"longer than the model's context length allows. Please reduce the length of the {param}.",
                 param=param,
                 code="context_length_exceeded",
             )

@@ -195,6 +195,23 @@ def _check_messages(value: list[ChatMessage]) -> list[ChatMessage]:
 
 
 _NOT_STORED = "requests are not stored by this server"
+
+UNTRUSTED_CHAT_TEMPLATE = (
+    "Chat template is passed with request, but this server does not run chat templates sent with "
+    "requests (start it with --chat-template to change its template). Refused request with "
+    "untrusted chat template."
+)
+"""vLLM's refusal of a request's ``chat_template`` (vLLM runs one only with
+``--trust-request-chat-template``): a template is code run by the server."""
+
+
+def refuse_request_chat_template(chat_template: str | None) -> None:
+    """A 400 for a request that sends its own ``chat_template``, as vLLM's default answers it
+    (ignoring it would render the prompt with another template than the client asked for)."""
+    if chat_template is not None:
+        raise BadRequestError(UNTRUSTED_CHAT_TEMPLATE, param="chat_template")
+
+
 _PREFIX_CACHE = "the prefix cache is automatic and shared; its keys and lifetime cannot be set"
 
 
@@ -204,7 +221,7 @@ class ChatCompletionRequest(SamplingRequest):
     Every field of OpenAI's chat request is declared (the ignored ones in
     :attr:`IGNORED_FIELDS`), plus vLLM's extensions ``add_generation_prompt``,
     ``continue_final_message`` (exclusive with it), ``chat_template_kwargs``, ``echo`` and
-    ``return_token_ids``.
+    ``return_token_ids``; vLLM's ``chat_template`` is refused (as vLLM's default server does).
     """
 
     messages: list[ChatMessage]
@@ -242,6 +259,9 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     """Extra variables of the chat template (e.g. ``{"enable_thinking": false}`` for Qwen3); the
     reasoning parser reads them too."""
+    chat_template: str | None = None
+    """vLLM's per-request Jinja template: declared only to be refused (400), as vLLM refuses it
+    without ``--trust-request-chat-template``."""
     echo: bool = False
     """Start the answer with the last message's content when that message is the one the answer
     continues (an assistant message, or any with ``add_generation_prompt: false``), as vLLM does."""
@@ -298,6 +318,7 @@ class ChatCompletionRequest(SamplingRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
+        refuse_request_chat_template(self.chat_template)
         self.tool_choice_mode()
         if self.continue_final_message and self.add_generation_prompt:
             raise BadRequestError(

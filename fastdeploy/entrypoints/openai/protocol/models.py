@@ -10,11 +10,15 @@ from fastdeploy.entrypoints.openai.protocol.common import ResponseModel, _now
 
 
 class ModelCard(ResponseModel):
+    """One served model, with vLLM's fields: ``root`` (the model's path), ``parent`` (the base model
+    of an adapter; null, as vLLM's base models have it: no adapters here) and ``max_model_len``."""
+
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=_now)
     owned_by: str = "fastdeploy"
     root: str | None = None
+    parent: str | None = None
     max_model_len: int | None = None
 
 

@@ -85,6 +85,9 @@ class SamplingControls(OpenAIModel):
     min_tokens: int | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
+    no_stop_trim: bool | None = None
+    """SGLang's name of ``include_stop_str_in_output`` (keep the matched stop string in the text);
+    ``include_stop_str_in_output`` wins where both are given."""
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     repetition_penalty: float | None = None
@@ -108,6 +111,13 @@ class SamplingControls(OpenAIModel):
         if v is not None and not _INT64_MIN <= v <= _INT64_MAX:
             raise ValueError("must fit in a signed 64-bit integer")
         return v
+
+    def keeps_stop_str(self) -> bool | None:
+        """Whether the matched stop string stays in the text (``include_stop_str_in_output``, else
+        SGLang's ``no_stop_trim``); None: neither was given."""
+        if self.include_stop_str_in_output is not None:
+            return self.include_stop_str_in_output
+        return self.no_stop_trim
 
 
 class SamplingRequest(StructuredOutputsRequest, SamplingControls):
@@ -249,9 +259,12 @@ class SamplingRequest(StructuredOutputsRequest, SamplingControls):
             "structured_outputs": self.structured_output_params(),
             "cache_salt": self.cache_salt,
         }
-        for flag in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
-            if getattr(self, flag) is not None:
-                kwargs[flag] = getattr(self, flag)
+        flags = {
+            "include_stop_str_in_output": self.keeps_stop_str(),
+            "ignore_eos": self.ignore_eos,
+            "skip_special_tokens": self.skip_special_tokens,
+        }
+        kwargs.update({flag: value for flag, value in flags.items() if value is not None})
         try:
             return SamplingParams(**kwargs)
         except SamplingParamsError as exc:
@@ -261,6 +274,51 @@ class SamplingRequest(StructuredOutputsRequest, SamplingControls):
 
 
 # --------------------------------------------------------------------------- limits
+
+
+_OUTPUT_LIMIT_FIELDS = {"messages": "max_completion_tokens", "prompt": "max_tokens"}
+"""The output-limit field named in a length error, by the input it is about (chat: OpenAI's
+current name, which SGLang's message uses too; completions: ``max_tokens``)."""
+
+
+def _prompt_too_long(num_prompt_tokens: int, max_model_len: int, prompt_kind: str) -> BadRequestError:
+    """The 400 for a prompt that leaves no room for one output token. Its words are OpenAI's
+    (``This model's maximum context length is``) and SGLang's (``is longer than the model's
+    context length``), which clients and both servers' tests match."""
+    return BadRequestError(
+        f"This model's maximum context length is {max_model_len} tokens. However, your {prompt_kind} "
+        f"resulted in {num_prompt_tokens} tokens, which is longer than the model's context length allows: "
+        f"it leaves no room for the completion (at least 1 token). Please reduce the length of the {prompt_kind}.",
+        param=prompt_kind,
+        code="context_length_exceeded",
+    )
+
+
+def _output_too_long(
+    num_prompt_tokens: int, requested: int, max_model_len: int, prompt_kind: str
+) -> BadRequestError:
+    """The 400 for an output limit the context cannot hold after the prompt: OpenAI's and vLLM's
+    words (``However, you requested N tokens (P in the messages, M in the completion)``), then
+    SGLang's: ``is longer than the model's context length`` when the prompt alone leaves no room,
+    else ``Requested token count exceeds the model's maximum context length`` and ``... is too large``."""
+    field = _OUTPUT_LIMIT_FIELDS.get(prompt_kind, "max_tokens")
+    total = num_prompt_tokens + requested
+    requested_words = (
+        f"This model's maximum context length is {max_model_len} tokens. However, you requested {total} "
+        f"tokens ({num_prompt_tokens} in the {prompt_kind}, {requested} in the completion)."
+    )
+    if num_prompt_tokens >= max_model_len:
+        why = (
+            f"The input is longer than the model's context length allows: it leaves no room for the "
+            f"completion. Please reduce the length of the {prompt_kind}."
+        )
+    else:
+        why = (
+            f"Requested token count exceeds the model's maximum context length: {field} is too large "
+            f"({requested} > {max_model_len} - {num_prompt_tokens}). Please reduce the length of the "
+            f"{prompt_kind} or completion."
+        )
+    return BadRequestError(f"{requested_words} {why}", param=prompt_kind, code="context_length_exceeded")
 
 
 def resolve_max_tokens(
@@ -279,24 +337,11 @@ def resolve_max_tokens(
     must be at least one token. ``prompt_kind`` ("prompt" or "messages") names
     the input in the message.
     """
-    limit = f"This model's maximum context length is {max_model_len} tokens."
+    room = max_model_len - num_prompt_tokens
     if requested is None:
-        room = max_model_len - num_prompt_tokens
         if room < 1:
-            raise BadRequestError(
-                f"{limit} However, your {prompt_kind} resulted in {num_prompt_tokens} tokens, which "
-                f"leaves no room for the completion (at least 1 token). "
-                f"Please reduce the length of the {prompt_kind}.",
-                param=prompt_kind,
-                code="context_length_exceeded",
-            )
+            raise _prompt_too_long(num_prompt_tokens, max_model_len, prompt_kind)
         return room if default is None else min(default, room)
-    total = num_prompt_tokens + requested
-    if total > max_model_len:
-        raise BadRequestError(
-            f"{limit} However, you requested {total} tokens ({num_prompt_tokens} in the {prompt_kind}, "
-            f"{requested} in the completion). Please reduce the length of the {prompt_kind} or completion.",
-            param=prompt_kind,
-            code="context_length_exceeded",
-        )
+    if requested > room:
+        raise _output_too_long(num_prompt_tokens, requested, max_model_len, prompt_kind)
     return requested

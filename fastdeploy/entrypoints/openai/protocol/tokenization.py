@@ -41,6 +41,8 @@ class TokenizeChatRequest(OpenAIModel):
     add_generation_prompt: bool | None = None
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
+    """Refused (400) as a chat completion's is."""
     tools: list[Any] | None = None
     tool_choice: Any = None
     add_special_tokens: bool = False
@@ -49,7 +51,14 @@ class TokenizeChatRequest(OpenAIModel):
     def chat_request(self) -> dict[str, Any]:
         """The chat completion request body whose prompt this request tokenizes."""
         body = self.model_dump(
-            include={"messages", "continue_final_message", "chat_template_kwargs", "tools", "tool_choice"},
+            include={
+                "messages",
+                "continue_final_message",
+                "chat_template_kwargs",
+                "chat_template",
+                "tools",
+                "tool_choice",
+            },
             exclude_none=True,
             by_alias=True,
         )
