@@ -364,6 +364,27 @@ def test_ping_answers_like_health(server):
         assert httpx.request(method, server.url + "/ping", timeout=10).status_code == 200  # no API key needed
 
 
+def test_sglangs_paths_health_generate_and_v1_tokenize(server):
+    """SGLang's launcher polls ``/health_generate`` (no key, as ``/health``); its tests call
+    ``/v1/tokenize`` and ``/v1/detokenize`` and match ``non-negative`` in the 400 of a negative id."""
+    assert httpx.get(server.url + "/health_generate", timeout=10).status_code == 200
+    body = {"prompt": "Hello there"}
+    plain = httpx.post(server.url + "/tokenize", json=body, headers=server.headers, timeout=30)
+    aliased = httpx.post(server.url + "/v1/tokenize", json=body, headers=server.headers, timeout=30)
+    assert aliased.status_code == 200 and aliased.json()["tokens"] == plain.json()["tokens"]
+    text = httpx.post(
+        server.url + "/v1/detokenize", json={"tokens": plain.json()["tokens"]}, headers=server.headers
+    )
+    assert text.status_code == 200 and text.json()["prompt"].endswith("Hello there")
+    bad = httpx.post(
+        server.url + "/v1/detokenize", json={"tokens": [1, -5]}, headers=server.headers, timeout=30
+    )
+    assert bad.status_code == 400 and "non-negative" in bad.json()["error"]["message"], bad.text
+    assert (
+        httpx.post(server.url + "/v1/tokenize", json=body, timeout=30).status_code == 401
+    )  # the key applies
+
+
 def test_matched_stop(client, model_name, tokenizer):
     """SGLang's ``matched_stop`` in non-streamed choices: the stop string or stop token id that
     ended the choice, the end-of-sequence token id when that did, null for a length finish."""

@@ -301,7 +301,7 @@ def test_serve_whose_engine_cannot_start_names_the_cause(capsys):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--reasoning-parser", "nope"], "unknown parser 'nope'; available: deepseek_r1, qwen3"),
+        (["--reasoning-parser", "nope"], "unknown reasoning parser 'nope'; available: deepseek_r1, qwen3"),
         (["--tool-call-parser", "nope"], "unknown parser 'nope'; available: hermes, llama3_json, mistral"),
         (["--tensor-parallel-size", "4", "--device", "cpu"], "cannot split 9 attention heads"),
         (["--data-parallel-size", "0", "--device", "cpu"], "must be >= 1"),

@@ -110,6 +110,7 @@ def test_stream_is_incremental_and_holds_back_only_a_possible_tag():
 def test_registry_and_unknown_names():
     assert get_reasoning_parser("qwen3") is Qwen3ReasoningParser
     assert get_reasoning_parser("deepseek_r1") is DeepSeekR1ReasoningParser
+    assert get_reasoning_parser("deepseek-r1") is DeepSeekR1ReasoningParser  # SGLang's spelling
     with pytest.raises(ValueError, match="available: deepseek_r1, qwen3"):
         get_reasoning_parser("nope")
     assert set(REASONING_PARSERS) >= {"qwen3", "deepseek_r1"}

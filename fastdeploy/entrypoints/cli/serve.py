@@ -103,11 +103,13 @@ def check_reasoning_parser(args: argparse.Namespace) -> str | None:
     name = getattr(args, "reasoning_parser", None)
     if not name:
         return None
-    from fastdeploy.entrypoints.openai.reasoning import REASONING_PARSERS
+    from fastdeploy.entrypoints.openai.reasoning import get_reasoning_parser
 
-    if name in REASONING_PARSERS:
-        return None
-    return f"argument --reasoning-parser: unknown parser {name!r}; available: {', '.join(sorted(REASONING_PARSERS))}"
+    try:
+        get_reasoning_parser(name)
+    except ValueError as exc:
+        return f"argument --reasoning-parser: {exc}"
+    return None
 
 
 def check_tool_call_parser(args: argparse.Namespace) -> str | None:

@@ -149,7 +149,7 @@ def build_app(
     ``server`` sets the limits of each request, how unknown request fields are
     treated (``strict_request_fields``), the reasoning and tool-call parsers of chat answers (an
     unknown name is a ``ValueError`` listing the known ones) and the API key: with a key set,
-    every route needs ``Authorization: Bearer <key>`` except ``/health`` (and ``/ping``),
+    every route needs ``Authorization: Bearer <key>`` except ``/health`` (and ``/ping``, ``/health_generate``),
     ``/metrics`` and ``/version`` (what load balancers and Prometheus poll).
     ``app.state.begin_shutdown()`` ends the requests in flight with a 503 (the
     server calls it when it starts stopping). ``api_server_index``: which of the
@@ -310,6 +310,7 @@ def build_app(
     app.include_router(sagemaker)
 
     @app.get("/health")
+    @app.get("/health_generate")  # SGLang's (its test launcher polls it): answered as /health
     @app.api_route("/ping", methods=["GET", "POST"])  # SageMaker's health check, as vLLM answers it
     async def health() -> Response:
         if engine_client.is_healthy:
@@ -326,6 +327,7 @@ def build_app(
     async def version() -> Response:
         return JSONResponse({"version": fastdeploy.__version__, **backend_info()})
 
+    @app.post("/v1/tokenize", dependencies=auth, include_in_schema=False)  # (SGLang's path too)
     @app.post(
         "/tokenize",
         dependencies=auth,
@@ -336,6 +338,7 @@ def build_app(
         # token_strs stays in the body, null when not asked (vLLM's clients read it)
         return JSONResponse((await tokenization.tokenize(request)).model_dump())
 
+    @app.post("/v1/detokenize", dependencies=auth, include_in_schema=False)
     @app.post("/detokenize", dependencies=auth, openapi_extra=json_body(DetokenizeRequest))
     async def detokenize(raw_request: Request) -> Response:
         request = parse_request(DetokenizeRequest, await read_json(raw_request), strict_fields=strict)

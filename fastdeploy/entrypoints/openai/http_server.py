@@ -48,7 +48,7 @@ streams in flight end with an error event at once, and meanwhile ``/health`` and
 EXIT_ENGINE_DEAD = 1
 """Exit status of ``fastdeploy serve`` when the engine died."""
 
-QUIET_ACCESS_LOG_PATHS = frozenset({"/health", "/ping", "/metrics"})
+QUIET_ACCESS_LOG_PATHS = frozenset({"/health", "/health_generate", "/ping", "/metrics"})
 """Paths polled by health checkers and Prometheus: kept out of uvicorn's access log."""
 
 # --------------------------------------------------------------------------- running

@@ -149,8 +149,9 @@ def _now() -> int:
 def _check_token_ids(value: Any) -> list[int]:
     if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         raise ValueError("must be a list of integers")
-    if any(t < 0 for t in value):
-        raise ValueError("token ids must not be negative")
+    negative = next((t for t in value if t < 0), None)
+    if negative is not None:
+        raise ValueError(f"token ids must be non-negative, got {negative}")
     return value
 
 

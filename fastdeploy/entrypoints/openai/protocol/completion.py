@@ -153,6 +153,7 @@ def normalize_prompts(value: Any) -> list[str | list[int]]:
     for p in prompts:
         if len(p) == 0:
             raise ValueError("must not be empty")
-        if isinstance(p, list) and any(t < 0 for t in p):
-            raise ValueError("token ids must not be negative")
+        negative = next((t for t in p if t < 0), None) if isinstance(p, list) else None
+        if negative is not None:
+            raise ValueError(f"token ids must be non-negative, got {negative}")
     return prompts

@@ -20,9 +20,10 @@ REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
 
 
 def get_reasoning_parser(name: str) -> type[ReasoningParser]:
-    """The parser class called ``name``; ``ValueError`` listing the available names otherwise."""
+    """The parser class called ``name`` (hyphens read as underscores: SGLang spells it
+    ``deepseek-r1``); ``ValueError`` listing the available names otherwise."""
     try:
-        return REASONING_PARSERS[name]
+        return REASONING_PARSERS[name.replace("-", "_")]
     except KeyError:
         raise ValueError(
             f"unknown reasoning parser {name!r}; available: {', '.join(sorted(REASONING_PARSERS))}"
