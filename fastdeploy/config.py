@@ -243,6 +243,9 @@ class ServerConfig:
     exit_on_engine_death: bool = True
     """Exit (non-zero) when the engine dies, so that a supervisor restarts the server; off: keep
     answering /health and new requests with 503."""
+    enable_request_id_headers: bool = False
+    """Give every answer an X-Request-Id header: the request's own, else a new id (vLLM's flag).
+    Either way a request's X-Request-Id names its answer (chatcmpl-<X-Request-Id>)."""
     strict_request_fields: bool = False
     """Refuse (400) request fields that are neither OpenAI's nor a supported extension; off: ignore
     them with a warning logged once per field name, as vLLM does."""

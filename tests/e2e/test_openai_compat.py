@@ -385,6 +385,32 @@ def test_sglangs_paths_health_generate_and_v1_tokenize(server):
     )  # the key applies
 
 
+def test_x_request_id_names_the_answer(client, model_name):
+    """A request's X-Request-Id names its answer (vLLM's ``chatcmpl-<id>``); two requests in flight
+    under one header both run (the engine's ids stay unique)."""
+    import concurrent.futures
+
+    def chat(stream: bool):
+        reply = client.chat.completions.create(
+            model=model_name, messages=[{"role": "user", "content": "Hi"}], max_tokens=8, temperature=0,
+            stream=stream, extra_headers={"X-Request-Id": "trace-7"},
+        )  # fmt: skip
+        if not stream:
+            return reply.id, reply.choices[0].message.content
+        chunks = list(reply)
+        return chunks[0].id, "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        streamed, whole = pool.submit(chat, True), pool.submit(chat, False)
+        (stream_id, stream_text), (whole_id, whole_text) = streamed.result(), whole.result()
+    assert stream_id == whole_id == "chatcmpl-trace-7"
+    assert stream_text == whole_text and whole_text
+    completion = client.completions.create(
+        model=model_name, prompt=PROMPT, max_tokens=2, extra_headers={"X-Request-Id": "trace-8"}
+    )
+    assert completion.id == "cmpl-trace-8"
+
+
 def test_matched_stop(client, model_name, tokenizer):
     """SGLang's ``matched_stop`` in non-streamed choices: the stop string or stop token id that
     ended the choice, the end-of-sequence token id when that did, null for a length finish."""

@@ -50,6 +50,7 @@ from fastdeploy.entrypoints.openai.protocol import (
 )
 from fastdeploy.entrypoints.openai.reasoning import get_reasoning_parser
 from fastdeploy.entrypoints.openai.request_body import BodySizeLimitMiddleware, read_json
+from fastdeploy.entrypoints.openai.request_ids import RequestIdHeaderMiddleware
 from fastdeploy.entrypoints.openai.responses_store import ResponseStore
 from fastdeploy.entrypoints.openai.serving_chat import OpenAIServingChat
 from fastdeploy.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -167,6 +168,8 @@ def build_app(
     app.root_path = server.root_path.rstrip("/")  # (as vLLM: /PREFIX/v1/... and /v1/... both answer)
     app.router.route_class = OpenAIRoute
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=server.max_request_body_bytes)
+    if server.enable_request_id_headers:
+        app.add_middleware(RequestIdHeaderMiddleware)
     if server.allowed_origins:  # browsers on these origins may read the answers (CORS)
         app.add_middleware(
             CORSMiddleware,

@@ -46,7 +46,6 @@ from fastdeploy.entrypoints.openai.protocol import (
     DeltaMessage,
     UsageInfo,
     matched_stop,
-    random_id,
     resolve_max_tokens,
 )
 from fastdeploy.entrypoints.openai.protocol.tools import (
@@ -56,6 +55,7 @@ from fastdeploy.entrypoints.openai.protocol.tools import (
     ToolCallOut,
 )
 from fastdeploy.entrypoints.openai.reasoning import ReasoningParser, ReasoningStream
+from fastdeploy.entrypoints.openai.request_ids import api_request_id
 from fastdeploy.entrypoints.openai.serving_engine import (
     SSE_DONE,
     EnginePrompt,
@@ -218,8 +218,8 @@ class OpenAIServingChat(OpenAIServing):
         """Validate, render, tokenize, run and answer one chat request."""
         chat = await self.prepare(request)
         model, prompts, options = chat.model, chat.prompts, chat.options
-        request_id = random_id("chatcmpl")
-        started = await self.start_requests([request_id], prompts)
+        request_id, engine_id = api_request_id("chatcmpl", raw_request)
+        started = await self.start_requests([engine_id], prompts)
         if request.stream:
             recorder = TimelineRecorder(getattr(raw_request.state, "received", None), chat.tokenized)
             return SSEResponse(

@@ -27,9 +27,9 @@ from fastdeploy.entrypoints.openai.protocol import (
     CompletionStreamResponse,
     PromptLogprobs,
     matched_stop,
-    random_id,
     resolve_max_tokens,
 )
+from fastdeploy.entrypoints.openai.request_ids import api_request_id
 from fastdeploy.entrypoints.openai.serving_engine import (
     SSE_DONE,
     EnginePrompt,
@@ -124,8 +124,8 @@ class OpenAIServingCompletion(OpenAIServing):
             extras.echo_texts = [
                 p.text if p.text is not None else await self.decode(p.token_ids) for p in prompts
             ]
-        request_id = random_id("cmpl")
-        started = await self.start_requests(sub_request_ids(request_id, len(prompts)), prompts)
+        request_id, engine_id = api_request_id("cmpl", raw_request)
+        started = await self.start_requests(sub_request_ids(engine_id, len(prompts)), prompts)
         if request.stream:
             recorder = TimelineRecorder(getattr(raw_request.state, "received", None), tokenized)
             return SSEResponse(

@@ -18,8 +18,8 @@ from fastdeploy.entrypoints.openai.protocol import (
     EmbeddingRequest,
     EmbeddingResponse,
     EmbeddingUsage,
-    random_id,
 )
+from fastdeploy.entrypoints.openai.request_ids import api_request_id
 from fastdeploy.entrypoints.openai.serving_engine import (
     EnginePrompt,
     OpenAIServing,
@@ -103,8 +103,8 @@ class OpenAIServingEmbedding(OpenAIServing):
             prompts.append(
                 EnginePrompt(token_ids=token_ids, params=SamplingParams(), text=text, pooling=params)
             )
-        request_id = random_id("embd")
-        request_ids = sub_request_ids(request_id, len(prompts))
+        request_id, engine_id = api_request_id("embd", raw_request)
+        request_ids = sub_request_ids(engine_id, len(prompts))
         vectors = await run_until_disconnected(raw_request, self._collect(request_ids, prompts))
         data = [
             EmbeddingData(
