@@ -240,6 +240,10 @@ class ServerConfig:
     max_prompts_per_request: int = 256
     """Most prompts one /v1/completions request may carry (a list of strings or of token lists);
     more is a 400."""
+    shutdown_timeout: float = 0.0
+    """Seconds a stopping server (SIGTERM, SIGINT) lets its requests in flight finish, accepting no
+    new connections and answering new requests and /health with 503 (vLLM's flag; a second SIGINT
+    ends the wait); 0: requests in flight end at once with a 503."""
     exit_on_engine_death: bool = True
     """Exit (non-zero) when the engine dies, so that a supervisor restarts the server; off: keep
     answering /health and new requests with 503."""

@@ -145,3 +145,43 @@ def test_signal_stops_every_child_process(server_factory, sig):
     assert result["finish_reason"] is None  # 1500 tokens could not have finished
     # ... and it was told why: the stream ends with a 503 "shutting down" error event
     assert isinstance(result["error"], openai.APIError), result["error"]
+
+
+def test_shutdown_timeout_lets_the_requests_in_flight_finish(server_factory):
+    """``--shutdown-timeout``: after SIGTERM the stream in flight runs to its end while the server takes
+    no new connection; then it exits with 143 and leaves no process behind."""
+    srv = server_factory("--shutdown-timeout", "60")
+    result: dict = {"chunks": 0, "started": threading.Event(), "error": None, "finish_reason": None}
+
+    def stream() -> None:
+        try:
+            reply = srv.openai(timeout=90).completions.create(
+                model=srv.model_name(), stream=True, **{**LONG_STREAM_ARGS, "max_tokens": 100}
+            )
+            for chunk in reply:
+                result["chunks"] += 1
+                if result["chunks"] >= 3:
+                    result["started"].set()
+                for c in chunk.choices:
+                    result["finish_reason"] = c.finish_reason or result["finish_reason"]
+        except Exception as exc:  # what the test checks
+            result["error"] = exc
+        finally:
+            result["started"].set()
+
+    streaming = threading.Thread(target=stream, daemon=True)
+    streaming.start()
+    assert result["started"].wait(60) and result["error"] is None, result["error"]
+    stopped: dict = {}
+    stopping = threading.Thread(
+        target=lambda: stopped.update(code=srv.send_signal_and_wait(signal.SIGTERM, 90))
+    )
+    stopping.start()
+    time.sleep(1.0)
+    with pytest.raises(httpx.TransportError):  # no new connection while it drains
+        httpx.get(srv.url + "/health", timeout=5)
+    streaming.join(60)
+    assert result["error"] is None and result["finish_reason"] == "length", (result, srv.log())
+    assert result["chunks"] >= 100
+    stopping.join(60)
+    assert stopped.get("code") == 128 + signal.SIGTERM, srv.log()

@@ -10,7 +10,6 @@ whatever a handler raises, so no request can take the server down.
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import logging
 import time
@@ -55,7 +54,7 @@ from fastdeploy.entrypoints.openai.responses_store import ResponseStore
 from fastdeploy.entrypoints.openai.serving_chat import OpenAIServingChat
 from fastdeploy.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from fastdeploy.entrypoints.openai.serving_embedding import OpenAIServingEmbedding, check_generation_model
-from fastdeploy.entrypoints.openai.serving_engine import ClientDisconnectedError, to_openai_error
+from fastdeploy.entrypoints.openai.serving_engine import ClientDisconnectedError, ServerStop, to_openai_error
 from fastdeploy.entrypoints.openai.serving_responses import OpenAIServingResponses
 from fastdeploy.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
 from fastdeploy.entrypoints.openai.tokenizer_lanes import TokenizerLanes
@@ -152,8 +151,9 @@ def build_app(
     unknown name is a ``ValueError`` listing the known ones) and the API key: with a key set,
     every route needs ``Authorization: Bearer <key>`` except ``/health`` (and ``/ping``, ``/health_generate``),
     ``/metrics`` and ``/version`` (what load balancers and Prometheus poll).
-    ``app.state.begin_shutdown()`` ends the requests in flight with a 503 (the
-    server calls it when it starts stopping). ``api_server_index``: which of the
+    ``app.state.begin_drain()`` refuses new requests (and ``/health``) with a 503 while those in
+    flight go on (``--shutdown-timeout``); ``app.state.begin_shutdown()`` ends the requests in flight
+    with a 503 too (the server calls it when it stops). ``api_server_index``: which of the
     ``--api-server-count`` processes this app runs in (the ``api_server`` label of
     ``fastdeploy:api_server_requests``).
     """
@@ -184,13 +184,14 @@ def build_app(
     strict = server.strict_request_fields
 
     tokenizers = TokenizerLanes()
-    shutdown_event = asyncio.Event()
-    app.state.begin_shutdown = shutdown_event.set
+    stop = ServerStop()
+    app.state.begin_drain = stop.refusing.set
+    app.state.begin_shutdown = stop.ending.set
     completions = OpenAIServingCompletion(
         engine_client,
         served_model_names,
         tokenizers,
-        shutdown_event,
+        stop,
         max_prompts_per_request=server.max_prompts_per_request,
         return_tokens_as_token_ids=server.return_tokens_as_token_ids,
     )
@@ -201,19 +202,17 @@ def build_app(
         engine_client,
         served_model_names,
         tokenizers,
-        shutdown_event,
+        stop,
         reasoning_parser=reasoning_parser,
         tool_call_parser=server.tool_call_parser,
         return_tokens_as_token_ids=server.return_tokens_as_token_ids,
     )
-    tokenization = OpenAIServingTokenization(
-        engine_client, served_model_names, tokenizers, shutdown_event, chat=chat
-    )
+    tokenization = OpenAIServingTokenization(engine_client, served_model_names, tokenizers, stop, chat=chat)
     embeddings = OpenAIServingEmbedding(
         engine_client,
         served_model_names,
         tokenizers,
-        shutdown_event,
+        stop,
         max_prompts_per_request=server.max_prompts_per_request,
     )
 
@@ -316,6 +315,10 @@ def build_app(
     @app.get("/health_generate")  # SGLang's (its test launcher polls it): answered as /health
     @app.api_route("/ping", methods=["GET", "POST"])  # SageMaker's health check, as vLLM answers it
     async def health() -> Response:
+        if stop.stopping:  # (load balancers stop sending requests to a draining server)
+            return error_response(
+                ServiceUnavailableError("The server is shutting down.", code="shutting_down")
+            )
         if engine_client.is_healthy:
             return Response(status_code=200)
         return error_response(ServiceUnavailableError("The engine is not healthy.", code="engine_dead"))

@@ -162,7 +162,7 @@ def run_api_servers(args: argparse.Namespace) -> int:
         return _supervise(cores, servers, server_config.exit_on_engine_death)
     finally:
         with STOP_SIGNALS.shielded():
-            _stop_api_servers(servers)
+            _stop_api_servers(servers, server_config.shutdown_timeout)
             if cores is not None:
                 cores.stop()
             for sock in sockets:
@@ -196,13 +196,14 @@ def _supervise(cores, servers: list[ChildProcess], exit_on_engine_death: bool) -
         time.sleep(SUPERVISE_INTERVAL_S)
 
 
-def _stop_api_servers(servers: list[ChildProcess]) -> None:
-    """SIGTERM every API server (each stops serving gracefully), wait, then kill what is left."""
+def _stop_api_servers(servers: list[ChildProcess], drain_s: float = 0.0) -> None:
+    """SIGTERM every API server (each stops serving gracefully, letting its requests in flight
+    finish for up to ``drain_s``: ``--shutdown-timeout``), wait, then kill what is left."""
     for server in servers:
         if server.is_alive():
             with contextlib.suppress(OSError):
                 os.kill(server.pid, signal.SIGTERM)
-    deadline = time.monotonic() + API_SERVER_STOP_GRACE_S
+    deadline = time.monotonic() + drain_s + API_SERVER_STOP_GRACE_S
     for server in servers:
         server.stop(max(0.0, deadline - time.monotonic()))
     for server in servers:

@@ -11,6 +11,7 @@ gracefully, and during the cleanup they are ignored.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import errno
 import inspect
@@ -100,11 +101,13 @@ class _Server(uvicorn.Server):
         on_ready: Callable[[str, int, str], None] | None = None,
         engine: EngineClient | None = None,
         exit_on_engine_death: bool = False,
+        drain_s: float = 0.0,
     ):
         super().__init__(config)
         self._on_ready = on_ready
         self._engine = engine
         self._exit_on_engine_death = exit_on_engine_death
+        self._drain_s = drain_s
         self._engine_dead_since: float | None = None
         self.engine_died = False
         """Whether the server stopped because the engine died."""
@@ -130,10 +133,32 @@ class _Server(uvicorn.Server):
         return await super().on_tick(counter)
 
     async def shutdown(self, sockets: Any = None) -> None:
-        begin_shutdown = getattr(getattr(self.config.app, "state", None), "begin_shutdown", None)
+        state = getattr(self.config.app, "state", None)
+        if self._drain_s > 0 and not self.engine_died:
+            await self._drain(state)
+        begin_shutdown = getattr(state, "begin_shutdown", None)
         if begin_shutdown is not None:
             begin_shutdown()  # end streams cleanly instead of cutting them after the grace period
         await super().shutdown(sockets=sockets)
+
+    async def _drain(self, state: Any) -> None:
+        """``--shutdown-timeout``: accept no new connection, refuse new requests (and /health) with a
+        503, and wait up to ``drain_s`` for the requests in flight (a second SIGINT ends the wait)."""
+        for server in getattr(self, "servers", []):
+            server.close()
+        begin_drain = getattr(state, "begin_drain", None)
+        if begin_drain is not None:
+            begin_drain()
+        deadline = time.monotonic() + self._drain_s
+        if self.server_state.tasks:
+            logger.info(
+                "stopping: %d requests in flight, waiting up to %.0f s for them (--shutdown-timeout)",
+                len(self.server_state.tasks), self._drain_s,
+            )  # fmt: skip
+        while self.server_state.tasks and not self.force_exit and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        if self.server_state.tasks:
+            logger.warning("stopping: %d requests still in flight end now", len(self.server_state.tasks))
 
     async def startup(self, sockets: Any = None) -> None:
         await super().startup(sockets=sockets)
@@ -236,6 +261,7 @@ async def serve_http(
     ssl_certfile: str | None = None,
     engine: EngineClient | None = None,
     exit_on_engine_death: bool = False,
+    drain_s: float = 0.0,
 ) -> bool:
     """Serve ``app`` with uvicorn until SIGINT/SIGTERM; ``on_ready(host, port, scheme)`` once it accepts connections.
 
@@ -259,7 +285,9 @@ async def serve_http(
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
     quiet_access_log()  # after uvicorn.Config, which configures uvicorn's loggers
-    server = _Server(config, on_ready=on_ready, engine=engine, exit_on_engine_death=exit_on_engine_death)
+    server = _Server(
+        config, on_ready=on_ready, engine=engine, exit_on_engine_death=exit_on_engine_death, drain_s=drain_s
+    )
     await server.serve(sockets=[sock] if sock is not None else None)
     return server.engine_died
 
@@ -317,6 +345,7 @@ async def run_server(
             ssl_certfile=server_config.ssl_certfile,
             engine=engine,
             exit_on_engine_death=server_config.exit_on_engine_death,
+            drain_s=server_config.shutdown_timeout,
         )
     finally:
         with STOP_SIGNALS.shielded():

@@ -20,7 +20,6 @@ called tools and stopped is ``tool_calls``.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import time
@@ -60,6 +59,7 @@ from fastdeploy.entrypoints.openai.serving_engine import (
     SSE_DONE,
     EnginePrompt,
     OpenAIServing,
+    ServerStop,
     SSEResponse,
     StartedRequests,
     error_event,
@@ -137,14 +137,12 @@ class OpenAIServingChat(OpenAIServing):
         engine_client: EngineClient,
         served_model_names: list[str],
         tokenizers: TokenizerLanes | None = None,
-        shutdown_event: asyncio.Event | None = None,
+        stop: ServerStop | None = None,
         reasoning_parser: type[ReasoningParser] | None = None,
         tool_call_parser: str | None = None,
         return_tokens_as_token_ids: bool = False,
     ):
-        super().__init__(
-            engine_client, served_model_names, tokenizers, shutdown_event, return_tokens_as_token_ids
-        )
+        super().__init__(engine_client, served_model_names, tokenizers, stop, return_tokens_as_token_ids)
         self.reasoning_parser = reasoning_parser
         self.tool_call_parser = tool_call_parser
         self._tool_calling: ToolCalling | None = None

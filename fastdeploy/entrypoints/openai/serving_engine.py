@@ -13,7 +13,7 @@ import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import anyio
@@ -323,6 +323,21 @@ class StartedRequests:
         await _aclose_all(self._streams)
 
 
+@dataclass
+class ServerStop:
+    """How a stopping server treats requests. ``refusing`` set: new requests get a 503
+    (``shutting_down``) while those in flight go on (``serve --shutdown-timeout``'s drain);
+    ``ending`` set: the requests in flight end with a 503 too."""
+
+    refusing: asyncio.Event = field(default_factory=asyncio.Event)
+    ending: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def stopping(self) -> bool:
+        """Whether new requests are refused (either stage)."""
+        return self.refusing.is_set() or self.ending.is_set()
+
+
 class OpenAIServing:
     """Base of the endpoint handlers: the engine client, served names and the tokenizer threads.
 
@@ -336,7 +351,7 @@ class OpenAIServing:
         engine_client: EngineClient,
         served_model_names: list[str],
         tokenizers: TokenizerLanes | None = None,
-        shutdown_event: asyncio.Event | None = None,
+        stop: ServerStop | None = None,
         return_tokens_as_token_ids: bool = False,
     ):
         if not served_model_names:
@@ -344,8 +359,8 @@ class OpenAIServing:
         self.engine = engine_client
         self.served_model_names = list(served_model_names)
         self.tokenizers = tokenizers or TokenizerLanes()
-        self.shutdown_event = shutdown_event
-        """Set when the server stops: requests in flight end with a 503."""
+        self.stop = stop or ServerStop()
+        """The server's stop stages: new requests refused, then requests in flight ended."""
         self.sampling_defaults: dict[str, Any] = dict(
             getattr(engine_client, "generation_defaults", None) or {}
         )
@@ -377,7 +392,7 @@ class OpenAIServing:
 
     def check_healthy(self) -> None:
         """503 if the engine has died or the server is stopping."""
-        if self.shutdown_event is not None and self.shutdown_event.is_set():
+        if self.stop.stopping:
             raise ServerShuttingDownError("The server is shutting down.", code="shutting_down")
         if not self.engine.is_healthy:
             raise ServiceUnavailableError(
@@ -508,7 +523,7 @@ class OpenAIServing:
     async def start_requests(self, request_ids: list[str], prompts: list[EnginePrompt]) -> StartedRequests:
         """Send the engine requests of one API request now; the caller closes what this returns
         (:class:`StartedRequests`). If a send fails, those already sent are aborted."""
-        started = StartedRequests(self.engine, request_ids, prompts, self.shutdown_event)
+        started = StartedRequests(self.engine, request_ids, prompts, self.stop.ending)
         try:
             started.send(prompts)
         except BaseException:
