@@ -247,6 +247,9 @@ class ServerConfig:
     exit_on_engine_death: bool = True
     """Exit (non-zero) when the engine dies, so that a supervisor restarts the server; off: keep
     answering /health and new requests with 503."""
+    enable_force_include_usage: bool = False
+    """Streamed completions and chat completions end with a usage chunk whether or not the client
+    asked (stream_options.include_usage), as vLLM's flag does."""
     enable_request_id_headers: bool = False
     """Give every answer an X-Request-Id header: the request's own, else a new id (vLLM's flag).
     Either way a request's X-Request-Id names its answer (chatcmpl-<X-Request-Id>)."""

@@ -7,6 +7,7 @@ the extension fields of responses, legacy ``top_logprobs``, ``--strict-request-f
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 from types import SimpleNamespace
@@ -210,6 +211,38 @@ def test_continuous_usage_needs_include_usage():
     assert chat(stream=True, stream_options=both).continuous_usage
     assert not chat(stream=True, stream_options={"continuous_usage_stats": True}).continuous_usage
     assert not chat(stream=True, stream_options={"include_usage": True}).continuous_usage
+
+
+def test_forced_usage_as_vllms_enable_force_include_usage():
+    """``--enable-force-include-usage``: a stream ends with usage unasked; continuous usage still needs
+    ``continuous_usage_stats``; a whole answer always has its usage."""
+    assert chat(stream=True).usage_in_stream(forced=True) == (True, False)
+    continuous = {"continuous_usage_stats": True}
+    assert chat(stream=True, stream_options=continuous).usage_in_stream(forced=True) == (True, True)
+    assert chat(stream=True, stream_options=continuous).usage_in_stream() == (False, False)
+    assert chat().usage_in_stream(forced=True) == (False, False)
+
+
+@pytest.mark.parametrize("forced", [False, True])
+def test_enable_force_include_usage_ends_streams_with_usage(forced):
+    from tests.entrypoints.test_tool_calling import ScriptedEngine
+
+    app = build_app(ScriptedEngine(["Hi", " there"]), ["m"], ServerConfig(enable_force_include_usage=forced))
+    bodies = {
+        "/v1/chat/completions": {"model": "m", "messages": USER, "stream": True},
+        "/v1/completions": {"model": "m", "prompt": "Hello", "stream": True},
+    }
+    with TestClient(app) as client:
+        for path, body in bodies.items():
+            text = client.post(path, json=body).text
+            chunks = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+            assert text.rstrip().endswith("data: [DONE]")
+            usage_chunks = [c for c in chunks if c.get("usage")]
+            if forced:
+                assert len(usage_chunks) == 1 and usage_chunks[0] is chunks[-1] and not chunks[-1]["choices"]
+                assert chunks[-1]["usage"]["completion_tokens"] == 2, path
+            else:
+                assert usage_chunks == [], path
 
 
 def test_token_id_fields_are_left_out_unless_asked():

@@ -194,6 +194,7 @@ def build_app(
         stop,
         max_prompts_per_request=server.max_prompts_per_request,
         return_tokens_as_token_ids=server.return_tokens_as_token_ids,
+        force_include_usage=server.enable_force_include_usage,
     )
     reasoning_parser = get_reasoning_parser(server.reasoning_parser) if server.reasoning_parser else None
     if server.tool_call_parser:
@@ -206,6 +207,7 @@ def build_app(
         reasoning_parser=reasoning_parser,
         tool_call_parser=server.tool_call_parser,
         return_tokens_as_token_ids=server.return_tokens_as_token_ids,
+        force_include_usage=server.enable_force_include_usage,
     )
     tokenization = OpenAIServingTokenization(engine_client, served_model_names, tokenizers, stop, chat=chat)
     embeddings = OpenAIServingEmbedding(

@@ -101,11 +101,12 @@ class ChatOptions:
     """Logprobs tokens as ``token_id:N`` (``return_tokens_as_token_ids``)."""
 
     @classmethod
-    def of(cls, request: ChatCompletionRequest) -> ChatOptions:
-        """The options ``request`` asks for."""
+    def of(cls, request: ChatCompletionRequest, force_usage: bool = False) -> ChatOptions:
+        """The options ``request`` asks for (``force_usage``: ``--enable-force-include-usage``)."""
+        include_usage, continuous_usage = request.usage_in_stream(force_usage)
         return cls(
-            include_usage=request.include_usage,
-            continuous_usage=request.continuous_usage,
+            include_usage=include_usage,
+            continuous_usage=continuous_usage,
             num_prompt_logprobs=request.prompt_logprobs,
             echo_text=request.echo_text,
             return_token_ids=bool(request.return_token_ids),
@@ -141,8 +142,16 @@ class OpenAIServingChat(OpenAIServing):
         reasoning_parser: type[ReasoningParser] | None = None,
         tool_call_parser: str | None = None,
         return_tokens_as_token_ids: bool = False,
+        force_include_usage: bool = False,
     ):
-        super().__init__(engine_client, served_model_names, tokenizers, stop, return_tokens_as_token_ids)
+        super().__init__(
+            engine_client,
+            served_model_names,
+            tokenizers,
+            stop,
+            return_tokens_as_token_ids,
+            force_include_usage,
+        )
         self.reasoning_parser = reasoning_parser
         self.tool_call_parser = tool_call_parser
         self._tool_calling: ToolCalling | None = None
@@ -205,7 +214,7 @@ class OpenAIServingChat(OpenAIServing):
             text=text,
             mm_items=mm_items or None,
         )
-        options = ChatOptions.of(request)
+        options = ChatOptions.of(request, self.force_include_usage)
         options.reasoning = reasoning
         options.tokens_as_ids = self.tokens_as_ids(request)
         if tools.parser is not None:

@@ -114,10 +114,11 @@ class OpenAIServingCompletion(OpenAIServing):
             )
 
         tokenized = time.monotonic()
+        include_usage, continuous_usage = request.usage_in_stream(self.force_include_usage)
         extras = CompletionExtras(
             num_prompt_logprobs=request.prompt_logprobs,
             return_token_ids=bool(request.return_token_ids),
-            continuous_usage=request.continuous_usage,
+            continuous_usage=continuous_usage,
             tokens_as_ids=self.tokens_as_ids(request),
         )
         if request.echo:  # token-id prompts echo as their decoded text
@@ -129,7 +130,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.stream:
             recorder = TimelineRecorder(getattr(raw_request.state, "received", None), tokenized)
             return SSEResponse(
-                self._stream(request_id, model, started, prompts, request.include_usage, extras, recorder),
+                self._stream(request_id, model, started, prompts, include_usage, extras, recorder),
                 on_close=started.close,
             )
         try:

@@ -353,6 +353,7 @@ class OpenAIServing:
         tokenizers: TokenizerLanes | None = None,
         stop: ServerStop | None = None,
         return_tokens_as_token_ids: bool = False,
+        force_include_usage: bool = False,
     ):
         if not served_model_names:
             raise ValueError("at least one served model name is needed")
@@ -365,6 +366,8 @@ class OpenAIServing:
             getattr(engine_client, "generation_defaults", None) or {}
         )
         """The model's sampling defaults for unset request fields (``--generation-config``)."""
+        self.force_include_usage = force_include_usage
+        """Streams end with a usage chunk whether or not the client asked (``--enable-force-include-usage``)."""
         self.return_tokens_as_token_ids = return_tokens_as_token_ids
         """Every request's logprobs tokens as ``token_id:N`` (``--return-tokens-as-token-ids``)."""
         self._vocab_size: int | None = None

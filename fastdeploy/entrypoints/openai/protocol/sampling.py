@@ -162,16 +162,25 @@ class SamplingRequest(StructuredOutputsRequest, SamplingControls):
             raise ValueError(f"must be at most {MAX_N}, got {v}")
         return v
 
+    def usage_in_stream(self, forced: bool = False) -> tuple[bool, bool]:
+        """Whether a streaming response ends with a usage chunk, and whether every chunk carries the
+        usage so far (vLLM's ``continuous_usage_stats``, which needs the first, as in vLLM).
+        ``forced``: the server's ``--enable-force-include-usage`` (the usage chunk as if asked for)."""
+        if not self.stream:
+            return False, False
+        options = self.stream_options
+        include = forced or bool(options and options.include_usage)
+        return include, include and bool(options and options.continuous_usage_stats)
+
     @property
     def include_usage(self) -> bool:
-        """Whether a streaming response ends with a usage chunk."""
-        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+        """Whether a streaming response ends with a usage chunk (the client's asking alone)."""
+        return self.usage_in_stream()[0]
 
     @property
     def continuous_usage(self) -> bool:
-        """Whether every chunk of a streaming response carries the usage so far (vLLM's
-        ``continuous_usage_stats``, which needs ``include_usage`` as in vLLM)."""
-        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
+        """Whether every chunk of a streaming response carries the usage so far (the client's asking alone)."""
+        return self.usage_in_stream()[1]
 
     def check_supported(self) -> None:
         """Raise a 400 if a not-yet-implemented OpenAI field has a non-default value, and log (once
