@@ -268,18 +268,77 @@ def fp8_linear_kernels(
         return triton_module("triton_fp8_gemv").fp8_small_m_linear(x, weight, weight_scale, block, bias)
     if path is Fp8Path.SCALED_MM_ROWWISE:
         xq, xs = _quant_kernels().quantize_activation_per_token(x)
-        fuse_bias = bias is not None and x.dtype in (torch.bfloat16, torch.float16) and bias.dtype == x.dtype
-        out = torch._scaled_mm(
-            xq, weight.t(), scale_a=xs, scale_b=weight_scale.view(1, -1),
-            bias=bias if fuse_bias else None, out_dtype=x.dtype,
-        )  # fmt: skip
-        return out.add_(bias) if bias is not None and not fuse_bias else out
+        return scaled_mm_rowwise(xq, xs, weight, weight_scale, bias, x.dtype)
     if path is Fp8Path.SCALED_MM_BLOCK:
         return _scaled_mm_block(x, weight, weight_scale, bias)
     if path is Fp8Path.TRITON_BLOCK:
         return triton_module("triton_fp8_gemm").fp8_block_linear(x, weight, weight_scale, block, bias)
     out = fp8_linear_torch(x, weight, weight_scale, block)
     return out if bias is None else out.add_(bias)
+
+
+def scaled_mm_rowwise(
+    xq: torch.Tensor,
+    xs: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``torch._scaled_mm`` of a per-token quantized activation (``xq``, scales ``xs [M, 1]``) and a
+    per-channel weight (scales ``[N]``), the bias fused where its dtype allows."""
+    fuse_bias = bias is not None and out_dtype in (torch.bfloat16, torch.float16) and bias.dtype == out_dtype
+    out = torch._scaled_mm(
+        xq, weight.t(), scale_a=xs, scale_b=weight_scale.view(1, -1),
+        bias=bias if fuse_bias else None, out_dtype=out_dtype,
+    )  # fmt: skip
+    return out.add_(bias) if bias is not None and not fuse_bias else out
+
+
+def fp8_norm_quant_fusable(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    weight: torch.Tensor,
+    block: tuple[int, int] | None,
+    backend: Fp8LinearBackend | None = None,
+) -> bool:
+    """Whether :func:`fp8_norm_quant_linear` runs ``rms_norm(x + residual)`` and this linear now: a
+    per-channel weight whose rows take the quantize-then-``_scaled_mm`` path (more rows than the
+    GEMV's), on CUDA, the activations, residual and norm weight in one 16-bit dtype."""
+    if block is not None or not x.is_cuda or x.dim() != 2 or x.stride(-1) != 1:
+        return False
+    backend = backend or _device_backend(x.device)
+    m, k = x.shape
+    if (
+        m <= backend.small_m_max
+        or select_path(m, weight.shape[0], k, None, backend, False) is not Fp8Path.SCALED_MM_ROWWISE
+    ):
+        return False
+    dtypes = {x.dtype, norm_weight.dtype} | ({residual.dtype} if residual is not None else set())
+    if dtypes != {torch.bfloat16} and dtypes != {torch.float16}:
+        return False
+    if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1):
+        return False
+    return not envs.FD_DISABLE_CUSTOM_OPS and triton_module("triton_fp8_quant") is not None
+
+
+def fp8_norm_quant_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(linear(rms_norm(x + residual)), the new residual)`` for a per-channel FP8 weight: the
+    residual add, the norm and the per-token quantization in one kernel
+    (:func:`~fastdeploy.ops.triton_fp8_quant.add_rms_norm_quant`), then ``_scaled_mm``; the same bits
+    as the norm kernel, then :func:`fp8_linear`. ``residual`` is updated in place (None: ``x`` is the
+    new residual)."""
+    xq, xs, residual = triton_module("triton_fp8_quant").add_rms_norm_quant(x, residual, norm_weight, eps)
+    return scaled_mm_rowwise(xq, xs, weight, weight_scale, bias, x.dtype), residual
 
 
 def _quant_kernels():

@@ -1,6 +1,7 @@
 """FP8 activation quantization in one Triton kernel each: per token and ``group`` columns (the CUDA
-path of :func:`fastdeploy.ops.fp8_quant.quantize_activation_per_token_group`) and per token (of
-:func:`fastdeploy.ops.fp8_quant.quantize_activation_per_token`).
+path of :func:`fastdeploy.ops.fp8_quant.quantize_activation_per_token_group`), per token (of
+:func:`fastdeploy.ops.fp8_quant.quantize_activation_per_token`), and per token after the residual
+add and RMSNorm (:func:`add_rms_norm_quant`: the norm before an FP8 linear, in the same kernel).
 
 The torch implementations are about eight kernels (pad, abs, amax, clamp, divide, clamp, cast,
 slice); every FP8 linear and each FP8 MoE GEMM quantizes its activation, so those launches add
@@ -66,6 +67,56 @@ def _token_quant_kernel(
         q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX_C), FP8_MAX_C)
         tl.store(q_ptr + row * stride_qm + k0 + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + row, scale)
+
+
+@triton.jit
+def _add_rms_norm_quant_kernel(
+    x_ptr, r_ptr, w_ptr, q_ptr, s_ptr, n, eps, stride_xm, stride_rm, stride_qm, HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr, FP8_MAX_C: tl.constexpr, MIN_AMAX_C: tl.constexpr,
+):  # fmt: skip
+    """One row: ``h = x + residual`` (stored into ``residual``), ``y = weight * h / rms(h)`` rounded
+    as :func:`fastdeploy.ops.triton_layer_ops.fused_add_rms_norm` rounds it, then ``y`` quantized
+    per token as :func:`_token_quant_kernel` quantizes it: the two kernels' bits, ``y`` never stored."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    dtype = w_ptr.dtype.element_ty
+    h = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptr + row * stride_rm + cols, mask=mask, other=0.0).to(tl.float32)
+        summed = (h + r).to(dtype)
+        tl.store(r_ptr + row * stride_rm + cols, summed, mask=mask)
+        h = summed.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(h * h, axis=0) / n + eps)
+    normed = (h * inv).to(dtype).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = (normed * w).to(dtype).to(tl.float32)
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(y), axis=0), MIN_AMAX_C), FP8_MAX_C)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -FP8_MAX_C), FP8_MAX_C)
+    tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row, scale)
+
+
+def add_rms_norm_quant(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(y_fp8 [M, K], scale [M, 1] float32, new residual)`` with ``y = rms_norm(x + residual)``
+    quantized per token, in one kernel: the bits of :func:`~fastdeploy.ops.layer_ops.fused_add_rms_norm`
+    then :func:`quantize_activation_per_token` (the normalized row is never written out). The residual
+    sum goes into ``residual`` in place (as ``fused_add_rms_norm``); with ``residual`` None the new
+    residual is ``x`` itself. ``x``, ``residual`` and ``weight`` share one 16-bit dtype."""
+    m, k = x.shape
+    interpreting = triton_interpreting()
+    q = torch.empty((m, k), dtype=torch.float32 if interpreting else FP8_DTYPE, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m:
+        block = triton.next_power_of_2(k)
+        _add_rms_norm_quant_kernel[(m,)](
+            x, residual if residual is not None else x, weight, q, scale, k, eps, x.stride(0),
+            residual.stride(0) if residual is not None else 0, q.stride(0), HAS_RESIDUAL=residual is not None,
+            BLOCK=block, FP8_MAX_C=FP8_MAX, MIN_AMAX_C=MIN_AMAX, num_warps=4 if block <= 2048 else 8,
+        )  # fmt: skip
+    return (q.to(FP8_DTYPE) if interpreting else q), scale, (residual if residual is not None else x)
 
 
 def quantize_activation_per_token_group(

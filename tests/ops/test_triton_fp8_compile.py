@@ -4,7 +4,7 @@ The CPU interpreter accepts code the compiler rejects (type changes across branc
 shapes, fp8 conversions), so this compiles, in a subprocess without ``TRITON_INTERPRET`` and
 with Triton's bundled ptxas, every configuration the w8a16 GEMV autotunes over at the largest
 row count each may get (and the SiLU prologue, per-channel and fp32 variants), the block GEMM's
-table, and both activation quantization kernels; then reads the register and stack usage with
+table, and the activation quantization kernels (the norm + quantization one too); then reads the register and stack usage with
 the bundled ``cuobjdump`` (as tests/ops/test_triton_attention_compile.py does). No GPU needed.
 """
 
@@ -100,6 +100,12 @@ def _compile_all() -> dict[str, dict[str, int]]:
     results["quant-group"] = _compile(
         q._group_quant_kernel, quant_types, dict(GROUP=128, BLOCK=128, **limits), {"num_warps": 4}
     )
+    norm_types = {**quant_types, "r_ptr": "*bf16", "w_ptr": "*bf16", "eps": "fp32"}
+    for k in (2048, 4096):  # the Qwen3-30B-A3B and Llama-3.1-8B hidden sizes
+        results[f"norm-quant-{k}"] = _compile(
+            q._add_rms_norm_quant_kernel, norm_types, dict(HAS_RESIDUAL=True, BLOCK=k, **limits),
+            {"num_warps": 4 if k <= 2048 else 8},
+        )  # fmt: skip
     return results
 
 

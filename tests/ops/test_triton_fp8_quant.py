@@ -58,3 +58,55 @@ def test_column_major_group_scales():
     assert s.shape == (5, 3) and s.stride() == (1, 5)
     assert torch.equal(s.cpu(), s_ref)
     assert torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_residual", [True, False], ids=["add", "no-residual"])
+@pytest.mark.parametrize("k", [256, 200])
+def test_add_rms_norm_quant_is_the_norm_then_the_quantization(k, with_residual, dtype):
+    """``add_rms_norm_quant`` gives the bits of the norm kernel (``fused_add_rms_norm``, or
+    ``rms_norm`` without a residual) followed by the per-token quantization, and the same residual."""
+    from fastdeploy.ops import triton_layer_ops as lo
+
+    g = torch.Generator().manual_seed(k + with_residual)
+    scales = 10.0 ** torch.arange(-3, 3).unsqueeze(1)  # rows of 1e-3 .. 1e2
+    x = (torch.randn(6, k, generator=g) * scales).to(dtype).to(DEVICE)
+    residual = (torch.randn(6, k, generator=g) * scales).to(dtype).to(DEVICE) if with_residual else None
+    weight = (1.0 + 0.1 * torch.randn(k, generator=g)).to(dtype).to(DEVICE)
+    if with_residual:
+        normed, ref_residual = lo.fused_add_rms_norm(x.clone(), residual.clone(), weight, 1e-6)
+    else:
+        normed, ref_residual = lo.rms_norm(x, weight, 1e-6), x
+    q_ref, s_ref = kernel.quantize_activation_per_token(normed)
+    q, s, new_residual = kernel.add_rms_norm_quant(x, residual, weight, 1e-6)
+    assert torch.equal(s.cpu(), s_ref.cpu()) and torch.isfinite(s).all()
+    assert torch.equal(q.cpu().view(torch.uint8), q_ref.cpu().view(torch.uint8))
+    assert torch.equal(new_residual.cpu(), ref_residual.cpu())
+    if with_residual:
+        assert new_residual is residual  # updated in place, as fused_add_rms_norm does
+    else:
+        assert new_residual is x
+
+
+def test_norm_quant_linear_is_the_norm_then_the_fp8_linear():
+    """The fused norm + per-channel FP8 linear (``fp8_norm_quant_linear``) against the norm kernel then
+    ``fp8_linear``'s quantize + ``_scaled_mm`` path on the same operands: the same output bits."""
+    from fastdeploy.ops import fp8_linear as fl
+    from fastdeploy.ops import triton_layer_ops as lo
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(24, 256, generator=g).to(torch.bfloat16).to(DEVICE)
+    residual = torch.randn(24, 256, generator=g).to(torch.bfloat16).to(DEVICE)
+    norm_weight = (1.0 + 0.1 * torch.randn(256, generator=g)).to(torch.bfloat16).to(DEVICE)
+    wq, ws = fq.quantize_weight_per_channel((torch.randn(144, 256, generator=g) * 0.05).to(DEVICE))
+    bias = torch.randn(144, generator=g).to(torch.bfloat16).to(DEVICE)
+    normed, ref_residual = lo.fused_add_rms_norm(x.clone(), residual.clone(), norm_weight, 1e-6)
+    backend = fl.Fp8LinearBackend(small_m_max=16, block_scaled_mm=False)
+    ref = fl.fp8_linear_kernels(normed, wq, ws, None, bias, backend)
+    out, new_residual = fl.fp8_norm_quant_linear(x, residual, norm_weight, 1e-6, wq, ws, bias)
+    assert torch.equal(out.cpu(), ref.cpu()) and torch.equal(new_residual.cpu(), ref_residual.cpu())
+    # where it applies: CUDA, per-channel scales, more rows than the GEMV takes, one 16-bit dtype
+    assert fl.fp8_norm_quant_fusable(x, residual, norm_weight, wq, None, backend) == x.is_cuda
+    assert not fl.fp8_norm_quant_fusable(x, residual, norm_weight, wq, (128, 128), backend)
+    assert not fl.fp8_norm_quant_fusable(x[:16], residual[:16], norm_weight, wq, None, backend)
+    assert not fl.fp8_norm_quant_fusable(x.float(), residual, norm_weight, wq, None, backend)

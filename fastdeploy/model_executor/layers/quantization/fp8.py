@@ -227,22 +227,26 @@ class Fp8LinearMethod(LinearMethod):
     def apply_normed(
         self, layer: Linear, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """One kernel in decode on a GPU (the GEMV's residual-add + RMSNorm prologue) for an
-        RMSNorm before a layer whose forward is its matmul; None otherwise."""
+        """An RMSNorm before a layer whose forward is its matmul, fused on a GPU: in decode one
+        kernel (the GEMV's residual-add + RMSNorm prologue); with more rows and per-channel scales
+        the add, norm and activation quantization in one kernel before ``_scaled_mm``. None
+        otherwise (the norm runs on its own)."""
         from fastdeploy.model_executor.layers.layernorm import RMSNorm
         from fastdeploy.model_executor.layers.linear import Linear
-        from fastdeploy.ops.fp8_linear import fp8_norm_fusable
+        from fastdeploy.ops.fp8_linear import fp8_norm_fusable, fp8_norm_quant_fusable, fp8_norm_quant_linear
 
         if type(norm) is not RMSNorm or type(layer).forward is not Linear.forward:
             return None
-        if not fp8_norm_fusable(x, residual, norm.weight, layer.weight, self.block, layer.bias, self.backend):
-            return None
-        from fastdeploy.ops.triton_fp8_gemv import fp8_norm_small_m_linear
-
         scale = getattr(layer, self.scale_name)
-        return fp8_norm_small_m_linear(
-            x, residual, norm.weight, norm.eps, layer.weight, scale, self.block, layer.bias
-        )
+        if fp8_norm_fusable(x, residual, norm.weight, layer.weight, self.block, layer.bias, self.backend):
+            from fastdeploy.ops.triton_fp8_gemv import fp8_norm_small_m_linear
+
+            return fp8_norm_small_m_linear(
+                x, residual, norm.weight, norm.eps, layer.weight, scale, self.block, layer.bias
+            )
+        if fp8_norm_quant_fusable(x, residual, norm.weight, layer.weight, self.block, self.backend):
+            return fp8_norm_quant_linear(x, residual, norm.weight, norm.eps, layer.weight, scale, layer.bias)
+        return None
 
     def apply_silu_mul(self, layer: Linear, gate_up: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """down_proj of ``silu_and_mul(gate_up)``: one kernel in decode on a GPU (the GEMV's SiLU
