@@ -162,6 +162,11 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "torch._scaled_grouped_mm calls (CUTLASS; ops/fp8_grouped_mm.py) instead of the Triton grouped "
         "GEMM; 0 (the default until measured on a GPU): never.",
     ),
+    "FD_MOE_TRITON_SUM": (
+        _bool("FD_MOE_TRITON_SUM", "0"),
+        "1: the fused MoE's combine (each token's sum over its top-k expert outputs) is a Triton kernel "
+        "(triton_moe_act.sum_pairs) instead of torch's sum; 0 (the default until measured on a GPU): torch.",
+    ),
     "FD_TRITON_PDL": (
         _bool("FD_TRITON_PDL", "1"),
         "Launch the decode step's Triton kernels with programmatic dependent launch on sm_90+ "

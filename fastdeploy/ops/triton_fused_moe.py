@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fastdeploy import envs
 from fastdeploy.ops.fp8_grouped_mm import grouped_mm_applies, grouped_mm_experts
 from fastdeploy.ops.fp8_quant import (
     FP8_DTYPE,
@@ -409,6 +410,6 @@ def fused_experts(
     out = torch.empty((pairs, w2.shape[1]), dtype=hidden.dtype, device=hidden.device)
     weights = topk_weights.reshape(-1).contiguous()
     _launch(a, a_scale, w2, w2_scale, out, routing, weights, 1, block_shape, config)
-    if skip_negative_ids:
+    if skip_negative_ids or envs.FD_MOE_TRITON_SUM:
         return sum_pairs(out, ids, top_k)
     return out.view(num_tokens, top_k, -1).sum(dim=1)

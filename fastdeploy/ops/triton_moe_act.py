@@ -39,17 +39,27 @@ def _silu_and_mul_pairs_kernel(gu_ptr, ids_ptr, out_ptr, gu_stride, out_stride, 
 
 @triton.jit
 def _sum_pairs_kernel(
-    x_ptr, ids_ptr, out_ptr, H, stride_x, stride_o, TOP_K: tl.constexpr, BLOCK: tl.constexpr
+    x_ptr,
+    ids_ptr,
+    out_ptr,
+    H,
+    stride_x,
+    stride_o,
+    TOP_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SKIP: tl.constexpr,
 ):
-    """``out[token] = sum of x[pair]`` over the token's k pairs whose expert id is not negative
-    (float32 accumulation, rounded once)."""
+    """``out[token] = sum of x[pair]`` over the token's k pairs (with ``SKIP``: those whose expert id
+    is not negative), float32 accumulation, rounded once."""
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < H
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         pair = token * TOP_K + j
-        end = tl.where(tl.load(ids_ptr + pair) >= 0, H, 0)  # a skipped pair: every load masked off
+        end = H
+        if SKIP:
+            end = tl.where(tl.load(ids_ptr + pair) >= 0, H, 0)  # a skipped pair: every load masked off
         acc += tl.load(x_ptr + pair * stride_x + cols, mask=cols < end, other=0.0).to(tl.float32)
     tl.store(out_ptr + token * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -130,13 +140,16 @@ def silu_and_mul_pairs(gate_up: torch.Tensor, ids: torch.Tensor) -> torch.Tensor
     return out
 
 
-def sum_pairs(x: torch.Tensor, ids: torch.Tensor, top_k: int) -> torch.Tensor:
+def sum_pairs(x: torch.Tensor, ids: torch.Tensor | None, top_k: int) -> torch.Tensor:
     """``[T, H]``: each token's sum of its ``top_k`` pair rows of ``x [T * top_k, H]``, leaving out
-    the pairs whose id (``ids [T * top_k]``) is negative (their rows are never read)."""
+    the pairs whose id (``ids [T * top_k]``; None: none left out) is negative (their rows are never read)."""
     tokens, h = x.shape[0] // top_k, x.shape[1]
     out = torch.empty((tokens, h), dtype=x.dtype, device=x.device)
     if tokens:
         block = min(1024, triton.next_power_of_2(h))
         grid = (tokens, triton.cdiv(h, block))
-        _sum_pairs_kernel[grid](x, ids, out, h, x.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block)
+        _sum_pairs_kernel[grid](
+            x, ids if ids is not None else x, out, h, x.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block,
+            SKIP=ids is not None,
+        )  # fmt: skip
     return out

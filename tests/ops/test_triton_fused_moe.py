@@ -107,6 +107,24 @@ def test_matches_float64_reference(tokens, dtype, tol):
 
 
 @needs_backend
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_sum_equals_torchs_sum(dtype, monkeypatch):
+    """``FD_MOE_TRITON_SUM=1``: the combine in Triton (``sum_pairs``, float32 accumulation, one
+    rounding) against torch's sum of the same expert outputs: float32 to 1e-6, bf16 within one
+    rounding of the output."""
+    x, w13, w2, weights, ids = _problem(21, 64, 96, dtype, seed=3)
+    inputs = _on(DEVICE, x, w13, w2, weights, ids)
+    torch_sum = moe.fused_experts(*inputs)
+    monkeypatch.setenv("FD_MOE_TRITON_SUM", "1")
+    triton_sum = moe.fused_experts(*inputs)
+    tol = 1e-6 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(triton_sum.float(), torch_sum.float(), rtol=tol, atol=tol)
+    assert _rel_err(triton_sum, _reference(x, w13, w2, weights, ids)) < (
+        1e-5 if dtype == torch.float32 else 2e-2
+    )
+
+
+@needs_backend
 def test_matches_fused_moe_torch_path():
     """Same weights through FusedMoE.compute_experts_torch (the CPU path) and the kernel, float32."""
     from fastdeploy.model_executor.layers.fused_moe import FusedMoE
