@@ -163,9 +163,10 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "GEMM; 0 (the default until measured on a GPU): never.",
     ),
     "FD_MOE_TRITON_SUM": (
-        _bool("FD_MOE_TRITON_SUM", "0"),
-        "1: the fused MoE's combine (each token's sum over its top-k expert outputs) is a Triton kernel "
-        "(triton_moe_act.sum_pairs) instead of torch's sum; 0 (the default until measured on a GPU): torch.",
+        _bool("FD_MOE_TRITON_SUM", "1"),
+        "1 (the default): the fused MoE's combine (each token's sum over its top-k expert outputs) is a "
+        "Triton kernel (triton_moe_act.sum_pairs), 1.5-2.7% faster layers on an H200 (docs/benchmarks.md, "
+        "twenty-third session); 0: torch's sum.",
     ),
     "FD_TRITON_PDL": (
         _bool("FD_TRITON_PDL", "1"),

@@ -109,11 +109,12 @@ def test_matches_float64_reference(tokens, dtype, tol):
 @needs_backend
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_sum_equals_torchs_sum(dtype, monkeypatch):
-    """``FD_MOE_TRITON_SUM=1``: the combine in Triton (``sum_pairs``, float32 accumulation, one
+    """``FD_MOE_TRITON_SUM=1`` (the default): the combine in Triton (``sum_pairs``, float32 accumulation, one
     rounding) against torch's sum of the same expert outputs: float32 to 1e-6, bf16 within one
     rounding of the output."""
     x, w13, w2, weights, ids = _problem(21, 64, 96, dtype, seed=3)
     inputs = _on(DEVICE, x, w13, w2, weights, ids)
+    monkeypatch.setenv("FD_MOE_TRITON_SUM", "0")
     torch_sum = moe.fused_experts(*inputs)
     monkeypatch.setenv("FD_MOE_TRITON_SUM", "1")
     triton_sum = moe.fused_experts(*inputs)
