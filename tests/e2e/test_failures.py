@@ -31,8 +31,9 @@ LONG_STREAM_ARGS = {
 }
 
 
-def start_long_stream(server) -> tuple[threading.Thread, dict]:
-    """Stream a long completion in a thread; returns the thread and its result dict.
+def start_long_stream(server, **overrides) -> tuple[threading.Thread, dict]:
+    """Stream a long completion (``overrides``: of :data:`LONG_STREAM_ARGS`) in a thread; returns the
+    thread and its result dict.
 
     The result holds ``chunks`` (received so far), ``started`` (an Event set after
     the first few chunks), and at the end ``error`` (the exception, if any),
@@ -43,7 +44,9 @@ def start_long_stream(server) -> tuple[threading.Thread, dict]:
     def run() -> None:
         client = server.openai(timeout=60)
         try:
-            stream = client.completions.create(model=server.model_name(), stream=True, **LONG_STREAM_ARGS)
+            stream = client.completions.create(
+                model=server.model_name(), stream=True, **{**LONG_STREAM_ARGS, **overrides}
+            )
             for chunk in stream:
                 result["chunks"] += 1
                 if result["chunks"] >= 3:
@@ -151,26 +154,7 @@ def test_shutdown_timeout_lets_the_requests_in_flight_finish(server_factory):
     """``--shutdown-timeout``: after SIGTERM the stream in flight runs to its end while the server takes
     no new connection; then it exits with 143 and leaves no process behind."""
     srv = server_factory("--shutdown-timeout", "60")
-    result: dict = {"chunks": 0, "started": threading.Event(), "error": None, "finish_reason": None}
-
-    def stream() -> None:
-        try:
-            reply = srv.openai(timeout=90).completions.create(
-                model=srv.model_name(), stream=True, **{**LONG_STREAM_ARGS, "max_tokens": 100}
-            )
-            for chunk in reply:
-                result["chunks"] += 1
-                if result["chunks"] >= 3:
-                    result["started"].set()
-                for c in chunk.choices:
-                    result["finish_reason"] = c.finish_reason or result["finish_reason"]
-        except Exception as exc:  # what the test checks
-            result["error"] = exc
-        finally:
-            result["started"].set()
-
-    streaming = threading.Thread(target=stream, daemon=True)
-    streaming.start()
+    streaming, result = start_long_stream(srv, max_tokens=100)
     assert result["started"].wait(60) and result["error"] is None, result["error"]
     stopped: dict = {}
     stopping = threading.Thread(

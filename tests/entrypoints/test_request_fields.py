@@ -287,10 +287,11 @@ def test_completion_top_logprobs_always_hold_the_sampled_token():
 # --------------------------------------------------------------------------- the app
 
 
-def fake_engine(model_path: str = "/models/m.gguf") -> SimpleNamespace:
-    """Just enough of an engine client for /tokenize and /v1/models; generation gets a 503 (unhealthy)."""
+def fake_engine(model_path: str = "/models/m.gguf", healthy: bool = False) -> SimpleNamespace:
+    """Just enough of an engine client for /tokenize and /v1/models; generation gets a 503 (unhealthy
+    unless ``healthy``, when a generation request would reach the missing ``generate``)."""
     return SimpleNamespace(
-        is_healthy=False,
+        is_healthy=healthy,
         max_model_len=64,
         vocab_size=100,
         tokenizer=SimpleNamespace(

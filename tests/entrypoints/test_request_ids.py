@@ -8,9 +8,10 @@ from types import SimpleNamespace
 import pytest
 from fastapi.testclient import TestClient
 
-from fastdeploy.config import ModelConfig, ServerConfig
+from fastdeploy.config import ServerConfig
 from fastdeploy.entrypoints.openai.api_server import build_app
 from fastdeploy.entrypoints.openai.request_ids import api_request_id, client_request_id
+from tests.entrypoints.test_request_fields import fake_engine
 
 
 def raw(headers: dict[str, str]) -> SimpleNamespace:
@@ -45,20 +46,9 @@ def test_an_unnamed_request_gets_one_random_id():
     assert api_request_id("cmpl", None)[0] != answer
 
 
-def engine() -> SimpleNamespace:
-    return SimpleNamespace(
-        is_healthy=True,
-        max_model_len=64,
-        vocab_size=100,
-        tokenizer=None,
-        source=SimpleNamespace(path="/models/m"),
-        config=SimpleNamespace(model=ModelConfig()),
-    )
-
-
 @pytest.mark.parametrize("enabled", [False, True])
 def test_enable_request_id_headers(enabled):
-    app = build_app(engine(), ["m"], ServerConfig(enable_request_id_headers=enabled))
+    app = build_app(fake_engine(healthy=True), ["m"], ServerConfig(enable_request_id_headers=enabled))
     with TestClient(app) as client:
         echoed = client.get("/v1/models", headers={"X-Request-Id": "abc-123"})
         fresh = client.get("/health")

@@ -3,24 +3,15 @@ with a 503 (the requests in flight going on: tests/e2e/test_failures.py)."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 from fastapi.testclient import TestClient
 
-from fastdeploy.config import ModelConfig, ServerConfig
+from fastdeploy.config import ServerConfig
 from fastdeploy.entrypoints.openai.api_server import build_app
+from tests.entrypoints.test_request_fields import fake_engine
 
 
 def test_a_draining_server_refuses_new_requests_and_health():
-    engine = SimpleNamespace(
-        is_healthy=True,
-        max_model_len=64,
-        vocab_size=100,
-        tokenizer=None,
-        source=SimpleNamespace(path="/models/m"),
-        config=SimpleNamespace(model=ModelConfig()),
-    )
-    app = build_app(engine, ["m"], ServerConfig())
+    app = build_app(fake_engine(healthy=True), ["m"], ServerConfig())
     with TestClient(app) as client:
         assert client.get("/health").status_code == 200
         app.state.begin_drain()
