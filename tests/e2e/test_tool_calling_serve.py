@@ -197,3 +197,21 @@ def test_langchain_bind_tools_round_trip(server, model_name):
     ]
     answer = llm.bind_tools([get_weather]).invoke(messages)
     assert isinstance(answer.content, str) and (answer.content or answer.tool_calls)
+
+
+def test_auto_with_strict_tools_gives_calls_in_their_schemas(client, model_name):
+    """``tool_choice`` auto with ``strict`` tools (the OpenAI Agents SDK's default): the engine runs
+    the structural-tag grammar (free text, calls held to their schemas); whatever the model chose,
+    the answer is well formed and every call validates, whole and streamed alike."""
+    strict = [{"type": "function", "function": {**t["function"], "strict": True}} for t in TOOLS]
+    prompt = [{"role": "user", "content": "Call get_weather for Paris in celsius."}]
+    kwargs = dict(model=model_name, messages=prompt, tools=strict, tool_choice="auto", **GREEDY)
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    assert choice.finish_reason in ("stop", "length", "tool_calls"), choice
+    for call in choice.message.tool_calls or []:
+        check_call(call.function.name, call.function.arguments)
+    content, calls, finish = streamed(client.chat.completions.create(stream=True, **kwargs))
+    assert finish == choice.finish_reason and content == choice.message.content
+    assert [(c["name"], c["arguments"]) for c in calls] == [
+        (c.function.name, c.function.arguments) for c in choice.message.tool_calls or []
+    ]

@@ -472,3 +472,49 @@ def test_tool_400s_say_what_sglang_clients_look_for(client_for, fields, words):
     assert response.status_code == 400, response.text
     message = response.json()["error"]["message"]
     assert all(word.lower() in message.lower() for word in words), message
+
+
+STRICT_WEATHER = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+
+
+def test_auto_with_a_strict_tool_holds_calls_to_its_schema(client_for):
+    """``tool_choice`` auto with a ``strict`` tool: the request carries the grammar (a structural tag:
+    free text, and after ``<tool_call>`` a call of one of the tools, a strict one's arguments in its
+    schema); the answer is read as before. Without ``strict``, or with the request's own
+    ``response_format``, no such grammar."""
+    import xgrammar as xgr
+
+    engine = ScriptedEngine(HERMES_ANSWER)
+    choice = chat(client_for(engine), tools=[STRICT_WEATHER, TIME]).json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    constraint = engine.params[0].structured_outputs
+    assert constraint is not None and constraint.structural_tag is not None
+    grammar = xgr.Grammar.from_structural_tag(constraint.structural_tag)
+    accepts = xgr.testing._is_grammar_accept_string
+    call = '<tool_call>\n{"name": "get_weather", "arguments": %s}\n</tool_call>'
+    assert accepts(grammar, "Let me look. " + call % '{"city": "Paris"}')
+    assert not accepts(grammar, call % '{"town": "Paris"}')  # the strict tool's schema
+    assert not accepts(grammar, '<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>')
+    assert accepts(grammar, '<tool_call>\n{"name": "get_time", "arguments": {"any": 1}}\n</tool_call>')
+    assert accepts(grammar, "No call at all.")
+
+    loose = ScriptedEngine(HERMES_ANSWER)
+    chat(client_for(loose), tools=[WEATHER])
+    assert loose.params[0].structured_outputs is None
+    own = ScriptedEngine(['{"a": 1}'])
+    chat(client_for(own), tools=[STRICT_WEATHER], response_format={"type": "json_object"})
+    assert own.params[0].structured_outputs.json_object  # the request's constraint stays
+
+
+def test_a_strict_tool_is_not_held_where_the_call_marker_is_a_special_token():
+    """A grammar sees text, not a special token's: where ``<tool_call>`` is one, no grammar is
+    added (it would keep the model from calling at all)."""
+    from fastdeploy.entrypoints.openai.tool_calling import ToolCalling
+
+    tokenizer = ScriptedTokenizer(PLAIN_TEMPLATE)
+    assert ToolCalling(tokenizer, "hermes").strict_trigger == "<tool_call>"
+    tokenizer.all_special_tokens = ["<tool_call>", "</tool_call>"]
+    assert ToolCalling(tokenizer, "hermes").strict_trigger is None
+    assert (
+        ToolCalling(ScriptedTokenizer(PLAIN_TEMPLATE), "mistral").strict_trigger is None
+    )  # not built for it

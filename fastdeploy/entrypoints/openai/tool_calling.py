@@ -12,7 +12,7 @@ from typing import Any
 
 from fastdeploy.core.sampling_params import SamplingParams, StructuredOutputsParams
 from fastdeploy.entrypoints.openai.errors import BadRequestError
-from fastdeploy.entrypoints.openai.protocol import ChatCompletionRequest, forced_call_schema
+from fastdeploy.entrypoints.openai.protocol import ChatCompletionRequest, forced_call_schema, strict_calls_tag
 from fastdeploy.entrypoints.openai.tool_parsers import (
     NamedToolParser,
     RequiredToolParser,
@@ -32,6 +32,9 @@ class ToolPlan:
     """Reads the calls out of each answer (None: ``tool_choice`` none, or no tools)."""
     constraint: StructuredOutputsParams | None = None
     """The grammar of a forced call (with a reasoning parser, it applies after the reasoning)."""
+    strict_constraint: StructuredOutputsParams | None = None
+    """``tool_choice`` auto with a ``strict`` tool: the grammar that leaves the answer free and holds
+    its calls to their tools' schemas (not applied when the request has its own output constraint)."""
     template_tools: list[dict[str, Any]] | None = None
     """The tools as ``tools=`` of a template that renders them."""
     prompt_tools: list[dict[str, Any]] | None = None
@@ -58,6 +61,8 @@ class ToolPlan:
                     param="tool_choice",
                 )
             changes["structured_outputs"] = self.constraint
+        elif self.strict_constraint is not None and params.structured_outputs is None:
+            changes["structured_outputs"] = self.strict_constraint
         if self.parser is not None and self.parser.needs_special_tokens:
             changes["skip_special_tokens"] = False
         return params.clone(**changes) if changes else params
@@ -71,6 +76,11 @@ class ToolCalling:
         template = template_text(tokenizer)
         self.parser_cls: type[ToolParser] = get_tool_parser(parser_name or default_tool_parser_name(template))
         self.native = renders_tools(template)
+        trigger = self.parser_cls.call_trigger
+        special = set(getattr(tokenizer, "all_special_tokens", None) or [])
+        self.strict_trigger = trigger if trigger and trigger not in special else None
+        """The text that starts a call, where a grammar can see it (a special token's text it cannot):
+        ``strict`` tools are held to their schemas under ``tool_choice`` auto only then."""
 
     def plan(self, request: ChatCompletionRequest) -> ToolPlan:
         """What ``request``'s tools and ``tool_choice`` mean for its prompt, sampling and answer."""
@@ -85,6 +95,15 @@ class ToolCalling:
         max_calls = 1 if request.parallel_tool_calls is False else None
         if choice.mode == "auto":
             plan.parser = self.parser_cls(max_calls=max_calls)
+            if self.strict_trigger and any(t.function.strict for t in request.tools or []):
+                tag = strict_calls_tag(
+                    request.tools or [],
+                    self.strict_trigger,
+                    self.parser_cls.call_opening,
+                    self.parser_cls.call_closing,
+                )
+                plan.strict_constraint = StructuredOutputsParams(structural_tag=tag)
+                validate_structured_outputs(plan.strict_constraint, "tools")
         elif choice.forced:
             schema = forced_call_schema(request.tools or [], choice, request.parallel_tool_calls is not False)
             plan.constraint = StructuredOutputsParams(json=schema)

@@ -92,11 +92,13 @@ from fastdeploy.entrypoints.openai.protocol.tools import (
     ToolChoice,
     forced_call_schema,
     resolve_tool_choice,
+    strict_calls_tag,
 )
 
 __all__ = [
     "resolve_tool_choice",
     "forced_call_schema",
+    "strict_calls_tag",
     "ToolChoice",
     "ToolCallOut",
     "ToolCallIn",

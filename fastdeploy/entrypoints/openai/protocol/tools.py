@@ -10,7 +10,9 @@ valid call whatever the model.
 
 from __future__ import annotations
 
+import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -181,6 +183,30 @@ def forced_call_schema(tools: list[ChatCompletionTool], choice: ToolChoice, para
     if defs:
         schema["$defs"] = defs
     return schema
+
+
+def strict_calls_tag(
+    tools: list[ChatCompletionTool], trigger: str, opening: Callable[[str], str], closing: str
+) -> str:
+    """xgrammar's structural tag that leaves the answer free but holds every call to its tool
+    (``tool_choice`` auto with a ``strict`` tool): once the model writes ``trigger``, the call must be
+    one of ``tools``, written ``opening(name)`` + its arguments + ``closing``; a ``strict`` tool's
+    arguments follow its parameters schema, another's are any JSON object (as OpenAI holds strict
+    functions to their schemas)."""
+    tags = [
+        {
+            "begin": opening(tool.function.name),
+            "content": {
+                "type": "json_schema",
+                "json_schema": _parameters(tool) if tool.function.strict else {"type": "object"},
+            },
+            "end": closing,
+        }
+        for tool in tools
+    ]
+    return json.dumps(
+        {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [trigger], "tags": tags}}
+    )
 
 
 # --------------------------------------------------------------------------- response side

@@ -317,9 +317,19 @@ class ToolParser:
 
     name: ClassVar[str] = ""
     needs_special_tokens: ClassVar[bool] = False
+    call_trigger: ClassVar[str | None] = None
+    """What starts a call in free text, for the grammar of ``strict`` tools (:meth:`call_opening`);
+    None: this format's calls are not held to their schemas under ``tool_choice`` auto."""
+    call_closing: ClassVar[str] = ""
+    """What ends a call after its arguments (with :attr:`call_trigger`)."""
 
     def __init__(self, max_calls: int | None = None):
         self.max_calls = max_calls
+
+    @classmethod
+    def call_opening(cls, name: str) -> str:
+        """The text of a call of ``name`` up to its arguments (starting with :attr:`call_trigger`)."""
+        raise NotImplementedError
 
     def segmenter(self) -> Segmenter:
         """A fresh segmenter for one answer."""
