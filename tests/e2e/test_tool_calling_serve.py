@@ -215,3 +215,43 @@ def test_auto_with_strict_tools_gives_calls_in_their_schemas(client, model_name)
     assert [(c["name"], c["arguments"]) for c in calls] == [
         (c.function.name, c.function.arguments) for c in choice.message.tool_calls or []
     ]
+
+
+@pytest.mark.parametrize("api", ["responses", "chat"])
+def test_openai_agents_sdk_output_type_agent_with_a_required_tool(server, model_name, api):
+    """An OpenAI Agents SDK agent with an ``output_type`` whose tool use is required sends a forced
+    ``tool_choice`` together with ``response_format`` (``text.format`` on /v1/responses), as OpenAI
+    accepts: the call is made (the format shapes a text answer, and this answer is the call)."""
+    agents = pytest.importorskip("agents")
+    from pydantic import BaseModel
+
+    class Forecast(BaseModel):
+        city: str
+        sunny: bool
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """Weather in a city."""
+        return f"Sunny in {city}"
+
+    agents.set_tracing_disabled(True)
+    model_cls = agents.OpenAIResponsesModel if api == "responses" else agents.OpenAIChatCompletionsModel
+    model = model_cls(model=model_name, openai_client=server.async_openai())
+    agent = agents.Agent(
+        name="forecast",
+        model=model,
+        tools=[get_weather],
+        output_type=Forecast,
+        tool_use_behavior="stop_on_first_tool",
+        model_settings=agents.ModelSettings(temperature=0, max_tokens=60, tool_choice="required"),
+    )
+
+    async def run() -> None:
+        result = await agents.Runner.run(agent, "Weather in Paris?", max_turns=2)
+        kinds = [type(item).__name__ for item in result.new_items]
+        assert kinds[:2] == ["ToolCallItem", "ToolCallOutputItem"], kinds
+        assert result.final_output.startswith("Sunny in ")
+
+    import asyncio
+
+    asyncio.run(run())

@@ -110,6 +110,19 @@ def test_tools_tool_choice_and_text_format_become_the_chat_fields():
     )
 
 
+@pytest.mark.parametrize("tools", [None, []])
+def test_tool_choice_auto_without_tools_is_a_plain_answer(tools):
+    # OpenAI's Responses default, which clients send with no tools (the OpenAI Agents SDK with a
+    # run-wide tool_choice and an agent without tools)
+    for choice in ("auto", "none"):
+        chat = request(input="x", tools=tools, tool_choice=choice).to_chat_request([])
+        assert chat.tools is None and chat.tool_choice_mode().mode == "none"
+    for choice in ("required", {"type": "function", "name": "f"}):
+        with pytest.raises(BadRequestError) as info:
+            request(input="x", tools=tools, tool_choice=choice).to_chat_request([]).tool_choice_mode()
+        assert info.value.param.startswith("tool_choice")
+
+
 def test_logprobs_are_asked_by_include_or_top_logprobs():
     assert request(input="x").to_chat_request([]).to_sampling_params().logprobs is None
     chat = request(input="x", include=["message.output_text.logprobs"]).to_chat_request([])

@@ -303,6 +303,65 @@ def test_forced_call_and_another_constraint_is_a_400(client_for):
     assert err.value.param == "tool_choice"
 
 
+CITY_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "final_output",
+        "strict": True,
+        "schema": {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]},
+    },
+}
+
+
+@pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
+)
+def test_forced_call_overrides_response_format(client_for, tool_choice):
+    # the OpenAI Agents SDK sends both for an agent with an output_type whose tool use is required, and
+    # OpenAI accepts them: response_format shapes a text answer, and a forced call's answer is the call
+    engine = ScriptedEngine(
+        ['{"city": "Oslo"}']
+        if isinstance(tool_choice, dict)
+        else ['[{"name": "get_weather", ', '"parameters": {"city": "Oslo"}}]']
+    )
+    client = client_for(engine)
+    response = chat(client, tools=[WEATHER], tool_choice=tool_choice, response_format=CITY_FORMAT)
+    assert response.status_code == 200, response.text
+    message = response.json()["choices"][0]["message"]
+    assert message["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    schema = engine.params[0].structured_outputs.json
+    assert schema != CITY_FORMAT["json_schema"]["schema"] and "city" in json.dumps(schema)
+
+
+def test_forced_call_over_a_responses_text_format(client_for):
+    engine = ScriptedEngine(['[{"name": "get_weather", ', '"parameters": {"city": "Oslo"}}]'])
+    tool = {"type": "function", **WEATHER["function"]}
+    fmt = {"type": "json_schema", **CITY_FORMAT["json_schema"]}
+    body = {
+        "model": "m",
+        "input": "Weather?",
+        "tools": [tool],
+        "tool_choice": "required",
+        "text": {"format": fmt},
+    }
+    response = client_for(engine).post("/v1/responses", json=body)
+    assert response.status_code == 200, response.text
+    (call,) = response.json()["output"]
+    assert (call["type"], call["name"], call["arguments"]) == (
+        "function_call",
+        "get_weather",
+        '{"city": "Oslo"}',
+    )
+
+
+def test_forced_call_with_an_extension_constraint_stays_a_400(client_for):
+    engine = ScriptedEngine(["x"])
+    response = chat(client_for(engine), tools=[WEATHER], tool_choice="required", guided_regex="[a-z]+")
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "tool_choice"
+    assert engine.params == []
+
+
 CONVERSATION = [
     {"role": "user", "content": "Weather in Paris?"},
     {

@@ -57,7 +57,7 @@ class ToolPlan:
             if params.structured_outputs is not None:
                 raise BadRequestError(
                     "a forced tool call (tool_choice 'required' or a named function) cannot be combined "
-                    "with another output constraint (response_format, structured_outputs, guided_*)",
+                    "with another output constraint (structured_outputs, guided_*, json_schema, regex, ebnf)",
                     param="tool_choice",
                 )
             changes["structured_outputs"] = self.constraint

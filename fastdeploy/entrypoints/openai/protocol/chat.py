@@ -327,6 +327,14 @@ class ChatCompletionRequest(SamplingRequest):
                 param="continue_final_message",
             )
 
+    def response_format_applies(self) -> bool:
+        """``response_format`` shapes the assistant's text answer; under a forced tool call (``tool_choice``
+        ``required`` or a named function) the answer is the call, generated under the call's grammar, so
+        ``response_format`` has nothing to constrain in this turn. OpenAI accepts both together (the OpenAI
+        Agents SDK sends them with an ``output_type`` agent whose tool use is required), and vLLM lets the
+        tool's schema replace ``response_format``'s."""
+        return not self.tool_choice_mode().forced
+
     def tool_choice_mode(self) -> ToolChoice:
         """What ``tools`` and ``tool_choice`` ask for (a 400 naming the field if they are wrong)."""
         return resolve_tool_choice(self.tools, self.tool_choice)

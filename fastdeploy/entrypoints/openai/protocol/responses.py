@@ -315,7 +315,12 @@ def _content(content: Any, param: str) -> str | list[dict[str, Any]]:
 
 
 def _chat_tools(tools: list[dict[str, Any]] | None, choice: Any) -> tuple[list[dict] | None, Any]:
-    """Responses ``tools`` (flat function tools) and ``tool_choice`` in the chat request's shapes."""
+    """Responses ``tools`` (flat function tools) and ``tool_choice`` in the chat request's shapes.
+
+    ``tool_choice`` ``auto`` is the Responses default with or without tools (a response reports it with
+    ``tools: []``), so it is accepted without tools, as OpenAI accepts it and clients send it (the
+    OpenAI Agents SDK with a run-wide ``tool_choice`` and an agent without tools); ``required`` or a
+    named function without tools stays a 400, as in OpenAI's API."""
     out = []
     for i, tool in enumerate(tools or []):
         kind = tool.get("type")
@@ -343,6 +348,8 @@ def _chat_tools(tools: list[dict[str, Any]] | None, choice: Any) -> tuple[list[d
                 '{"type": "function", "name": ...} or {"type": "allowed_tools", ...})',
                 param="tool_choice",
             )
+    if not out and choice == "auto":
+        choice = None  # (OpenAI's default whatever the tools: with none, a plain answer, not a 400)
     return out or None, choice
 
 

@@ -94,13 +94,19 @@ class StructuredOutputsRequest(OpenAIModel):
             raise BadRequestError(str(exc), param=exc.param) from None
         return params
 
+    def response_format_applies(self) -> bool:
+        """Whether ``response_format`` constrains this request's answer (it shapes a text answer: a
+        request whose answer is something else, a forced tool call, overrides it)."""
+        return True
+
     def _candidates(self) -> list[tuple[str, StructuredOutputsParams | None]]:
         """Every structured-output field with the constraint it asks for (None: not given / off)."""
         fmt = self.response_format
         fmt_field = (
             "response_format.json_schema.schema" if fmt and fmt.type == "json_schema" else "response_format"
         )
-        out: list[tuple[str, StructuredOutputsParams | None]] = [(fmt_field, _from_response_format(fmt))]
+        fmt_params = _from_response_format(fmt) if self.response_format_applies() else None
+        out: list[tuple[str, StructuredOutputsParams | None]] = [(fmt_field, fmt_params)]
         so = self.structured_outputs
         if so is not None:
             _check_backend(so.backend, "structured_outputs.backend")
