@@ -228,6 +228,9 @@ class ServerConfig:
     """Address the HTTP server listens on."""
     port: int = 8000
     """Port the HTTP server listens on."""
+    uds: str | None = None
+    """Serve HTTP on this Unix domain socket path instead of --host/--port (vLLM's flag); a socket
+    file left there by an earlier server is replaced, and the file is removed on exit."""
     api_key: str | None = None
     """If set, every route but /health, /metrics and /version needs 'Authorization: Bearer <key>'
     (else 401), /docs and /openapi.json included."""

@@ -12,13 +12,10 @@ import pytest
 from fastdeploy.config import EngineConfig, field_docs
 from fastdeploy.entrypoints.cli import main as cli_main
 from fastdeploy.entrypoints.cli.args import (
-    LISTEN_FLAGS,
     SERVER_FLAGS,
     ConfigFileError,
-    ListenConfig,
     all_flag_specs,
     engine_config_from_args,
-    listen_config_from_args,
     load_config_file,
     resolve_args,
     server_config_from_args,
@@ -257,7 +254,7 @@ def test_flag_keys_are_unique_and_cover_the_config():
     keys = [spec.key for spec in all_flag_specs()]
     assert len(keys) == len(set(keys))
     config_keys = [f.name for _, f in EngineConfig.flat_fields()]
-    assert keys == config_keys + [s.key for s in SERVER_FLAGS] + [s.key for s in LISTEN_FLAGS]
+    assert keys == config_keys + [s.key for s in SERVER_FLAGS]
     for spec in all_flag_specs():
         if spec.section != "server":
             section_cls = next(c for c, f in EngineConfig.flat_fields() if f.name == spec.key)
@@ -268,9 +265,8 @@ def test_flag_keys_are_unique_and_cover_the_config():
 def test_uds_flag_is_vllms_and_unset_by_default():
     """``--uds PATH`` (vLLM's flag): serve on a Unix domain socket; shown with the server options."""
     parser = make_parser()
-    assert listen_config_from_args(parser.parse_args([])) == ListenConfig(uds=None)
-    assert listen_config_from_args(parser.parse_args(["--uds", "/tmp/x.sock"])).uds == "/tmp/x.sock"
-    assert all(spec.section == "server" for spec in LISTEN_FLAGS)
+    assert server_config_from_args(parser.parse_args([])).uds is None
+    assert server_config_from_args(parser.parse_args(["--uds", "/tmp/x.sock"])).uds == "/tmp/x.sock"
 
 
 def test_cli_docs_list_every_flag():

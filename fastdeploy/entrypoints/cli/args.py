@@ -141,26 +141,10 @@ def _flag_specs(fields: list[tuple[type, dataclasses.Field]]) -> list[FlagSpec]:
     return specs
 
 
-@dataclass
-class ListenConfig:
-    """Where the HTTP server listens besides ``--host``/``--port``: options of the ``serve`` process
-    only (the app built by ``build_app`` does not depend on them)."""
-
-    uds: str | None = None
-    """Serve HTTP on this Unix domain socket path instead of --host/--port (vLLM's flag); a socket
-    file left there by an earlier server is replaced, and the file is removed on exit."""
-
-
 SERVER_FLAGS: tuple[FlagSpec, ...] = tuple(
     _flag_specs([(ServerConfig, f) for f in dataclasses.fields(ServerConfig)])
 )
 """Options of the HTTP server itself (:class:`~fastdeploy.config.ServerConfig`, not part of the engine)."""
-
-LISTEN_FLAGS: tuple[FlagSpec, ...] = tuple(
-    dataclasses.replace(spec, section="server")
-    for spec in _flag_specs([(ListenConfig, f) for f in dataclasses.fields(ListenConfig)])
-)
-"""Options of where the server listens (:class:`ListenConfig`), shown with the server options."""
 
 
 def server_config_from_args(ns: argparse.Namespace) -> ServerConfig:
@@ -172,15 +156,9 @@ def server_config_from_args(ns: argparse.Namespace) -> ServerConfig:
     return config
 
 
-def listen_config_from_args(ns: argparse.Namespace) -> ListenConfig:
-    """The :class:`ListenConfig` described by parsed ``serve`` arguments (file and defaults merged in)."""
-    resolved = vars(resolve_args(ns))
-    return ListenConfig(**{spec.key: resolved[spec.key] for spec in LISTEN_FLAGS})
-
-
 def all_flag_specs() -> list[FlagSpec]:
-    """Engine flags then server flags (listen flags last); a key defined twice is a programming error."""
-    specs = engine_flag_specs() + list(SERVER_FLAGS) + list(LISTEN_FLAGS)
+    """Engine flags then server flags; a key defined twice is a programming error."""
+    specs = engine_flag_specs() + list(SERVER_FLAGS)
     seen: set[str] = set()
     for spec in specs:
         if spec.key in seen or spec.key == "config":

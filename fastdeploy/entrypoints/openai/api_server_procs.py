@@ -106,7 +106,6 @@ def run_api_servers(args: argparse.Namespace) -> int:
     from fastdeploy.engine.parallel_layout import check_parallel_layout
     from fastdeploy.entrypoints.cli.args import (
         engine_config_from_args,
-        listen_config_from_args,
         resolve_args,
         server_config_from_args,
     )
@@ -117,7 +116,7 @@ def run_api_servers(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     server_config = server_config_from_args(args)
     count = server_config.api_server_count
-    uds = listen_config_from_args(args).uds
+    uds = server_config.uds
     sockets = bind_api_server_sockets(args, count, uds)
     where = f"unix:{uds}" if uds else f"port {sockets[0].getsockname()[1]}"
     ipc_dir = new_ipc_dir()

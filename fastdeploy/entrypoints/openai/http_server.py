@@ -235,9 +235,9 @@ def bind_unix_socket(path: str) -> socket.socket:
 
 def bind_listen_socket(args: argparse.Namespace) -> socket.socket:
     """The server's socket: on ``--uds`` if given, else on ``--host``/``--port``."""
-    from fastdeploy.entrypoints.cli.args import listen_config_from_args
+    from fastdeploy.entrypoints.cli.args import server_config_from_args
 
-    uds = listen_config_from_args(args).uds
+    uds = server_config_from_args(args).uds
     return bind_unix_socket(uds) if uds else bind_socket(args.host, args.port)
 
 
