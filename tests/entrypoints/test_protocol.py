@@ -332,9 +332,9 @@ def test_sampling_fields_reach_sampling_params():
 
 
 def test_include_usage_only_when_streaming():
-    assert chat(stream=True, stream_options={"include_usage": True}).include_usage
-    assert not chat(stream=True).include_usage
-    assert not chat(stream=False, stream_options={"include_usage": True}).include_usage
+    assert chat(stream=True, stream_options={"include_usage": True}).usage_in_stream()[0]
+    assert not chat(stream=True).usage_in_stream()[0]
+    assert not chat(stream=False, stream_options={"include_usage": True}).usage_in_stream()[0]
 
 
 # --------------------------------------------------------------------------- chat messages

@@ -58,7 +58,7 @@ def test_unknown_fields_are_dropped_with_one_warning_per_name(caplog):
     with caplog.at_level(logging.WARNING, logger=PROTOCOL_LOGGER):
         request = parse_request(ChatCompletionRequest, data)
         parse_request(ChatCompletionRequest, data)
-    assert request.include_usage and request.messages[0].content == "Hello"
+    assert request.usage_in_stream()[0] and request.messages[0].content == "Hello"
     assert data[top] == 1 and nested in data["stream_options"]  # the caller's data is left alone
     logged = warnings_of(caplog)
     assert [m for m in logged if top in m] == [
@@ -208,9 +208,9 @@ def test_chat_echo_echoes_the_message_the_answer_continues():
 
 def test_continuous_usage_needs_include_usage():
     both = {"include_usage": True, "continuous_usage_stats": True}
-    assert chat(stream=True, stream_options=both).continuous_usage
-    assert not chat(stream=True, stream_options={"continuous_usage_stats": True}).continuous_usage
-    assert not chat(stream=True, stream_options={"include_usage": True}).continuous_usage
+    assert chat(stream=True, stream_options=both).usage_in_stream()[1]
+    assert not chat(stream=True, stream_options={"continuous_usage_stats": True}).usage_in_stream()[1]
+    assert not chat(stream=True, stream_options={"include_usage": True}).usage_in_stream()[1]
 
 
 def test_forced_usage_as_vllms_enable_force_include_usage():

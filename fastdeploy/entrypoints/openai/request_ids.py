@@ -21,10 +21,9 @@ MAX_CLIENT_ID_CHARS = 128
 """A longer header (or one with characters outside printable ASCII) is not used as an id."""
 
 
-def client_request_id(headers: dict[str, str] | None) -> str | None:
-    """The request's ``X-Request-Id`` when it can name it (printable ASCII, 1-128 characters, no
-    spaces), else None."""
-    value = (headers or {}).get(REQUEST_ID_HEADER)
+def client_request_id(value: str | None) -> str | None:
+    """``value``, a request's ``X-Request-Id``, when it can name the request (printable ASCII, 1-128
+    characters, no spaces), else None."""
     if not value or len(value) > MAX_CLIENT_ID_CHARS or not all("!" <= c <= "~" for c in value):
         return None
     return value
@@ -34,7 +33,7 @@ def api_request_id(prefix: str, raw_request: Request | None) -> tuple[str, str]:
     """``(the answer's id, the base of its engine request ids)`` for a request answered under
     ``prefix`` (``chatcmpl``, ``cmpl``, ``embd``): ``PREFIX-<X-Request-Id>`` and that id with a
     random suffix when the client names it, else ``PREFIX-<32 hex digits>`` for both."""
-    named = client_request_id(dict(raw_request.headers) if raw_request is not None else None)
+    named = client_request_id(raw_request.headers.get(REQUEST_ID_HEADER) if raw_request is not None else None)
     if named is None:
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         return request_id, request_id

@@ -172,16 +172,6 @@ class SamplingRequest(StructuredOutputsRequest, SamplingControls):
         include = forced or bool(options and options.include_usage)
         return include, include and bool(options and options.continuous_usage_stats)
 
-    @property
-    def include_usage(self) -> bool:
-        """Whether a streaming response ends with a usage chunk (the client's asking alone)."""
-        return self.usage_in_stream()[0]
-
-    @property
-    def continuous_usage(self) -> bool:
-        """Whether every chunk of a streaming response carries the usage so far (the client's asking alone)."""
-        return self.usage_in_stream()[1]
-
     def check_supported(self) -> None:
         """Raise a 400 if a not-yet-implemented OpenAI field has a non-default value, and log (once
         per field name) the fields that are accepted but ignored."""
