@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import inspect
 import os
 import sys
 from typing import Any
@@ -101,28 +100,26 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
 
 async def _run_batch(args: argparse.Namespace, requests: list[Any]) -> int:
     """Start the engine, run ``requests`` through the server's app, write the output, shut down."""
-    from fastdeploy.engine.async_llm import AsyncLLM
     from fastdeploy.engine.ipc import STOP_SIGNALS
     from fastdeploy.entrypoints.cli.args import engine_config_from_args, server_config_from_args
     from fastdeploy.entrypoints.openai.api_server import build_app
-    from fastdeploy.entrypoints.openai.http_server import default_served_model_names
+    from fastdeploy.entrypoints.openai.http_server import (
+        default_served_model_names,
+        start_engine,
+        stop_served,
+    )
     from fastdeploy.entrypoints.openai.run_batch import run_batch
 
     config = engine_config_from_args(args)
     engine: Any = None
     app: Any = None
     try:
-        engine = AsyncLLM.from_config(config)
-        if inspect.isawaitable(engine):
-            engine = await engine
+        engine = await start_engine(config)
         app = build_app(engine, default_served_model_names(config), server_config_from_args(args))
         results = await run_batch(app, requests, args.output_file)
     finally:
         with STOP_SIGNALS.shielded():
-            if app is not None:
-                app.state.responses_store.close()
-            if engine is not None:
-                engine.shutdown()
+            stop_served(app, engine)
     refused = sum(1 for r in results if 400 <= r.status_code < 500)
     failed = sum(1 for r in results if r.status_code >= 500)
     print(

@@ -233,12 +233,9 @@ def bind_unix_socket(path: str) -> socket.socket:
     return sock
 
 
-def bind_listen_socket(args: argparse.Namespace) -> socket.socket:
-    """The server's socket: on ``--uds`` if given, else on ``--host``/``--port``."""
-    from fastdeploy.entrypoints.cli.args import server_config_from_args
-
-    uds = server_config_from_args(args).uds
-    return bind_unix_socket(uds) if uds else bind_socket(args.host, args.port)
+def bind_listen_socket(host: str, port: int, uds: str | None) -> socket.socket:
+    """The server's socket: on the Unix domain socket ``uds`` (``--uds``) if given, else on ``host:port``."""
+    return bind_unix_socket(uds) if uds else bind_socket(host, port)
 
 
 def remove_socket_file(path: str) -> None:
@@ -292,6 +289,27 @@ async def serve_http(
     return server.engine_died
 
 
+async def start_engine(config: EngineConfig, attach: EngineAttachment | None = None) -> EngineClient:
+    """The engine client of ``config``, its engine started (``attach``: attached to engine cores
+    already running, as one of several API server processes)."""
+    from fastdeploy.engine.async_llm import AsyncLLM
+
+    engine = AsyncLLM.from_config(config) if attach is None else AsyncLLM(config, attach)
+    return await engine if inspect.isawaitable(engine) else engine
+
+
+def stop_served(app: FastAPI | None, engine: EngineClient | None) -> None:
+    """Close what serving ``app`` (None: not built) over ``engine`` (None: not started) holds: its
+    stored responses, then the engine (returns once every engine process is gone). Call it shielded
+    from signals."""
+    if app is not None:
+        app.state.responses_store.close()
+    if engine is not None:
+        started = time.monotonic()
+        engine.shutdown()
+        logger.info("engine shut down in %.2f s", time.monotonic() - started)
+
+
 async def run_server(
     args: argparse.Namespace, attach: EngineAttachment | None = None, sock: socket.socket | None = None
 ) -> int:
@@ -317,20 +335,15 @@ async def run_server(
     served_model_names = default_served_model_names(config)
     socket_file: str | None = None  # a --uds socket's file, removed on exit by its owner
     if sock is None:
-        sock = bind_listen_socket(args)
+        sock = bind_listen_socket(args.host, args.port, server_config.uds)
         socket_file = sock.getsockname() if sock.family == socket.AF_UNIX else None
     index = attach.client_index if attach is not None else 0
     engine: Any = None
-    responses_store: Any = None
+    app: Any = None
     logger.info("tensor backend: %s", backend_version())
     try:
-        from fastdeploy.engine.async_llm import AsyncLLM
-
-        engine = AsyncLLM.from_config(config) if attach is None else AsyncLLM(config, attach)
-        if inspect.isawaitable(engine):
-            engine = await engine
+        engine = await start_engine(config, attach)
         app = build_app(engine, served_model_names, server_config, api_server_index=index)
-        responses_store = app.state.responses_store
         freeze_startup_heap("API server" if attach is None else f"API server {index}")
         STOP_SIGNALS.raise_if_received()  # a signal whose interrupt got lost while loading
         engine_died = await serve_http(
@@ -352,12 +365,7 @@ async def run_server(
             sock.close()
             if socket_file:
                 remove_socket_file(socket_file)
-            if responses_store is not None:
-                responses_store.close()
-            if engine is not None:
-                started = time.monotonic()
-                engine.shutdown()
-                logger.info("engine shut down in %.2f s", time.monotonic() - started)
+            stop_served(app, engine)
     if engine_died:
         return EXIT_ENGINE_DEAD
     return STOP_SIGNALS.exit_code or 0
