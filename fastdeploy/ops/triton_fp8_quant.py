@@ -26,6 +26,7 @@ import triton.language as tl
 
 from fastdeploy.ops.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_AMAX
 from fastdeploy.ops.triton_env import triton_interpreting
+from fastdeploy.ops.triton_layer_ops import normalized_row
 
 TOKEN_BLOCK = 1024
 """Columns one step of the per-token kernel loads (it loops over K twice: amax, then quantize)."""
@@ -87,10 +88,7 @@ def _add_rms_norm_quant_kernel(
         summed = (h + r).to(dtype)
         tl.store(r_ptr + row * stride_rm + cols, summed, mask=mask)
         h = summed.to(tl.float32)
-    inv = tl.rsqrt(tl.sum(h * h, axis=0) / n + eps)
-    normed = (h * inv).to(dtype).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    y = (normed * w).to(dtype).to(tl.float32)
+    y = normalized_row(h, w_ptr, cols, mask, n, eps, dtype).to(tl.float32)
     scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(y), axis=0), MIN_AMAX_C), FP8_MAX_C)
     q = tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -FP8_MAX_C), FP8_MAX_C)
     tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=mask)

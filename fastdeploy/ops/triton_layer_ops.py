@@ -17,14 +17,20 @@ from fastdeploy.ops.triton_pdl import pdl_kwargs, pdl_prologue
 
 
 @triton.jit
-def _store_normalized(out_row_ptr, x, w_ptr, cols, mask, n, eps):
-    """``weight * x / rms(x)`` of one float32 row into ``out_row_ptr``, rounded to the output dtype
-    after the normalization and again after the weight (the torch fallback's points)."""
+def normalized_row(x, w_ptr, cols, mask, n, eps, dtype: tl.constexpr):
+    """``weight * x / rms(x)`` of one float32 row, rounded to ``dtype`` after the normalization and
+    again after the weight (the torch fallback's points; every kernel that normalizes uses these)."""
     inv = tl.rsqrt(tl.sum(x * x, axis=0) / n + eps)
-    dtype = out_row_ptr.dtype.element_ty
     normed = (x * inv).to(dtype).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_row_ptr + cols, (normed * w).to(dtype), mask=mask)
+    return (normed * w).to(dtype)
+
+
+@triton.jit
+def _store_normalized(out_row_ptr, x, w_ptr, cols, mask, n, eps):
+    """:func:`normalized_row` of one float32 row into ``out_row_ptr``, in its dtype."""
+    y = normalized_row(x, w_ptr, cols, mask, n, eps, out_row_ptr.dtype.element_ty)
+    tl.store(out_row_ptr + cols, y, mask=mask)
 
 
 @triton.jit
