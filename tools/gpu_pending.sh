@@ -130,10 +130,8 @@ moe_fair() {
 # it was measured for the bar (its own dummy routing); needs vLLM installed by earlier calls
 moe_vllm_fair() {
     [ -f /tmp/vllm-site/.installed ] || { echo "vllm is not installed on this machine yet"; return; }
-    for run in "uniform_random fp8" "uniform_random none" " fp8"; do
-        set -- $run
-        local strategy=$1 quant=${2:-$1}
-        [ $# = 1 ] && strategy=
+    for run in uniform_random:fp8 uniform_random:none :fp8; do  # routing:quantization ('': vLLM's dummy routing)
+        local strategy=${run%%:*} quant=${run#*:}
         VLLM_MOE_ROUTING_SIMULATION_STRATEGY=$strategy timeout 240 python3 benchmarks/vllm_offline.py \
             --model benchmarks/configs/qwen3-30b-a3b --tokenizer "$TOK" \
             $([ "$quant" = none ] || echo --quantization $quant) > "$W/vllm_$quant$strategy.log" 2>&1
