@@ -253,6 +253,7 @@ def tp_run(args: argparse.Namespace, model: str, tp: int, **engine: Any) -> dict
                        max_num_batched_tokens=args.max_num_batched_tokens, **engine)  # fmt: skip
     try:
         row: dict[str, Any] = {"model": Path(model).name, "tp": tp, **engine}
+        row["max_num_batched_tokens"] = llm.config.scheduler.max_num_batched_tokens
         itl_prompts = random_prompts(1, ITL_PROMPT_LEN, vocab, 1)
         row |= {f"batch1_{k}": v for k, v in measure_itl(llm, itl_prompts, args.itl_tokens).items()}
         prompts = random_prompts(args.num_prompts, args.input_len, vocab, 0)
@@ -517,7 +518,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="default: the offline engine's (16,384 on a large GPU)",
+    )
     parser.add_argument("--itl-tokens", type=int, default=128)
     parser.add_argument("--correctness-tokens", type=int, default=24)
     parser.add_argument("--server-timeout-s", type=float, default=400)

@@ -118,7 +118,7 @@ moe_vllm() {
 moe_fair() {
     timeout 420 python3 benchmarks/multi_gpu.py --sections moe --tp 1 --moe-quantizations ptpc_fp8,none \
         --out "$W/moe_fair" > "$W/moe_fair.log" 2>&1
-    grep -o "'quantization': [^,]*\|'batch1_itl_ms_mean': [0-9.]*\|'output_tok_per_s': [0-9.]*\|'moe_load_imbalance': [^,}]*" \
+    grep -o "'quantization': [^,]*\|'batch1_itl_ms_mean': [0-9.]*\|'output_tok_per_s': [0-9.]*\|'moe_load_imbalance': [^,}]*\|'max_num_batched_tokens': [0-9]*" \
         "$W/moe_fair.log" | tr '\n' ' '
     echo
 }

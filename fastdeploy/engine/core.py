@@ -57,15 +57,16 @@ def resolve_grammar_processes(config: EngineConfig) -> int:
     return grammar_process_count(envs.FD_GRAMMAR_PROCESSES, config.parallel.data_parallel_size, on_gpu)
 
 
-def resolve_scheduler_limits(config: EngineConfig) -> EngineConfig:
+def resolve_scheduler_limits(config: EngineConfig, offline: bool = False) -> EngineConfig:
     """``config`` with the platform's defaults filled in for the limits left unset
-    (``max_num_batched_tokens``: :func:`~fastdeploy.platforms.device.default_max_num_batched_tokens`)."""
+    (``max_num_batched_tokens``: :func:`~fastdeploy.platforms.device.default_max_num_batched_tokens`;
+    ``offline``: the ``LLM`` class's, which favour throughput)."""
     if config.scheduler.max_num_batched_tokens is not None:
         return config
     from fastdeploy.platforms import resolve_device
     from fastdeploy.platforms.device import default_max_num_batched_tokens
 
-    budget = default_max_num_batched_tokens(resolve_device(config))
+    budget = default_max_num_batched_tokens(resolve_device(config), offline)
     scheduler = dataclasses.replace(config.scheduler, max_num_batched_tokens=budget)
     return dataclasses.replace(config, scheduler=scheduler)
 

@@ -11,6 +11,7 @@ from fastdeploy.core.mm_item import MMItem
 from fastdeploy.core.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from fastdeploy.core.pooling_params import PoolingParams
 from fastdeploy.core.sampling_params import SamplingParams
+from fastdeploy.engine.core import resolve_scheduler_limits
 from fastdeploy.engine.llm_engine import LLMEngine
 from fastdeploy.multimodal.prompt import items_from_mm_data
 from fastdeploy.platforms.backend import activate
@@ -31,6 +32,7 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any):
         self.config = EngineConfig.from_kwargs(model=model, **kwargs)
         activate(self.config.device.backend)  # paddle: only if chosen before torch was imported
+        self.config = resolve_scheduler_limits(self.config, offline=True)  # (throughput-first defaults)
         self.engine = LLMEngine(self.config)
         self._counter = itertools.count()
         # (an in-process engine core and worker: the serving processes do the same when ready)

@@ -68,19 +68,28 @@ def get_attention_backend(
 
 LARGE_GPU_BYTES = 70 * (1 << 30)
 """A GPU with at least this much memory (H100, H200, MI300) gets the larger default token budget."""
+SERVING_LARGE_GPU_BUDGET = 4096
+"""The default token budget of a served engine on a large GPU."""
+OFFLINE_LARGE_GPU_BUDGET = 16384
+"""... and of the offline ``LLM`` class there."""
 
 
-def default_max_num_batched_tokens(device: torch.device) -> int:
-    """The step token budget when ``--max-num-batched-tokens`` is not given: 4096 on a large GPU,
-    else 2048. A step's prefill tokens set the longest inter-token gap of the requests decoding
-    beside them; on a large GPU 4096-token steps already run the GEMMs at full rate, so 8192 (vLLM's
-    choice) only doubles that gap (docs/benchmarks.md, nineteenth session).
+def default_max_num_batched_tokens(device: torch.device, offline: bool = False) -> int:
+    """The step token budget when ``--max-num-batched-tokens`` is not given: on a large GPU 4096
+    for serving and 16,384 ``offline`` (the :class:`~fastdeploy.LLM` class), else 2048.
+
+    Serving: a step's prefill tokens set the longest inter-token gap of the requests decoding
+    beside them; on a large GPU 4096-token steps already run the dense GEMMs at full rate, so 8192
+    (vLLM's server choice) only doubles that gap (docs/benchmarks.md, nineteenth session). Offline
+    nobody waits between tokens, and a mixture-of-experts model's prefill steps read every
+    expert's weights once per step, so more tokens a step is more throughput (2-8% on the
+    Qwen3-30B-A3B shape, twenty-second session); vLLM's ``LLM`` class takes 16,384 there too.
 
     Reads the card's total memory only (``get_device_properties``, no allocation)."""
     if device.type == "cuda":
         index = device.index if device.index is not None else 0
         if torch.cuda.get_device_properties(index).total_memory >= LARGE_GPU_BYTES:
-            return 4096
+            return OFFLINE_LARGE_GPU_BUDGET if offline else SERVING_LARGE_GPU_BUDGET
     return 2048
 
 

@@ -14,8 +14,11 @@ from fastdeploy.platforms.device import default_max_num_batched_tokens
 GIB = 1 << 30
 
 
-@pytest.mark.parametrize("total_gib, budget", [(80, 4096), (141, 4096), (70, 4096), (40, 2048), (24, 2048)])
-def test_gpu_budget_by_card_memory(monkeypatch, total_gib, budget):
+@pytest.mark.parametrize(
+    "total_gib, budget, offline_budget",
+    [(80, 4096, 16384), (141, 4096, 16384), (70, 4096, 16384), (40, 2048, 2048), (24, 2048, 2048)],
+)
+def test_gpu_budget_by_card_memory(monkeypatch, total_gib, budget, offline_budget):
     seen = []
 
     def props(index):
@@ -25,11 +28,34 @@ def test_gpu_budget_by_card_memory(monkeypatch, total_gib, budget):
     monkeypatch.setattr(torch.cuda, "get_device_properties", props)
     assert default_max_num_batched_tokens(torch.device("cuda")) == budget
     assert default_max_num_batched_tokens(torch.device("cuda", 3)) == budget
-    assert seen == [0, 3]
+    assert default_max_num_batched_tokens(torch.device("cuda", 1), offline=True) == offline_budget
+    assert seen == [0, 3, 1]
 
 
 def test_cpu_budget():
     assert default_max_num_batched_tokens(torch.device("cpu")) == 2048
+    assert default_max_num_batched_tokens(torch.device("cpu"), offline=True) == 2048
+
+
+def test_offline_llm_takes_the_offline_default_and_keeps_an_explicit_one(monkeypatch):
+    """The ``LLM`` class resolves the budget with ``offline=True`` before its engine starts."""
+    from fastdeploy.entrypoints import llm as llm_module
+
+    calls = []
+
+    class Engine:
+        def __init__(self, config):
+            calls.append(config.scheduler.max_num_batched_tokens)
+
+    monkeypatch.setattr(llm_module, "LLMEngine", Engine)
+    monkeypatch.setattr(llm_module, "freeze_startup_heap", lambda name: None)
+    monkeypatch.setattr(
+        "fastdeploy.platforms.device.default_max_num_batched_tokens",
+        lambda device, offline=False: 16384 if offline else 4096,
+    )
+    llm_module.LLM(model="m", device="cpu")
+    llm_module.LLM(model="m", device="cpu", max_num_batched_tokens=96)
+    assert calls == [16384, 96]
 
 
 def test_resolve_fills_only_what_is_unset():
