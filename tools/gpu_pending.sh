@@ -27,13 +27,14 @@
 #   moe_phases (~4) the same FP8 run's step times by phase and a decode window's kernels
 #   moe_vllm (~5) vLLM's FP8 run of that shape the same way (vLLM carried and installed first)
 #   moe_fair (~6) ours, FP8 and bf16, with the run's routing spread (moe_load_imbalance)
+#   moe_split (~5) the MoE layer's two grouped GEMMs tuned apart at 256 and 8,192 tokens (FP8 per channel)
 #   moe_vllm_fair (~7) vLLM's bar runs with uniform simulated routing (FP8, bf16), and FP8 as before
 #   moe (~6)      a batch-1 FP8 and bf16 decode step of the Qwen3-30B-A3B shape, kernel table;
 #                 the experts' GEMV configuration sweep at one token
 #   bash tools/gpu_pending.sh OUT [section ...]
 # Run it without `| tail` in the `run` call: a call stopped at its time limit returns only what it
 # already printed (twice in the twentieth session a tail held back every line of a 600 s call).
-OUT=${1:?usage: tools/gpu_pending.sh OUT [structured_nice] [structured_threads] [structured_gil] [structured_default] [structured_guidance] [first_burst] [structured] [tests] [moe_e2e] [moe_budget] [moe_prefill] [moe_phases] [moe_vllm] [moe_fair] [moe_vllm_fair] [poisson] [prefill] [moe] [budget]}
+OUT=${1:?usage: tools/gpu_pending.sh OUT [structured_nice] [structured_threads] [structured_gil] [structured_default] [structured_guidance] [first_burst] [structured] [tests] [moe_e2e] [moe_budget] [moe_prefill] [moe_phases] [moe_vllm] [moe_fair] [moe_split] [moe_vllm_fair] [poisson] [prefill] [moe] [budget]}
 shift
 sections=${*:-structured_nice tests moe_e2e poisson prefill moe budget}
 mkdir -p "$OUT"
@@ -121,6 +122,14 @@ moe_fair() {
     grep -o "'quantization': [^,]*\|'batch1_itl_ms_mean': [0-9.]*\|'output_tok_per_s': [0-9.]*\|'moe_load_imbalance': [^,}]*\|'max_num_batched_tokens': [0-9]*" \
         "$W/moe_fair.log" | tr '\n' ' '
     echo
+}
+
+# #18: the MoE layer's two grouped GEMMs tuned apart (down's K = 768 is a short loop) at the decode
+# batch and a prefill step, FP8 per channel: the winners go into FP8_CHANNEL_DOWN_CONFIGS / the table
+moe_split() {
+    timeout 500 python3 -m benchmarks.gpubench.moe_bench --out "$W/moe_split" --sweep-split --tokens 256,8192 \
+        --dtypes ptpc_fp8 > "$W/moe_split.log" 2>&1
+    grep "|" "$W/moe_split/results.md" | tail -n 2
 }
 
 # #18: vLLM's run of the issue's bar (vllm_offline.py, batch-1 ITL and 256 x 512/256 tok/s) with its

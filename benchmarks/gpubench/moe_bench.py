@@ -28,7 +28,8 @@ are read from HBM, not L2.
 
 ``--sweep`` times a short list of candidate grouped-GEMM configurations per (dtype, tokens) and
 reports the best next to the table's; its winners are what ``BF16_CONFIGS`` / ``FP8_CONFIGS``
-should hold.
+should hold. ``--sweep-split`` tunes the two GEMMs apart (the down GEMM's short K loop may want
+other tiles; ``FP8_CHANNEL_DOWN_CONFIGS``).
 """
 
 from __future__ import annotations
@@ -151,7 +152,9 @@ def _path(path: str):
             os.environ["FD_MOE_GEMV_MAX_TOKENS"] = old
 
 
-def _forward(layer: Layer, x, logits, config: moe.MoEKernelConfig | None) -> torch.Tensor:
+def _forward(
+    layer: Layer, x, logits, config: moe.MoEKernelConfig | None, down: moe.MoEKernelConfig | None = None
+) -> torch.Tensor:
     """The whole layer from its router logits: what ``FusedMoE.forward`` runs on CUDA (routing with
     the load statistic, then ``fused_experts``), called directly so that the interpreter's CPU
     smoke run takes the kernels too."""
@@ -159,7 +162,7 @@ def _forward(layer: Layer, x, logits, config: moe.MoEKernelConfig | None) -> tor
     weights, ids = select_experts(logits, m.top_k, m.renormalize, None, m.routed_tokens)
     s13, s2 = m.expert_scales()
     return moe.fused_experts(
-        x, m.gate_up_proj, m.down_proj, weights, ids, s13, s2, _block(m), config=config
+        x, m.gate_up_proj, m.down_proj, weights, ids, s13, s2, _block(m), config=config, down_config=down
     )  # fmt: skip
 
 
@@ -216,12 +219,13 @@ def route_align_times(shape: MoeShape, tokens: int, block_m: int, device: torch.
 
 def bench_row(
     shape: MoeShape, layers: list[Layer], dtype: str, tokens: int, device: torch.device, path: str,
-    config: moe.MoEKernelConfig | None = None,
+    config: moe.MoEKernelConfig | None = None, down: moe.MoEKernelConfig | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """Time the whole layer on ``tokens`` tokens along ``path``, rotating over ``layers``; rates and error."""
+    """Time the whole layer on ``tokens`` tokens along ``path``, rotating over ``layers``; rates and error
+    (``config``: both GEMMs' meta-parameters, ``down``: the down GEMM's; None: the tables')."""
     inputs = [_inputs(shape, tokens, device, seed=100 + j) for j in range(len(layers))]
     calls = [
-        (lambda layer=layer, inp=inp: _forward(layer, *inp, config))
+        (lambda layer=layer, inp=inp: _forward(layer, *inp, config, down))
         for layer, inp in zip(layers, inputs, strict=True)
     ]
     iters = 20 if tokens <= 1024 else 5
@@ -231,6 +235,7 @@ def bench_row(
     row: dict[str, Any] = {"dtype": dtype, "tokens": tokens, "path": path}
     if path == "grouped":
         row["config"] = asdict(config or _default_config(tokens, dtype))
+        row["down_config"] = asdict(down or _default_down_config(tokens, dtype, config))
     with _path(path):
         row["eager_seconds"], row["graph_seconds"] = _time(calls, device, iters, repeats)
         out = calls[0]().double()
@@ -253,6 +258,65 @@ def bench_row(
 
 def _default_config(tokens: int, dtype: str) -> moe.MoEKernelConfig:
     return moe.default_config(tokens, _is_fp8(dtype), per_channel=dtype == "ptpc_fp8")
+
+
+def _default_down_config(
+    tokens: int, dtype: str, config: moe.MoEKernelConfig | None = None
+) -> moe.MoEKernelConfig:
+    """The down GEMM's configuration beside ``config`` (None: the table's), as ``fused_experts`` picks it."""
+    if config is not None:
+        return config
+    return moe.default_down_config(
+        tokens, _default_config(tokens, dtype), _is_fp8(dtype), dtype == "ptpc_fp8"
+    )
+
+
+def sweep_split(
+    shape: MoeShape, layers: list[Layer], dtype: str, tokens: int, device: torch.device,
+    max_candidates: int | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """The two grouped GEMMs' configurations apart, by coordinate descent from the tables': the
+    down GEMM's over :func:`_down_candidates` (gate_up at the table's), then gate_up's over the
+    sweep's candidates with the same ``block_m``, with that down. Times the whole layer (CUDA graphs)."""
+    gate_up, down = _default_config(tokens, dtype), _default_down_config(tokens, dtype)
+    candidates = {  # (the smoke run: a few)
+        "down": _down_candidates(gate_up.block_m, dtype)[:max_candidates],
+        "gate_up": [c for c in _candidates(tokens, dtype) if c.block_m == gate_up.block_m][:max_candidates],
+    }
+    tried = 0
+
+    def seconds(up: moe.MoEKernelConfig, dn: moe.MoEKernelConfig) -> float | None:
+        nonlocal tried
+        try:
+            row = bench_row(shape, layers, dtype, tokens, device, "grouped", up, dn)
+        except Exception:  # a configuration the compiler refuses (shared memory): skip it
+            return None
+        tried += 1
+        return row["graph_seconds"] or row["eager_seconds"]
+
+    default_seconds = best_seconds = seconds(gate_up, down)
+    for which in ("down", "gate_up"):
+        for c in candidates[which]:
+            t = seconds(gate_up, c) if which == "down" else seconds(c, down)
+            if t is not None and (best_seconds is None or t < best_seconds):
+                best_seconds = t
+                gate_up, down = (gate_up, c) if which == "down" else (c, down)
+    return {
+        "tried": tried, "default_seconds": default_seconds, "best_seconds": best_seconds,
+        "gate_up": asdict(gate_up), "down": asdict(down),
+    }  # fmt: skip
+
+
+def _down_candidates(block_m: int, dtype: str) -> list[moe.MoEKernelConfig]:
+    """More shapes for the down GEMM (K = the intermediate size, a short loop): narrow and wide
+    column tiles, deep K steps."""
+    ks = (128, 256) if dtype != "fp8" else (128,)
+    return [
+        moe.MoEKernelConfig(block_m, n, k, g, w, st)
+        for n in (64, 128, 256)
+        for k in ks
+        for g, w, st in ((1, 4, 3), (8, 4, 4), (16, 4, 5), (16, 8, 3))
+    ]
 
 
 def sweep(
@@ -362,6 +426,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     if args.sweep:
                         search = sweep if path == "grouped" else sweep_gemv
                         row["sweep"] = search(shape, use, dtype, tokens, device)
+                    if args.sweep_split and path == "grouped":
+                        row["sweep"] = sweep_split(
+                            shape, use, dtype, tokens, device, 2 if args.smoke else None
+                        )
                 except Exception:
                     row = {"dtype": dtype, "tokens": tokens, "path": path, "error": error_text()}
                 print(json.dumps(row, default=str), flush=True)
@@ -401,12 +469,14 @@ def render(results: dict[str, Any]) -> str:
         )
         best = (r.get("sweep") or {}).get("best")
         best_text = ""
-        if r.get("sweep") and "gate_up" in r["sweep"]:  # the GEMV sweep: experts alone
+        if r.get("sweep") and "gate_up" in r["sweep"]:  # the GEMV / split sweeps: each kernel's best
             w = r["sweep"]
             best_text = (
-                f"experts {w['best_seconds'] * 1e6:.1f} µs (default {w['default_seconds'] * 1e6:.1f}): "
+                f"{'layer' if r['path'] == 'grouped' else 'experts'} {w['best_seconds'] * 1e6:.1f} µs "
+                f"(default {w['default_seconds'] * 1e6:.1f}, {w['tried']} tried): "
                 + ", ".join(
-                    f"{name} N{c['block_n']} K{c['block_k']} w{c['num_warps']} s{c['num_stages']}"
+                    f"{name} M{c['block_m']} N{c['block_n']} K{c['block_k']} G{c['group_m']} "
+                    f"w{c['num_warps']} s{c['num_stages']}"
                     for name, c in (("gate_up", w["gate_up"]), ("down", w["down"]))
                 )
             )
@@ -436,6 +506,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--tokens", default="", help="comma-separated token counts (default: 1 to 8192)")
     parser.add_argument("--sweep", action="store_true", help="also time candidate configurations per size")
+    parser.add_argument(
+        "--sweep-split", action="store_true", help="grouped rows: the two GEMMs' configurations apart"
+    )
     parser.add_argument(
         "--smoke", action="store_true", help="tiny shapes (script check, CPU + TRITON_INTERPRET=1)"
     )

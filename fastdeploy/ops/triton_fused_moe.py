@@ -82,6 +82,9 @@ FP8_CHANNEL_CONFIGS: tuple[tuple[int, MoEKernelConfig], ...] = (
     (512, MoEKernelConfig(64, 128, 128, 8, 4, 4)),
     (1 << 62, MoEKernelConfig(128, 256, 128, 16, 8, 4)),  # H200 sweep: 4 stages 4% faster at 2,048
 )
+# The down GEMM's own configurations where they differ from the table above (same block_m: both
+# GEMMs read one sorted layout). down is [E, H, I]: K = I (768 for Qwen3-30B-A3B) is a short loop.
+FP8_CHANNEL_DOWN_CONFIGS: tuple[tuple[int, MoEKernelConfig], ...] | None = None
 INTERPRETER_CONFIG = MoEKernelConfig(16, 64, 64, 1, 4, 1)
 """The configuration under ``TRITON_INTERPRET=1`` (CPU tests): small tiles, quick."""
 
@@ -94,6 +97,18 @@ def default_config(num_tokens: int, fp8: bool, per_channel: bool = False) -> MoE
     if fp8:
         return table_config(FP8_CHANNEL_CONFIGS if per_channel else FP8_CONFIGS, num_tokens)
     return table_config(BF16_CONFIGS, num_tokens)
+
+
+def default_down_config(
+    num_tokens: int, config: MoEKernelConfig, fp8: bool, per_channel: bool
+) -> MoEKernelConfig:
+    """The down GEMM's configuration beside gate_up's ``config``: its own table's where there is one
+    with the same ``block_m``, else ``config``."""
+    if fp8 and per_channel and FP8_CHANNEL_DOWN_CONFIGS is not None and not triton_interpreting():
+        down = table_config(FP8_CHANNEL_DOWN_CONFIGS, num_tokens)
+        if down.block_m == config.block_m:
+            return down
+    return config
 
 
 def align_block_size_torch(
@@ -298,7 +313,7 @@ def _check(
     w13_scale: torch.Tensor | None,
     w2_scale: torch.Tensor | None,
     block_shape: tuple[int, int] | None,
-    config: MoEKernelConfig,
+    configs: tuple[MoEKernelConfig, ...],
 ) -> None:
     if hidden.dim() != 2 or hidden.dtype not in DTYPES:
         raise ValueError(f"hidden must be 2-D in one of {DTYPES}, got {tuple(hidden.shape)} {hidden.dtype}")
@@ -323,10 +338,11 @@ def _check(
                 raise ValueError(
                     f"{name}_scale must be float32 {want} with unit last stride, got {s.dtype} {tuple(s.shape)}"
                 )
-        if block_shape is not None and block_shape[1] % config.block_k:
-            raise ValueError(
-                f"block_k ({config.block_k}) must divide the scale block's columns ({block_shape[1]})"
-            )
+        for config in configs:
+            if block_shape is not None and block_shape[1] % config.block_k:
+                raise ValueError(
+                    f"block_k ({config.block_k}) must divide the scale block's columns ({block_shape[1]})"
+                )
     elif w13.dtype != hidden.dtype or w2.dtype != hidden.dtype:
         raise ValueError(
             f"weights ({w13.dtype}, {w2.dtype}) must be FP8 or share hidden's dtype {hidden.dtype}"
@@ -357,6 +373,7 @@ def fused_experts(
     block_shape: tuple[int, int] | None = (128, 128),
     config: MoEKernelConfig | None = None,
     skip_negative_ids: bool = False,
+    down_config: MoEKernelConfig | None = None,
 ) -> torch.Tensor:
     """``sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` with ``e = topk_ids[t, j]``.
 
@@ -370,7 +387,8 @@ def fused_experts(
     ``block_shape = None`` per-channel scales ``w13_scale [E, 2I]`` and ``w2_scale [E, H]`` and
     activations quantized per token. Returns ``[T, H]``
     in ``hidden.dtype``; float32 accumulation, intermediates rounded to ``hidden.dtype`` as the
-    unfused torch path rounds them. ``config`` overrides the table's meta-parameters.
+    unfused torch path rounds them. ``config`` overrides the table's meta-parameters (of both GEMMs;
+    ``down_config``, with the same ``block_m``, of the down GEMM alone).
 
     Up to :func:`~fastdeploy.ops.triton_moe_gemv.small_batch_max_tokens` tokens (and with no
     ``config``) the two GEMV-like kernels of :mod:`fastdeploy.ops.triton_moe_gemv` run instead
@@ -383,7 +401,16 @@ def fused_experts(
         if hidden.is_cuda and w13.dtype != FP8_DTYPE:  # (float32 activations: twice the tiles' bytes)
             limit = device_shared_memory(hidden.device.index)
             config = fit_shared_memory(config, hidden.element_size(), limit)
-    _check(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block_shape, config)
+        if down_config is None:
+            down_config = default_down_config(
+                hidden.shape[0], config, w13.dtype == FP8_DTYPE, block_shape is None
+            )
+    down_config = down_config or config
+    if down_config.block_m != config.block_m:
+        raise ValueError(
+            f"down_config.block_m ({down_config.block_m}) must equal config's ({config.block_m})"
+        )
+    _check(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block_shape, (config, down_config))
     num_tokens, top_k = topk_ids.shape
     if num_tokens == 0:
         return hidden.new_zeros(hidden.shape)
@@ -409,7 +436,7 @@ def fused_experts(
         a, a_scale = (silu_and_mul_pairs(gate_up, ids) if skip_negative_ids else silu_and_mul(gate_up)), None
     out = torch.empty((pairs, w2.shape[1]), dtype=hidden.dtype, device=hidden.device)
     weights = topk_weights.reshape(-1).contiguous()
-    _launch(a, a_scale, w2, w2_scale, out, routing, weights, 1, block_shape, config)
+    _launch(a, a_scale, w2, w2_scale, out, routing, weights, 1, block_shape, down_config)
     if skip_negative_ids or envs.FD_MOE_TRITON_SUM:
         return sum_pairs(out, ids, top_k)
     return out.view(num_tokens, top_k, -1).sum(dim=1)

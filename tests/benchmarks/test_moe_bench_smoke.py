@@ -33,3 +33,20 @@ def test_moe_bench_smoke(tmp_path, dtype):
         assert r["rel_err_vs_torch"] < tol and r["touched_experts"] >= 2
         assert r["route_align_triton_seconds"] > 0 and r["route_align_torch_seconds"] > 0
     assert f"| {dtype} | 2 | gemv |" in (tmp_path / "results.md").read_text()
+
+
+def test_moe_bench_split_sweep_smoke(tmp_path):
+    """``--sweep-split``: the grouped row carries each GEMM's best configuration (same rows) and
+    times no worse than the table's pair it started from."""
+    from benchmarks.gpubench import moe_bench
+
+    args = ["--smoke", "--device", "cpu", "--tokens", "5", "--dtypes", "ptpc_fp8", "--sweep-split"]
+    assert moe_bench.main(args + ["--out", str(tmp_path)]) == 0
+    grouped = [
+        r for r in json.loads((tmp_path / "results.json").read_text())["rows"] if r["path"] == "grouped"
+    ]
+    sweep = grouped[0]["sweep"]
+    assert sweep["tried"] == 5  # the tables' pair, then two candidates for each GEMM
+    assert sweep["gate_up"]["block_m"] == sweep["down"]["block_m"]
+    assert sweep["best_seconds"] <= sweep["default_seconds"]
+    assert "gate_up M16" in (tmp_path / "results.md").read_text()

@@ -288,6 +288,40 @@ def test_config_override_and_non_even_k():
     assert _rel_err(out, ref) < 1e-5
 
 
+@needs_backend
+def test_down_config_of_its_own():
+    """The down GEMM with its own tiles (same ``block_m``) gives the same result; another
+    ``block_m`` than gate_up's (one sorted layout for both) is refused."""
+    x, w13, w2, weights, ids = _problem(9, 80, 48, torch.float32, seed=12)
+    ref = _reference(x, w13, w2, weights, ids)
+    config = moe.MoEKernelConfig(block_m=16, block_n=32, block_k=32, group_m=2)
+    down = moe.MoEKernelConfig(block_m=16, block_n=64, block_k=16, group_m=1)
+    out = moe.fused_experts(*_on(DEVICE, x, w13, w2, weights, ids), config=config, down_config=down)
+    assert _rel_err(out, ref) < 1e-5
+    with pytest.raises(ValueError, match="down_config.block_m"):
+        moe.fused_experts(
+            *_on(DEVICE, x, w13, w2, weights, ids),
+            config=config,
+            down_config=moe.MoEKernelConfig(32, 64, 16, 1),
+        )
+
+
+def test_default_down_config_only_with_the_same_rows(monkeypatch):
+    """The down table's configuration where it has one with gate_up's ``block_m``, else gate_up's."""
+    monkeypatch.setattr(moe, "triton_interpreting", lambda: False)
+    gate_up = moe.default_config(256, fp8=True, per_channel=True)
+    monkeypatch.setattr(moe, "FP8_CHANNEL_DOWN_CONFIGS", None)
+    assert moe.default_down_config(256, gate_up, True, True) is gate_up
+    own = moe.MoEKernelConfig(gate_up.block_m, 64, 256, 1, 4, 3)
+    other_rows = moe.MoEKernelConfig(gate_up.block_m * 2, 64, 256, 1, 4, 3)
+    monkeypatch.setattr(moe, "FP8_CHANNEL_DOWN_CONFIGS", ((512, own), (1 << 62, other_rows)))
+    assert moe.default_down_config(256, gate_up, True, True) == own
+    assert moe.default_down_config(256, gate_up, False, False) is gate_up  # bf16: no down table
+    big = moe.default_config(8192, fp8=True, per_channel=True)
+    expected = other_rows if other_rows.block_m == big.block_m else big
+    assert moe.default_down_config(8192, big, True, True) == expected
+
+
 def test_align_block_size():
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, EXPERTS, (13, TOP_K), generator=g)
