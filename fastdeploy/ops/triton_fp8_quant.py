@@ -72,12 +72,14 @@ def _token_quant_kernel(
 
 @triton.jit
 def _add_rms_norm_quant_kernel(
-    x_ptr, r_ptr, w_ptr, q_ptr, s_ptr, n, eps, stride_xm, stride_rm, stride_qm, HAS_RESIDUAL: tl.constexpr,
-    BLOCK: tl.constexpr, FP8_MAX_C: tl.constexpr, MIN_AMAX_C: tl.constexpr,
+    x_ptr, r_ptr, w_ptr, q_ptr, s_ptr, y_ptr, n, eps, stride_xm, stride_rm, stride_qm, stride_ym,
+    HAS_RESIDUAL: tl.constexpr, STORE_NORMED: tl.constexpr, BLOCK: tl.constexpr, FP8_MAX_C: tl.constexpr,
+    MIN_AMAX_C: tl.constexpr,
 ):  # fmt: skip
     """One row: ``h = x + residual`` (stored into ``residual``), ``y = weight * h / rms(h)`` rounded
-    as :func:`fastdeploy.ops.triton_layer_ops.fused_add_rms_norm` rounds it, then ``y`` quantized
-    per token as :func:`_token_quant_kernel` quantizes it: the two kernels' bits, ``y`` never stored."""
+    as :func:`fastdeploy.ops.triton_layer_ops.fused_add_rms_norm` rounds it (stored into ``y`` with
+    ``STORE_NORMED``), then ``y`` quantized per token as :func:`_token_quant_kernel` quantizes it:
+    the two kernels' bits."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
@@ -88,7 +90,10 @@ def _add_rms_norm_quant_kernel(
         summed = (h + r).to(dtype)
         tl.store(r_ptr + row * stride_rm + cols, summed, mask=mask)
         h = summed.to(tl.float32)
-    y = normalized_row(h, w_ptr, cols, mask, n, eps, dtype).to(tl.float32)
+    y = normalized_row(h, w_ptr, cols, mask, n, eps, dtype)
+    if STORE_NORMED:
+        tl.store(y_ptr + row * stride_ym + cols, y, mask=mask)
+    y = y.to(tl.float32)
     scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(y), axis=0), MIN_AMAX_C), FP8_MAX_C)
     q = tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -FP8_MAX_C), FP8_MAX_C)
     tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
@@ -96,13 +101,19 @@ def _add_rms_norm_quant_kernel(
 
 
 def add_rms_norm_quant(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    normed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(y_fp8 [M, K], scale [M, 1] float32, new residual)`` with ``y = rms_norm(x + residual)``
     quantized per token, in one kernel: the bits of :func:`~fastdeploy.ops.layer_ops.fused_add_rms_norm`
-    then :func:`quantize_activation_per_token` (the normalized row is never written out). The residual
-    sum goes into ``residual`` in place (as ``fused_add_rms_norm``); with ``residual`` None the new
-    residual is ``x`` itself. ``x``, ``residual`` and ``weight`` share one 16-bit dtype."""
+    then :func:`quantize_activation_per_token`. ``y`` itself is written only into ``normed`` (``[M, K]``
+    in ``x``'s dtype) when given: a mixture-of-experts block's router reads it beside the quantized
+    rows. The residual sum goes into ``residual`` in place (as ``fused_add_rms_norm``); with
+    ``residual`` None the new residual is ``x`` itself. ``x``, ``residual`` and ``weight`` share one
+    16-bit dtype."""
     m, k = x.shape
     interpreting = triton_interpreting()
     q = torch.empty((m, k), dtype=torch.float32 if interpreting else FP8_DTYPE, device=x.device)
@@ -110,9 +121,11 @@ def add_rms_norm_quant(
     if m:
         block = triton.next_power_of_2(k)
         _add_rms_norm_quant_kernel[(m,)](
-            x, residual if residual is not None else x, weight, q, scale, k, eps, x.stride(0),
-            residual.stride(0) if residual is not None else 0, q.stride(0), HAS_RESIDUAL=residual is not None,
-            BLOCK=block, FP8_MAX_C=FP8_MAX, MIN_AMAX_C=MIN_AMAX, num_warps=4 if block <= 2048 else 8,
+            x, residual if residual is not None else x, weight, q, scale, normed if normed is not None else x,
+            k, eps, x.stride(0), residual.stride(0) if residual is not None else 0, q.stride(0),
+            normed.stride(0) if normed is not None else 0, HAS_RESIDUAL=residual is not None,
+            STORE_NORMED=normed is not None, BLOCK=block, FP8_MAX_C=FP8_MAX, MIN_AMAX_C=MIN_AMAX,
+            num_warps=4 if block <= 2048 else 8,
         )  # fmt: skip
     return (q.to(FP8_DTYPE) if interpreting else q), scale, (residual if residual is not None else x)
 

@@ -362,6 +362,21 @@ def _quantize_activation(
     return quantize_activation_per_token_group(x, block_shape[1])
 
 
+def quantizes_per_token(
+    hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, block_shape: tuple[int, int] | None
+) -> bool:
+    """Whether :func:`fused_experts` (the tables' configuration) quantizes ``hidden`` per token for
+    its grouped GEMM: per-channel FP8 experts on a step that neither the GEMV path nor torch's
+    grouped mm takes. A caller that has those FP8 rows already (the norm before the experts,
+    :func:`~fastdeploy.ops.triton_fp8_quant.add_rms_norm_quant`) passes them as ``a_quantized``."""
+    return (
+        w13.dtype == FP8_DTYPE
+        and block_shape is None
+        and hidden.shape[0] > small_batch_max_tokens()
+        and not grouped_mm_applies(hidden, w13, w2, block_shape)
+    )
+
+
 def fused_experts(
     hidden: torch.Tensor,
     w13: torch.Tensor,
@@ -374,6 +389,7 @@ def fused_experts(
     config: MoEKernelConfig | None = None,
     skip_negative_ids: bool = False,
     down_config: MoEKernelConfig | None = None,
+    a_quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` with ``e = topk_ids[t, j]``.
 
@@ -388,7 +404,9 @@ def fused_experts(
     activations quantized per token. Returns ``[T, H]``
     in ``hidden.dtype``; float32 accumulation, intermediates rounded to ``hidden.dtype`` as the
     unfused torch path rounds them. ``config`` overrides the table's meta-parameters (of both GEMMs;
-    ``down_config``, with the same ``block_m``, of the down GEMM alone).
+    ``down_config``, with the same ``block_m``, of the down GEMM alone). ``a_quantized``: ``hidden``
+    already quantized per token (``(fp8 [T, H], scale [T, 1])``), only where
+    :func:`quantizes_per_token` holds (ValueError elsewhere).
 
     Up to :func:`~fastdeploy.ops.triton_moe_gemv.small_batch_max_tokens` tokens (and with no
     ``config``) the two GEMV-like kernels of :mod:`fastdeploy.ops.triton_moe_gemv` run instead
@@ -415,6 +433,11 @@ def fused_experts(
     if num_tokens == 0:
         return hidden.new_zeros(hidden.shape)
     fp8 = w13.dtype == FP8_DTYPE
+    grouped_per_token = fp8 and block_shape is None and explicit_config is not None
+    if a_quantized is not None and not (
+        grouped_per_token or quantizes_per_token(hidden, w13, w2, block_shape)
+    ):
+        raise ValueError("a_quantized is for the per-channel FP8 grouped GEMM's steps (quantizes_per_token)")
     if explicit_config is None and num_tokens <= small_batch_max_tokens():
         return fused_experts_gemv(
             hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block_shape,
@@ -424,7 +447,10 @@ def fused_experts(
         return grouped_mm_experts(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     routing = moe_align_block_size(topk_ids, config.block_m, w13.shape[0])
     pairs = num_tokens * top_k
-    a, a_scale = _quantize_activation(hidden, block_shape) if fp8 else (hidden, None)
+    if a_quantized is not None:
+        a, a_scale = a_quantized
+    else:
+        a, a_scale = _quantize_activation(hidden, block_shape) if fp8 else (hidden, None)
     gate_up = torch.empty((pairs, w13.shape[1]), dtype=hidden.dtype, device=hidden.device)
     _launch(a, a_scale, w13, w13_scale, gate_up, routing, None, top_k, block_shape, config)
     # skipped pairs (another rank's experts: about (n-1)/n of them when the tokens of n

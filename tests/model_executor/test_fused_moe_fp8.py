@@ -234,3 +234,58 @@ def test_torch_path_matches_the_kernel(fp8):
     # on a GPU the kernel's float32 dots run in TF32 (10-bit mantissa): ~1e-3 relative
     tol = 2e-3 if device == "cuda" else 1e-5
     torch.testing.assert_close(out, layer.compute_experts_torch(x, w, ids), rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="no GPU and the Triton interpreter is off",
+)
+@pytest.mark.parametrize("with_residual", [True, False], ids=["add", "first-layer"])
+def test_norm_input_quantizes_for_the_per_channel_experts(with_residual, monkeypatch):
+    """Per-channel FP8 experts on a grouped-GEMM step: ``norm_input`` adds, normalizes and quantizes
+    in one kernel, the experts take those FP8 rows (their own quantization does not run), and the
+    block's output and residual match the separate norm then experts; elsewhere no FP8 rows."""
+    from fastdeploy.model_executor.layers.layernorm import RMSNorm
+    from fastdeploy.ops import layer_ops
+    from fastdeploy.ops import triton_fused_moe as kernel
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    monkeypatch.setattr(fm, "_triton_kernels", lambda name, x: layer_ops.triton_module(name))
+    monkeypatch.setenv("FD_MOE_GEMV_MAX_TOKENS", "0")  # the grouped GEMM at any size
+    layer = FusedMoE(E, K, H, INTER, renormalize=True, quant_config=PtpcFp8Config())
+    _load(layer, _checkpoint(seed=5))
+    layer.process_weights_after_loading()
+    layer.to(device)
+    norm = RMSNorm(H, 1e-6).to(device=device, dtype=torch.bfloat16)
+    norm.weight.data = (1 + 0.1 * _rand(H, seed=8)).to(device=device, dtype=torch.bfloat16)
+    x = _rand(12, H, seed=9).to(device=device, dtype=torch.bfloat16)
+    residual = _rand(12, H, seed=10).to(device=device, dtype=torch.bfloat16) if with_residual else None
+    logits = _rand(12, E, seed=11).to(device=device, dtype=torch.bfloat16)
+    plain_residual = residual.clone() if with_residual else None
+    plain_hidden, plain_residual = (
+        norm(x.clone(), plain_residual) if with_residual else (norm(x.clone()), x.clone())
+    )
+    expected = layer(plain_hidden, logits)
+
+    quantized_by_the_experts = []
+    real_quantize = kernel._quantize_activation
+    monkeypatch.setattr(
+        kernel, "_quantize_activation", lambda *a: quantized_by_the_experts.append(1) or real_quantize(*a)
+    )
+    hidden, new_residual, quantized = layer.norm_input(x, residual, norm)
+    assert quantized is not None and quantized[0].dtype == fq.FP8_DTYPE and quantized[1].shape == (12, 1)
+    # on a GPU the norm kernel's bits; the CPU's norm op rounds its float32 row apart (an ulp or two)
+    tol = 0 if device == "cuda" else 2e-2
+    torch.testing.assert_close(hidden.float(), plain_hidden.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(new_residual, plain_residual)
+    out = layer(hidden, logits, quantized=quantized)
+    assert not quantized_by_the_experts
+    # the FP8 rows are the experts' own quantization of the normalized rows: the same output bits
+    assert torch.equal(out, layer(hidden, logits)) and quantized_by_the_experts
+    if device == "cuda":  # (the norm kernel's bits there: the whole block as before)
+        assert torch.equal(out, expected)
+
+    monkeypatch.setenv("FD_MOE_GEMV_MAX_TOKENS", "64")  # a GEMV step: bf16 activations, nothing quantized
+    assert layer.norm_input(x.clone(), None, norm)[2] is None
+    with pytest.raises(ValueError, match="a_quantized"):
+        layer(hidden, logits, quantized=quantized)

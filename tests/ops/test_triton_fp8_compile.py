@@ -100,12 +100,14 @@ def _compile_all() -> dict[str, dict[str, int]]:
     results["quant-group"] = _compile(
         q._group_quant_kernel, quant_types, dict(GROUP=128, BLOCK=128, **limits), {"num_warps": 4}
     )
-    norm_types = {**quant_types, "r_ptr": "*bf16", "w_ptr": "*bf16", "eps": "fp32"}
+    norm_types = {**quant_types, "r_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "eps": "fp32"}
     for k in (2048, 4096):  # the Qwen3-30B-A3B and Llama-3.1-8B hidden sizes
-        results[f"norm-quant-{k}"] = _compile(
-            q._add_rms_norm_quant_kernel, norm_types, dict(HAS_RESIDUAL=True, BLOCK=k, **limits),
-            {"num_warps": 4 if k <= 2048 else 8},
-        )  # fmt: skip
+        for store in (False, True):  # (True: a MoE block's, the normalized rows kept for the router)
+            results[f"norm-quant-{k}{'-normed' if store else ''}"] = _compile(
+                q._add_rms_norm_quant_kernel, norm_types,
+                dict(HAS_RESIDUAL=True, STORE_NORMED=store, BLOCK=k, **limits),
+                {"num_warps": 4 if k <= 2048 else 8},
+            )  # fmt: skip
     return results
 
 

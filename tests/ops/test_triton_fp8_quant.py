@@ -78,6 +78,8 @@ def test_add_rms_norm_quant_is_the_norm_then_the_quantization(k, with_residual, 
     else:
         normed, ref_residual = lo.rms_norm(x, weight, 1e-6), x
     q_ref, s_ref = kernel.quantize_activation_per_token(normed)
+    x_in = x.clone()
+    residual_in = residual.clone() if with_residual else None
     q, s, new_residual = kernel.add_rms_norm_quant(x, residual, weight, 1e-6)
     assert torch.equal(s.cpu(), s_ref.cpu()) and torch.isfinite(s).all()
     assert torch.equal(q.cpu().view(torch.uint8), q_ref.cpu().view(torch.uint8))
@@ -86,6 +88,11 @@ def test_add_rms_norm_quant_is_the_norm_then_the_quantization(k, with_residual, 
         assert new_residual is residual  # updated in place, as fused_add_rms_norm does
     else:
         assert new_residual is x
+    # the normalized rows too (a MoE block's router reads them): the norm kernel's bits, same q
+    out = torch.full_like(x_in, float("nan"))
+    q2, s2, _ = kernel.add_rms_norm_quant(x_in, residual_in, weight, 1e-6, normed=out)
+    assert torch.equal(out.cpu(), normed.cpu())
+    assert torch.equal(q2.cpu().view(torch.uint8), q.cpu().view(torch.uint8)) and torch.equal(s2, s)
 
 
 def test_norm_quant_linear_is_the_norm_then_the_fp8_linear():

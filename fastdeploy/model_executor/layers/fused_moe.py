@@ -51,6 +51,7 @@ from fastdeploy.distributed import (
     tp_size,
 )
 from fastdeploy.model_executor.layers.fused_moe_fp8 import EXPERT_PROJECTIONS, Fp8MoEMethod, expert_matmul
+from fastdeploy.model_executor.layers.layernorm import RMSNorm
 from fastdeploy.model_executor.layers.quantization.base import QuantizationConfig
 from fastdeploy.model_executor.layers.side_stream import start_beside
 from fastdeploy.model_executor.layers.weight_loading import ShardId, copy_rows, set_weight_loader
@@ -199,17 +200,52 @@ class FusedMoE(nn.Module):
             region = dest.narrow(0, 0 if proj == "gate_proj" else local, local)
             copy_rows(region, loaded, 0, start)
 
+    def norm_input(
+        self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """``(norm(x + residual), the new residual, quantized)``: the block's input before its router.
+
+        Where the experts' grouped GEMM quantizes its input per token (per-channel FP8 experts on a
+        GPU, :func:`~fastdeploy.ops.triton_fused_moe.quantizes_per_token`; no expert parallelism),
+        one kernel adds, normalizes and quantizes (:func:`~fastdeploy.ops.triton_fp8_quant.add_rms_norm_quant`:
+        the norm kernel's bits, one launch and one pass over the rows fewer) and ``quantized`` is its
+        ``(fp8 rows, per-token scales)`` for :meth:`forward`; else None."""
+        kernels = _triton_kernels("triton_fused_moe", x)
+        if (
+            kernels is not None
+            and self.ep_size == 1
+            and type(norm) is RMSNorm
+            and x.dim() == 2
+            and x.is_contiguous()
+            and x.dtype in (torch.bfloat16, torch.float16)
+            and (residual is None or residual.is_contiguous())
+            and kernels.quantizes_per_token(x, self.gate_up_proj, self.down_proj, self._block())
+        ):
+            normed = torch.empty_like(x)
+            fp8_quant = triton_module("triton_fp8_quant")
+            q, scale, residual = fp8_quant.add_rms_norm_quant(x, residual, norm.weight, norm.eps, normed)
+            return normed, residual, (q, scale)
+        if residual is None:
+            return norm(x), x, None
+        return *norm(x, residual), None
+
+    def _block(self) -> tuple[int, int] | None:
+        """The experts' scale layout as the kernels take it (None: per-channel FP8)."""
+        return self.fp8.block if self.fp8 is not None else DEFAULT_BLOCK
+
     def forward(
         self,
         hidden: torch.Tensor,
         router_logits: torch.Tensor,
         shared_experts: Callable[[], torch.Tensor] | None = None,
         correction_bias: torch.Tensor | None = None,
+        quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Route each token to its top-k experts and return their weighted sum ``[T, H]``, plus the
         output of ``shared_experts`` (this rank's partial output of the block's shared experts: run
         on a side stream beside the routed experts, :mod:`.side_stream`), summed over the
-        tensor-parallel ranks: one all-reduce of routed + shared partials."""
+        tensor-parallel ranks: one all-reduce of routed + shared partials. ``quantized``:
+        :meth:`norm_input`'s FP8 rows of ``hidden``."""
         shared = start_beside(shared_experts, hidden.device) if shared_experts is not None else None
         weights, ids = select_experts(
             router_logits, self.top_k, self.renormalize, correction_bias, self.routed_tokens
@@ -220,7 +256,7 @@ class FusedMoE(nn.Module):
                 partial = shared.result()
                 out = out + (tp_all_reduce(partial) if self.tp_size > 1 else partial)
             return out
-        out = self.compute_experts(hidden, weights, self.local_expert_ids(ids))
+        out = self.compute_experts(hidden, weights, self.local_expert_ids(ids), quantized)
         if shared is not None:
             out = out + shared.result()
         if self.tp_size > 1:
@@ -266,21 +302,25 @@ class FusedMoE(nn.Module):
         return tp_all_gather_rows(ep_reduce_scatter(partial)[:mine], shares)
 
     def compute_experts(
-        self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+        self,
+        hidden: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """This rank's partial expert output for routed tokens (before the all-reduce; the ids index
         this rank's experts, ``[0, num_local_experts)``, or are -1: another rank's, skipped): the fused
         Triton kernel on CUDA, :meth:`compute_experts_torch` on a CPU or with
         ``FD_DISABLE_CUSTOM_OPS=1``. Both take the stacked ``gate_up_proj`` / ``down_proj``
-        shards (and their FP8 scales) and return the ``[T, H]`` partial sum."""
+        shards (and their FP8 scales) and return the ``[T, H]`` partial sum. ``quantized``: the FP8
+        rows of ``hidden`` (:meth:`norm_input`; only made where the kernel takes them)."""
         kernels = _triton_kernels("triton_fused_moe", hidden)
         if kernels is None:
             return self.compute_experts_torch(hidden, topk_weights, topk_ids)
         w13_scale, w2_scale = self.expert_scales()
-        block = self.fp8.block if self.fp8 is not None else DEFAULT_BLOCK
         return kernels.fused_experts(
-            hidden, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, w13_scale, w2_scale, block,
-            skip_negative_ids=self.ep_size > 1,
+            hidden, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, w13_scale, w2_scale,
+            self._block(), skip_negative_ids=self.ep_size > 1, a_quantized=quantized,
         )  # fmt: skip
 
     def compute_experts_torch(
@@ -300,7 +340,7 @@ class FusedMoE(nn.Module):
         sorted_weights = topk_weights.reshape(-1).index_select(0, order).unsqueeze(1)
         expert_out = torch.empty_like(sorted_hidden)
         w13_scale, w2_scale = self.expert_scales()
-        block = self.fp8.block if self.fp8 is not None else DEFAULT_BLOCK
+        block = self._block()
         start = 0
         for expert, count in enumerate(counts):
             if count == 0:

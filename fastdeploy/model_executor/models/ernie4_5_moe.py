@@ -73,13 +73,10 @@ class ErnieMoeSparseBlock(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``norm(x + residual)`` → the block's output, and the new residual."""
-        if residual is None:
-            hidden, residual = norm(x), x
-        else:
-            hidden, residual = norm(x, residual)
+        hidden, residual, quantized = self.experts.norm_input(x, residual, norm)
         shared = (lambda: self.shared_experts_output(hidden)) if self.shared_experts is not None else None
         bias = self.moe_statics.e_score_correction_bias
-        return self.experts(hidden, self.gate(hidden), shared, correction_bias=bias), residual
+        return self.experts(hidden, self.gate(hidden), shared, bias, quantized), residual
 
     def shared_experts_output(self, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's partial output of the shared experts (the bias, held whole, added on rank 0

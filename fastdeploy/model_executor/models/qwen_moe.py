@@ -75,12 +75,9 @@ class QwenMoeSparseBlock(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``norm(x + residual)`` → the block's output, and the new residual."""
-        if residual is None:
-            hidden, residual = norm(x), x
-        else:
-            hidden, residual = norm(x, residual)
+        hidden, residual, quantized = self.experts.norm_input(x, residual, norm)
         shared = (lambda: self.shared_expert_output(hidden)) if self.has_shared_expert else None
-        return self.experts(hidden, self.gate(hidden), shared), residual
+        return self.experts(hidden, self.gate(hidden), shared, quantized=quantized), residual
 
     def shared_expert_output(self, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's partial output of the gated shared expert (reduced with the routed experts')."""
