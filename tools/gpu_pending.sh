@@ -139,7 +139,8 @@ moe_split() {
 # it was measured for the bar (its own dummy routing); needs vLLM installed by earlier calls
 moe_vllm_fair() {
     [ -f /tmp/vllm-site/.installed ] || { echo "vllm is not installed on this machine yet"; return; }
-    for run in uniform_random:fp8 uniform_random:none :fp8; do  # routing:quantization ('': vLLM's dummy routing)
+    # routing:quantization ('': vLLM's dummy routing); MOE_VLLM_RUNS picks some of them
+    for run in ${MOE_VLLM_RUNS:-uniform_random:fp8 uniform_random:none :fp8}; do
         local strategy=${run%%:*} quant=${run#*:}
         VLLM_MOE_ROUTING_SIMULATION_STRATEGY=$strategy timeout 240 python3 benchmarks/vllm_offline.py \
             --model benchmarks/configs/qwen3-30b-a3b --tokenizer "$TOK" \
