@@ -123,3 +123,18 @@ def test_mixed_batch_of_decodes_prefills_and_chunks(dtype, tol, decode_path, mas
         ref = _dense_reference(queries[r], full_k[r], full_v[r], scale, row_limits[r] if masked else None)
         got = out[qsl[r] : qsl[r + 1]].double()
         assert (got - ref).norm() / ref.norm() < tol, (r, shapes[r])
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_cache_less_causal_attention_against_the_float64_reference(group):
+    """The attention of a step without a KV cache (the start-up profile pass): one causal run, the
+    KV heads expanded for GQA (so that on a GPU SDPA takes a kernel without ``[H, T, T]`` scores)."""
+    from fastdeploy.model_executor.attention.layer import _causal_attention
+
+    g = torch.Generator().manual_seed(group)
+    q = torch.randn(37, 8, 16, generator=g)
+    k = torch.randn(37, 8 // group, 16, generator=g)
+    v = torch.randn(37, 8 // group, 16, generator=g)
+    out = _causal_attention(q, k, v, 0.25)
+    assert out.shape == q.shape
+    torch.testing.assert_close(out.double(), _dense_reference(q, k, v, 0.25), rtol=1e-5, atol=1e-5)
