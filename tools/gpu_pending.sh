@@ -125,7 +125,7 @@ moe_fair() {
 }
 
 # #18: the MoE layer's two grouped GEMMs tuned apart (down's K = 768 is a short loop) at the decode
-# batch and a prefill step, FP8 per channel: the winners go into FP8_CHANNEL_DOWN_CONFIGS / the table
+# batch and a prefill step, FP8 per channel (the twenty-fourth session: down's best was the shared table's)
 moe_split() {
     timeout 500 python3 -m benchmarks.gpubench.moe_bench --out "$W/moe_split" --sweep-split --tokens 256,8192 \
         --dtypes ptpc_fp8 > "$W/moe_split.log" 2>&1

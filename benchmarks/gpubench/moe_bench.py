@@ -28,8 +28,9 @@ are read from HBM, not L2.
 
 ``--sweep`` times a short list of candidate grouped-GEMM configurations per (dtype, tokens) and
 reports the best next to the table's; its winners are what ``BF16_CONFIGS`` / ``FP8_CONFIGS``
-should hold. ``--sweep-split`` tunes the two GEMMs apart (the down GEMM's short K loop may want
-other tiles; ``FP8_CHANNEL_DOWN_CONFIGS``).
+should hold. ``--sweep-split`` tunes the two GEMMs apart (``fused_experts``' ``down_config``; the
+down GEMM's K loop is short): on the H200 the down GEMM's best was the shared table's (twenty-fourth
+session), so the tables hold one configuration for both.
 """
 
 from __future__ import annotations
@@ -263,12 +264,8 @@ def _default_config(tokens: int, dtype: str) -> moe.MoEKernelConfig:
 def _default_down_config(
     tokens: int, dtype: str, config: moe.MoEKernelConfig | None = None
 ) -> moe.MoEKernelConfig:
-    """The down GEMM's configuration beside ``config`` (None: the table's), as ``fused_experts`` picks it."""
-    if config is not None:
-        return config
-    return moe.default_down_config(
-        tokens, _default_config(tokens, dtype), _is_fp8(dtype), dtype == "ptpc_fp8"
-    )
+    """The down GEMM's configuration beside ``config`` (None: the table's, which both GEMMs share)."""
+    return config or _default_config(tokens, dtype)
 
 
 def sweep_split(

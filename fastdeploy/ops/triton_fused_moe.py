@@ -82,9 +82,6 @@ FP8_CHANNEL_CONFIGS: tuple[tuple[int, MoEKernelConfig], ...] = (
     (512, MoEKernelConfig(64, 128, 128, 16, 4, 3)),  # H200 sweeps (23rd, 24th sessions): 1.7% faster at 256
     (1 << 62, MoEKernelConfig(128, 256, 128, 16, 8, 4)),  # H200 sweep: 4 stages 4% faster at 2,048
 )
-# The down GEMM's own configurations where they differ from the table above (same block_m: both
-# GEMMs read one sorted layout). down is [E, H, I]: K = I (768 for Qwen3-30B-A3B) is a short loop.
-FP8_CHANNEL_DOWN_CONFIGS: tuple[tuple[int, MoEKernelConfig], ...] | None = None
 INTERPRETER_CONFIG = MoEKernelConfig(16, 64, 64, 1, 4, 1)
 """The configuration under ``TRITON_INTERPRET=1`` (CPU tests): small tiles, quick."""
 
@@ -97,18 +94,6 @@ def default_config(num_tokens: int, fp8: bool, per_channel: bool = False) -> MoE
     if fp8:
         return table_config(FP8_CHANNEL_CONFIGS if per_channel else FP8_CONFIGS, num_tokens)
     return table_config(BF16_CONFIGS, num_tokens)
-
-
-def default_down_config(
-    num_tokens: int, config: MoEKernelConfig, fp8: bool, per_channel: bool
-) -> MoEKernelConfig:
-    """The down GEMM's configuration beside gate_up's ``config``: its own table's where there is one
-    with the same ``block_m``, else ``config``."""
-    if fp8 and per_channel and FP8_CHANNEL_DOWN_CONFIGS is not None and not triton_interpreting():
-        down = table_config(FP8_CHANNEL_DOWN_CONFIGS, num_tokens)
-        if down.block_m == config.block_m:
-            return down
-    return config
 
 
 def align_block_size_torch(
@@ -419,10 +404,6 @@ def fused_experts(
         if hidden.is_cuda and w13.dtype != FP8_DTYPE:  # (float32 activations: twice the tiles' bytes)
             limit = device_shared_memory(hidden.device.index)
             config = fit_shared_memory(config, hidden.element_size(), limit)
-        if down_config is None:
-            down_config = default_down_config(
-                hidden.shape[0], config, w13.dtype == FP8_DTYPE, block_shape is None
-            )
     down_config = down_config or config
     if down_config.block_m != config.block_m:
         raise ValueError(

@@ -306,22 +306,6 @@ def test_down_config_of_its_own():
         )
 
 
-def test_default_down_config_only_with_the_same_rows(monkeypatch):
-    """The down table's configuration where it has one with gate_up's ``block_m``, else gate_up's."""
-    monkeypatch.setattr(moe, "triton_interpreting", lambda: False)
-    gate_up = moe.default_config(256, fp8=True, per_channel=True)
-    monkeypatch.setattr(moe, "FP8_CHANNEL_DOWN_CONFIGS", None)
-    assert moe.default_down_config(256, gate_up, True, True) is gate_up
-    own = moe.MoEKernelConfig(gate_up.block_m, 64, 256, 1, 4, 3)
-    other_rows = moe.MoEKernelConfig(gate_up.block_m * 2, 64, 256, 1, 4, 3)
-    monkeypatch.setattr(moe, "FP8_CHANNEL_DOWN_CONFIGS", ((512, own), (1 << 62, other_rows)))
-    assert moe.default_down_config(256, gate_up, True, True) == own
-    assert moe.default_down_config(256, gate_up, False, False) is gate_up  # bf16: no down table
-    big = moe.default_config(8192, fp8=True, per_channel=True)
-    expected = other_rows if other_rows.block_m == big.block_m else big
-    assert moe.default_down_config(8192, big, True, True) == expected
-
-
 def test_align_block_size():
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, EXPERTS, (13, TOP_K), generator=g)
