@@ -190,3 +190,23 @@ def test_registry_and_default_rule():
     assert default_tool_parser_name("{% if message.role == 'ipython' %}") == "llama3_json"
     assert default_tool_parser_name("{{ message['content'] }}") == "hermes"
     assert default_tool_parser_name(None) == "hermes"
+
+
+@pytest.mark.parametrize(
+    "parser,text,content,calls",
+    [
+        (RequiredToolParser(), '[{"name": "get_weather", "parameters": {"city": "Par', None,
+         [("get_weather", '{"city": "Par')]),
+        (RequiredToolParser(), '[{"name": "a", "parameters": {}}, {"name": "b", "parameters": {"x', None,
+         [("a", "{}"), ("b", '{"x')]),
+        (RequiredToolParser(), '[{"name": "get_w', '{"name": "get_w', []),  # no name yet: content
+        (HermesToolParser(), 'Sure. <tool_call>{"name": "get_weather", "arguments": {"ci', "Sure.",
+         [("get_weather", '{"ci')]),
+    ],
+)  # fmt: skip
+def test_an_answer_cut_inside_a_call_is_that_call_as_its_stream_reports_it(parser, text, content, calls):
+    """Cut by ``max_tokens`` inside a call whose name is complete: the whole answer reports the call
+    with the arguments written so far, what the stream of the same answer sent (was: content)."""
+    out = parser.extract(text)
+    assert (out.content, [(c.name, c.arguments) for c in out.calls]) == (content, calls)
+    assert reassemble(parser, list(text)) == (content, calls)

@@ -94,6 +94,15 @@ def _header(body: str) -> tuple[str, int] | None:
     return name, m.end()
 
 
+def _cut_call(body: str) -> ParsedToolCall | None:
+    """The call of a body the answer ended in: its name and the partial arguments after it (None
+    before the arguments start)."""
+    header = _header(body)
+    if header is None or len(body) <= header[1]:
+        return None
+    return ParsedToolCall(header[0], body[header[1] :])
+
+
 @dataclass
 class ParsedToolCall:
     """One call found in a model's text: the function's name and its arguments as JSON text."""
@@ -340,12 +349,16 @@ class ToolParser:
         return ToolCallStream(self.segmenter(), self.max_calls)
 
     def extract(self, text: str) -> ExtractedToolCalls:
-        """The content and calls of a whole answer."""
+        """The content and calls of a whole answer. A call the answer ends inside (cut by
+        ``max_tokens``) whose name is complete is that call with the arguments written so far, as
+        its stream reports it (:class:`_CallStream`); with the name incomplete it is content."""
         segmenter = self.segmenter()
         content: list[str] = []
         calls: list[ParsedToolCall] = []
         opening, body = "", ""
-        for kind, piece in [*segmenter.feed(text), *segmenter.finish()]:
+        events = [(event, False) for event in segmenter.feed(text)]
+        events += [(event, True) for event in segmenter.finish()]
+        for (kind, piece), at_end in events:
             if kind == CONTENT:
                 content.append(piece)
             elif kind == OPEN:
@@ -354,6 +367,8 @@ class ToolParser:
                 body += piece
             else:
                 parsed = parse_call(body)
+                if parsed is None and at_end:
+                    parsed = _cut_call(body)
                 if parsed is None:
                     content.append(opening + body + piece)
                 elif self.max_calls is None or len(calls) < self.max_calls:
