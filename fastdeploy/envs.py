@@ -144,6 +144,12 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "(torch._scaled_mm block-wise, cuBLASLt), triton (the Triton block GEMM, any block size), "
         "or auto (scaled_mm where a start-up probe finds it working on the GPU, else triton).",
     ),
+    "FD_FP8_CHANNEL_TRITON_MAX_M": (
+        lambda: int(os.environ.get("FD_FP8_CHANNEL_TRITON_MAX_M", "0")),
+        "Per-channel FP8 linears (--quantization ptpc_fp8) of more than FD_FP8_SMALL_M_MAX and at most "
+        "this many rows run the Triton per-channel GEMM instead of row-wise torch._scaled_mm "
+        "(cuBLASLt); 0: never.",
+    ),
     "FD_SMALL_M_NORM_FUSION": (
         _bool("FD_SMALL_M_NORM_FUSION", "1"),
         "With FD_SMALL_M_GEMV, run the residual add + RMSNorm inside the next linear, and the "

@@ -27,6 +27,8 @@
 #   moe_phases (~4) the same FP8 run's step times by phase and a decode window's kernels
 #   moe_vllm (~5) vLLM's FP8 run of that shape the same way (vLLM carried and installed first)
 #   moe_fair (~6) ours, FP8 and bf16, with the run's routing spread (moe_load_imbalance)
+#   fp8_channel (~8) the per-channel FP8 linears at 32-1,024 rows: row-wise _scaled_mm against the Triton
+#                 per-channel GEMM, and that GEMM's tile sweep
 #   moe_split (~5) the MoE layer's two grouped GEMMs tuned apart at 256 and 8,192 tokens (FP8 per channel)
 #   moe_vllm_fair (~7) vLLM's bar runs with uniform simulated routing (FP8, bf16), and FP8 as before
 #   moe (~6)      a batch-1 FP8 and bf16 decode step of the Qwen3-30B-A3B shape, kernel table;
@@ -34,7 +36,7 @@
 #   bash tools/gpu_pending.sh OUT [section ...]
 # Run it without `| tail` in the `run` call: a call stopped at its time limit returns only what it
 # already printed (twice in the twentieth session a tail held back every line of a 600 s call).
-OUT=${1:?usage: tools/gpu_pending.sh OUT [structured_nice] [structured_threads] [structured_gil] [structured_default] [structured_guidance] [first_burst] [structured] [tests] [moe_e2e] [moe_budget] [moe_prefill] [moe_phases] [moe_vllm] [moe_fair] [moe_split] [moe_vllm_fair] [poisson] [prefill] [moe] [budget]}
+OUT=${1:?usage: tools/gpu_pending.sh OUT [structured_nice] [structured_threads] [structured_gil] [structured_default] [structured_guidance] [first_burst] [structured] [tests] [moe_e2e] [moe_budget] [moe_prefill] [moe_phases] [moe_vllm] [moe_fair] [moe_split] [fp8_channel] [moe_vllm_fair] [poisson] [prefill] [moe] [budget]}
 shift
 sections=${*:-structured_nice tests moe_e2e poisson prefill moe budget}
 mkdir -p "$OUT"
@@ -130,6 +132,19 @@ moe_split() {
     timeout 500 python3 -m benchmarks.gpubench.moe_bench --out "$W/moe_split" --sweep-split --tokens 256,8192 \
         --dtypes ptpc_fp8 > "$W/moe_split.log" 2>&1
     grep "|" "$W/moe_split/results.md" | tail -n 2
+}
+
+# #18: the per-channel FP8 linears of a decode batch (qkv, o of Qwen3-30B-A3B at 32-512 rows):
+# row-wise torch._scaled_mm (the default) against the Triton per-channel GEMM, then that GEMM's tiles
+# (FD_FP8_CHANNEL_TRITON_MAX_M and CHANNEL_CONFIGS come from these)
+fp8_channel() {
+    local shapes=qwen3_30b_a3b.qkv,qwen3_30b_a3b.o
+    timeout 200 python3 -m benchmarks.gpubench.fp8_gemm_bench --out "$W/fp8" --shapes $shapes \
+        --rows 32,64,128,256,512,1024 > "$W/fp8.log" 2>&1
+    grep -E "^### |^\| M|^\| [0-9]" "$W/fp8/fp8_gemm.md" | cut -c1-400
+    timeout 360 python3 -m benchmarks.gpubench.fp8_gemm_bench --out "$W/fp8_sweep" --shapes $shapes \
+        --sweep gemm-channel > "$W/fp8_sweep.log" 2>&1
+    grep "|" "$W/fp8_sweep/fp8_gemm.md"
 }
 
 # #18: vLLM's run of the bar (vllm_offline.py, batch-1 ITL and 256 x 512/256 tok/s) with its

@@ -3,6 +3,7 @@ the dense shapes of Llama-3.1-8B and Qwen3-30B-A3B at M = 1 .. 8192 rows.
 
     python -m benchmarks.gpubench.fp8_gemm_bench --out /tmp/fp8_gemm                 # H100 / H200
     python -m benchmarks.gpubench.fp8_gemm_bench --out /tmp/fp8_sweep --sweep gemm    # + Triton block GEMM configs
+    python -m benchmarks.gpubench.fp8_gemm_bench --out /tmp/fp8_sweep --sweep gemm-channel  # + per-channel ones
     python -m benchmarks.gpubench.fp8_gemm_bench --out /tmp/fp8_sweep --sweep gemv    # + w8a16 GEMV configs
     python -m benchmarks.gpubench.fp8_gemm_bench --smoke --out /tmp/s                 # a few shapes, checks the script
 
@@ -13,8 +14,8 @@ call, as a model runs it):
   graphs): the baseline;
 * ``fp8 gemv block`` / ``fp8 gemv channel``: the w8a16 GEMV (:mod:`fastdeploy.ops.triton_fp8_gemv`)
   on 128 x 128 block-scaled / per-channel weights, up to its 64 rows;
-* ``triton block``, ``scaled_mm rowwise``, ``scaled_mm blockwise`` (where this torch build runs it):
-  the w8a8 GEMMs, ``(gemm)`` and ``(linear)``;
+* ``triton block``, ``triton channel``, ``scaled_mm rowwise``, ``scaled_mm blockwise`` (where this
+  torch build runs it): the w8a8 GEMMs, ``(gemm)`` and ``(linear)``;
 * ``engine block`` / ``engine channel``: :func:`fastdeploy.ops.fp8_linear.fp8_linear` as the model
   calls it, with the path it chose for that M (the ``path`` columns).
 
@@ -24,7 +25,8 @@ at small M). Writes ``fp8_gemm.json`` and ``fp8_gemm.md`` into ``--out``.
 
 ``--sweep gemm`` times candidate :class:`~fastdeploy.ops.triton_fp8_gemm.Fp8GemmConfig` s of the
 Triton block GEMM per (shape, M) under graphs and reports the best beside the table's default
-(its winners are what ``triton_fp8_gemm.CONFIGS`` should hold); ``--sweep gemv`` does the same for
+(its winners are what ``triton_fp8_gemm.CONFIGS`` should hold), ``--sweep gemm-channel`` those of the
+per-channel GEMM (``CHANNEL_CONFIGS``); ``--sweep gemv`` does the same for
 the GEMV's configurations (what ``triton_fp8_gemv`` should autotune over).
 """
 
@@ -55,7 +57,11 @@ SHAPES: dict[str, tuple[int, int]] = {
 }
 """name → (N, K) of the dense linears (Qwen3-30B-A3B's MLPs are experts: the fused-MoE benchmark's)."""
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
-SWEEP_ROWS = {"gemm": (16, 64, 256, 1024, 4096), "gemv": (1, 2, 4, 8, 16)}
+SWEEP_ROWS = {
+    "gemm": (16, 64, 256, 1024, 4096),
+    "gemm-channel": (32, 64, 128, 256, 512),
+    "gemv": (1, 2, 4, 8, 16),
+}
 BLOCK = (128, 128)
 ROTATE_BYTES = 256 << 20
 """Bytes of bf16 weights each variant cycles through (several times the L2 cache of an H100 / H200)."""
@@ -82,7 +88,7 @@ def _variants(
     from fastdeploy.ops import triton_fp8_gemv as gemv
     from fastdeploy.ops import triton_fp8_quant as tq
     from fastdeploy.ops import triton_gemv
-    from fastdeploy.ops.triton_fp8_gemm import fp8_block_gemm, fp8_block_linear
+    from fastdeploy.ops.triton_fp8_gemm import fp8_block_gemm, fp8_block_linear, fp8_channel_gemm
 
     m = x.shape[0]
     w, wb, wbs, wc, wcs = ws["w"], ws["wb"], ws["wbs"], ws["wc"], ws["wcs"]
@@ -97,6 +103,10 @@ def _variants(
         out["fp8 gemv channel"] = lambda: gemv.fp8_small_m_linear(x, wc, wcs, None)
     out["triton block (gemm)"] = lambda: fp8_block_gemm(xg, xgs, wb, wbs, BLOCK, x.dtype)
     out["triton block (linear)"] = lambda: fp8_block_linear(x, wb, wbs, BLOCK)
+    out["triton channel (gemm)"] = lambda: fp8_channel_gemm(xt, xts, wc, wcs, x.dtype)
+    out["triton channel (linear)"] = lambda: fl.fp8_linear_kernels(
+        x, wc, wcs, None, None, fl.Fp8LinearBackend(0, False, channel_triton_max_m=1 << 30)
+    )
     out["scaled_mm rowwise (gemm)"] = lambda: torch._scaled_mm(
         xt, wc.t(), scale_a=xts, scale_b=wcs_row, out_dtype=x.dtype
     )
@@ -179,17 +189,20 @@ def bench_shape(
     return results
 
 
-def _gemm_candidates(m: int) -> list[Any]:
+def _gemm_candidates(m: int, per_channel: bool = False) -> list[Any]:
+    """Tile configurations to time at ``m`` rows (per channel: also 256-column K steps, which the
+    block-scaled GEMM's one-scale-per-step cannot take)."""
     from fastdeploy.ops.triton_fp8_gemm import Fp8GemmConfig as C
 
     block_ms = [bm for bm in (16, 32, 64, 128) if bm <= max(16, 2 * m)]
     out = []
     for bm in block_ms:
         for bn in (64, 128, 256):
-            for warps, stages in ((4, 3), (4, 4), (8, 3), (8, 4), (4, 5)):
-                if bm * bn >= 128 * 256 and warps == 4:
-                    continue
-                out.append(C(bm, bn, 128, 1 if bm <= 32 else 8, warps, stages))
+            for bk in (128, 256) if per_channel else (128,):
+                for warps, stages in ((4, 3), (4, 4), (8, 3), (8, 4), (4, 5)):
+                    if bm * bn >= 128 * 256 and warps == 4 or bk == 256 and stages == 5:
+                        continue
+                    out.append(C(bm, bn, bk, 1 if bm <= 32 else 8, warps, stages))
     return out
 
 
@@ -213,10 +226,10 @@ def _gemv_candidates(m: int) -> list[dict[str, Any]]:
 
 
 def sweep_shape(n: int, k: int, what: str, device: torch.device, iters: int) -> list[dict[str, Any]]:
-    """The fastest candidate configuration (graph time) per M for ``what`` (gemm or gemv)."""
+    """The fastest candidate configuration (graph time) per M for ``what`` (gemm, gemm-channel or gemv)."""
     from fastdeploy.ops import triton_fp8_gemv as gemv
     from fastdeploy.ops import triton_fp8_quant as tq
-    from fastdeploy.ops.triton_fp8_gemm import default_config, fp8_block_gemm
+    from fastdeploy.ops.triton_fp8_gemm import default_config, fp8_block_gemm, fp8_channel_gemm
 
     weights = _weights(n, k, device)
     results = []
@@ -230,6 +243,14 @@ def sweep_shape(n: int, k: int, what: str, device: torch.device, iters: int) -> 
                         for ws in weights]  # fmt: skip
 
             candidates, default = _gemm_candidates(m), default_config(m)
+        elif what == "gemm-channel":
+            xt, xts = tq.quantize_activation_per_token(x)
+
+            def make(config, xt=xt, xts=xts, x=x):
+                return [lambda ws=ws: fp8_channel_gemm(xt, xts, ws["wc"], ws["wcs"], x.dtype, config)
+                        for ws in weights]  # fmt: skip
+
+            candidates, default = _gemm_candidates(m, per_channel=True), default_config(m, per_channel=True)
         else:
 
             def make(config, x=x):
@@ -249,7 +270,7 @@ def sweep_shape(n: int, k: int, what: str, device: torch.device, iters: int) -> 
                 continue
         default_us = graph_seconds(make(default), device, iters) * 1e6
         timed.sort(key=lambda t: t[0])
-        show = lambda c: asdict(c) if what == "gemm" else c  # noqa: E731
+        show = lambda c: asdict(c) if what != "gemv" else c  # noqa: E731
         row = {"M": m, "N": n, "K": k, "default_us": default_us, "tried": len(timed),
                "best": [{"us": us, "config": show(c)} for us, c in timed[:3]]}  # fmt: skip
         if what == "gemv":
@@ -328,7 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--shapes", default="", help="comma-separated names of SHAPES (default: all)")
     parser.add_argument("--rows", default="", help="comma-separated row counts (default: 1 .. 8192)")
-    parser.add_argument("--sweep", choices=("gemm", "gemv"), help="time candidate configurations instead")
+    parser.add_argument(
+        "--sweep", choices=("gemm", "gemm-channel", "gemv"), help="time candidate configurations instead"
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("fp8_gemm_bench needs a CUDA GPU", file=sys.stderr)

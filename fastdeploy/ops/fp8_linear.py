@@ -8,7 +8,9 @@ no copies of the operands; the scales are used in the layout they were loaded in
   registers and multiplied with the activation as it is (not quantized), bias in the epilogue.
   Inside CUDA graph capture only for shapes it already ran on (its autotuning synchronizes).
 - **per-channel** weights (``block = None``, scale ``[N]``): the activation quantized per token
-  (one Triton kernel), then ``torch._scaled_mm`` with row-wise scales and the bias fused.
+  (one Triton kernel), then ``torch._scaled_mm`` with row-wise scales and the bias fused, or, up
+  to ``FD_FP8_CHANNEL_TRITON_MAX_M`` rows, the Triton per-channel GEMM of
+  :mod:`fastdeploy.ops.triton_fp8_gemm` (the same product, bias in the epilogue).
 - **block-scaled** weights (``block = (bn, bk)``, scale ``[ceil(N/bn), ceil(K/bk)]``): the
   activation quantized per token and ``bk`` columns (one Triton kernel), then either
   ``torch._scaled_mm`` with 1 x 128 / 128 x 128 block-wise scales (cuBLASLt, CUDA >= 12.9 on
@@ -17,7 +19,8 @@ no copies of the operands; the scales are used in the layout they were loaded in
   :mod:`fastdeploy.ops.triton_fp8_gemm` (any block, bias in the epilogue).
 
 Which of these runs is an :class:`Fp8LinearBackend`, decided once per device
-(``FD_FP8_SMALL_M_MAX``, ``FD_FP8_BLOCK_GEMM`` and a probe of the block-wise ``_scaled_mm``).
+(``FD_FP8_SMALL_M_MAX``, ``FD_FP8_CHANNEL_TRITON_MAX_M``, ``FD_FP8_BLOCK_GEMM`` and a probe of
+the block-wise ``_scaled_mm``).
 
 The **torch** path (a CPU, or zero rows) dequantizes the same quantized operands to float32 and
 multiplies there, so it computes what the w8a8 kernels compute (the activation is rounded to
@@ -58,6 +61,7 @@ class Fp8Path(str, Enum):
     TORCH = "torch"
     SMALL_M = "w8a16 gemv"
     SCALED_MM_ROWWISE = "quant + scaled_mm rowwise"
+    TRITON_CHANNEL = "quant + triton channel gemm"
     SCALED_MM_BLOCK = "quant + scaled_mm blockwise"
     TRITON_BLOCK = "quant + triton block gemm"
 
@@ -71,6 +75,9 @@ class Fp8LinearBackend:
     block_scaled_mm: bool = False
     """Block-scaled (128 x 128) weights above ``small_m_max`` take ``torch._scaled_mm``'s
     block-wise mode (else the Triton block GEMM)."""
+    channel_triton_max_m: int = 0
+    """Per-channel weights above ``small_m_max`` rows and up to this many take the Triton
+    per-channel GEMM (else row-wise ``_scaled_mm``)."""
 
     @staticmethod
     def for_device(device: torch.device) -> Fp8LinearBackend:
@@ -81,6 +88,8 @@ class Fp8LinearBackend:
             raise ValueError(f"FD_FP8_BLOCK_GEMM must be one of {', '.join(BLOCK_GEMMS)}, got {choice!r}")
         custom = not envs.FD_DISABLE_CUSTOM_OPS and triton_module("triton_fp8_gemv") is not None
         small_m_max = max(0, envs.FD_FP8_SMALL_M_MAX) if custom else 0
+        gemm = not envs.FD_DISABLE_CUSTOM_OPS and triton_module("triton_fp8_gemm") is not None
+        channel_triton_max_m = max(0, envs.FD_FP8_CHANNEL_TRITON_MAX_M) if gemm else 0
         block_scaled_mm = False
         if device.type == "cuda" and choice != "triton":
             block_scaled_mm = blockwise_scaled_mm_works(device)
@@ -88,7 +97,7 @@ class Fp8LinearBackend:
                 logger.warning(
                     "FD_FP8_BLOCK_GEMM=scaled_mm: block-wise torch._scaled_mm does not run here; using Triton"
                 )
-        return Fp8LinearBackend(small_m_max, block_scaled_mm)
+        return Fp8LinearBackend(small_m_max, block_scaled_mm, channel_triton_max_m)
 
 
 @functools.cache
@@ -178,6 +187,8 @@ def select_path(
         return Fp8Path.SMALL_M
     scaled_mm_shape = k % 16 == 0 and n % 16 == 0
     if block is None:
+        if m <= backend.channel_triton_max_m:
+            return Fp8Path.TRITON_CHANNEL
         return Fp8Path.SCALED_MM_ROWWISE if scaled_mm_shape else Fp8Path.TORCH
     whole_blocks = n % SCALED_MM_BLOCK[0] == 0 and k % SCALED_MM_BLOCK[1] == 0
     if backend.block_scaled_mm and whole_blocks and tuple(block) == SCALED_MM_BLOCK:
@@ -266,15 +277,32 @@ def fp8_linear_kernels(
     path = select_path(m, n, k, block, backend, ready)
     if path is Fp8Path.SMALL_M:
         return triton_module("triton_fp8_gemv").fp8_small_m_linear(x, weight, weight_scale, block, bias)
-    if path is Fp8Path.SCALED_MM_ROWWISE:
+    if path in (Fp8Path.SCALED_MM_ROWWISE, Fp8Path.TRITON_CHANNEL):
         xq, xs = _quant_kernels().quantize_activation_per_token(x)
-        return scaled_mm_rowwise(xq, xs, weight, weight_scale, bias, x.dtype)
+        return channel_gemm(path, xq, xs, weight, weight_scale, bias, x.dtype)
     if path is Fp8Path.SCALED_MM_BLOCK:
         return _scaled_mm_block(x, weight, weight_scale, bias)
     if path is Fp8Path.TRITON_BLOCK:
         return triton_module("triton_fp8_gemm").fp8_block_linear(x, weight, weight_scale, block, bias)
     out = fp8_linear_torch(x, weight, weight_scale, block)
     return out if bias is None else out.add_(bias)
+
+
+def channel_gemm(
+    path: Fp8Path,
+    xq: torch.Tensor,
+    xs: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The per-channel product of a per-token quantized activation along ``path``: row-wise
+    ``_scaled_mm`` or the Triton per-channel GEMM."""
+    if path is Fp8Path.TRITON_CHANNEL:
+        gemm = triton_module("triton_fp8_gemm")
+        return gemm.fp8_channel_gemm(xq, xs, weight, weight_scale.reshape(-1), out_dtype, bias=bias)
+    return scaled_mm_rowwise(xq, xs, weight, weight_scale, bias, out_dtype)
 
 
 def scaled_mm_rowwise(
@@ -304,16 +332,14 @@ def fp8_norm_quant_fusable(
     backend: Fp8LinearBackend | None = None,
 ) -> bool:
     """Whether :func:`fp8_norm_quant_linear` runs ``rms_norm(x + residual)`` and this linear now: a
-    per-channel weight whose rows take the quantize-then-``_scaled_mm`` path (more rows than the
-    GEMV's), on CUDA, the activations, residual and norm weight in one 16-bit dtype."""
+    per-channel weight whose rows take a quantize-then-GEMM path (more rows than the GEMV's), on
+    CUDA, the activations, residual and norm weight in one 16-bit dtype."""
     if block is not None or not x.is_cuda or x.dim() != 2 or x.stride(-1) != 1:
         return False
     backend = backend or _device_backend(x.device)
     m, k = x.shape
-    if (
-        m <= backend.small_m_max
-        or select_path(m, weight.shape[0], k, None, backend, False) is not Fp8Path.SCALED_MM_ROWWISE
-    ):
+    path = select_path(m, weight.shape[0], k, None, backend, False)
+    if m <= backend.small_m_max or path not in (Fp8Path.SCALED_MM_ROWWISE, Fp8Path.TRITON_CHANNEL):
         return False
     dtypes = {x.dtype, norm_weight.dtype} | ({residual.dtype} if residual is not None else set())
     if dtypes != {torch.bfloat16} and dtypes != {torch.float16}:
@@ -331,14 +357,17 @@ def fp8_norm_quant_linear(
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None,
+    backend: Fp8LinearBackend | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(linear(rms_norm(x + residual)), the new residual)`` for a per-channel FP8 weight: the
     residual add, the norm and the per-token quantization in one kernel
-    (:func:`~fastdeploy.ops.triton_fp8_quant.add_rms_norm_quant`), then ``_scaled_mm``; the same bits
-    as the norm kernel, then :func:`fp8_linear`. ``residual`` is updated in place (None: ``x`` is the
-    new residual)."""
+    (:func:`~fastdeploy.ops.triton_fp8_quant.add_rms_norm_quant`), then the GEMM :func:`fp8_linear`
+    would run; the same bits as the norm kernel, then :func:`fp8_linear`. ``residual`` is updated in
+    place (None: ``x`` is the new residual)."""
+    backend = backend or _device_backend(x.device)
+    path = select_path(x.shape[0], weight.shape[0], x.shape[1], None, backend, False)
     xq, xs, residual = triton_module("triton_fp8_quant").add_rms_norm_quant(x, residual, norm_weight, eps)
-    return scaled_mm_rowwise(xq, xs, weight, weight_scale, bias, x.dtype), residual
+    return channel_gemm(path, xq, xs, weight, weight_scale, bias, x.dtype), residual
 
 
 def _quant_kernels():

@@ -1,12 +1,21 @@
-"""Block-scaled FP8 (w8a8) GEMM in Triton: ``out [M, N] = dequant(a [M, K]) @ dequant(b [N, K])^T``.
+"""FP8 (w8a8) GEMMs in Triton: ``out [M, N] = dequant(a [M, K]) @ dequant(b [N, K])^T``.
 
-Operands are float8_e4m3fn with float32 dequantization scales: ``a_scale [M, ceil(K/gk)]`` (one
-per token and ``gk`` columns, dynamic) and ``b_scale [ceil(N/gn), ceil(K/gk)]`` (one per
-``gn × gk`` weight block: the ``weight_scale_inv`` of DeepSeek / Qwen3-FP8 checkpoints and of
-``--quantization fp8``). Each ``BLOCK_K`` step (``BLOCK_K`` divides ``gk``) multiplies the fp8
-tiles on the tensor cores into float32 and adds them times their row and column scales; the
-output is cast once. :func:`fp8_block_linear` quantizes the activation (1 × ``gk`` groups) and
-launches it; the configuration comes from a small table by M (:data:`CONFIGS`).
+Operands are float8_e4m3fn with float32 dequantization scales, in one of two layouts:
+
+* **block-scaled** (:func:`fp8_block_gemm`): ``a_scale [M, ceil(K/gk)]`` (one per token and ``gk``
+  columns, dynamic) and ``b_scale [ceil(N/gn), ceil(K/gk)]`` (one per ``gn × gk`` weight block:
+  the ``weight_scale_inv`` of DeepSeek / Qwen3-FP8 checkpoints and of ``--quantization fp8``).
+  Each ``BLOCK_K`` step (``BLOCK_K`` divides ``gk``) multiplies the fp8 tiles on the tensor cores
+  into float32 and adds them times their row and column scales. :func:`fp8_block_linear`
+  quantizes the activation (1 × ``gk`` groups) and launches it.
+* **per channel** (:func:`fp8_channel_gemm`, ``--quantization ptpc_fp8``): ``a_scale [M, 1]`` (per
+  token) and ``b_scale [N]`` (per output channel). The K loop is plain fp8 dots into one
+  accumulator and both scales multiply the tile once after it: the GEMM row-wise
+  ``torch._scaled_mm`` computes, for the row counts where a tile table of our own beats cuBLAS's
+  choice (``FD_FP8_CHANNEL_TRITON_MAX_M``, :mod:`fastdeploy.ops.fp8_linear`).
+
+The output is cast once; the configurations come from small tables by M (:data:`CONFIGS`,
+:data:`CHANNEL_CONFIGS`).
 """
 
 from __future__ import annotations
@@ -35,15 +44,22 @@ CONFIGS: tuple[tuple[int, Fp8GemmConfig], ...] = (
     (256, Fp8GemmConfig(64, 64, 128, 8, 4, 5)),
     (1 << 62, Fp8GemmConfig(64, 128, 128, 8, 4, 3)),
 )
+# Per-channel weights: the block table's shapes to start from (no per-step rescale, so deeper K
+# steps pay off); docs/benchmarks.md has what the sweep measured.
+CHANNEL_CONFIGS: tuple[tuple[int, Fp8GemmConfig], ...] = (
+    (16, Fp8GemmConfig(16, 64, 128, 1, 4, 5)),
+    (256, Fp8GemmConfig(64, 64, 128, 8, 4, 5)),
+    (1 << 62, Fp8GemmConfig(64, 128, 128, 8, 4, 3)),
+)
 INTERPRETER_CONFIG = Fp8GemmConfig(16, 32, 64, 1, 4, 1)
 """The configuration under ``TRITON_INTERPRET=1`` (CPU tests): small tiles, quick."""
 
 
-def default_config(m: int) -> Fp8GemmConfig:
+def default_config(m: int, per_channel: bool = False) -> Fp8GemmConfig:
     """The table's configuration for ``m`` rows (the interpreter's under ``TRITON_INTERPRET=1``)."""
     if triton_interpreting():
         return INTERPRETER_CONFIG
-    return table_config(CONFIGS, m)
+    return table_config(CHANNEL_CONFIGS if per_channel else CONFIGS, m)
 
 
 @triton.jit
@@ -65,6 +81,7 @@ def _fp8_block_gemm_kernel(
     stride_bsn,
     GROUP_N: tl.constexpr,
     GROUP_K: tl.constexpr,
+    CHANNEL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     DOT_FP32: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -73,7 +90,8 @@ def _fp8_block_gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    """One ``BLOCK_M × BLOCK_N`` tile of ``c = sum_k (a_k * a_scale) (b_k * b_scale)^T (+ bias)``."""
+    """One ``BLOCK_M × BLOCK_N`` tile of ``c = sum_k (a_k * a_scale) (b_k * b_scale)^T (+ bias)``
+    (``CHANNEL``: one scale per row of ``a`` and of ``b``, applied after the K loop)."""
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -102,15 +120,23 @@ def _fp8_block_gemm_kernel(
             k_mask = (k0 + offs_k) < K
             a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
-        if DOT_FP32:
-            part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        if CHANNEL:
+            if DOT_FP32:
+                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
         else:
-            part = tl.dot(a, b)
-        a_s = tl.load(a_scale_ptrs + (k0 // GROUP_K) * stride_ask)
-        b_s = tl.load(b_scale_ptrs + k0 // GROUP_K)
-        acc += part * a_s[:, None] * b_s[None, :]
+            if DOT_FP32:
+                part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+            else:
+                part = tl.dot(a, b)
+            a_s = tl.load(a_scale_ptrs + (k0 // GROUP_K) * stride_ask)
+            b_s = tl.load(b_scale_ptrs + k0 // GROUP_K)
+            acc += part * a_s[:, None] * b_s[None, :]
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    if CHANNEL:
+        acc = acc * tl.load(a_scale_ptrs)[:, None] * tl.load(b_scale_ptrs)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
     c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
@@ -130,25 +156,74 @@ def fp8_block_gemm(
     """``[M, N]`` in ``out_dtype`` from fp8 ``a [M, K]`` / ``a_scale [M, ceil(K/gk)]`` (any strides)
     and fp8 ``b [N, K]`` / ``b_scale [ceil(N/gn), ceil(K/gk)]``, ``block = (gn, gk)``, plus an
     optional ``bias [N]`` added in the epilogue (see the module)."""
-    m, k = a.shape
+    m, k = _check_operands(a, b, bias)
     n = b.shape[0]
     gn, gk = block
+    if a_scale.shape != (m, triton.cdiv(k, gk)) or b_scale.shape != (triton.cdiv(n, gn), triton.cdiv(k, gk)):
+        raise ValueError(
+            f"scales {tuple(a_scale.shape)} / {tuple(b_scale.shape)} do not fit {(m, n, k)} in blocks {block}"
+        )
+    if b_scale.stride(1) != 1:
+        raise ValueError("b_scale needs unit stride along K")
+    config = config or default_config(m)
+    if gk % config.block_k:
+        config = dataclasses.replace(config, block_k=gk)  # one scale per K step: BLOCK_K must divide gk
+    return _launch(a, a_scale, b, b_scale, (a_scale.stride(0), a_scale.stride(1), b_scale.stride(0)),
+                   block, False, out_dtype, config, bias)  # fmt: skip
+
+
+def fp8_channel_gemm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    config: Fp8GemmConfig | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``[M, N]`` in ``out_dtype`` from fp8 ``a [M, K]`` / ``a_scale [M, 1]`` (per token) and fp8
+    ``b [N, K]`` / ``b_scale [N]`` (per output channel), plus an optional ``bias [N]``: what
+    row-wise ``torch._scaled_mm`` computes (see the module)."""
+    m, _ = _check_operands(a, b, bias)
+    n = b.shape[0]
+    if a_scale.shape != (m, 1) or b_scale.shape != (n,) or b_scale.stride(0) != 1:
+        raise ValueError(f"per-channel scales must be [M, 1] and a contiguous [N], got "
+                         f"{tuple(a_scale.shape)} / {tuple(b_scale.shape)} for {(m, n)}")  # fmt: skip
+    config = config or default_config(m, per_channel=True)
+    return _launch(a, a_scale, b, b_scale, (a_scale.stride(0), 0, 1), (1, 1), True, out_dtype, config, bias)
+
+
+def _check_operands(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, int]:
+    """``(M, K)`` of fp8 ``a [M, K]`` against ``b [N, K]`` (unit K strides) and an optional ``bias [N]``."""
+    m, k = a.shape
+    n = b.shape[0]
     if a.dtype != FP8_DTYPE or b.dtype != FP8_DTYPE or b.shape[1] != k:
         raise ValueError(
             f"need float8_e4m3fn a [M, K] and b [N, K], got {a.dtype} {tuple(a.shape)}, "
             f"{b.dtype} {tuple(b.shape)}"
         )
-    if a_scale.shape != (m, triton.cdiv(k, gk)) or b_scale.shape != (triton.cdiv(n, gn), triton.cdiv(k, gk)):
-        raise ValueError(
-            f"scales {tuple(a_scale.shape)} / {tuple(b_scale.shape)} do not fit {(m, n, k)} in blocks {block}"
-        )
-    if a.stride(1) != 1 or b.stride(1) != 1 or b_scale.stride(1) != 1:
-        raise ValueError("a, b and b_scale need unit stride along K")
+    if a.stride(1) != 1 or b.stride(1) != 1:
+        raise ValueError("a and b need unit stride along K")
     if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
         raise ValueError(f"bias must be a contiguous [{n}], got {tuple(bias.shape)}")
-    config = config or default_config(m)
-    if gk % config.block_k:
-        config = dataclasses.replace(config, block_k=gk)  # one scale per K step: BLOCK_K must divide gk
+    return m, k
+
+
+def _launch(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    scale_strides: tuple[int, int, int],
+    groups: tuple[int, int],
+    channel: bool,
+    out_dtype: torch.dtype,
+    config: Fp8GemmConfig,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """One launch of the kernel; ``scale_strides`` = (a_scale's row and group strides, b_scale's row stride)."""
+    m, k = a.shape
+    n = b.shape[0]
     out = torch.empty(m, n, dtype=out_dtype, device=a.device)
     if m == 0:
         return out
@@ -156,9 +231,10 @@ def fp8_block_gemm(
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
     _fp8_block_gemm_kernel[grid](
         a, b, out, a_scale, b_scale, out if bias is None else bias, m, n, k,
-        a.stride(0), b.stride(0), out.stride(0), a_scale.stride(0), a_scale.stride(1), b_scale.stride(0),
-        GROUP_N=gn,
-        GROUP_K=gk,
+        a.stride(0), b.stride(0), out.stride(0), *scale_strides,
+        GROUP_N=groups[0],
+        GROUP_K=groups[1],
+        CHANNEL=channel,
         HAS_BIAS=bias is not None,
         DOT_FP32=interpreting,  # the interpreter's fp8 dot is not exact; float32 is
         EVEN_K=k % config.block_k == 0,

@@ -40,6 +40,7 @@ def _paths() -> list[tuple[str, fl.Fp8LinearBackend, tuple[int, int] | None]]:
         ("gemv block", fl.Fp8LinearBackend(64, False), BLOCK),
         ("gemv channel", fl.Fp8LinearBackend(64, False), None),
         ("scaled_mm rowwise", fl.Fp8LinearBackend(0, False), None),
+        ("triton channel", fl.Fp8LinearBackend(0, False, 4096), None),
         ("triton block", fl.Fp8LinearBackend(0, False), BLOCK),
     ]
     if fl.blockwise_scaled_mm_works(torch.device("cuda")):

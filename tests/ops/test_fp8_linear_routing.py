@@ -53,6 +53,12 @@ def test_select_path_by_rows_layout_and_backend():
         assert path(1, 4096, 4096, block, BACKEND, False) is not fl.Fp8Path.SMALL_M
         assert path(1, 4096, 4096, block, fl.Fp8LinearBackend(0, False), True) is not fl.Fp8Path.SMALL_M
     assert path(17, 4096, 4096, None, BACKEND, True) is fl.Fp8Path.SCALED_MM_ROWWISE
+    triton_channel = fl.Fp8LinearBackend(16, False, channel_triton_max_m=256)
+    assert path(16, 4096, 4096, None, triton_channel, True) is fl.Fp8Path.SMALL_M
+    assert path(17, 4096, 4096, None, triton_channel, True) is fl.Fp8Path.TRITON_CHANNEL
+    assert path(256, 4100, 4096, None, triton_channel, True) is fl.Fp8Path.TRITON_CHANNEL  # any N
+    assert path(257, 4096, 4096, None, triton_channel, True) is fl.Fp8Path.SCALED_MM_ROWWISE
+    assert path(64, 4096, 4096, (128, 128), triton_channel, True) is fl.Fp8Path.TRITON_BLOCK
     assert path(17, 4100, 4096, None, BACKEND, True) is fl.Fp8Path.TORCH  # N % 16 != 0
     assert path(17, 4096, 4096, (128, 128), BACKEND, True) is fl.Fp8Path.TRITON_BLOCK
     assert path(17, 4096, 4096, (128, 128), both, True) is fl.Fp8Path.SCALED_MM_BLOCK
@@ -67,8 +73,11 @@ def test_backend_from_environment(monkeypatch):
     monkeypatch.setenv("FD_FP8_SMALL_M_MAX", "8")
     cpu = torch.device("cpu")
     assert fl.Fp8LinearBackend.for_device(cpu) == fl.Fp8LinearBackend(8, False)
+    monkeypatch.setenv("FD_FP8_CHANNEL_TRITON_MAX_M", "256")
+    assert fl.Fp8LinearBackend.for_device(cpu) == fl.Fp8LinearBackend(8, False, 256)
     monkeypatch.setenv("FD_DISABLE_CUSTOM_OPS", "1")
     assert fl.Fp8LinearBackend.for_device(cpu).small_m_max == 0
+    assert fl.Fp8LinearBackend.for_device(cpu).channel_triton_max_m == 0
     monkeypatch.setenv("FD_FP8_BLOCK_GEMM", "cutlass")
     with pytest.raises(ValueError, match="FD_FP8_BLOCK_GEMM"):
         fl.Fp8LinearBackend.for_device(cpu)

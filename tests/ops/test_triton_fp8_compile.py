@@ -3,8 +3,8 @@
 The CPU interpreter accepts code the compiler rejects (type changes across branches, dot
 shapes, fp8 conversions), so this compiles, in a subprocess without ``TRITON_INTERPRET`` and
 with Triton's bundled ptxas, every configuration the w8a16 GEMV autotunes over at the largest
-row count each may get (and the SiLU prologue, per-channel and fp32 variants), the block GEMM's
-table, and the activation quantization kernels (the norm + quantization one too); then reads the register and stack usage with
+row count each may get (and the SiLU prologue, per-channel and fp32 variants), the w8a8 GEMM's
+tables (block-scaled and per-channel), and the activation quantization kernels (the norm + quantization one too); then reads the register and stack usage with
 the bundled ``cuobjdump`` (as tests/ops/test_triton_attention_compile.py does). No GPU needed.
 """
 
@@ -83,13 +83,16 @@ def _compile_all() -> dict[str, dict[str, int]]:
                  "r_ptr": f"*{xt}", "r_out_ptr": f"*{xt}", "nw_ptr": f"*{xt}", "eps": "fp32"}  # fmt: skip
         options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
         results[f"gemv-{name}-m{m_pad}"] = _compile(g._fp8_gemv_kernel, types, constexprs, options)
-    for most, c in gm.CONFIGS:
+    tables = [("block", False, 128, most, c) for most, c in gm.CONFIGS]
+    tables += [("channel", True, 1, most, c) for most, c in gm.CHANNEL_CONFIGS]
+    for name, channel, group, most, c in tables:
         types = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "c_ptr": "*bf16", "a_scale_ptr": "*fp32",
                  "b_scale_ptr": "*fp32", "bias_ptr": "*bf16"}  # fmt: skip
-        constexprs = dict(GROUP_N=128, GROUP_K=128, HAS_BIAS=True, DOT_FP32=False, EVEN_K=True, BLOCK_M=c.block_m,
-                          BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m)  # fmt: skip
+        constexprs = dict(GROUP_N=group, GROUP_K=group, CHANNEL=channel, HAS_BIAS=True, DOT_FP32=False,
+                          EVEN_K=True, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+                          GROUP_M=c.group_m)  # fmt: skip
         options = {"num_warps": c.num_warps, "num_stages": c.num_stages}
-        results[f"block-gemm-m{min(most, 1 << 20)}"] = _compile(
+        results[f"{name}-gemm-m{min(most, 1 << 20)}"] = _compile(
             gm._fp8_block_gemm_kernel, types, constexprs, options
         )
     quant_types = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}

@@ -95,6 +95,29 @@ def test_no_nan_or_inf_for_large_or_tiny_scales(x_scale, w_scale):
     assert _rel(got, ref) < QUANT_TOL  # (also asserts finiteness)
 
 
+@needs_backend
+@pytest.mark.parametrize("m", [1, 37])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["plain", "bias"])
+def test_triton_channel_gemm_matches_torch_path_and_float64(m, with_bias):
+    """Per-channel weights, per-token activations (``--quantization ptpc_fp8``): both scales after
+    the K loop, as row-wise ``_scaled_mm``; against the torch path on the same operands."""
+    n, k = 200, 320  # N and K not multiples of the tiles
+    x = _rand(m, k, seed=m + 20)
+    w = _rand(n, k, seed=m + 21)
+    wq, ws = fq.quantize_weight_per_channel(w)
+    xq, xs = fq.quantize_activation_per_token(x)
+    bias = _rand(n, seed=m + 22) if with_bias else None
+    got = gemm.fp8_channel_gemm(xq, xs, wq, ws, torch.float32, bias=bias)
+    same_math = fp8_linear_torch(x.cpu(), wq.cpu(), ws.cpu(), None)
+    if with_bias:
+        same_math = same_math + bias.cpu()
+    assert _rel(got.cpu(), same_math) < (5e-4 if CUDA else 1e-5)
+    ref = x.cpu().double() @ w.cpu().double().t() + (bias.cpu().double() if with_bias else 0)
+    assert 1e-3 < _rel(got.cpu(), ref) < QUANT_TOL
+    with pytest.raises(ValueError, match="per-channel scales"):
+        gemm.fp8_channel_gemm(xq, xs, wq, ws.view(-1, 1), torch.float32)
+
+
 def test_gemm_refuses_mismatched_operands():
     wq, ws = fq.quantize_weight_block(_rand(128, 256, seed=0))
     xq, xs = fq.quantize_activation_per_token_group(_rand(4, 256, seed=1))

@@ -107,11 +107,18 @@ def test_norm_quant_linear_is_the_norm_then_the_fp8_linear():
     norm_weight = (1.0 + 0.1 * torch.randn(256, generator=g)).to(torch.bfloat16).to(DEVICE)
     wq, ws = fq.quantize_weight_per_channel((torch.randn(144, 256, generator=g) * 0.05).to(DEVICE))
     bias = torch.randn(144, generator=g).to(torch.bfloat16).to(DEVICE)
+    residual_in = residual.clone()  # (the fused call adds into residual in place)
     normed, ref_residual = lo.fused_add_rms_norm(x.clone(), residual.clone(), norm_weight, 1e-6)
     backend = fl.Fp8LinearBackend(small_m_max=16, block_scaled_mm=False)
     ref = fl.fp8_linear_kernels(normed, wq, ws, None, bias, backend)
     out, new_residual = fl.fp8_norm_quant_linear(x, residual, norm_weight, 1e-6, wq, ws, bias)
     assert torch.equal(out.cpu(), ref.cpu()) and torch.equal(new_residual.cpu(), ref_residual.cpu())
+    # the Triton per-channel GEMM after the fused norm (FD_FP8_CHANNEL_TRITON_MAX_M): fp8_linear's bits too
+    triton_channel = fl.Fp8LinearBackend(16, False, channel_triton_max_m=64)
+    ref = fl.fp8_linear_kernels(normed, wq, ws, None, bias, triton_channel)
+    out, _ = fl.fp8_norm_quant_linear(x, residual_in.clone(), norm_weight, 1e-6, wq, ws, bias, triton_channel)
+    assert torch.equal(out.cpu(), ref.cpu())
+    assert fl.fp8_norm_quant_fusable(x, residual, norm_weight, wq, None, triton_channel) == x.is_cuda
     # where it applies: CUDA, per-channel scales, more rows than the GEMV takes, one 16-bit dtype
     assert fl.fp8_norm_quant_fusable(x, residual, norm_weight, wq, None, backend) == x.is_cuda
     assert not fl.fp8_norm_quant_fusable(x, residual, norm_weight, wq, (128, 128), backend)

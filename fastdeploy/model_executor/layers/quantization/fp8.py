@@ -245,7 +245,9 @@ class Fp8LinearMethod(LinearMethod):
                 x, residual, norm.weight, norm.eps, layer.weight, scale, self.block, layer.bias
             )
         if fp8_norm_quant_fusable(x, residual, norm.weight, layer.weight, self.block, self.backend):
-            return fp8_norm_quant_linear(x, residual, norm.weight, norm.eps, layer.weight, scale, layer.bias)
+            return fp8_norm_quant_linear(
+                x, residual, norm.weight, norm.eps, layer.weight, scale, layer.bias, self.backend
+            )
         return None
 
     def apply_silu_mul(self, layer: Linear, gate_up: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
