@@ -142,8 +142,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int | None = None
     """Token budget of one engine step, shared by prefills and decodes. Default: 4096 on a GPU
     with at least 70 GiB of memory (H100, H200; 16384 for the offline ``LLM`` class), else 2048
-    (smaller GPUs, CPUs); the effective value is logged at start-up. A larger budget prefills long prompts in fewer steps but makes
-    the running requests wait longer between tokens."""
+    (smaller GPUs, CPUs); the effective value is logged at start-up. A larger budget prefills
+    long prompts in fewer steps but makes the running requests wait longer between tokens."""
     enable_chunked_prefill: bool = True
     """Split long prompts over several steps to fit the token budget."""
     async_scheduling: bool | None = None
