@@ -144,6 +144,11 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "(torch._scaled_mm block-wise, cuBLASLt), triton (the Triton block GEMM, any block size), "
         "or auto (scaled_mm where a start-up probe finds it working on the GPU, else triton).",
     ),
+    "FD_MOE_ROUTER_SPLIT": (
+        _bool("FD_MOE_ROUTER_SPLIT", "0"),
+        "MoE routers of decode steps of at most 4 tokens on a GPU: split-K partial logits summed by "
+        "the top-k kernel (many programs over the router weight) instead of the small-M GEMV.",
+    ),
     "FD_FP8_CHANNEL_TRITON_MAX_M": (
         lambda: int(os.environ.get("FD_FP8_CHANNEL_TRITON_MAX_M", "0")),
         "Per-channel FP8 linears (--quantization ptpc_fp8) of more than FD_FP8_SMALL_M_MAX and at most "

@@ -29,6 +29,7 @@
 #   moe_fair (~6) ours, FP8 and bf16, with the run's routing spread (moe_load_imbalance)
 #   fp8_channel (~8) the per-channel FP8 linears at 32-1,024 rows: row-wise _scaled_mm against the Triton
 #                 per-channel GEMM, and that GEMM's tile sweep
+#   moe_router (~4) the batch-1 FP8 decode step, the MoE router split-K (FD_MOE_ROUTER_SPLIT) or not
 #   moe_split (~5) the MoE layer's two grouped GEMMs tuned apart at 256 and 8,192 tokens (FP8 per channel)
 #   moe_vllm_fair (~7) vLLM's bar runs with uniform simulated routing (FP8, bf16), and FP8 as before
 #   moe (~6)      a batch-1 FP8 and bf16 decode step of the Qwen3-30B-A3B shape, kernel table;
@@ -36,7 +37,7 @@
 #   bash tools/gpu_pending.sh OUT [section ...]
 # Run it without `| tail` in the `run` call: a call stopped at its time limit returns only what it
 # already printed (twice in the twentieth session a tail held back every line of a 600 s call).
-OUT=${1:?usage: tools/gpu_pending.sh OUT [structured_nice] [structured_threads] [structured_gil] [structured_default] [structured_guidance] [first_burst] [structured] [tests] [moe_e2e] [moe_budget] [moe_prefill] [moe_phases] [moe_vllm] [moe_fair] [moe_split] [fp8_channel] [moe_vllm_fair] [poisson] [prefill] [moe] [budget]}
+OUT=${1:?usage: tools/gpu_pending.sh OUT [structured_nice] [structured_threads] [structured_gil] [structured_default] [structured_guidance] [first_burst] [structured] [tests] [moe_e2e] [moe_budget] [moe_prefill] [moe_phases] [moe_vllm] [moe_fair] [moe_split] [fp8_channel] [moe_router] [moe_vllm_fair] [poisson] [prefill] [moe] [budget]}
 shift
 sections=${*:-structured_nice tests moe_e2e poisson prefill moe budget}
 mkdir -p "$OUT"
@@ -145,6 +146,17 @@ fp8_channel() {
     timeout 360 python3 -m benchmarks.gpubench.fp8_gemm_bench --out "$W/fp8_sweep" --shapes $shapes \
         --sweep gemm-channel > "$W/fp8_sweep.log" 2>&1
     grep "|" "$W/fp8_sweep/fp8_gemm.md"
+}
+
+# #18: the batch-1 FP8 decode step with the MoE router as split-K partials summed by the top-k kernel
+# (FD_MOE_ROUTER_SPLIT=1) against the small-M GEMV (0), alternated; the router's kernels by name
+moe_router() {
+    for split in 0 1 0 1; do
+        FD_MOE_ROUTER_SPLIT=$split timeout 150 python3 -m benchmarks.gpubench.profile_decode \
+            benchmarks/configs/qwen3-30b-a3b --batch 1 --quantization ptpc_fp8 --rows 16 > "$W/b1_$split.txt" 2>&1
+        echo "FD_MOE_ROUTER_SPLIT=$split: $(grep '^batch 1' "$W/b1_$split.txt")"
+        grep -E "router|topk|small_m_linear" "$W/b1_$split.txt" | cut -c1-60,100-150 | head -n 4
+    done
 }
 
 # #18: vLLM's run of the issue's bar (vllm_offline.py, batch-1 ITL and 256 x 512/256 tok/s) with its

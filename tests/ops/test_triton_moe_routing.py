@@ -72,6 +72,31 @@ def test_topk_softmax_matches_torch(tokens, experts, top_k, renormalize, bias, d
         torch.testing.assert_close(w.float().sum(-1).cpu(), torch.ones(tokens), rtol=1e-2, atol=0)
 
 
+@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_router_partials_then_topk_equal_the_router_then_topk(tokens, dtype):
+    """Split-K partial logits (``router_partials``, H not a multiple of the split) summed by the
+    top-k kernel: the float64 product's logits, and the routing of those logits rounded to the
+    model's dtype (as the router's output is), against the torch path."""
+    g = torch.Generator().manual_seed(tokens)
+    hidden, experts = 200, 40
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    weight = (torch.randn(experts, hidden, generator=g) * hidden**-0.5).to(dtype)
+    partials = routing.router_partials(x.to(DEVICE), weight.to(DEVICE))
+    assert partials.dtype == torch.float32 and partials.shape == (2, tokens, experts)
+    exact = x.double() @ weight.double().t()
+    torch.testing.assert_close(partials.sum(0).cpu().double(), exact, rtol=1e-5, atol=1e-5)
+    rounded = partials.sum(0).cpu().to(dtype)
+    ref_w, ref_ids = select_experts_torch(rounded, 4, True)
+    w, ids = routing.topk_softmax(partials, 4, True, dtype=dtype)
+    assert w.dtype == dtype and torch.equal(ids.cpu(), ref_ids)
+    # bf16: two ulps (the interpreter truncates where torch rounds, in the logits and the weights)
+    tol = 2e-6 if dtype == torch.float32 else 2**-6
+    torch.testing.assert_close(w.cpu(), ref_w, rtol=tol, atol=1e-8)
+    with pytest.raises(ValueError, match="router_partials takes"):
+        routing.router_partials(torch.zeros(5, hidden, dtype=dtype, device=DEVICE), weight.to(DEVICE))
+
+
 def test_topk_softmax_rejects_bad_input():
     with pytest.raises(ValueError, match="top_k"):
         routing.topk_softmax(_logits(2, 4, 0).to(DEVICE), 5, True)

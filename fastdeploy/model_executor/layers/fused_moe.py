@@ -52,6 +52,7 @@ from fastdeploy.distributed import (
 )
 from fastdeploy.model_executor.layers.fused_moe_fp8 import EXPERT_PROJECTIONS, Fp8MoEMethod, expert_matmul
 from fastdeploy.model_executor.layers.layernorm import RMSNorm
+from fastdeploy.model_executor.layers.linear import Linear
 from fastdeploy.model_executor.layers.quantization.base import QuantizationConfig
 from fastdeploy.model_executor.layers.side_stream import start_beside
 from fastdeploy.model_executor.layers.weight_loading import ShardId, copy_rows, set_weight_loader
@@ -98,13 +99,18 @@ def select_experts(
     renormalize: bool,
     correction_bias: torch.Tensor | None = None,
     expert_counts: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k softmax routing (:func:`select_experts_torch`'s result): one Triton kernel on CUDA
     (:func:`fastdeploy.ops.triton_moe_routing.topk_softmax`), torch elsewhere. ``expert_counts
-    [E]`` (int64), when given, gets each expert's chosen pairs added, on the device (no sync)."""
+    [E]`` (int64), when given, gets each expert's chosen pairs added, on the device (no sync).
+    ``[S, T, E]`` logits are :meth:`FusedMoE.router_logits`' split-K partials, summed and rounded
+    to ``dtype`` (the model's)."""
     kernels = _triton_kernels("triton_moe_routing", router_logits)
-    if kernels is not None and router_logits.dim() == 2 and router_logits.stride(-1) == 1:
-        return kernels.topk_softmax(router_logits, top_k, renormalize, correction_bias, expert_counts)
+    if kernels is not None and router_logits.dim() in (2, 3) and router_logits.stride(-1) == 1:
+        return kernels.topk_softmax(router_logits, top_k, renormalize, correction_bias, expert_counts, dtype)
+    if router_logits.dim() == 3:
+        router_logits = router_logits.sum(0).to(dtype or router_logits.dtype)
     weights, ids = select_experts_torch(router_logits, top_k, renormalize, correction_bias)
     if expert_counts is not None:
         flat_ids = ids.reshape(-1)
@@ -229,6 +235,28 @@ class FusedMoE(nn.Module):
             return norm(x), x, None
         return *norm(x, residual), None
 
+    def router_logits(self, gate: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """``gate(hidden)``: the router's logits ``[T, E]``. With ``FD_MOE_ROUTER_SPLIT`` on a GPU,
+        for a decode step of at most ``ROUTER_SPLIT_MAX_TOKENS`` tokens and a plain (unquantized,
+        no bias) router of the hidden states' dtype: split-K partial sums ``[S, T, E]`` instead
+        (:func:`~fastdeploy.ops.triton_moe_routing.router_partials`), which :meth:`forward`'s top-k
+        kernel adds up as it loads them."""
+        kernels = _triton_kernels("triton_moe_routing", hidden) if envs.FD_MOE_ROUTER_SPLIT else None
+        weight = getattr(gate, "weight", None)
+        if (
+            kernels is not None
+            and hidden.dim() == 2
+            and 0 < hidden.shape[0] <= kernels.ROUTER_SPLIT_MAX_TOKENS
+            and hidden.stride(1) == 1
+            and type(gate) is Linear
+            and gate.quant_method is None
+            and gate.bias is None
+            and weight.dtype == hidden.dtype
+            and weight.stride(1) == 1
+        ):
+            return kernels.router_partials(hidden, weight)
+        return gate(hidden)
+
     def _block(self) -> tuple[int, int] | None:
         """The experts' scale layout as the kernels take it (None: per-channel FP8)."""
         return self.fp8.block if self.fp8 is not None else DEFAULT_BLOCK
@@ -241,14 +269,15 @@ class FusedMoE(nn.Module):
         correction_bias: torch.Tensor | None = None,
         quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Route each token to its top-k experts and return their weighted sum ``[T, H]``, plus the
+        """Route each token to its top-k experts (``router_logits``: ``[T, E]``, or
+        :meth:`router_logits`' partials) and return their weighted sum ``[T, H]``, plus the
         output of ``shared_experts`` (this rank's partial output of the block's shared experts: run
         on a side stream beside the routed experts, :mod:`.side_stream`), summed over the
         tensor-parallel ranks: one all-reduce of routed + shared partials. ``quantized``:
         :meth:`norm_input`'s FP8 rows of ``hidden``."""
         shared = start_beside(shared_experts, hidden.device) if shared_experts is not None else None
         weights, ids = select_experts(
-            router_logits, self.top_k, self.renormalize, correction_bias, self.routed_tokens
+            router_logits, self.top_k, self.renormalize, correction_bias, self.routed_tokens, hidden.dtype
         )
         if self.ep_size > 1 and ep_spans_replicas():
             out = self.experts_across_replicas(hidden, weights, ids)

@@ -76,7 +76,9 @@ class ErnieMoeSparseBlock(nn.Module):
         hidden, residual, quantized = self.experts.norm_input(x, residual, norm)
         shared = (lambda: self.shared_experts_output(hidden)) if self.shared_experts is not None else None
         bias = self.moe_statics.e_score_correction_bias
-        return self.experts(hidden, self.gate(hidden), shared, bias, quantized), residual
+        return self.experts(
+            hidden, self.experts.router_logits(self.gate, hidden), shared, bias, quantized
+        ), residual
 
     def shared_experts_output(self, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's partial output of the shared experts (the bias, held whole, added on rank 0

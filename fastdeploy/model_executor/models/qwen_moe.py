@@ -77,7 +77,8 @@ class QwenMoeSparseBlock(nn.Module):
         """``norm(x + residual)`` → the block's output, and the new residual."""
         hidden, residual, quantized = self.experts.norm_input(x, residual, norm)
         shared = (lambda: self.shared_expert_output(hidden)) if self.has_shared_expert else None
-        return self.experts(hidden, self.gate(hidden), shared, quantized=quantized), residual
+        logits = self.experts.router_logits(self.gate, hidden)
+        return self.experts(hidden, logits, shared, quantized=quantized), residual
 
     def shared_expert_output(self, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's partial output of the gated shared expert (reduced with the routed experts')."""

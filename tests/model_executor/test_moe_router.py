@@ -1,0 +1,53 @@
+"""A MoE block's router at decode sizes: split-K partial logits (``FD_MOE_ROUTER_SPLIT``) route the
+tokens as the router's plain output does (same experts, weights within the rounding of the logits
+to the model's dtype), and the layer's output follows; elsewhere the plain router runs."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from fastdeploy.model_executor.layers import fused_moe as fm
+from fastdeploy.model_executor.layers.fused_moe import FusedMoE
+from fastdeploy.model_executor.layers.linear import Linear
+from fastdeploy.ops import layer_ops
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="no GPU and the Triton interpreter is off",
+)
+E, K, H, INTER = 8, 2, 96, 64
+
+
+def _layer(device: str) -> tuple[FusedMoE, Linear]:
+    g = torch.Generator().manual_seed(0)
+    layer = FusedMoE(E, K, H, INTER, renormalize=True)
+    layer.gate_up_proj.data = torch.randn(E, 2 * INTER, H, generator=g) * H**-0.5
+    layer.down_proj.data = torch.randn(E, H, INTER, generator=g) * INTER**-0.5
+    gate = Linear(H, E, bias=False)
+    gate.weight.data = torch.randn(E, H, generator=g) * H**-0.5
+    return layer.to(device), gate.to(device)
+
+
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_split_router_routes_as_the_plain_router(tokens, monkeypatch):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    monkeypatch.setattr(fm, "_triton_kernels", lambda name, x: layer_ops.triton_module(name))
+    layer, gate = _layer(device)
+    x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(tokens)).to(device)
+    monkeypatch.setenv("FD_MOE_ROUTER_SPLIT", "0")
+    plain = layer.router_logits(gate, x)
+    assert plain.shape == (tokens, E)
+    monkeypatch.setenv("FD_MOE_ROUTER_SPLIT", "1")
+    partials = layer.router_logits(gate, x)
+    assert partials.dim() == 3 and partials.shape[1:] == (tokens, E) and partials.dtype == torch.float32
+    w_plain, ids_plain = fm.select_experts(plain, K, True)
+    w_split, ids_split = fm.select_experts(partials, K, True, dtype=x.dtype)
+    assert torch.equal(ids_split, ids_plain)
+    torch.testing.assert_close(w_split, w_plain, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(layer(x, partials), layer(x, plain), rtol=1e-5, atol=1e-5)
+    # more tokens than a decode step of a few: the plain router
+    many = torch.randn(5, H, device=device)
+    assert layer.router_logits(gate, many).shape == (5, E)
