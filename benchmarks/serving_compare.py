@@ -69,8 +69,7 @@ CLIENTS = ("vllm", "fastdeploy")
 def prompt_seed(workload: str, client: str, repeat: int = 0) -> int:
     """The prompts' seed of one (workload, client, repeat) run: the same on both servers, different
     for every run on one server, so no run finds its prompts in the prefix cache of an earlier one
-    (with one seed for all, every run after the first was served from the cache; a repeat with its
-    first run's seed ran 1.5x faster, twenty-fourth session)."""
+    (with one seed for all, every run after the first was served from the cache, repeats too)."""
     return 1 + len(CLIENTS) * list(WORKLOADS).index(workload) + CLIENTS.index(client) + 1000 * repeat
 
 

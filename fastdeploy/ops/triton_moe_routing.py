@@ -14,9 +14,9 @@ kernels per layer, each costing a launch even inside a CUDA graph. Here:
 * :func:`router_partials` — at decode steps of at most :data:`ROUTER_SPLIT_MAX_TOKENS` tokens, the
   router's ``[T, H] @ [E, H]^T`` as split-K partial sums ``[S, T, E]`` (float32): ``E / 16 x H /
   128`` programs each read one small tile of the router weight, where a GEMV's few programs each
-  walk all of ``H`` (latency-bound: 5.2 µs for Qwen3-30B-A3B's 0.5 MB router, seventeenth
-  session). :func:`topk_softmax` adds the partials up as it loads its row, rounded to the model's
-  dtype as the router's output would be, so no reduction kernel runs between them.
+  walk all of ``H`` (latency-bound for a router of a few hundred KB). :func:`topk_softmax` adds
+  the partials up as it loads its row, rounded to the model's dtype as the router's output would
+  be, so no reduction kernel runs between them.
 * :func:`moe_align_block_size` — the layout :func:`fastdeploy.ops.triton_fused_moe.align_block_size_torch`
   builds (the (token, slot) pairs sorted stably by expert, each expert's run padded to a
   multiple of ``block_m``, the expert of every block, the padded length). Up to

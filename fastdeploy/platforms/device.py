@@ -80,10 +80,10 @@ def default_max_num_batched_tokens(device: torch.device, offline: bool = False) 
 
     Serving: a step's prefill tokens set the longest inter-token gap of the requests decoding
     beside them; on a large GPU 4096-token steps already run the dense GEMMs at full rate, so 8192
-    (vLLM's server choice) only doubles that gap (docs/benchmarks.md, nineteenth session). Offline
-    nobody waits between tokens, and a mixture-of-experts model's prefill steps read every
-    expert's weights once per step, so more tokens a step is more throughput (2-8% on the
-    Qwen3-30B-A3B shape, twenty-second session); vLLM's ``LLM`` class takes 16,384 there too.
+    (vLLM's server choice) only doubles that gap (docs/benchmarks.md). Offline nobody waits
+    between tokens, and a mixture-of-experts model's prefill steps read every expert's weights
+    once per step, so more tokens a step is more throughput; vLLM's ``LLM`` class takes 16,384
+    there too.
 
     Reads the card's total memory only (``get_device_properties``, no allocation)."""
     if device.type == "cuda":

@@ -117,8 +117,8 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     """Causal attention of ``q [T, H, D]`` over ``k``/``v [T, H_kv, D]`` as one sequence, without a
     KV cache (the start-up profile pass, cache-less models). The KV heads are expanded to the query
     heads first: with ``enable_gqa`` SDPA takes its math kernel, whose ``[H, T, T]`` scores the
-    profile pass then counted as activation memory (8 GiB at 16,384 tokens; bf16 Qwen3-30B-A3B ran
-    out of memory there); expanded, a GPU runs the flash / memory-efficient kernels in O(T)."""
+    profile pass then counted as activation memory (gigabytes at a large token budget, enough to run
+    a large model out of memory); expanded, a GPU runs the flash / memory-efficient kernels in O(T)."""
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
