@@ -258,7 +258,10 @@ tests() {  # one pytest a file, all at once (small tests; one GPU is enough): a 
     local i=0 pids=() targets=(tests/ops/test_triton_gemv.py tests/ops/test_triton_fp8_gemv.py
         tests/worker/test_mixed_graphs.py tests/structured_output/test_grammar_processes.py
         "tests/model_executor/test_triton_attention.py::test_qwen3_cache_write_in_the_qk_norm_kernel_gives_the_same_tokens"
-        "tests/ops/test_triton_fused_moe.py -k grouped_mm" tests/ops/test_layer_ops.py)
+        "tests/ops/test_triton_fused_moe.py -k grouped_mm" tests/ops/test_layer_ops.py
+        "tests/ops/test_triton_moe_routing.py tests/model_executor/test_moe_router.py"
+        "tests/ops/test_triton_fp8_gemm.py tests/ops/test_fp8_linear_cuda.py tests/ops/test_triton_fp8_quant.py"
+        tests/model_executor/test_fused_moe_fp8.py)
     for target in "${targets[@]}"; do
         timeout 400 python3 -X faulthandler -m pytest -q -p no:cacheprovider $target > "$W/gpu_tests_$i.log" 2>&1 &
         pids+=($!)
