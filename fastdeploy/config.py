@@ -141,9 +141,10 @@ class SchedulerConfig:
     """Most requests running at once."""
     max_num_batched_tokens: int | None = None
     """Token budget of one engine step, shared by prefills and decodes. Default: 4096 on a GPU
-    with at least 70 GiB of memory (H100, H200; 16384 for the offline ``LLM`` class), else 2048
-    (smaller GPUs, CPUs); the effective value is logged at start-up. A larger budget prefills
-    long prompts in fewer steps but makes the running requests wait longer between tokens."""
+    with at least 70 GiB of memory (H100, H200), 2048 on smaller GPUs and CPUs; the offline
+    ``LLM`` class takes 16384 and 8192 on those GPUs. The effective value is logged at start-up.
+    A larger budget prefills long prompts in fewer steps but makes the running requests wait
+    longer between tokens."""
     enable_chunked_prefill: bool = True
     """Split long prompts over several steps to fit the token budget."""
     async_scheduling: bool | None = None

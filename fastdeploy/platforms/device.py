@@ -72,11 +72,16 @@ SERVING_LARGE_GPU_BUDGET = 4096
 """The default token budget of a served engine on a large GPU."""
 OFFLINE_LARGE_GPU_BUDGET = 16384
 """... and of the offline ``LLM`` class there."""
+OFFLINE_GPU_BUDGET = 8192
+"""The offline ``LLM`` class's on a smaller GPU."""
+SMALL_BUDGET = 2048
+"""A served engine's on a smaller GPU, and every engine's on a CPU."""
 
 
 def default_max_num_batched_tokens(device: torch.device, offline: bool = False) -> int:
     """The step token budget when ``--max-num-batched-tokens`` is not given: on a large GPU 4096
-    for serving and 16,384 ``offline`` (the :class:`~fastdeploy.LLM` class), else 2048.
+    for serving and 16,384 ``offline`` (the :class:`~fastdeploy.LLM` class), on a smaller GPU 2048
+    and 8192 offline (vLLM's offline and server defaults there), on a CPU 2048.
 
     Serving: a step's prefill tokens set the longest inter-token gap of the requests decoding
     beside them; on a large GPU 4096-token steps already run the dense GEMMs at full rate, so 8192
@@ -90,7 +95,8 @@ def default_max_num_batched_tokens(device: torch.device, offline: bool = False) 
         index = device.index if device.index is not None else 0
         if torch.cuda.get_device_properties(index).total_memory >= LARGE_GPU_BYTES:
             return OFFLINE_LARGE_GPU_BUDGET if offline else SERVING_LARGE_GPU_BUDGET
-    return 2048
+        return OFFLINE_GPU_BUDGET if offline else SMALL_BUDGET
+    return SMALL_BUDGET
 
 
 def kv_cache_budget_bytes(config: EngineConfig, device: torch.device, peak_torch_bytes: int = 0) -> int:

@@ -16,7 +16,7 @@ GIB = 1 << 30
 
 @pytest.mark.parametrize(
     "total_gib, budget, offline_budget",
-    [(80, 4096, 16384), (141, 4096, 16384), (70, 4096, 16384), (40, 2048, 2048), (24, 2048, 2048)],
+    [(80, 4096, 16384), (141, 4096, 16384), (70, 4096, 16384), (40, 2048, 8192), (24, 2048, 8192)],
 )
 def test_gpu_budget_by_card_memory(monkeypatch, total_gib, budget, offline_budget):
     seen = []
