@@ -10,7 +10,7 @@ mkdir -p .gpu/whl
 platforms=(--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_31_x86_64 --platform any)
 pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${platforms[@]}" -d .gpu/whl \
     fastapi starlette pydantic pydantic-core annotated-types typing-inspection typing-extensions \
-    uvicorn h11 httptools uvloop orjson pyzmq msgpack gguf prometheus-client \
+    uvicorn h11 httptools uvloop orjson pyzmq msgpack gguf prometheus-client python-multipart \
     httpx httpcore anyio idna certifi jsonschema jsonschema-specifications referencing rpds-py attrs \
     "xgrammar==0.2.8" "llguidance==1.9.1" apache-tvm-ffi opentelemetry-api openai httpx2 sniffio distro jiter psutil bce-python-sdk pycryptodome future six pytest iniconfig
 python - <<'PY'

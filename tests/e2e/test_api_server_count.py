@@ -224,6 +224,43 @@ def test_background_responses_are_cancelled_from_either_api_server(two_servers, 
     assert m["fastdeploy:num_requests_running"] == 0 and m["fastdeploy:kv_cache_usage_perc"] == 0, m
 
 
+def test_files_and_batches_are_shared_and_cancelled_from_either_api_server(two_servers, model_name):
+    """A file uploaded and batches created on new connections (so on either process): every one is
+    read back on new connections; a long batch cancelled from any process ends cancelled with the
+    answers of the lines it had sent, and nothing is left running."""
+    import json
+
+    line = {"custom_id": "x", "method": "POST", "url": "/v1/completions",
+            "body": {"model": model_name, "prompt": "Tell a long story.", "max_tokens": 400, "ignore_eos": True}}  # fmt: skip
+    data = "".join(json.dumps({**line, "custom_id": f"r{i}"}) + "\n" for i in range(300)).encode()
+    with two_servers.http() as http:
+        uploaded = http.post(
+            "/v1/files", files={"file": ("in.jsonl", data)}, data={"purpose": "batch"}
+        ).json()
+    for _ in range(6):
+        with two_servers.http() as http:
+            assert http.get(f"/v1/files/{uploaded['id']}").json()["bytes"] == len(data)
+    body = {"input_file_id": uploaded["id"], "endpoint": "/v1/completions", "completion_window": "24h"}
+    with two_servers.http() as http:
+        batch = http.post("/v1/batches", json=body).json()
+    for _ in range(4):
+        with two_servers.http() as http:
+            cancelling = http.post(f"/v1/batches/{batch['id']}/cancel").json()
+        assert cancelling["status"] in ("cancelling", "cancelled"), cancelling
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        with two_servers.http() as http:
+            seen = http.get(f"/v1/batches/{batch['id']}").json()
+        if seen["status"] == "cancelled":
+            break
+        time.sleep(0.5)
+    assert seen["status"] == "cancelled", seen
+    counts = seen["request_counts"]
+    assert counts["total"] == 300 and counts["completed"] + counts["failed"] < 300, counts
+    m = two_servers.wait_idle(timeout=30)
+    assert m["fastdeploy:num_requests_running"] == 0 and m["fastdeploy:kv_cache_usage_perc"] == 0, m
+
+
 @pytest.mark.slow
 def test_dp2_with_two_api_servers(server, server_factory, model_name):
     """Two engine cores, two API servers (each routing its own requests over both ranks): the same

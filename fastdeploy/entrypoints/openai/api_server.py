@@ -27,6 +27,7 @@ from starlette.responses import JSONResponse, Response
 import fastdeploy
 from fastdeploy.config import ServerConfig
 from fastdeploy.engine.protocol import EngineClient
+from fastdeploy.entrypoints.openai.batch_api import batch_router
 from fastdeploy.entrypoints.openai.errors import (
     AuthenticationError,
     BadRequestError,
@@ -290,6 +291,7 @@ def build_app(
         return JSONResponse(tokenization.retrieve_model(model).model_dump())
 
     app.include_router(v1)
+    app.include_router(batch_router(auth))
     sagemaker = APIRouter(route_class=OpenAIRoute, dependencies=auth)
 
     @sagemaker.post("/invocations")

@@ -122,6 +122,7 @@ def run_api_servers(args: argparse.Namespace) -> int:
     ipc_dir = new_ipc_dir()
     metrics_dir = tempfile.mkdtemp(prefix="fastdeploy-metrics-")
     responses_dir = tempfile.mkdtemp(prefix="fastdeploy-responses-")  # stored /v1/responses, shared
+    batches_dir = tempfile.mkdtemp(prefix="fastdeploy-batches-")  # /v1/files and /v1/batches, shared
     cores: EngineCores | None = None
     servers: list[ChildProcess] = []
     try:
@@ -129,7 +130,8 @@ def run_api_servers(args: argparse.Namespace) -> int:
         config = with_replica_init_method(config)
         cores = EngineCores(config, ipc_dir, num_clients=count)
         ready = cores.wait_ready()
-        env = {**os.environ, MULTIPROC_DIR_ENV: metrics_dir, "FD_RESPONSES_STORE_DIR": responses_dir}
+        env = {**os.environ, MULTIPROC_DIR_ENV: metrics_dir, "FD_RESPONSES_STORE_DIR": responses_dir,
+               "FD_BATCH_STORE_DIR": batches_dir}  # fmt: skip
         options = argparse.Namespace(**{k: v for k, v in vars(args).items() if not callable(v)})  # picklable
         for sock in sockets:
             # Every socket listens before its API server starts: a connection the kernel hashes to a
@@ -171,6 +173,7 @@ def run_api_servers(args: argparse.Namespace) -> int:
             remove_ipc_dir(ipc_dir)
             shutil.rmtree(metrics_dir, ignore_errors=True)
             shutil.rmtree(responses_dir, ignore_errors=True)
+            shutil.rmtree(batches_dir, ignore_errors=True)
 
 
 def _supervise(cores, servers: list[ChildProcess], exit_on_engine_death: bool) -> int:

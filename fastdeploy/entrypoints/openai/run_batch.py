@@ -131,17 +131,20 @@ async def run_requests(app: Any, requests: list[BatchRequest]) -> list[BatchResu
 
         async def one(request: BatchRequest) -> BatchResult:
             async with gate:
-                reply = await client.post(request.url, json=request.body)
-            try:
-                body = reply.json()
-            except ValueError:  # (an answer that is not JSON: kept as text)
-                body = reply.text
-            request_id = (
-                body.get("id") if isinstance(body, dict) and isinstance(body.get("id"), str) else None
-            )
-            return BatchResult(request.custom_id, reply.status_code, body, request_id or uuid.uuid4().hex)
+                return await post_request(client, request)
 
         return list(await asyncio.gather(*(one(request) for request in requests)))
+
+
+async def post_request(client: Any, request: BatchRequest) -> BatchResult:
+    """``request`` POSTed with ``client`` (an ``httpx.AsyncClient`` on the app), and its answer."""
+    reply = await client.post(request.url, json=request.body)
+    try:
+        body = reply.json()
+    except ValueError:  # (an answer that is not JSON: kept as text)
+        body = reply.text
+    request_id = body.get("id") if isinstance(body, dict) and isinstance(body.get("id"), str) else None
+    return BatchResult(request.custom_id, reply.status_code, body, request_id or uuid.uuid4().hex)
 
 
 def read_input(path: str) -> str:
