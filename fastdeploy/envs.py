@@ -256,6 +256,11 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "Directory of the /v1/files and /v1/batches objects, shared by the API server processes of one "
         "server; set by serve for its API servers (empty: a private temporary directory).",
     ),
+    "FD_BATCH_STORE_MB": (
+        lambda: float(os.environ.get("FD_BATCH_STORE_MB", "2048")),
+        "Most MiB of /v1/files (uploads and batch outputs) one server keeps; an upload past it is a 400 "
+        "until files are deleted (0: no uploads).",
+    ),
     "FD_RESPONSES_STORE_MB": (
         lambda: float(os.environ.get("FD_RESPONSES_STORE_MB", "256")),
         "Most MiB of stored /v1/responses each API server process keeps; past it, its oldest go first "

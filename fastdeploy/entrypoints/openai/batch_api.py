@@ -102,8 +102,23 @@ class BatchStore:
         found = (self._read(kind, name) for name in names if _ID[kind].fullmatch(name))
         return sorted((obj for obj in found if obj is not None), key=lambda o: o["created_at"], reverse=True)
 
+    def stored_bytes(self) -> int:
+        """Bytes of the files in the directory (every process's)."""
+        if self._directory is None or not os.path.isdir(self._directory):
+            return 0
+        with os.scandir(self._directory) as entries:
+            return sum(e.stat().st_size for e in entries if e.name.endswith(".data") and e.is_file())
+
     def save_file(self, data: bytes, filename: str, purpose: str) -> dict[str, Any]:
-        """Store ``data``; its file object."""
+        """Store ``data``; its file object. A 400 when the directory's files would pass
+        ``FD_BATCH_STORE_MB`` (nothing is dropped to make room: files are the clients' to delete)."""
+        limit = int(envs.FD_BATCH_STORE_MB * 2**20)
+        if self.stored_bytes() + len(data) > limit:
+            raise BadRequestError(
+                f"the server's file storage is full ({envs.FD_BATCH_STORE_MB:g} MiB, FD_BATCH_STORE_MB): "
+                "delete files first",
+                param="file",
+            )
         file_id = f"file-{uuid.uuid4().hex}"
         obj = {"id": file_id, "object": "file", "bytes": len(data), "created_at": int(time.time()),
                "filename": filename, "purpose": purpose, "status": "processed", "expires_at": None,
@@ -226,7 +241,7 @@ async def _run_batch_job(app: Any, store: BatchStore, batch_id: str, headers: di
     failed = [r for r in results if r is not None and not 200 <= r.status_code < 300]
     name = batch["input_file_id"]
     for key, lines, kind in (("output_file_id", ok, "output"), ("error_file_id", failed, "error")):
-        if lines:
+        if lines:  # (a full storage fails the batch: run_batch_job reports it)
             data = "".join(r.output_line() + "\n" for r in lines).encode()
             batch[key] = store.save_file(data, f"{name}_{kind}.jsonl", "batch_output")["id"]
     batch["request_counts"].update(completed=len(ok), failed=len(failed))
