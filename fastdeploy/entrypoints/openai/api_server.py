@@ -291,7 +291,7 @@ def build_app(
         return JSONResponse(tokenization.retrieve_model(model).model_dump())
 
     app.include_router(v1)
-    app.include_router(batch_router(auth))
+    app.include_router(batch_router(auth, OpenAIRoute))
     sagemaker = APIRouter(route_class=OpenAIRoute, dependencies=auth)
 
     @sagemaker.post("/invocations")

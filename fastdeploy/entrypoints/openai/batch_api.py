@@ -38,6 +38,7 @@ import weakref
 from typing import Any
 
 from fastapi import APIRouter, Form, Request, UploadFile
+from fastapi.routing import APIRoute
 from starlette.responses import JSONResponse, Response
 
 from fastdeploy import envs
@@ -290,9 +291,10 @@ async def _run_lines(
         return [task.result() if task.done() and not task.cancelled() else None for task in tasks]
 
 
-def batch_router(auth: list[Any]) -> APIRouter:
-    """The ``/v1/files`` and ``/v1/batches`` routes (module docstring), one :class:`BatchStore` a process."""
-    router = APIRouter(prefix="/v1", dependencies=auth)
+def batch_router(auth: list[Any], route_class: type[APIRoute] = APIRoute) -> APIRouter:
+    """The ``/v1/files`` and ``/v1/batches`` routes (module docstring), one :class:`BatchStore` a
+    process; ``route_class``: the app's (its failures become OpenAI error bodies)."""
+    router = APIRouter(prefix="/v1", dependencies=auth, route_class=route_class)
     store = BatchStore()
     running: set[asyncio.Task] = set()
 
