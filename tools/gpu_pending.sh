@@ -26,7 +26,8 @@
 #   moe_prefill (~3) one 8,192-token prefill step of that shape: wall, kernels, kernel table
 #   moe_phases (~4) the same FP8 run's step times by phase and a decode window's kernels
 #   moe_vllm (~5) vLLM's FP8 run of that shape the same way (vLLM carried and installed first)
-#   moe_fair (~6) ours, FP8 and bf16, with the run's routing spread (moe_load_imbalance)
+#   moe_fair (~6) ours, FP8 and bf16 (MOE_FAIR_QUANTS picks), with the run's routing spread (moe_load_imbalance)
+#   offline_ratio (~2) #19's online / offline throughput of our engine on the burst (serving_breakdown.py)
 #   fp8_channel (~8) the per-channel FP8 linears at 32-1,024 rows: row-wise _scaled_mm against the Triton
 #                 per-channel GEMM, and that GEMM's tile sweep
 #   moe_router (~4) the batch-1 FP8 decode step, the MoE router split-K (FD_MOE_ROUTER_SPLIT) or not
@@ -37,7 +38,7 @@
 #   bash tools/gpu_pending.sh OUT [section ...]
 # Run it without `| tail` in the `run` call: a call stopped at its time limit returns only what it
 # already printed (twice in the twentieth session a tail held back every line of a 600 s call).
-OUT=${1:?usage: tools/gpu_pending.sh OUT [structured_nice] [structured_threads] [structured_gil] [structured_default] [structured_guidance] [first_burst] [structured] [tests] [moe_e2e] [moe_budget] [moe_prefill] [moe_phases] [moe_vllm] [moe_fair] [moe_split] [fp8_channel] [moe_router] [moe_vllm_fair] [poisson] [prefill] [moe] [budget]}
+OUT=${1:?usage: tools/gpu_pending.sh OUT [structured_nice] [structured_threads] [structured_gil] [structured_default] [structured_guidance] [first_burst] [structured] [tests] [moe_e2e] [moe_budget] [moe_prefill] [moe_phases] [moe_vllm] [moe_fair] [moe_split] [fp8_channel] [moe_router] [moe_vllm_fair] [offline_ratio] [poisson] [prefill] [moe] [budget]}
 shift
 sections=${*:-structured_nice tests moe_e2e poisson prefill moe budget}
 mkdir -p "$OUT"
@@ -120,7 +121,7 @@ moe_vllm() {
 # #18: ours in FP8 and bf16 (batch-1 ITL, 256 x 512/256 tok/s) with the routing spread of the run's
 # end (moe_load_imbalance: ~1 uniform, up to 16 when every token picks the same 8 of 128 experts)
 moe_fair() {
-    timeout 420 python3 benchmarks/multi_gpu.py --sections moe --tp 1 --moe-quantizations ptpc_fp8,none \
+    timeout 420 python3 benchmarks/multi_gpu.py --sections moe --tp 1 --moe-quantizations ${MOE_FAIR_QUANTS:-ptpc_fp8,none} \
         --out "$W/moe_fair" > "$W/moe_fair.log" 2>&1
     grep -o "'quantization': [^,]*\|'batch1_itl_ms_mean': [0-9.]*\|'output_tok_per_s': [0-9.]*\|'moe_load_imbalance': [^,}]*\|'max_num_batched_tokens': [0-9]*" \
         "$W/moe_fair.log" | tr '\n' ' '
@@ -249,6 +250,15 @@ structured_guidance() {
 
 # #19: why a first burst is slower than the next one with nothing compiled in it (cold_start: 0.18
 # against 0.11 s): the host profile of each burst's first step
+# #19: online / offline output throughput of our engine on the burst (256 x 512/256, dummy 8B),
+# with the serving path's per-request breakdown (the target: online >= 0.97 x offline)
+offline_ratio() {
+    timeout 300 python3 benchmarks/serving_breakdown.py --model $MODEL --num-threads 0 \
+        --engine-args device=cuda,max_model_len=2048,max_num_batched_tokens=4096,tokenizer=$TOK --num-prompts 256 --input-len 512 \
+        --output-len 256 --dtype bfloat16 > "$W/ratio.log" 2>&1
+    grep -iE "offline|online|ratio" "$W/ratio.log" | grep -v WARNING | tail -n 8
+}
+
 first_burst() {
     timeout 200 python3 -m benchmarks.gpubench.first_burst $MODEL > "$W/first_burst.txt" 2>&1
     grep -v "^WARNING" "$W/first_burst.txt" | grep -A 16 "^burst"
