@@ -145,9 +145,9 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "or auto (scaled_mm where a start-up probe finds it working on the GPU, else triton).",
     ),
     "FD_MOE_ROUTER_SPLIT": (
-        _bool("FD_MOE_ROUTER_SPLIT", "0"),
+        _bool("FD_MOE_ROUTER_SPLIT", "1"),
         "MoE routers of decode steps of at most 4 tokens on a GPU: split-K partial logits summed by "
-        "the top-k kernel (many programs over the router weight) instead of the small-M GEMV.",
+        "the top-k kernel (many programs over the router weight) instead of the small-M GEMV (on by default; 0 turns it off).",
     ),
     "FD_FP8_CHANNEL_TRITON_MAX_M": (
         lambda: int(os.environ.get("FD_FP8_CHANNEL_TRITON_MAX_M", "0")),
