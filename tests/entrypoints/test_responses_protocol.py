@@ -253,7 +253,7 @@ def test_private_store_directory_is_removed_on_close():
     store = ResponseStore(max_bytes=1 << 20)
     rid = new_id("resp")
     store.save(rid, stored("x"))
-    directory = store._directory
+    directory = store.directory
     assert directory and os.path.isdir(directory) and store.load(rid) is not None
     store.close()
     assert not os.path.exists(directory)

@@ -25,16 +25,11 @@ the others read its progress from the directory.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
-import os
 import re
-import shutil
-import tempfile
 import time
 import uuid
-import weakref
 from typing import Any
 
 from fastapi import APIRouter, Form, Request, UploadFile
@@ -43,6 +38,7 @@ from starlette.responses import JSONResponse, Response
 
 from fastdeploy import envs
 from fastdeploy.entrypoints.openai.errors import BadRequestError, NotFoundError
+from fastdeploy.entrypoints.openai.id_directory import IdDirectory
 from fastdeploy.entrypoints.openai.request_body import read_json
 from fastdeploy.entrypoints.openai.run_batch import (
     BATCH_URLS,
@@ -69,46 +65,22 @@ class BatchStore:
     """Files and batches in a directory (module docstring); its methods touch the disk only."""
 
     def __init__(self, directory: str | None = None):
-        self._directory = directory or envs.FD_BATCH_STORE_DIR or None
-        self._cleanup: weakref.finalize | None = None
+        self._files = IdDirectory(directory or envs.FD_BATCH_STORE_DIR, "fastdeploy-batches-")
 
     def _path(self, kind: str, object_id: str, suffix: str = ".json") -> str | None:
-        if not _ID[kind].fullmatch(object_id):
-            return None
-        if self._directory is None:
-            self._directory = tempfile.mkdtemp(prefix="fastdeploy-batches-")
-            self._cleanup = weakref.finalize(self, shutil.rmtree, self._directory, True)
-        return os.path.join(self._directory, f"{object_id}{suffix}")
-
-    def _write(self, path: str, data: bytes) -> None:
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)  # a reader never sees half a file
+        return self._files.path(_ID[kind], object_id, suffix)
 
     def _read(self, kind: str, object_id: str) -> dict[str, Any] | None:
-        path = self._path(kind, object_id)
-        if path is None:
-            return None
-        try:
-            with open(path, "rb") as f:
-                return json.loads(f.read())
-        except (OSError, ValueError):
-            return None
+        obj = self._files.read_json(self._path(kind, object_id))
+        return obj if isinstance(obj, dict) else None
 
     def _all(self, kind: str) -> list[dict[str, Any]]:
-        if self._directory is None or not os.path.isdir(self._directory):
-            return []
-        names = [n[: -len(".json")] for n in os.listdir(self._directory) if n.endswith(".json")]
-        found = (self._read(kind, name) for name in names if _ID[kind].fullmatch(name))
+        found = (self._read(kind, object_id) for object_id in self._files.ids(_ID[kind]))
         return sorted((obj for obj in found if obj is not None), key=lambda o: o["created_at"], reverse=True)
 
     def stored_bytes(self) -> int:
         """Bytes of the files in the directory (every process's)."""
-        if self._directory is None or not os.path.isdir(self._directory):
-            return 0
-        with os.scandir(self._directory) as entries:
-            return sum(e.stat().st_size for e in entries if e.name.endswith(".data") and e.is_file())
+        return self._files.size(".data")
 
     def save_file(self, data: bytes, filename: str, purpose: str) -> dict[str, Any]:
         """Store ``data``; its file object. A 400 when the directory's files would pass
@@ -124,8 +96,8 @@ class BatchStore:
         obj = {"id": file_id, "object": "file", "bytes": len(data), "created_at": int(time.time()),
                "filename": filename, "purpose": purpose, "status": "processed", "expires_at": None,
                "status_details": None}  # fmt: skip
-        self._write(self._path("file", file_id, ".data"), data)
-        self._write(self._path("file", file_id), json.dumps(obj).encode())
+        self._files.write(self._path("file", file_id, ".data"), data)
+        self._files.write(self._path("file", file_id), json.dumps(obj).encode())
         return obj
 
     def file(self, file_id: str) -> dict[str, Any]:
@@ -138,11 +110,10 @@ class BatchStore:
     def file_content(self, file_id: str) -> bytes:
         """The bytes of ``file_id`` (404 if unknown)."""
         self.file(file_id)
-        try:
-            with open(self._path("file", file_id, ".data"), "rb") as f:
-                return f.read()
-        except OSError:
-            raise NotFoundError(f"No such File object: {file_id}", param="file_id") from None
+        data = self._files.read_bytes(self._path("file", file_id, ".data"))
+        if data is None:
+            raise NotFoundError(f"No such File object: {file_id}", param="file_id")
+        return data
 
     def files(self) -> list[dict[str, Any]]:
         """Every file object, newest first."""
@@ -152,13 +123,12 @@ class BatchStore:
         """Forget ``file_id`` (404 if unknown)."""
         self.file(file_id)
         for suffix in (".json", ".data"):
-            with contextlib.suppress(OSError):
-                os.unlink(self._path("file", file_id, suffix))
+            self._files.remove(self._path("file", file_id, suffix))
         return {"id": file_id, "object": "file", "deleted": True}
 
     def save_batch(self, batch: dict[str, Any]) -> None:
         """Store (or update) a batch object."""
-        self._write(self._path("batch", batch["id"]), json.dumps(batch).encode())
+        self._files.write(self._path("batch", batch["id"]), json.dumps(batch).encode())
 
     def batch(self, batch_id: str) -> dict[str, Any]:
         """The batch object of ``batch_id`` (404 if unknown)."""
@@ -173,16 +143,15 @@ class BatchStore:
 
     def request_cancel(self, batch_id: str) -> None:
         """Ask the process running ``batch_id`` to stop (a marker it polls)."""
-        self._write(self._path("batch", batch_id, ".cancel"), b"")
+        self._files.set_marker(_ID["batch"], batch_id, "cancel")
 
     def cancel_requested(self, batch_id: str) -> bool:
         """Whether a cancel of ``batch_id`` was asked."""
-        return os.path.exists(self._path("batch", batch_id, ".cancel"))
+        return self._files.has_marker(_ID["batch"], batch_id, "cancel")
 
     def close(self) -> None:
         """Remove the private directory (a shared one belongs to ``serve``)."""
-        if self._cleanup is not None:
-            self._cleanup()
+        self._files.close()
 
 
 def new_batch(
@@ -255,7 +224,7 @@ async def _run_batch_job(app: Any, store: BatchStore, batch_id: str, headers: di
 async def _run_lines(
     app: Any, store: BatchStore, batch: dict[str, Any], requests: list[BatchRequest], headers: dict[str, str]
 ) -> list[BatchResult | None]:
-    """Each line's answer, progress saved as lines end; None for the lines a cancel stopped (those in
+    """Each line's answer, progress saved every poll; None for the lines a cancel stopped (those in
     flight are abandoned, which aborts their requests in the engine, and the rest are not sent)."""
     import httpx
 
@@ -275,13 +244,13 @@ async def _run_lines(
                     result = BatchResult(request.custom_id, 500, error, uuid.uuid4().hex)
             counts = batch["request_counts"]
             counts["completed" if 200 <= result.status_code < 300 else "failed"] += 1
-            store.save_batch(batch)
             return result
 
         tasks = [asyncio.create_task(one(request)) for request in requests]
         pending = set(tasks)
         while pending:
             _, pending = await asyncio.wait(pending, timeout=CANCEL_POLL_S)
+            store.save_batch(batch)  # the progress, for every process (at most once a poll)
             if pending and store.cancel_requested(batch["id"]):
                 batch.update(status="cancelling", cancelling_at=batch["cancelling_at"] or int(time.time()))
                 for task in pending:

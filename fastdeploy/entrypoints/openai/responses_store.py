@@ -13,20 +13,16 @@ or unpickled: they are JSON, read back only by id (checked against the id format
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import os
 import re
-import shutil
-import tempfile
 import threading
-import weakref
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from fastdeploy import envs
+from fastdeploy.entrypoints.openai.id_directory import IdDirectory
 
 logger = logging.getLogger(__name__)
 
@@ -55,28 +51,26 @@ class ResponseStore:
     """Stored responses in a directory (module docstring); safe to call from several threads."""
 
     def __init__(self, directory: str | None = None, max_bytes: int | None = None):
-        self._directory = directory or envs.FD_RESPONSES_STORE_DIR or None
+        self._files = IdDirectory(directory or envs.FD_RESPONSES_STORE_DIR, "fastdeploy-responses-")
         self.max_bytes = int(envs.FD_RESPONSES_STORE_MB * 2**20) if max_bytes is None else max_bytes
         """Bytes of files this process keeps (0: nothing is stored)."""
         self._written: OrderedDict[str, int] = OrderedDict()
         """Ids this process stored, oldest first, with their file sizes."""
         self._bytes = 0
         self._lock = threading.Lock()
-        self._cleanup: weakref.finalize | None = None
 
     @property
     def enabled(self) -> bool:
         """Whether responses are stored at all."""
         return self.max_bytes > 0
 
-    def _dir(self) -> str:
-        if self._directory is None:
-            self._directory = tempfile.mkdtemp(prefix="fastdeploy-responses-")
-            self._cleanup = weakref.finalize(self, shutil.rmtree, self._directory, True)
-        return self._directory
+    @property
+    def directory(self) -> str | None:
+        """Where the responses are (None: a private directory not made yet)."""
+        return self._files.directory
 
     def _path(self, response_id: str) -> str | None:
-        return os.path.join(self._dir(), f"{response_id}.json") if _ID.fullmatch(response_id) else None
+        return self._files.path(_ID, response_id)
 
     def save(self, response_id: str, stored: StoredResponse) -> bool:
         """Store a response (its oldest ones dropped past the byte bound); whether it was stored (a
@@ -88,12 +82,9 @@ class ResponseStore:
             path = self._path(response_id)
             if path is None:
                 return False
-            tmp = f"{path}.{os.getpid()}.tmp"
-            with open(tmp, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)  # a reader never sees half a file
+            self._files.write(path, data)
         except OSError as exc:
-            logger.warning("could not store response %s in %s: %s", response_id, self._directory, exc)
+            logger.warning("could not store response %s in %s: %s", response_id, self.directory, exc)
             return False
         with self._lock:
             self._bytes += len(data) - self._written.pop(response_id, 0)  # (a background response is
@@ -106,15 +97,8 @@ class ResponseStore:
 
     def load(self, response_id: str) -> StoredResponse | None:
         """The stored response ``response_id`` (None: never stored, dropped or deleted)."""
-        path = self._path(response_id)
-        if path is None:
-            return None
-        try:
-            with open(path, "rb") as f:
-                data = json.loads(f.read())
-        except (OSError, ValueError):
-            return None
-        return StoredResponse(**data)
+        data = self._files.read_json(self._path(response_id))
+        return StoredResponse(**data) if isinstance(data, dict) else None
 
     def delete(self, response_id: str) -> bool:
         """Forget ``response_id``; whether it was stored."""
@@ -123,35 +107,22 @@ class ResponseStore:
         return self._unlink(response_id)
 
     def _unlink(self, response_id: str) -> bool:
-        path = self._path(response_id)
-        if path is None:
-            return False
         self.clear_cancel(response_id)
-        try:
-            os.unlink(path)
-        except OSError:
-            return False
-        return True
+        return self._files.remove(self._path(response_id))
 
     def request_cancel(self, response_id: str) -> None:
         """Ask the process running background response ``response_id`` to cancel it (a marker file
         it polls: the cancel may reach another API server process than the one running it)."""
-        path = self._path(response_id)
-        if path is not None and self.enabled:
-            with open(f"{path}.cancel", "wb"):
-                pass
+        if self.enabled:
+            self._files.set_marker(_ID, response_id, "cancel")
 
     def cancel_requested(self, response_id: str) -> bool:
         """Whether a cancel of ``response_id`` was asked (:meth:`request_cancel`)."""
-        path = self._path(response_id)
-        return path is not None and os.path.exists(f"{path}.cancel")
+        return self._files.has_marker(_ID, response_id, "cancel")
 
     def clear_cancel(self, response_id: str) -> None:
         """Drop the cancel marker of ``response_id`` (its run is over)."""
-        path = self._path(response_id)
-        if path is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(f"{path}.cancel")
+        self._files.clear_marker(_ID, response_id, "cancel")
 
     def conversation(
         self, response_id: str, loaded: StoredResponse | None = None
@@ -171,5 +142,4 @@ class ResponseStore:
 
     def close(self) -> None:
         """Remove the private directory (a shared one belongs to ``serve``)."""
-        if self._cleanup is not None:
-            self._cleanup()
+        self._files.close()
