@@ -79,6 +79,10 @@ class ModelConfig:
     max_model_len: int | None = None
     """Longest sequence (prompt + output) in tokens; defaults to the model's
     context length."""
+    max_logprobs: int = 20
+    """Most log probabilities a request may ask for per token (logprobs, top_logprobs,
+    prompt_logprobs), as vLLM's flag: more is a 400 naming the field. -1: no bound, and a request's
+    -1 asks for the whole vocabulary (allowed when this is -1 or at least the vocabulary size)."""
     hf_config_overrides: dict[str, Any] = field(default_factory=dict)
     """Keys that override the model's config.json (e.g. num_hidden_layers for
     dummy benchmarks)."""
@@ -233,7 +237,7 @@ class ServerConfig:
     """Serve HTTP on this Unix domain socket path instead of --host/--port (vLLM's flag); a socket
     file left there by an earlier server is replaced, and the file is removed on exit."""
     api_key: str | None = None
-    """If set, every route but /health, /metrics and /version needs 'Authorization: Bearer <key>'
+    """If set, every route but /health, /metrics, /load and /version needs 'Authorization: Bearer <key>'
     (else 401), /docs and /openapi.json included."""
     root_path: str = ""
     """The path prefix a reverse proxy serves this server under (e.g. /llm): routes answer both with
@@ -257,6 +261,13 @@ class ServerConfig:
     enable_request_id_headers: bool = False
     """Give every answer an X-Request-Id header: the request's own, else a new id (vLLM's flag).
     Either way a request's X-Request-Id names its answer (chatcmpl-<X-Request-Id>)."""
+    enable_server_load_tracking: bool = False
+    """Count the generation and embedding requests in flight (until their last byte is sent) and
+    answer them at GET /load as {"server_load": N}, for a load-aware router (vLLM's flag; off:
+    /load answers 0)."""
+    enable_prompt_tokens_details: bool = False
+    """Accepted for vLLM's command lines: usage.prompt_tokens_details.cached_tokens (prompt tokens
+    served from the prefix cache) is always in the usage here."""
     strict_request_fields: bool = False
     """Refuse (400) request fields that are neither OpenAI's nor a supported extension; off: ignore
     them with a warning logged once per field name, as vLLM does."""

@@ -242,9 +242,9 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "data-parallel replicas), threads otherwise.",
     ),
     "FD_API_KEY": (
-        lambda: os.environ.get("FD_API_KEY") or None,
-        "The API key when serve gets no --api-key (as vLLM's VLLM_API_KEY): a key in the environment "
-        "does not show in the process list, as a command-line argument does.",
+        lambda: os.environ.get("FD_API_KEY") or os.environ.get("VLLM_API_KEY") or None,
+        "The API key when serve gets no --api-key: a key in the environment does not show in the "
+        "process list, as a command-line argument does. Unset: vLLM's VLLM_API_KEY, if set.",
     ),
     "FD_RESPONSES_STORE_DIR": (
         lambda: os.environ.get("FD_RESPONSES_STORE_DIR", ""),

@@ -6,7 +6,11 @@ import dataclasses
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
-"""Most top logprobs a request may ask for, per generated token."""
+"""Most top logprobs a request may ask for per token by default (``--max-logprobs``, as vLLM's and
+OpenAI's ``top_logprobs`` bound)."""
+ALL_LOGPROBS = -1
+"""A request's ``logprobs`` / ``prompt_logprobs`` (and ``--max-logprobs``) asking for the whole
+vocabulary; the front end replaces it by the vocabulary size (:func:`resolve_logprobs`)."""
 
 
 @dataclass
@@ -153,16 +157,13 @@ class SamplingParams:
             "bad_words",
             "bad_words must be non-empty strings",
         )
-        self._check(
-            self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
-            "logprobs",
-            f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
-        )
-        self._check(
-            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
-            "prompt_logprobs",
-            f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}",
-        )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            self._check(
+                value is None or value >= ALL_LOGPROBS,
+                name,
+                f"{name} must be at least 0 (or -1: the whole vocabulary), got {value}",
+            )
 
     @classmethod
     def _normalize_logit_bias(cls, bias: dict | None) -> dict[int, float] | None:
@@ -210,3 +211,41 @@ class SamplingParams:
     def clone(self, **changes) -> SamplingParams:
         """A copy with some fields changed (used to fan out ``n`` choices)."""
         return dataclasses.replace(self, **changes)
+
+
+def resolve_logprobs(
+    params: SamplingParams,
+    max_logprobs: int,
+    vocab_size: int | None,
+    field_names: dict[str, str] | None = None,
+) -> SamplingParams:
+    """``params`` with ``logprobs`` / ``prompt_logprobs`` of -1 replaced by ``vocab_size`` (the whole
+    vocabulary), checked against the server's ``max_logprobs`` (``--max-logprobs``; -1: no bound).
+    Raises :class:`SamplingParamsError` naming the field (``field_names`` maps a field to the
+    request's name for it, e.g. chat's ``top_logprobs``) when a value asks for more. A copy when a
+    value changes (the engine never sees -1: it means "none" there)."""
+    names = field_names or {}
+    changes: dict[str, int] = {}
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is None:
+            continue
+        shown = names.get(name, name)
+        if value == ALL_LOGPROBS:
+            if vocab_size is None:
+                raise SamplingParamsError(shown, f"{shown}: -1 needs the model's vocabulary size")
+            value = vocab_size
+        if max_logprobs != ALL_LOGPROBS and value > max_logprobs:
+            asked = "-1 (the whole vocabulary)" if getattr(params, name) == ALL_LOGPROBS else str(value)
+            raise SamplingParamsError(
+                shown,
+                f"{shown} of {asked} is more than this server allows: at most {max_logprobs} "
+                "(its --max-logprobs)",
+            )
+        if vocab_size is not None and value > vocab_size:
+            raise SamplingParamsError(
+                shown, f"{shown} of {value} is more than the vocabulary ({vocab_size} tokens)"
+            )
+        if value != getattr(params, name):
+            changes[name] = value
+    return params.clone(**changes) if changes else params

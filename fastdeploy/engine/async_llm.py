@@ -175,6 +175,8 @@ class AsyncLLM(EngineClient):
         """Sampling defaults of requests that leave them unset (``--generation-config``)."""
         self.eos_token_ids = eos_ids_of(self.source.arch.eos_token_ids, self.tokenizer)
         self.vocab_size = self.source.arch.vocab_size
+        self.max_logprobs = config.model.max_logprobs
+        """Most logprobs a request may ask for per token (``--max-logprobs``; -1: no bound)."""
         self.arch = self.source.arch
         self.pooler = self.source.pooler
         num_ranks = config.parallel.data_parallel_size
@@ -230,7 +232,11 @@ class AsyncLLM(EngineClient):
         self.max_model_len = ready["max_model_len"]
         self.num_blocks = ready["num_blocks"]
         self.input_processor = InputProcessor(
-            self.tokenizer, self.max_model_len, self.eos_token_ids, self.source.arch.vocab_size
+            self.tokenizer,
+            self.max_model_len,
+            self.eos_token_ids,
+            self.source.arch.vocab_size,
+            max_logprobs=config.model.max_logprobs,
         )
         try:  # inside the server's event loop: watch the engine from now on, not from the first request
             asyncio.get_running_loop()

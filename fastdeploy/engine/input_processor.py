@@ -9,7 +9,12 @@ from typing import Any
 from fastdeploy.core.mm_item import MMItem
 from fastdeploy.core.pooling_params import PoolingParams
 from fastdeploy.core.request import EngineCoreRequest
-from fastdeploy.core.sampling_params import SamplingParams, SamplingParamsError
+from fastdeploy.core.sampling_params import (
+    MAX_LOGPROBS,
+    SamplingParams,
+    SamplingParamsError,
+    resolve_logprobs,
+)
 from fastdeploy.engine.output_processor import child_request_id
 
 
@@ -25,17 +30,28 @@ class InputProcessor:
     """Turns user prompts into engine-core requests."""
 
     def __init__(
-        self, tokenizer: Any, max_model_len: int, eos_token_ids: list[int], vocab_size: int | None = None
+        self,
+        tokenizer: Any,
+        max_model_len: int,
+        eos_token_ids: list[int],
+        vocab_size: int | None = None,
+        max_logprobs: int = MAX_LOGPROBS,
     ):
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
+        if max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be at least 0, or -1 for no bound (got {max_logprobs})")
+        self.max_logprobs = max_logprobs
+        """Most logprobs a request may ask for per token (``--max-logprobs``; -1: the vocabulary)."""
 
     def prepare_params(self, params: SamplingParams) -> SamplingParams:
-        """Check token ids against the vocabulary and tokenize ``bad_words`` (a new object when needed)."""
+        """Check token ids against the vocabulary and the logprobs asked against ``max_logprobs`` (-1
+        made the vocabulary size), tokenize ``bad_words`` (a new object when needed)."""
         if self.vocab_size is not None:
             params.check_vocab(self.vocab_size)
+        params = resolve_logprobs(params, self.max_logprobs, self.vocab_size)
         if params.stop and self.tokenizer is None:
             # stop strings are matched on detokenized text, which needs a tokenizer
             raise SamplingParamsError("stop", "stop strings need a tokenizer; use stop_token_ids")

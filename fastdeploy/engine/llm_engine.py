@@ -60,7 +60,11 @@ class LLMEngine:
         self.max_model_len = self.core.max_model_len
         self.eos_token_ids = eos_ids_of(self.source.arch.eos_token_ids, self.tokenizer)
         self.input_processor = InputProcessor(
-            self.tokenizer, self.max_model_len, self.eos_token_ids, self.source.arch.vocab_size
+            self.tokenizer,
+            self.max_model_len,
+            self.eos_token_ids,
+            self.source.arch.vocab_size,
+            max_logprobs=config.model.max_logprobs,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.mm_builder = MultimodalPromptBuilder(

@@ -146,7 +146,12 @@ def test_api_key_from_the_environment(monkeypatch):
     assert server_config_from_args(parse()).api_key == "from-env"
     assert server_config_from_args(parse("--api-key", "flag")).api_key == "flag"  # the flag wins
     monkeypatch.setenv("FD_API_KEY", "")
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
     assert server_config_from_args(parse()).api_key is None
+    monkeypatch.setenv("VLLM_API_KEY", "vllm-env")  # vLLM's variable, when ours is unset
+    assert server_config_from_args(parse()).api_key == "vllm-env"
+    monkeypatch.setenv("FD_API_KEY", "ours")
+    assert server_config_from_args(parse()).api_key == "ours"
 
 
 def test_positional_model():
@@ -310,6 +315,11 @@ def test_serve_whose_engine_cannot_start_names_the_cause(capsys):
             ["--api-server-count", "2", "--headless", "--nnodes", "2", "--node-rank", "1"],
             "argument --api-server-count: --headless runs no API server",
         ),
+        (
+            ["--max-logprobs", "-2"],
+            "argument --max-logprobs: must be at least 0, or -1 for no bound (got -2)",
+        ),
+        (["--max_logprobs=-3"], "argument --max-logprobs: must be at least 0, or -1 for no bound (got -3)"),
     ],
     ids=[
         "reasoning-parser",
@@ -322,6 +332,8 @@ def test_serve_whose_engine_cannot_start_names_the_cause(capsys):
         "ssl-half",
         "ssl-missing",
         "api-servers-headless",
+        "max-logprobs",
+        "max-logprobs-underscores",
     ],
 )
 def test_serve_refuses_bad_options_before_starting(capsys, argv, message):
@@ -382,3 +394,20 @@ def test_list_flags_take_a_json_array_or_commas(tmp_path):
     config.write_text("allowed-origins: ['*']\nallowed-methods: GET,POST\n")
     server = server_config_from_args(resolve_args(parse("--config", str(config))))
     assert (server.allowed_origins, server.allowed_methods) == (["*"], ["GET", "POST"])
+
+
+def test_flags_take_vllms_underscore_spelling_and_its_names():
+    """``vllm serve`` command lines: ``--max_model_len 512`` (and ``=``) as ``--max-model-len``, and
+    ``--hf-overrides`` as ``--hf-config-overrides``; values and what follows a bare ``--`` unchanged."""
+    argv = ["serve", "--max_model_len", "512", "--served_model_name=my_model", "--enable_prefix_caching",
+            "--hf-overrides", '{"num_hidden_layers": 2}', "--", "--keep_this"]  # fmt: skip
+    normalized = cli_main.normalize_flag_names(argv)
+    assert normalized == ["serve", "--max-model-len", "512", "--served-model-name=my_model",
+                          "--enable-prefix-caching", "--hf-overrides", '{"num_hidden_layers": 2}', "--", "--keep_this"]  # fmt: skip
+    config = config_of(*normalized[1:7])
+    assert config.model.max_model_len == 512 and config.model.served_model_name == "my_model"
+    assert config.model.hf_config_overrides == {"num_hidden_layers": 2}
+    assert config_of("--max-logprobs", "-1").model.max_logprobs == -1
+    assert config_of().model.max_logprobs == 20
+    server = server_config_from_args(parse("--enable-server-load-tracking", "--enable-prompt-tokens-details"))
+    assert server.enable_server_load_tracking and server.enable_prompt_tokens_details

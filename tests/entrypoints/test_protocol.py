@@ -231,10 +231,9 @@ def test_echo_and_prompt_logprobs_map_to_sampling_params():
 @pytest.mark.parametrize(
     "make, fields, param",
     [
-        (completion, {"prompt_logprobs": -1}, "prompt_logprobs"),
-        (completion, {"prompt_logprobs": 21}, "prompt_logprobs"),
-        (completion, {"echo": True, "logprobs": 2, "prompt_logprobs": -1}, "prompt_logprobs"),
-        (chat, {"prompt_logprobs": 100}, "prompt_logprobs"),
+        (completion, {"prompt_logprobs": -2}, "prompt_logprobs"),
+        (completion, {"echo": True, "logprobs": 2, "prompt_logprobs": -2}, "prompt_logprobs"),
+        (chat, {"prompt_logprobs": -5}, "prompt_logprobs"),
         (completion, {"max_tokens": 0}, "max_tokens"),  # 0 only with echo
         (completion, {"echo": True, "max_tokens": -1}, "max_tokens"),
     ],
@@ -289,7 +288,7 @@ def test_off_values_of_unimplemented_fields_are_accepted():
         ({"logit_bias": {"5": 101}}, "logit_bias"),
         ({"logit_bias": {"x": 1}}, "logit_bias"),
         ({"logit_bias": {"-1": 1}}, "logit_bias"),
-        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": -2}, "top_logprobs"),
         ({"top_logprobs": 3}, "top_logprobs"),
         ({"bad_words": [""]}, "bad_words"),
         ({"min_tokens": -1}, "min_tokens"),
@@ -310,7 +309,10 @@ def test_every_logit_bias_key_that_is_not_a_token_id_is_named():
 def test_completion_logprobs_range():
     assert completion(logprobs=5).to_sampling_params().logprobs == 5
     assert completion(logprobs=0).to_sampling_params().logprobs == 0
-    assert bad_request(completion(logprobs=21).to_sampling_params).param == "logprobs"
+    assert completion(logprobs=-1).to_sampling_params().logprobs == -1  # the whole vocabulary
+    assert bad_request(completion(logprobs=-2).to_sampling_params).param == "logprobs"
+    # an echo's prompt logprobs follow a -1 (the bound against --max-logprobs is the server's)
+    assert completion(echo=True, logprobs=-1, prompt_logprobs=3).to_sampling_params().prompt_logprobs == -1
 
 
 def test_sampling_fields_reach_sampling_params():

@@ -167,6 +167,10 @@ def all_flag_specs() -> list[FlagSpec]:
     return specs
 
 
+FLAG_ALIASES: dict[str, tuple[str, ...]] = {"hf_config_overrides": ("--hf-overrides",)}
+"""Other names a flag answers to (vLLM's spelling of the same option)."""
+
+
 def _help(spec: FlagSpec) -> str:
     text = spec.help.replace("%", "%%")
     if spec.kind == "json":
@@ -199,12 +203,13 @@ def add_engine_and_server_args(parser: argparse.ArgumentParser) -> argparse.Argu
             groups[spec.section] = parser.add_argument_group(f"{spec.section} options")
         group = groups[spec.section]
         kwargs: dict[str, Any] = {"dest": spec.key, "default": argparse.SUPPRESS, "help": _help(spec)}
+        names = (spec.flag, *FLAG_ALIASES.get(spec.key, ()))
         if spec.kind == "bool":
-            group.add_argument(spec.flag, action=argparse.BooleanOptionalAction, **kwargs)
+            group.add_argument(*names, action=argparse.BooleanOptionalAction, **kwargs)
         else:
             if spec.choices:
                 kwargs["choices"] = spec.choices
-            group.add_argument(spec.flag, type=spec.parse, metavar=spec.key.upper(), **kwargs)
+            group.add_argument(*names, type=spec.parse, metavar=spec.key.upper(), **kwargs)
     return parser
 
 

@@ -42,6 +42,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def normalize_flag_names(argv: Sequence[str]) -> list[str]:
+    """``argv`` with underscores in long option names made dashes (``--max_model_len 512`` →
+    ``--max-model-len 512``, ``--max_model_len=512`` too), as ``vllm serve`` accepts them; values,
+    and everything after a bare ``--``, are left as they are."""
+    out: list[str] = []
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            return out + list(argv[i:])
+        if arg.startswith("--") and "_" in arg.partition("=")[0]:
+            name, eq, value = arg.partition("=")
+            arg = name.replace("_", "-") + eq + value
+        out.append(arg)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default: ``sys.argv[1:]``) and run the chosen subcommand; returns the exit code.
 
@@ -53,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with STOP_SIGNALS.installed():
         try:
             parser = build_parser()
-            args = parser.parse_args(argv)
+            args = parser.parse_args(normalize_flag_names(sys.argv[1:] if argv is None else argv))
             command = args.command
             code = _run(parser, args)
         except KeyboardInterrupt:  # SIGINT or SIGTERM before the command could stop by itself

@@ -175,6 +175,14 @@ def check_api_server_count(args: argparse.Namespace) -> str | None:
     return None
 
 
+def check_max_logprobs(args: argparse.Namespace) -> str | None:
+    """Why ``--max-logprobs`` is not a bound (below -1), or None."""
+    value = getattr(args, "max_logprobs", None)
+    if value is not None and value < -1:
+        return f"argument --max-logprobs: must be at least 0, or -1 for no bound (got {value})"
+    return None
+
+
 def check_layout(args: argparse.Namespace) -> str | None:
     """Why the parallel layout cannot run this model here (heads that do not split, too few GPUs, multi-host
     flags that disagree), or None."""
@@ -216,6 +224,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
         or check_backend(args)
         or check_headless(args)
         or check_api_server_count(args)
+        or check_max_logprobs(args)
         or check_layout(args)
     )
     if problem is not None:

@@ -52,6 +52,7 @@ from fastdeploy.entrypoints.openai.reasoning import get_reasoning_parser
 from fastdeploy.entrypoints.openai.request_body import BodySizeLimitMiddleware, read_json
 from fastdeploy.entrypoints.openai.request_ids import RequestIdHeaderMiddleware
 from fastdeploy.entrypoints.openai.responses_store import ResponseStore
+from fastdeploy.entrypoints.openai.server_load import ServerLoad, ServerLoadMiddleware
 from fastdeploy.entrypoints.openai.serving_chat import OpenAIServingChat
 from fastdeploy.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from fastdeploy.entrypoints.openai.serving_embedding import OpenAIServingEmbedding, check_generation_model
@@ -151,7 +152,7 @@ def build_app(
     treated (``strict_request_fields``), the reasoning and tool-call parsers of chat answers (an
     unknown name is a ``ValueError`` listing the known ones) and the API key: with a key set,
     every route needs ``Authorization: Bearer <key>`` except ``/health`` (and ``/ping``, ``/health_generate``),
-    ``/metrics`` and ``/version`` (what load balancers and Prometheus poll).
+    ``/metrics``, ``/load`` and ``/version`` (what load balancers and Prometheus poll).
     ``app.state.begin_drain()`` refuses new requests (and ``/health``) with a 503 while those in
     flight go on (``--shutdown-timeout``); ``app.state.begin_shutdown()`` ends the requests in flight
     with a 503 too (the server calls it when it stops). ``api_server_index``: which of the
@@ -171,6 +172,9 @@ def build_app(
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=server.max_request_body_bytes)
     if server.enable_request_id_headers:
         app.add_middleware(RequestIdHeaderMiddleware)
+    load = ServerLoad()
+    if server.enable_server_load_tracking:
+        app.add_middleware(ServerLoadMiddleware, load=load)
     if server.allowed_origins:  # browsers on these origins may read the answers (CORS)
         app.add_middleware(
             CORSMiddleware,
@@ -332,6 +336,10 @@ def build_app(
         from prometheus_client import CONTENT_TYPE_LATEST
 
         return Response(exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/load")
+    async def server_load() -> Response:
+        return JSONResponse({"server_load": load.in_flight})
 
     @app.get("/version")
     async def version() -> Response:

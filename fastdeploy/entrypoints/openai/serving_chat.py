@@ -178,7 +178,7 @@ class OpenAIServingChat(OpenAIServing):
         params = request.to_sampling_params(self.sampling_defaults)
         tools = self.tool_calling.plan(request)
         params = tools.sampling_params(params)
-        self.check_params(params)
+        params = self.check_params(params, "top_logprobs")
         self.check_healthy()
 
         conversation, items = await self.mm_inputs.split(request.messages, self._run_tokenizer)

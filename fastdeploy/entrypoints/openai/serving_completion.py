@@ -80,7 +80,7 @@ class OpenAIServingCompletion(OpenAIServing):
         """Validate, tokenize, run and answer one completions request."""
         model = self.resolve_model(request.model)
         params = request.to_sampling_params(self.sampling_defaults)
-        self.check_params(params)
+        params = self.check_params(params)
         self.check_healthy()
         limit = self.max_prompts_per_request
         if limit is not None and len(request.prompt) > limit:

@@ -24,7 +24,12 @@ from starlette.types import Receive, Scope, Send
 
 from fastdeploy.core.outputs import RequestOutput
 from fastdeploy.core.pooling_params import PoolingParams
-from fastdeploy.core.sampling_params import SamplingParams, SamplingParamsError
+from fastdeploy.core.sampling_params import (
+    MAX_LOGPROBS,
+    SamplingParams,
+    SamplingParamsError,
+    resolve_logprobs,
+)
 from fastdeploy.engine.input_processor import PromptTokenError, PromptTooLongError
 from fastdeploy.engine.protocol import EngineClient, EngineDeadError
 from fastdeploy.entrypoints.openai.errors import (
@@ -411,12 +416,19 @@ class OpenAIServing:
                     f"token id {t} is out of vocabulary (vocabulary size {vocab})", param=param
                 )
 
-    def check_params(self, params: SamplingParams) -> None:
-        """400 if a token id in ``stop_token_ids`` or ``logit_bias`` is outside the vocabulary."""
+    def check_params(self, params: SamplingParams, logprobs_field: str = "logprobs") -> SamplingParams:
+        """400 if a token id in ``stop_token_ids`` or ``logit_bias`` is outside the vocabulary, or the
+        logprobs asked are more than ``--max-logprobs`` (named as the request names them:
+        ``logprobs_field``); the params with a logprobs count of -1 made the vocabulary size."""
         if params.stop_token_ids:
             self.check_token_ids(params.stop_token_ids, "stop_token_ids")
         if params.logit_bias:
             self.check_token_ids(list(params.logit_bias), "logit_bias")
+        max_logprobs = getattr(self.engine, "max_logprobs", MAX_LOGPROBS)
+        try:
+            return resolve_logprobs(params, max_logprobs, self.vocab_size, {"logprobs": logprobs_field})
+        except SamplingParamsError as exc:
+            raise BadRequestError(str(exc), param=exc.param) from None
 
     async def _run_tokenizer(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)`` on the tokenizer thread of short texts."""

@@ -10,7 +10,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
 
-from fastdeploy.core.sampling_params import MAX_LOGPROBS
+from fastdeploy.core.sampling_params import ALL_LOGPROBS
 from fastdeploy.entrypoints.openai.errors import BadRequestError
 from fastdeploy.entrypoints.openai.protocol.common import (
     OpenAIModel,
@@ -298,9 +298,10 @@ class ChatCompletionRequest(SamplingRequest):
         return self.max_tokens, "max_tokens"
 
     def _num_logprobs(self) -> int | None:
-        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+        if self.top_logprobs is not None and self.top_logprobs < ALL_LOGPROBS:
             raise BadRequestError(
-                f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}", param="top_logprobs"
+                f"top_logprobs must be at least 0 (or -1: the whole vocabulary), got {self.top_logprobs}",
+                param="top_logprobs",
             )
         if not self.logprobs:
             if self.top_logprobs:

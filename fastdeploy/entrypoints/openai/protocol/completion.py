@@ -6,6 +6,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, WithJsonSchema, field_validator
 
+from fastdeploy.core.sampling_params import ALL_LOGPROBS
 from fastdeploy.entrypoints.openai.errors import BadRequestError
 from fastdeploy.entrypoints.openai.protocol.common import ResponseModel, UsageInfo, WithPromptLogprobs, _now
 from fastdeploy.entrypoints.openai.protocol.sampling import SamplingRequest
@@ -58,6 +59,8 @@ class CompletionRequest(SamplingRequest):
     def _num_prompt_logprobs(self) -> int | None:
         k = super()._num_prompt_logprobs()
         if self.echo and self.logprobs is not None:  # the echoed prompt's logprobs come from them
+            if ALL_LOGPROBS in (k, self.logprobs):
+                return ALL_LOGPROBS
             return max(k or 0, self.logprobs)
         return k
 

@@ -24,7 +24,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, ValidationError
 
-from fastdeploy.core.sampling_params import MAX_LOGPROBS, SamplingParams
+from fastdeploy.core.sampling_params import ALL_LOGPROBS, SamplingParams
 from fastdeploy.entrypoints.openai.errors import BadRequestError, encodable, from_pydantic
 from fastdeploy.entrypoints.openai.protocol.chat import ChatCompletionRequest
 from fastdeploy.entrypoints.openai.protocol.common import OpenAIModel, ResponseModel, warn_once
@@ -156,9 +156,10 @@ class ResponsesRequest(SamplingControls):
             )
         if self.input is None and self.previous_response_id is None:
             raise BadRequestError("'input' is required", param="input")
-        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+        if self.top_logprobs is not None and self.top_logprobs < ALL_LOGPROBS:
             raise BadRequestError(
-                f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}", param="top_logprobs"
+                f"top_logprobs must be at least 0 (or -1: the whole vocabulary), got {self.top_logprobs}",
+                param="top_logprobs",
             )
         if self.metadata is not None and len(self.metadata) > 16:
             raise BadRequestError("metadata holds at most 16 pairs", param="metadata")

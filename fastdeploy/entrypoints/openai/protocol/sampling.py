@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import field_validator
 
-from fastdeploy.core.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
+from fastdeploy.core.sampling_params import ALL_LOGPROBS, SamplingParams, SamplingParamsError
 from fastdeploy.entrypoints.openai.errors import BadRequestError
 from fastdeploy.entrypoints.openai.protocol.common import OpenAIModel, _check_token_ids, warn_once
 from fastdeploy.entrypoints.openai.protocol.structured import StructuredOutputsRequest
@@ -201,9 +201,10 @@ class SamplingRequest(StructuredOutputsRequest, SamplingControls):
     def _num_prompt_logprobs(self) -> int | None:
         """Top logprobs per prompt token the engine must compute (None: none)."""
         k = self.prompt_logprobs
-        if k is not None and not 0 <= k <= MAX_LOGPROBS:
+        if k is not None and k < ALL_LOGPROBS:
             raise BadRequestError(
-                f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {k}", param="prompt_logprobs"
+                f"prompt_logprobs must be at least 0 (or -1: the whole vocabulary), got {k}",
+                param="prompt_logprobs",
             )
         return k
 

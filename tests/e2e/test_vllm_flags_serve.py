@@ -1,0 +1,89 @@
+"""A server started with a ``vllm serve`` command line's flags (vLLM's own server tests pass them):
+underscores in flag names, ``--hf-overrides``, ``--max-logprobs -1`` (a request's -1 is the whole
+vocabulary), ``--enable-server-load-tracking`` (``GET /load``) and ``--enable-prompt-tokens-details``;
+and the default ``--max-logprobs`` bound (20) on the shared server."""
+
+from __future__ import annotations
+
+import threading
+
+import openai
+import pytest
+
+from tests.e2e.conftest import RemoteServer
+
+VOCAB = 49152  # SmolLM2's vocabulary (the default model)
+
+
+@pytest.fixture(scope="module")
+def vllm_flags_server(tmp_path_factory):
+    srv = RemoteServer(
+        tmp_path_factory.mktemp("vllm_flags") / "server.log",
+        "--max_num_seqs", "8", "--max-logprobs", "-1", "--enable-server-load-tracking",
+        "--enable-prompt-tokens-details", "--hf-overrides", "{}",
+    )  # fmt: skip
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def test_minus_one_logprobs_are_the_whole_vocabulary(vllm_flags_server):
+    client = vllm_flags_server.openai()
+    name = vllm_flags_server.model_name()
+    chat = client.chat.completions.create(
+        model=name,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=1,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=-1,
+    )
+    top = chat.choices[0].logprobs.content[0].top_logprobs
+    assert len(top) == VOCAB
+    assert top[0].logprob == max(t.logprob for t in top) and all(t.logprob <= 0 for t in top)
+    assert chat.usage.prompt_tokens_details.cached_tokens >= 0
+    completion = client.completions.create(  # (token ids as keys: texts of tokens repeat)
+        model=name, prompt="Hello", max_tokens=1, temperature=0, logprobs=-1,
+        extra_body={"return_tokens_as_token_ids": True},
+    )  # fmt: skip
+    assert len(completion.choices[0].logprobs.top_logprobs[0]) == VOCAB
+
+
+def test_load_counts_the_requests_in_flight(vllm_flags_server):
+    http = vllm_flags_server.http()
+    assert http.get("/load").json() == {"server_load": 0}
+    client = vllm_flags_server.openai()
+    stream = client.completions.create(
+        model=vllm_flags_server.model_name(), prompt="Once upon a time", max_tokens=400, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    chunks = iter(stream)
+    next(chunks)  # the request is being answered
+    others = [threading.Thread(target=lambda: http.get("/health")) for _ in range(3)]  # (not counted)
+    for t in others:
+        t.start()
+    assert http.get("/load").json() == {"server_load": 1}
+    for t in others:
+        t.join()
+    for _ in chunks:
+        pass
+    assert http.get("/load").json() == {"server_load": 0}
+
+
+def test_the_default_bound_is_20(server, model_name):
+    client = server.openai()
+    messages = [{"role": "user", "content": "Hi"}]
+    ok = client.chat.completions.create(
+        model=model_name, messages=messages, max_tokens=1, logprobs=True, top_logprobs=20
+    )
+    assert len(ok.choices[0].logprobs.content[0].top_logprobs) == 20
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=model_name, messages=messages, max_tokens=1, logprobs=True, top_logprobs=21
+        )
+    assert info.value.body["param"] == "top_logprobs" and "--max-logprobs" in info.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model_name, prompt="Hi", max_tokens=1, logprobs=-1)
+    assert info.value.body["param"] == "logprobs"
+    assert client.completions.create(model=model_name, prompt="Hi", max_tokens=1).choices[0].text is not None
