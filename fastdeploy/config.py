@@ -265,6 +265,10 @@ class ServerConfig:
     """Count the generation and embedding requests in flight (until their last byte is sent) and
     answer them at GET /load as {"server_load": N}, for a load-aware router (vLLM's flag; off:
     /load answers 0)."""
+    enable_tokenizer_info_endpoint: bool = False
+    """Serve GET /tokenizer_info: the tokenizer's class and configuration (special tokens,
+    model_max_length, the chat template, the added tokens), as vLLM's flag does (behind the API
+    key; off by default, as the chat template may be private)."""
     enable_prompt_tokens_details: bool = False
     """Accepted for vLLM's command lines: usage.prompt_tokens_details.cached_tokens (prompt tokens
     served from the prefix cache) is always in the usage here."""
@@ -310,6 +314,9 @@ class ServerConfig:
     disable_log_requests: bool = False
     """Accepted for vLLM's command lines: request contents are never logged here (the access log
     has one line per request without its body; --disable-uvicorn-access-log turns it off)."""
+    disable_log_stats: bool = False
+    """Accepted for vLLM's command lines: this server logs no periodic throughput lines (the
+    numbers are at /metrics)."""
     enable_auto_tool_choice: bool = False
     """Accepted for vLLM's command lines: tool_choice auto needs no flag here (with tools, the answers
     are read with --tool-call-parser or the chat template's parser)."""

@@ -1,6 +1,7 @@
 """A server started with a ``vllm serve`` command line's flags (vLLM's own server tests pass them):
 underscores in flag names, ``--hf-overrides``, ``--max-logprobs -1`` (a request's -1 is the whole
-vocabulary), ``--enable-server-load-tracking`` (``GET /load``) and ``--enable-prompt-tokens-details``;
+vocabulary), ``--enable-server-load-tracking`` (``GET /load``), ``--enable-tokenizer-info-endpoint``
+(``GET /tokenizer_info``) and ``--enable-prompt-tokens-details``;
 and the default ``--max-logprobs`` bound (20) on the shared server."""
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ def vllm_flags_server(tmp_path_factory):
     srv = RemoteServer(
         tmp_path_factory.mktemp("vllm_flags") / "server.log",
         "--max_num_seqs", "8", "--max-logprobs", "-1", "--enable-server-load-tracking",
-        "--enable-prompt-tokens-details", "--hf-overrides", "{}",
+        "--enable-prompt-tokens-details", "--hf-overrides", "{}", "--enable-tokenizer-info-endpoint",
     )  # fmt: skip
     try:
         yield srv
@@ -87,3 +88,14 @@ def test_the_default_bound_is_20(server, model_name):
         client.completions.create(model=model_name, prompt="Hi", max_tokens=1, logprobs=-1)
     assert info.value.body["param"] == "logprobs"
     assert client.completions.create(model=model_name, prompt="Hi", max_tokens=1).choices[0].text is not None
+
+
+def test_tokenizer_info(vllm_flags_server, server):
+    info = vllm_flags_server.http().get("/tokenizer_info").json()
+    assert info["tokenizer_class"] and isinstance(info["tokenizer_class"], str)
+    assert (info["bos_token"], info["eos_token"]) == ("<|im_start|>", "<|im_end|>")
+    assert "{% for message in messages %}" in info["chat_template"]
+    assert info["added_tokens_decoder"]["0"]["content"] == "<|endoftext|>"
+    assert info["model_max_length"] >= vllm_flags_server.max_model_len
+    assert "name_or_path" not in info  # (where the server's files are is not the tokenizer's)
+    assert server.http().get("/tokenizer_info").status_code == 404  # off by default

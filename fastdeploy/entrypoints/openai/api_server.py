@@ -356,6 +356,12 @@ def build_app(
         # token_strs stays in the body, null when not asked (vLLM's clients read it)
         return JSONResponse((await tokenization.tokenize(request)).model_dump())
 
+    if server.enable_tokenizer_info_endpoint:
+
+        @app.get("/tokenizer_info", dependencies=auth)
+        async def tokenizer_info() -> Response:
+            return JSONResponse(tokenization.tokenizer_info())
+
     @app.post("/v1/detokenize", dependencies=auth, include_in_schema=False)
     @app.post("/detokenize", dependencies=auth, openapi_extra=json_body(DetokenizeRequest))
     async def detokenize(raw_request: Request) -> Response:

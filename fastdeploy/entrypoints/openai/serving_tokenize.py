@@ -52,6 +52,22 @@ class OpenAIServingTokenization(OpenAIServing):
         self.check_token_ids(request.tokens, "tokens")
         return DetokenizeResponse(prompt=await self.decode(request.tokens))
 
+    def tokenizer_info(self) -> dict[str, Any]:
+        """``GET /tokenizer_info`` (``--enable-tokenizer-info-endpoint``, vLLM's): the tokenizer's class
+        and its configuration (special tokens, ``model_max_length``, the chat template, the added
+        tokens by id), without the fields that name files on this machine."""
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            raise NotFoundError("This server has no tokenizer (--skip-tokenizer-init).")
+        info: dict[str, Any] = {}
+        for key, value in (getattr(tokenizer, "init_kwargs", None) or {}).items():
+            if key not in _LOCAL_FIELDS and (jsonable := _jsonable(value)) is not _SKIP:
+                info[key] = jsonable
+        if isinstance(getattr(tokenizer, "chat_template", None), str):
+            info["chat_template"] = tokenizer.chat_template
+        info["tokenizer_class"] = type(tokenizer).__name__
+        return info
+
     def list_models(self) -> ModelList:
         """The served model names, with the model path and context length."""
         return ModelList(data=[self._model_card(name) for name in self.served_model_names])
@@ -75,3 +91,42 @@ class OpenAIServingTokenization(OpenAIServing):
             return str(path)
         config = getattr(getattr(self.engine, "config", None), "model", None)
         return getattr(config, "model", None) or None
+
+
+_LOCAL_FIELDS = frozenset(
+    {
+        "name_or_path",
+        "vocab_file",
+        "merges_file",
+        "tokenizer_file",
+        "is_local",
+        "local_files_only",
+        "cache_dir",
+    }
+)
+"""Tokenizer settings that describe this machine's files, not the tokenizer: left out of its info."""
+_SKIP = object()
+
+
+def _jsonable(value: Any) -> Any:
+    """``value`` as JSON can carry it (an added token as its text, or as its settings inside
+    ``added_tokens_decoder``); ``_SKIP`` for what has no JSON form."""
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    if hasattr(value, "content") and hasattr(value, "special"):  # tokenizers.AddedToken
+        return value.content
+    if isinstance(value, (list, tuple)):
+        items = [_jsonable(v) for v in value]
+        return [v for v in items if v is not _SKIP]
+    if isinstance(value, dict):
+        out = {}
+        for key, item in value.items():
+            if hasattr(item, "content") and hasattr(item, "special"):
+                out[str(key)] = {name: getattr(item, name, None) for name in _ADDED_TOKEN_FIELDS}
+            elif (jsonable := _jsonable(item)) is not _SKIP:
+                out[str(key)] = jsonable
+        return out
+    return _SKIP
+
+
+_ADDED_TOKEN_FIELDS = ("content", "single_word", "lstrip", "rstrip", "normalized", "special")
