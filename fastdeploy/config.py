@@ -86,6 +86,10 @@ class ModelConfig:
     hf_config_overrides: dict[str, Any] = field(default_factory=dict)
     """Keys that override the model's config.json (e.g. num_hidden_layers for
     dummy benchmarks)."""
+    limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)
+    """Most images and videos one prompt may carry, per modality (vLLM's flag), e.g.
+    '{"image": 2, "video": 0}': more is a 400 before anything is fetched; a modality not named has
+    no bound."""
     allowed_local_media_path: str | None = None
     """Folder from which file:// multimodal feature URLs may be read (paths are
     resolved, symlinks included, and must lie under it). Empty: file:// URLs are

@@ -74,6 +74,7 @@ class LLMEngine:
             url_policy=MediaUrlPolicy.from_config(
                 config.model.allowed_media_domains, config.model.allow_private_media_urls
             ),
+            limit_per_prompt=config.model.limit_mm_per_prompt,
         )
         """Fetches and places the image / video features of prompts (``LLM.generate`` / ``LLM.chat``)."""
         self.stats = SchedulerStats()

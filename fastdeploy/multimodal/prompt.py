@@ -17,6 +17,7 @@ async code) and expands each placeholder to one token per feature row.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -102,7 +103,10 @@ class MultimodalPromptBuilder:
         observe_latency: Callable[[float], None] | None = None,
         max_inline_bytes: int | None = None,
         url_policy: MediaUrlPolicy | None = None,
+        limit_per_prompt: Mapping[str, int] | None = None,
     ):
+        self.limit_per_prompt = check_limit_per_prompt(limit_per_prompt or {})
+        """Most items of a modality one prompt may carry (``--limit-mm-per-prompt``; absent: no bound)."""
         self.arch = arch
         self.allowed_local_media_path = allowed_local_media_path
         self.url_policy = url_policy if url_policy is not None else MediaUrlPolicy()
@@ -157,6 +161,14 @@ class MultimodalPromptBuilder:
         if not items:
             return list(token_ids), []
         self.check_supported()
+        counts = Counter(item.modality for item in items)
+        for modality, count in counts.items():
+            limit = self.limit_per_prompt.get(modality)
+            if limit is not None and count > limit:
+                raise MultimodalInputError(
+                    f"At most {limit} {modality}(s) may be provided in one prompt, got {count} "
+                    "(the server's --limit-mm-per-prompt)"
+                )
         mm = self.arch.mm
         assert mm is not None
         fetched = fetch_features(
@@ -169,3 +181,19 @@ class MultimodalPromptBuilder:
             observe_latency=self.observe_latency,
         )
         return expand_placeholders(token_ids, fetched, mm)
+
+
+MODALITIES = ("image", "video")
+"""The modalities a prompt's items may have (``--limit-mm-per-prompt``'s keys)."""
+
+
+def check_limit_per_prompt(limits: Mapping[str, Any]) -> dict[str, int]:
+    """``limits`` checked (known modalities, counts of at least 0); ValueError naming the bad entry."""
+    for modality, limit in limits.items():
+        if modality not in MODALITIES:
+            raise ValueError(
+                f"limit_mm_per_prompt: unknown modality {modality!r} (known: {', '.join(MODALITIES)})"
+            )
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise ValueError(f"limit_mm_per_prompt: {modality} must be a count of at least 0, got {limit!r}")
+    return dict(limits)

@@ -320,6 +320,10 @@ def test_serve_whose_engine_cannot_start_names_the_cause(capsys):
             "argument --max-logprobs: must be at least 0, or -1 for no bound (got -2)",
         ),
         (["--max_logprobs=-3"], "argument --max-logprobs: must be at least 0, or -1 for no bound (got -3)"),
+        (
+            ["--limit-mm-per-prompt", '{"audio": 2}'],
+            "argument --limit-mm-per-prompt: unknown modality 'audio'",
+        ),
     ],
     ids=[
         "reasoning-parser",
@@ -334,6 +338,7 @@ def test_serve_whose_engine_cannot_start_names_the_cause(capsys):
         "api-servers-headless",
         "max-logprobs",
         "max-logprobs-underscores",
+        "limit-mm-per-prompt",
     ],
 )
 def test_serve_refuses_bad_options_before_starting(capsys, argv, message):

@@ -139,3 +139,28 @@ def test_chat_feature_parts_become_the_chat_templates_vision_tokens(qwen2_vl_dum
     )
     with pytest.raises(MultimodalInputError, match="does not accept image or video inputs"):
         text_only.split_chat(conversation, tokenizer)
+
+
+def test_limit_mm_per_prompt_refuses_more_items_before_fetching(qwen2_vl_dummy):
+    """``--limit-mm-per-prompt``: more items of a modality than its bound is an error naming the
+    bound, before any URL is fetched (these would not be: no local media path is allowed)."""
+    from fastdeploy.multimodal.prompt import MultimodalPromptBuilder, check_limit_per_prompt
+    from fastdeploy.transformers_utils.config import ModelArchConfig, read_config_json
+
+    folder, _ = qwen2_vl_dummy
+    arch = ModelArchConfig.from_dict(read_config_json(str(folder)))
+    builder = MultimodalPromptBuilder(arch, limit_per_prompt={"image": 1, "video": 0})
+    images = [FeatureItem("image", (1, 4, 4), url=f"file:///i{i}.npy", index=i) for i in range(2)]
+    video = FeatureItem("video", (2, 4, 4), url="file:///v.npy", index=0)
+    with pytest.raises(
+        MultimodalInputError, match=r"At most 1 image\(s\) may be provided in one prompt, got 2"
+    ):
+        builder.place([1, 2], images)
+    with pytest.raises(MultimodalInputError, match=r"At most 0 video\(s\)"):
+        builder.place([1, 2], [video])
+    with pytest.raises(MultimodalInputError, match="file://"):  # within the bound: on to the fetch
+        builder.place([1, 2], images[:1])
+    with pytest.raises(ValueError, match="unknown modality 'audio'"):
+        check_limit_per_prompt({"audio": 1})
+    with pytest.raises(ValueError, match="image must be a count of at least 0"):
+        check_limit_per_prompt({"image": -1})

@@ -183,6 +183,17 @@ def check_max_logprobs(args: argparse.Namespace) -> str | None:
     return None
 
 
+def check_limit_mm_per_prompt(args: argparse.Namespace) -> str | None:
+    """Why ``--limit-mm-per-prompt`` is not a bound per modality, or None."""
+    from fastdeploy.multimodal.prompt import check_limit_per_prompt
+
+    try:
+        check_limit_per_prompt(getattr(args, "limit_mm_per_prompt", None) or {})
+    except ValueError as exc:
+        return f"argument --limit-mm-per-prompt: {str(exc).removeprefix('limit_mm_per_prompt: ')}"
+    return None
+
+
 def check_layout(args: argparse.Namespace) -> str | None:
     """Why the parallel layout cannot run this model here (heads that do not split, too few GPUs, multi-host
     flags that disagree), or None."""
@@ -225,6 +236,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
         or check_headless(args)
         or check_api_server_count(args)
         or check_max_logprobs(args)
+        or check_limit_mm_per_prompt(args)
         or check_layout(args)
     )
     if problem is not None:

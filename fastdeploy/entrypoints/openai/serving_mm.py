@@ -48,6 +48,7 @@ class MultimodalChatInputs:
                     self.engine.config.model.allowed_media_domains,
                     self.engine.config.model.allow_private_media_urls,
                 ),
+                limit_per_prompt=self.engine.config.model.limit_mm_per_prompt,
             )
         return self._builder
 
