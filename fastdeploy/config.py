@@ -290,6 +290,9 @@ class ServerConfig:
     """How tool calls are read out of chat answers: hermes, llama3_json or mistral (docs/api.md);
     unset: chosen from the chat template (<tool_call> hermes, [TOOL_CALLS] mistral, <|python_tag|>
     llama3_json, otherwise hermes)."""
+    exclude_tools_when_tool_choice_none: bool = False
+    """A chat request with tool_choice "none" is rendered without its tools (vLLM's flag); off: the
+    tools are in the prompt and the answer is read as text, as OpenAI describes "none"."""
     api_server_count: int | None = None
     """API server processes sharing the port (HTTP, tokenization, detokenization, streaming), each
     talking to the same engine core(s), as vLLM's flag: raise it when one process's event loop is

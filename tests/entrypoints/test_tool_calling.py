@@ -241,6 +241,20 @@ def test_tool_choice_none_reads_no_calls(client_for):
     assert choice["message"] == {"role": "assistant", "content": "".join(HERMES_ANSWER)}
 
 
+@pytest.mark.parametrize("template", [PLAIN_TEMPLATE, NATIVE_TEMPLATE])
+def test_exclude_tools_when_tool_choice_none(client_for, template):
+    """``--exclude-tools-when-tool-choice-none`` (vLLM's): tool_choice none renders no tools; other
+    choices, and the default, still render them."""
+    excluding = ScriptedEngine(["Sunny."], template=template)
+    client = client_for(excluding, exclude_tools_when_tool_choice_none=True)
+    assert chat(client, tools=[WEATHER], tool_choice="none").status_code == 200
+    assert chat(client, tools=[WEATHER], tool_choice="auto").status_code == 200
+    default = ScriptedEngine(["Sunny."], template=template)
+    assert chat(client_for(default), tools=[WEATHER], tool_choice="none").status_code == 200
+    assert "get_weather" not in excluding.prompts[0]
+    assert "get_weather" in excluding.prompts[1] and "get_weather" in default.prompts[0]
+
+
 @pytest.mark.parametrize("parallel", [None, False])
 def test_required_is_generated_under_a_schema(client_for, parallel):
     answer = [

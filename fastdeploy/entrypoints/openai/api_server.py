@@ -213,6 +213,7 @@ def build_app(
         tool_call_parser=server.tool_call_parser,
         return_tokens_as_token_ids=server.return_tokens_as_token_ids,
         force_include_usage=server.enable_force_include_usage,
+        exclude_tools_when_tool_choice_none=server.exclude_tools_when_tool_choice_none,
     )
     tokenization = OpenAIServingTokenization(engine_client, served_model_names, tokenizers, stop, chat=chat)
     embeddings = OpenAIServingEmbedding(

@@ -143,6 +143,7 @@ class OpenAIServingChat(OpenAIServing):
         tool_call_parser: str | None = None,
         return_tokens_as_token_ids: bool = False,
         force_include_usage: bool = False,
+        exclude_tools_when_tool_choice_none: bool = False,
     ):
         super().__init__(
             engine_client,
@@ -154,13 +155,17 @@ class OpenAIServingChat(OpenAIServing):
         )
         self.reasoning_parser = reasoning_parser
         self.tool_call_parser = tool_call_parser
+        self.exclude_tools_when_tool_choice_none = exclude_tools_when_tool_choice_none
+        """``tool_choice: "none"`` renders the prompt without the tools (vLLM's flag of that name)."""
         self._tool_calling: ToolCalling | None = None
 
     @property
     def tool_calling(self) -> ToolCalling:
         """The tool-call set-up of this model (created on first use: it reads the chat template)."""
         if self._tool_calling is None:
-            self._tool_calling = ToolCalling(self.tokenizer, self.tool_call_parser)
+            self._tool_calling = ToolCalling(
+                self.tokenizer, self.tool_call_parser, self.exclude_tools_when_tool_choice_none
+            )
         return self._tool_calling
 
     @property

@@ -72,7 +72,9 @@ class ToolCalling:
     """The server's tool-call set-up: the parser class (``--tool-call-parser``, else the template's
     default) and whether the chat template renders tools."""
 
-    def __init__(self, tokenizer: Any, parser_name: str | None = None):
+    def __init__(self, tokenizer: Any, parser_name: str | None = None, exclude_tools_when_none: bool = False):
+        self.exclude_tools_when_none = exclude_tools_when_none
+        """``tool_choice: "none"`` leaves the tools out of the prompt (``--exclude-tools-when-tool-choice-none``)."""
         template = template_text(tokenizer)
         self.parser_cls: type[ToolParser] = get_tool_parser(parser_name or default_tool_parser_name(template))
         self.native = renders_tools(template)
@@ -87,7 +89,7 @@ class ToolCalling:
         choice = request.tool_choice_mode()
         tools = [t.model_dump(exclude_none=True) for t in request.tools or []]
         plan = ToolPlan(parser=None, native=self.native)
-        if tools:
+        if tools and not (choice.mode == "none" and self.exclude_tools_when_none):
             if self.native:
                 plan.template_tools = tools
             else:
