@@ -290,6 +290,10 @@ class ServerConfig:
     """How tool calls are read out of chat answers: hermes, llama3_json or mistral (docs/api.md);
     unset: chosen from the chat template (<tool_call> hermes, [TOOL_CALLS] mistral, <|python_tag|>
     llama3_json, otherwise hermes)."""
+    chat_template_content_format: Literal["auto", "string", "openai"] = "auto"
+    """How a chat message's text reaches the chat template (vLLM's flag): string (its text parts
+    joined into one string), openai (OpenAI's list of parts, each with the fields the client gave
+    it), or auto (openai for a template that loops over a message's content, else string)."""
     exclude_tools_when_tool_choice_none: bool = False
     """A chat request with tool_choice "none" is rendered without its tools (vLLM's flag); off: the
     tools are in the prompt and the answer is read as text, as OpenAI describes "none"."""

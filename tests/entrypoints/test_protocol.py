@@ -9,6 +9,7 @@ from pydantic import ValidationError
 
 from fastdeploy.core.sampling_params import SamplingParamsError
 from fastdeploy.engine.protocol import EngineDeadError
+from fastdeploy.entrypoints.openai.content_format import apply_content_format, resolve_content_format
 from fastdeploy.entrypoints.openai.errors import (
     AuthenticationError,
     BadRequestError,
@@ -346,7 +347,27 @@ def test_content_parts_are_joined():
     req = chat(
         messages=[{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
     )
-    assert req.template_messages() == [{"role": "user", "content": "a\nb"}]
+    [message] = req.template_messages()
+    assert message["content"] == "a\nb"
+    assert apply_content_format([message], "string") == [{"role": "user", "content": "a\nb"}]
+
+
+def test_content_format_openai_hands_the_template_the_parts_as_sent():
+    """``--chat-template-content-format openai``: the text parts with their own fields (a template
+    may read them), a string content as one part; ``auto`` follows what the template reads."""
+    parts = [{"type": "text", "text": "Hola", "source_lang_code": "es"}, {"type": "text", "text": "mundo"}]
+    req = chat(messages=[{"role": "user", "content": parts}, {"role": "assistant", "content": "ok"}])
+    assert apply_content_format(req.template_messages(), "openai") == [
+        {"role": "user", "content": parts},
+        {"role": "assistant", "content": [{"type": "text", "text": "ok"}]},
+    ]
+    changed = {**req.template_messages()[0], "content": "rewritten"}  # (e.g. by the tool-call prompt)
+    assert apply_content_format([changed], "openai")[0]["content"] == [{"type": "text", "text": "rewritten"}]
+    loops = "{% for m in messages %}{% for part in m['content'] %}{{ part.text }}{% endfor %}{% endfor %}"
+    assert resolve_content_format("auto", loops) == "openai"
+    assert resolve_content_format("auto", "{% for m in messages %}{{ m.content }}{% endfor %}") == "string"
+    assert resolve_content_format("auto", None) == "string"
+    assert resolve_content_format("openai", None) == "openai"
 
 
 def test_developer_role_is_shown_as_system_and_assistant_may_lack_content():

@@ -153,7 +153,7 @@ def test_errors_name_the_responses_field():
     bad_request("stream", input="x", background=True, stream=True)
     bad_request("conversation", input="x", conversation="conv_1")
     bad_request("prompt", input="x", prompt={"id": "pmpt_1"})
-    bad_request("top_logprobs", input="x", top_logprobs=99)
+    bad_request("top_logprobs", input="x", top_logprobs=-2)
     bad_request("input[0].content", input=[{"role": "user", "content": None}])
     err = bad_request("tools[0].name", input="x", tools=[{"type": "function", "name": "bad name"}])
     assert "tools[0].name" in err.message or "1 to 64" in err.message

@@ -430,13 +430,16 @@ def test_the_chat_server_builds_its_policy_from_the_config():
         allowed_local_media_path=None,
         allowed_media_domains="media.example, cdn.net",
         allow_private_media_urls=True,
+        limit_mm_per_prompt={"image": 3},
     )
     engine = SimpleNamespace(
         arch=object(),
         metrics=None,
         config=SimpleNamespace(model=model, cache=SimpleNamespace(encoder_cache_memory=0.01)),
     )
-    built = MultimodalChatInputs(engine).builder.url_policy
+    builder = MultimodalChatInputs(engine).builder
+    built = builder.url_policy
     assert built.allowed_domains == ("media.example", "cdn.net") and built.allow_private
+    assert builder.limit_per_prompt == {"image": 3}  # (--limit-mm-per-prompt, from the same config)
     model.allow_private_media_urls, model.allowed_media_domains = False, None
     assert MultimodalChatInputs(engine).builder.url_policy == MediaUrlPolicy()

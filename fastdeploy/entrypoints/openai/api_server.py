@@ -214,6 +214,7 @@ def build_app(
         return_tokens_as_token_ids=server.return_tokens_as_token_ids,
         force_include_usage=server.enable_force_include_usage,
         exclude_tools_when_tool_choice_none=server.exclude_tools_when_tool_choice_none,
+        chat_template_content_format=server.chat_template_content_format,
     )
     tokenization = OpenAIServingTokenization(engine_client, served_model_names, tokenizers, stop, chat=chat)
     embeddings = OpenAIServingEmbedding(

@@ -144,6 +144,7 @@ class OpenAIServingChat(OpenAIServing):
         return_tokens_as_token_ids: bool = False,
         force_include_usage: bool = False,
         exclude_tools_when_tool_choice_none: bool = False,
+        chat_template_content_format: str = "auto",
     ):
         super().__init__(
             engine_client,
@@ -152,6 +153,7 @@ class OpenAIServingChat(OpenAIServing):
             stop,
             return_tokens_as_token_ids,
             force_include_usage,
+            chat_template_content_format,
         )
         self.reasoning_parser = reasoning_parser
         self.tool_call_parser = tool_call_parser

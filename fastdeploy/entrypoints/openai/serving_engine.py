@@ -32,6 +32,7 @@ from fastdeploy.core.sampling_params import (
 )
 from fastdeploy.engine.input_processor import PromptTokenError, PromptTooLongError
 from fastdeploy.engine.protocol import EngineClient, EngineDeadError
+from fastdeploy.entrypoints.openai.content_format import apply_content_format, resolve_content_format
 from fastdeploy.entrypoints.openai.errors import (
     BadRequestError,
     ClientDisconnectedError,
@@ -42,6 +43,7 @@ from fastdeploy.entrypoints.openai.errors import (
 )
 from fastdeploy.entrypoints.openai.protocol import ChatMessage, UsageInfo
 from fastdeploy.entrypoints.openai.tokenizer_lanes import TokenizerLanes
+from fastdeploy.entrypoints.openai.tool_template import template_text
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -359,6 +361,7 @@ class OpenAIServing:
         stop: ServerStop | None = None,
         return_tokens_as_token_ids: bool = False,
         force_include_usage: bool = False,
+        chat_template_content_format: str = "auto",
     ):
         if not served_model_names:
             raise ValueError("at least one served model name is needed")
@@ -377,6 +380,9 @@ class OpenAIServing:
         """Every request's logprobs tokens as ``token_id:N`` (``--return-tokens-as-token-ids``)."""
         self._vocab_size: int | None = None
         self._max_token_chars: int | None = None
+        self.content_format_setting = chat_template_content_format
+        """``--chat-template-content-format``: auto, string or openai."""
+        self._content_format: str | None = None
 
     @property
     def tokenizer(self) -> Any:
@@ -389,6 +395,16 @@ class OpenAIServing:
             size = getattr(self.engine, "vocab_size", None)
             self._vocab_size = int(size) if size else len(self.tokenizer)
         return self._vocab_size
+
+    @property
+    def content_format(self) -> str:
+        """How message text reaches the chat template: ``string`` or ``openai`` (``auto`` resolved
+        against the tokenizer's template, :mod:`.content_format`)."""
+        if self._content_format is None:
+            self._content_format = resolve_content_format(
+                self.content_format_setting, template_text(self.tokenizer)
+            )
+        return self._content_format
 
     def resolve_model(self, name: str | None) -> str:
         """The served name a request addresses; 404 if unknown. None means the first served name."""
@@ -514,11 +530,12 @@ class OpenAIServing:
             )
         if conversation is None:
             conversation = [m.to_template_dict() for m in messages]
-        self.check_text_length(_text_chars(conversation), "messages")
         if any(isinstance(m.get("content"), list) for m in conversation):
             raise BadRequestError(
                 "image and video content parts are only accepted by /v1/chat/completions", param="messages"
             )
+        conversation = apply_content_format(conversation, self.content_format)
+        self.check_text_length(_text_chars(conversation), "messages")
 
         def render() -> str:
             return self.tokenizer.apply_chat_template(

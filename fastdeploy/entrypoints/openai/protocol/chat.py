@@ -8,9 +8,18 @@ import json
 from collections.abc import Iterator
 from typing import Any, ClassVar, Literal
 
-from pydantic import ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
+from pydantic import (
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from fastdeploy.core.sampling_params import ALL_LOGPROBS
+from fastdeploy.entrypoints.openai.content_format import PARTS_KEY
 from fastdeploy.entrypoints.openai.errors import BadRequestError
 from fastdeploy.entrypoints.openai.protocol.common import (
     OpenAIModel,
@@ -36,7 +45,10 @@ from fastdeploy.multimodal.parts import is_feature_part
 
 
 class TextContentPart(OpenAIModel):
-    """A ``{"type": "text", "text": ...}`` content part."""
+    """A ``{"type": "text", "text": ...}`` content part; other fields of it are kept for templates
+    that read them (``--chat-template-content-format openai``), as vLLM keeps them."""
+
+    model_config = ConfigDict(extra="allow")
 
     type: Literal["text"]
     text: str
@@ -68,6 +80,18 @@ class ChatMessage(OpenAIModel):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
+    _text_parts: list[dict[str, Any]] | None = PrivateAttr(default=None)
+    """The text parts ``content`` was joined from, as the client sent them (their extra fields
+    too), for ``--chat-template-content-format openai``."""
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _keep_text_parts(cls, data: Any, handler: Any) -> ChatMessage:
+        message = handler(data)
+        raw = data.get("content") if isinstance(data, dict) else None
+        if isinstance(raw, list) and isinstance(message.content, str):  # text parts only (checked)
+            message._text_parts = [dict(part) for part in raw]
+        return message
 
     @field_validator("content", mode="before")
     @classmethod
@@ -126,6 +150,8 @@ class ChatMessage(OpenAIModel):
             msg["tool_call_id"] = self.tool_call_id
         for key, value in (self.model_extra or {}).items():  # (the template may use them, as in vLLM)
             msg.setdefault(key, value)
+        if self._text_parts is not None:
+            msg[PARTS_KEY] = self._text_parts
         return msg
 
 
