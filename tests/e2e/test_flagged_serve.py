@@ -1,8 +1,10 @@
-"""A server started with a ``vllm serve`` command line's flags (vLLM's own server tests pass them):
-underscores in flag names, ``--hf-overrides``, ``--max-logprobs -1`` (a request's -1 is the whole
-vocabulary), ``--enable-server-load-tracking`` (``GET /load``), ``--enable-tokenizer-info-endpoint``
-(``GET /tokenizer_info``) and ``--enable-prompt-tokens-details``;
-and the default ``--max-logprobs`` bound (20) on the shared server."""
+"""A second server, started as a ``vllm serve`` command line starts one (vLLM's own server tests
+pass these flags), with async scheduling on: its greedy answers equal the default server's
+(the overlapped runner across the worker process); underscores in flag names, ``--hf-overrides``,
+``--max-logprobs -1`` (a request's -1 is the whole vocabulary), ``--enable-server-load-tracking``
+(``GET /load``), ``--enable-tokenizer-info-endpoint`` (``GET /tokenizer_info``) and
+``--enable-prompt-tokens-details``; and the default ``--max-logprobs`` bound (20) on the shared
+server. (One server for all: each start costs the suite ~20 s.)"""
 
 from __future__ import annotations
 
@@ -19,8 +21,8 @@ VOCAB = 49152  # SmolLM2's vocabulary (the default model)
 @pytest.fixture(scope="module")
 def vllm_flags_server(tmp_path_factory):
     srv = RemoteServer(
-        tmp_path_factory.mktemp("vllm_flags") / "server.log",
-        "--max_num_seqs", "8", "--max-logprobs", "-1", "--enable-server-load-tracking",
+        tmp_path_factory.mktemp("flagged") / "server.log",
+        "--async-scheduling", "--max_num_seqs", "8", "--max-logprobs", "-1", "--enable-server-load-tracking",
         "--enable-prompt-tokens-details", "--hf-overrides", "{}", "--enable-tokenizer-info-endpoint",
     )  # fmt: skip
     try:
@@ -56,7 +58,7 @@ def test_load_counts_the_requests_in_flight(vllm_flags_server):
     assert http.get("/load").json() == {"server_load": 0}
     client = vllm_flags_server.openai()
     stream = client.completions.create(
-        model=vllm_flags_server.model_name(), prompt="Once upon a time", max_tokens=400, stream=True,
+        model=vllm_flags_server.model_name(), prompt="Once upon a time", max_tokens=64, stream=True,
         extra_body={"ignore_eos": True},
     )  # fmt: skip
     chunks = iter(stream)
@@ -99,3 +101,18 @@ def test_tokenizer_info(vllm_flags_server, server):
     assert info["model_max_length"] >= vllm_flags_server.max_model_len
     assert "name_or_path" not in info  # (where the server's files are is not the tokenizer's)
     assert server.http().get("/tokenizer_info").status_code == 404  # off by default
+
+
+def test_async_scheduling_server_matches_the_default_server(server, vllm_flags_server, model_name):
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+    overlapped = vllm_flags_server
+    for prompt in prompts:
+        body = {"model": model_name, "prompt": prompt, "max_tokens": 12, "temperature": 0}
+        plain = server.openai().completions.create(**body)
+        overlap = overlapped.openai().completions.create(**body)
+        assert overlap.choices[0].text == plain.choices[0].text
+        assert overlap.choices[0].finish_reason == plain.choices[0].finish_reason
+        assert overlap.usage.completion_tokens == plain.usage.completion_tokens
+    body = {"model": model_name, "prompt": prompts[0], "max_tokens": 12, "temperature": 0}
+    streamed = "".join(c.choices[0].text for c in overlapped.openai().completions.create(**body, stream=True))
+    assert streamed == server.openai().completions.create(**body).choices[0].text
