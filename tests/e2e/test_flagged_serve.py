@@ -19,7 +19,7 @@ VOCAB = 49152  # SmolLM2's vocabulary (the default model)
 
 
 @pytest.fixture(scope="module")
-def vllm_flags_server(tmp_path_factory):
+def flagged_server(tmp_path_factory):
     srv = RemoteServer(
         tmp_path_factory.mktemp("flagged") / "server.log",
         "--async-scheduling", "--max_num_seqs", "8", "--max-logprobs", "-1", "--enable-server-load-tracking",
@@ -31,9 +31,9 @@ def vllm_flags_server(tmp_path_factory):
         srv.stop()
 
 
-def test_minus_one_logprobs_are_the_whole_vocabulary(vllm_flags_server):
-    client = vllm_flags_server.openai()
-    name = vllm_flags_server.model_name()
+def test_minus_one_logprobs_are_the_whole_vocabulary(flagged_server):
+    client = flagged_server.openai()
+    name = flagged_server.model_name()
     chat = client.chat.completions.create(
         model=name,
         messages=[{"role": "user", "content": "Hi"}],
@@ -53,12 +53,12 @@ def test_minus_one_logprobs_are_the_whole_vocabulary(vllm_flags_server):
     assert len(completion.choices[0].logprobs.top_logprobs[0]) == VOCAB
 
 
-def test_load_counts_the_requests_in_flight(vllm_flags_server):
-    http = vllm_flags_server.http()
+def test_load_counts_the_requests_in_flight(flagged_server):
+    http = flagged_server.http()
     assert http.get("/load").json() == {"server_load": 0}
-    client = vllm_flags_server.openai()
+    client = flagged_server.openai()
     stream = client.completions.create(
-        model=vllm_flags_server.model_name(), prompt="Once upon a time", max_tokens=64, stream=True,
+        model=flagged_server.model_name(), prompt="Once upon a time", max_tokens=64, stream=True,
         extra_body={"ignore_eos": True},
     )  # fmt: skip
     chunks = iter(stream)
@@ -92,20 +92,20 @@ def test_the_default_bound_is_20(server, model_name):
     assert client.completions.create(model=model_name, prompt="Hi", max_tokens=1).choices[0].text is not None
 
 
-def test_tokenizer_info(vllm_flags_server, server):
-    info = vllm_flags_server.http().get("/tokenizer_info").json()
+def test_tokenizer_info(flagged_server, server):
+    info = flagged_server.http().get("/tokenizer_info").json()
     assert info["tokenizer_class"] and isinstance(info["tokenizer_class"], str)
     assert (info["bos_token"], info["eos_token"]) == ("<|im_start|>", "<|im_end|>")
     assert "{% for message in messages %}" in info["chat_template"]
     assert info["added_tokens_decoder"]["0"]["content"] == "<|endoftext|>"
-    assert info["model_max_length"] >= vllm_flags_server.max_model_len
+    assert info["model_max_length"] >= flagged_server.max_model_len
     assert "name_or_path" not in info  # (where the server's files are is not the tokenizer's)
     assert server.http().get("/tokenizer_info").status_code == 404  # off by default
 
 
-def test_async_scheduling_server_matches_the_default_server(server, vllm_flags_server, model_name):
+def test_async_scheduling_server_matches_the_default_server(server, flagged_server, model_name):
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
-    overlapped = vllm_flags_server
+    overlapped = flagged_server
     for prompt in prompts:
         body = {"model": model_name, "prompt": prompt, "max_tokens": 12, "temperature": 0}
         plain = server.openai().completions.create(**body)
