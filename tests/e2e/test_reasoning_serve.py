@@ -58,6 +58,18 @@ def test_reasoning_parser_end_to_end(server_factory):
     assert choice.message.reasoning_content == choice.message.reasoning == reasoning
     assert choice.message.content == content
     assert "</think>" not in reasoning
+    # usage counts the reasoning's tokens (here its text re-tokenized: the tags are several tokens)
+    with server.http() as http:
+        counted = http.post("/tokenize", json={"prompt": reasoning, "add_special_tokens": False}).json()[
+            "count"
+        ]
+    assert reply.usage.completion_tokens_details.reasoning_tokens == counted > 0
+    # vLLM's include_reasoning: false drops the reasoning and keeps the answer
+    hidden = client.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=24, temperature=0,
+        extra_body={**PREFILL, "include_reasoning": False},
+    ).choices[0].message  # fmt: skip
+    assert getattr(hidden, "reasoning_content", None) is None and hidden.content == content
 
     # streamed: reasoning deltas first, then content deltas, joining to the same split
     stream = client.chat.completions.create(

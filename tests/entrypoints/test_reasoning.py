@@ -298,3 +298,50 @@ def test_chat_template_kwargs_may_not_set_template_arguments():
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == "chat_template_kwargs" and "tokenize" in error["message"]
+
+
+def test_include_reasoning_false_drops_the_reasoning():
+    """vLLM's ``include_reasoning: false``: the answer's content only, whole and streamed."""
+    engine = ScriptedEngine(OUTPUT)
+    message = chat(client_for(engine), include_reasoning=False).json()["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": "It is 4."}
+    deltas = [c["delta"] for c in stream_deltas(client_for(engine), include_reasoning=False)]
+    assert not any("reasoning_content" in d or "reasoning" in d for d in deltas)
+    assert "".join(d.get("content") or "" for d in deltas) == "It is 4."
+
+
+def test_usage_counts_the_reasoning_tokens():
+    """``usage.completion_tokens_details.reasoning_tokens`` with a reasoning parser (here the scripted
+    tokenizer's one token per character: the reasoning text re-tokenized), for every choice, whole
+    and streamed, with the reasoning returned or not; no such field without a parser."""
+    reasoning_chars = len("\nTwo plus two.")
+    for include in (True, False):
+        usage = chat(client_for(ScriptedEngine(OUTPUT)), n=2, include_reasoning=include).json()["usage"]
+        assert usage["completion_tokens_details"] == {"reasoning_tokens": 2 * reasoning_chars}
+    response = chat(client_for(ScriptedEngine(OUTPUT)), stream=True, stream_options={"include_usage": True})
+    events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+    assert events[-1]["usage"]["completion_tokens_details"] == {"reasoning_tokens": reasoning_chars}
+    plain = chat(client_for(ScriptedEngine(OUTPUT), parser=None)).json()["usage"]
+    assert "completion_tokens_details" not in plain
+
+
+class TagTokenizer:
+    """``<think>`` and ``</think>`` are one token each (ids 100 and 101), as in Qwen3's vocabulary."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return {"<think>": [100], "</think>": [101]}.get(text, [ord(ch) for ch in text])
+
+
+@pytest.mark.parametrize(
+    "prompt, kwargs, token_ids, count",
+    [
+        ("<|assistant|>", {}, [100, 5, 6, 7, 101, 8, 9], 3),  # the answer opens its reasoning
+        ("<|assistant|><think>\n", {}, [5, 6, 101, 8], 2),  # the prompt opened it
+        ("<|assistant|>", {}, [5, 6, 7], 0),  # no reasoning
+        ("<|assistant|>", {}, [100, 5, 6], 2),  # cut inside the reasoning
+        ("<|assistant|>", {"enable_thinking": False}, [100, 5, 101], 0),
+    ],
+)
+def test_reasoning_tokens_by_the_tags_token_ids(prompt, kwargs, token_ids, count):
+    parser = Qwen3ReasoningParser(prompt, kwargs)
+    assert parser.count_reasoning_tokens(token_ids, "(unused)", TagTokenizer()) == count

@@ -99,6 +99,8 @@ class ChatOptions:
     """Reads tool calls out of each answer's content (None: no tools)."""
     tokens_as_ids: bool = False
     """Logprobs tokens as ``token_id:N`` (``return_tokens_as_token_ids``)."""
+    include_reasoning: bool = True
+    """Return the reasoning the parser splits out (vLLM's ``include_reasoning``; false: dropped)."""
 
     @classmethod
     def of(cls, request: ChatCompletionRequest, force_usage: bool = False) -> ChatOptions:
@@ -110,6 +112,7 @@ class ChatOptions:
             num_prompt_logprobs=request.prompt_logprobs,
             echo_text=request.echo_text,
             return_token_ids=bool(request.return_token_ids),
+            include_reasoning=request.include_reasoning is not False,
         )
 
 
@@ -302,6 +305,15 @@ class OpenAIServingChat(OpenAIServing):
             return text[:at]
         return text[:at].rstrip()  # the template trimmed the content's trailing space
 
+    def _reasoning_tokens(self, options: ChatOptions, answers: list[tuple[list[int], str]]) -> int | None:
+        """The reasoning tokens of every choice's answer (its token ids and text); None without a
+        reasoning parser."""
+        if options.reasoning is None:
+            return None
+        return sum(
+            options.reasoning.count_reasoning_tokens(ids, text, self.tokenizer) for ids, text in answers
+        )
+
     def _stream_choice(
         self,
         c: CompletionOutput,
@@ -426,7 +438,13 @@ class OpenAIServingChat(OpenAIServing):
                                 recorder.written(out)
             if options.include_usage:
                 usage_chunk = ChatCompletionStreamResponse(
-                    id=request_id, created=created, model=model, choices=[], usage=tracker.usage()
+                    id=request_id,
+                    created=created,
+                    model=model,
+                    choices=[],
+                    usage=tracker.usage(
+                        self._reasoning_tokens(options, [(s.token_ids, "".join(s.texts)) for s in splits])
+                    ),
                 )
                 yield sse(usage_chunk)
         except Exception as exc:
@@ -487,7 +505,9 @@ class OpenAIServingChat(OpenAIServing):
             id=request_id,
             model=model,
             choices=choices,
-            usage=tracker.usage(),
+            usage=tracker.usage(
+                self._reasoning_tokens(options, [(token_ids[k], "".join(texts[k][1:])) for k in range(n)])
+            ),
             prompt_logprobs=prompt_lps,
             prompt_token_ids=list(prompts[0].token_ids) if options.return_token_ids else None,
         )
@@ -517,13 +537,21 @@ class ChoiceSplit:
         parser = options.tools.parser if options.tools else None
         self.tools: ToolCallStream | None = parser.stream() if parser else None
         self.called = False
+        self.include_reasoning = options.include_reasoning
+        self.token_ids: list[int] = []
+        self.texts: list[str] = []
+        """The answer so far, tokens and text pieces (its reasoning tokens are counted from them at the end)."""
 
     def delta(self, c: CompletionOutput) -> DeltaMessage:
         """The delta message of a streamed piece of the answer (its end releases what was held back)."""
+        self.token_ids.extend(c.token_ids)
+        self.texts.append(c.text)
         reasoning, content = ("", c.text) if self.reasoning is None else self.reasoning.feed(c.text)
         if c.finish_reason is not None and self.reasoning is not None:
             last_reasoning, last_content = self.reasoning.finish()
             reasoning, content = reasoning + last_reasoning, content + last_content
+        if not self.include_reasoning:
+            reasoning = ""
         calls: list[ToolCallDelta] = []
         if self.tools is not None:
             content, calls = self.tools.feed(content)
@@ -567,6 +595,8 @@ def _message(text: str, options: ChatOptions) -> ChatMessageOut:
     if options.reasoning is None and options.tools is None:
         return ChatMessageOut(content=options.echo_text + text)
     reasoning, content = (None, text) if options.reasoning is None else options.reasoning.extract(text)
+    if not options.include_reasoning:
+        reasoning = None
     tool_calls = None
     if options.tools is not None and options.tools.parser is not None:
         extracted = options.tools.parser.extract(content or "")

@@ -268,8 +268,10 @@ class UsageTracker:
     def total_cached_tokens(self) -> int:
         return sum(self.cached_tokens)
 
-    def usage(self) -> UsageInfo:
-        return UsageInfo.build(self.prompt_tokens, self.completion_tokens, self.total_cached_tokens)
+    def usage(self, reasoning_tokens: int | None = None) -> UsageInfo:
+        return UsageInfo.build(
+            self.prompt_tokens, self.completion_tokens, self.total_cached_tokens, reasoning_tokens
+        )
 
 
 class StartedRequests:

@@ -285,6 +285,9 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     """Extra variables of the chat template (e.g. ``{"enable_thinking": false}`` for Qwen3); the
     reasoning parser reads them too."""
+    include_reasoning: bool = True
+    """vLLM's: with a reasoning parser, return the reasoning it splits out (false: the answer's
+    reasoning is dropped, its content kept; ``reasoning_tokens`` are still counted)."""
     chat_template: str | None = None
     """vLLM's per-request Jinja template: declared only to be refused (400), as vLLM refuses it
     without ``--trust-request-chat-template``."""

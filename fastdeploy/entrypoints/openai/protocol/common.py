@@ -187,12 +187,27 @@ class UsageInfo(ResponseModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
     @classmethod
-    def build(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> UsageInfo:
+    def build(
+        cls,
+        prompt_tokens: int,
+        completion_tokens: int,
+        cached_tokens: int,
+        reasoning_tokens: int | None = None,
+    ) -> UsageInfo:
+        """The usage; with ``reasoning_tokens`` (a reasoning parser's count) also
+        ``completion_tokens_details: {"reasoning_tokens": N}``, as OpenAI reports it for reasoning
+        models (left out otherwise)."""
+        details = (
+            {}
+            if reasoning_tokens is None
+            else {"completion_tokens_details": {"reasoning_tokens": reasoning_tokens}}
+        )
         return cls(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+            **details,
         )
 
 

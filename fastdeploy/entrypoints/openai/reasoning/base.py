@@ -8,6 +8,7 @@ the end of the output releases it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 _START, _REASONING, _CONTENT_START, _CONTENT = "start", "reasoning", "content_start", "content"
@@ -113,6 +114,26 @@ class ReasoningParser:
         """A fresh incremental split of one answer."""
         return ReasoningStream(self, self.starts_in_reasoning(), self.enabled())
 
+    def count_reasoning_tokens(self, token_ids: Sequence[int], text: str, tokenizer: Any) -> int:
+        """How many of an answer's tokens (``token_ids``, its ``text``) are its reasoning, the tags
+        not counted, for ``usage.completion_tokens_details.reasoning_tokens``: by the tags' ids where
+        each tag is one token (Qwen3's and DeepSeek-R1's are), else the reasoning text re-tokenized."""
+        if not self.enabled() or not token_ids:
+            return 0
+        start, end = _single_token_id(tokenizer, self.start_tag), _single_token_id(tokenizer, self.end_tag)
+        if start is None or end is None:
+            reasoning, _ = self.extract(text)
+            return len(tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
+        opens = token_ids[0] == start
+        if not (opens or self.starts_in_reasoning()):
+            return 0
+        count = 0
+        for token in token_ids[1:] if opens else token_ids:
+            if token == end:
+                break
+            count += 1
+        return count
+
     def extract(self, text: str) -> tuple[str | None, str | None]:
         """``(reasoning, content)`` of a whole answer; None for an empty part."""
         stream = self.stream()
@@ -120,3 +141,12 @@ class ReasoningParser:
         reasoning = "".join(p[0] for p in parts)
         content = "".join(p[1] for p in parts)
         return reasoning or None, content or None
+
+
+def _single_token_id(tokenizer: Any, tag: str) -> int | None:
+    """The id of ``tag`` when the tokenizer has it as one token, else None."""
+    try:
+        ids = tokenizer.encode(tag, add_special_tokens=False)
+    except Exception:  # noqa: BLE001 - a tokenizer without encode: count by text
+        return None
+    return ids[0] if len(ids) == 1 else None
