@@ -294,6 +294,9 @@ class ServerConfig:
     """How a chat message's text reaches the chat template (vLLM's flag): string (its text parts
     joined into one string), openai (OpenAI's list of parts, each with the fields the client gave
     it), or auto (openai for a template that loops over a message's content, else string)."""
+    trust_request_chat_template: bool = False
+    """Render a chat request's own chat_template (vLLM's flag and request field; templates run in
+    transformers' sandboxed Jinja environment); off: such a request is a 400, as vLLM's default."""
     exclude_tools_when_tool_choice_none: bool = False
     """A chat request with tool_choice "none" is rendered without its tools (vLLM's flag); off: the
     tools are in the prompt and the answer is read as text, as OpenAI describes "none"."""

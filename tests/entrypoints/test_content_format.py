@@ -1,5 +1,6 @@
-"""``--chat-template-content-format``: what a chat template is handed as a message's content,
-through the app (a scripted engine records the rendered prompts)."""
+"""How the chat template is applied, through the app (a scripted engine records the rendered
+prompts): ``--chat-template-content-format`` (what the template is handed as a message's content)
+and a request's own ``chat_template`` (``--trust-request-chat-template``)."""
 
 from __future__ import annotations
 
@@ -45,3 +46,23 @@ def test_the_template_gets_the_content_as_it_reads_it(template, setting, rendere
 
 def test_a_string_content_is_one_part_in_the_openai_format():
     assert rendered_prompt(ScriptedEngine(["ok"], template=PER_PART), "Hi") == "[-:Hi]"
+
+
+def test_a_requests_chat_template_is_refused_unless_trusted():
+    """vLLM refuses a request's chat_template without --trust-request-chat-template (dropping it as an
+    unknown field would render the prompt with another template than the one sent); with it, the
+    request's template renders the prompt (/tokenize's chat form too)."""
+    own = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+    engine = ScriptedEngine(["ok"], template=AS_STRING)
+    body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "chat_template": own}
+    with TestClient(build_app(engine, ["m"], ServerConfig())) as client:
+        refused = client.post("/v1/chat/completions", json=body).json()["error"]
+        assert refused["param"] == "chat_template"
+        assert "Refused request with untrusted chat template" in refused["message"]
+        assert client.post("/tokenize", json=body).status_code == 400
+        assert client.post("/v1/chat/completions", json={**body, "chat_template": None}).status_code == 200
+    assert engine.prompts == ["<user>Hi"]  # (an explicit null is the default)
+    with TestClient(build_app(engine, ["m"], ServerConfig(trust_request_chat_template=True))) as client:
+        assert client.post("/v1/chat/completions", json=body).status_code == 200
+        assert client.post("/tokenize", json=body).json()["count"] == len("<<Hi>>")
+    assert engine.prompts[-1] == "<<Hi>>"

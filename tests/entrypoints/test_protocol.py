@@ -243,20 +243,12 @@ def test_bad_echo_and_prompt_logprobs_values_are_400(make, fields, param):
     assert bad_request(make(**fields).to_sampling_params).param == param
 
 
-def test_request_chat_template_is_refused_as_vllm_refuses_it():
-    """vLLM refuses a request's chat_template without --trust-request-chat-template; dropping it as
-    an unknown field would render the prompt with another template than the one sent."""
-    err = bad_request(chat(chat_template="{{ messages[0].content }}").to_sampling_params)
-    assert err.param == "chat_template"
-    assert "Chat template is passed with request" in err.message
-    assert "Refused request with untrusted chat template" in err.message
-    chat(chat_template=None).to_sampling_params()  # an explicit null is the default
-
-
 def test_tokenize_request_chat_template_reaches_the_chat_request():
+    """(the server refuses or renders it: tests/entrypoints/test_content_format.py)"""
     tokenize = parse_tokenize_request({"messages": USER, "chat_template": "{{ x }}"})
-    err = bad_request(parse_request(ChatCompletionRequest, tokenize.chat_request()).check_supported)
-    assert err.param == "chat_template"
+    chat_request = parse_request(ChatCompletionRequest, tokenize.chat_request())
+    assert chat_request.chat_template == "{{ x }}"
+    chat_request.check_supported()
 
 
 def test_chat_echo_needs_a_bool():

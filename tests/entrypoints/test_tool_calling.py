@@ -67,7 +67,8 @@ class ScriptedTokenizer:
     def apply_chat_template(self, conversation, add_generation_prompt=True, tokenize=False, **kwargs) -> str:
         env = jinja2.Environment()
         env.filters["tojson"] = lambda v: json.dumps(v)
-        return env.from_string(self.chat_template).render(
+        template = kwargs.pop("chat_template", None) or self.chat_template  # (as transformers takes it)
+        return env.from_string(template).render(
             messages=conversation, add_generation_prompt=add_generation_prompt, **kwargs
         )
 

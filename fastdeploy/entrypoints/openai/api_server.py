@@ -215,6 +215,7 @@ def build_app(
         force_include_usage=server.enable_force_include_usage,
         exclude_tools_when_tool_choice_none=server.exclude_tools_when_tool_choice_none,
         chat_template_content_format=server.chat_template_content_format,
+        trust_request_chat_template=server.trust_request_chat_template,
     )
     tokenization = OpenAIServingTokenization(engine_client, served_model_names, tokenizers, stop, chat=chat)
     embeddings = OpenAIServingEmbedding(

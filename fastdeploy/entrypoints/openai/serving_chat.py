@@ -47,6 +47,7 @@ from fastdeploy.entrypoints.openai.protocol import (
     matched_stop,
     resolve_max_tokens,
 )
+from fastdeploy.entrypoints.openai.protocol.chat import refuse_request_chat_template
 from fastdeploy.entrypoints.openai.protocol.tools import (
     DeltaFunctionCall,
     DeltaToolCall,
@@ -148,6 +149,7 @@ class OpenAIServingChat(OpenAIServing):
         force_include_usage: bool = False,
         exclude_tools_when_tool_choice_none: bool = False,
         chat_template_content_format: str = "auto",
+        trust_request_chat_template: bool = False,
     ):
         super().__init__(
             engine_client,
@@ -160,6 +162,8 @@ class OpenAIServingChat(OpenAIServing):
         )
         self.reasoning_parser = reasoning_parser
         self.tool_call_parser = tool_call_parser
+        self.trust_request_chat_template = trust_request_chat_template
+        """Render a request's own ``chat_template`` (``--trust-request-chat-template``); else a 400."""
         self.exclude_tools_when_tool_choice_none = exclude_tools_when_tool_choice_none
         """``tool_choice: "none"`` renders the prompt without the tools (vLLM's flag of that name)."""
         self._tool_calling: ToolCalling | None = None
@@ -271,6 +275,8 @@ class OpenAIServingChat(OpenAIServing):
         The cut works as ``transformers``' ``apply_chat_template(continue_final_message=True)``: a
         tag appended to the final message marks where its content ends in the rendered text.
         """
+        if request.chat_template is not None and not self.trust_request_chat_template:
+            refuse_request_chat_template(request.chat_template)
         template_kwargs = dict(request.chat_template_kwargs or {})
         if tools.template_tools:
             template_kwargs["tools"] = tools.template_tools
@@ -280,6 +286,7 @@ class OpenAIServingChat(OpenAIServing):
                 add_generation_prompt=request.add_generation_prompt,
                 conversation=conversation,
                 template_kwargs=template_kwargs,
+                chat_template=request.chat_template,
             )
         conversation = [dict(m) for m in conversation]
         final = conversation[-1]
@@ -293,6 +300,7 @@ class OpenAIServingChat(OpenAIServing):
             add_generation_prompt=False,
             conversation=conversation,
             template_kwargs=template_kwargs,
+            chat_template=request.chat_template,
         )
         tag = _CONTINUE_TAG.strip()
         if tag not in text:

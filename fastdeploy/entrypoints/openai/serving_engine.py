@@ -513,6 +513,7 @@ class OpenAIServing:
         add_generation_prompt: bool = True,
         conversation: list[dict[str, Any]] | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        chat_template: str | None = None,
     ) -> str:
         """The chat template applied to ``messages``, as text; 400 if the template rejects them.
 
@@ -522,7 +523,8 @@ class OpenAIServing:
         handler's, with image / video parts rendered as placeholder text).
         ``template_kwargs`` (a request's ``chat_template_kwargs``, e.g.
         ``enable_thinking``) become variables of the template; names that are
-        ``apply_chat_template``'s own arguments are a 400.
+        ``apply_chat_template``'s own arguments are a 400. ``chat_template``: a template to use
+        instead of the tokenizer's (a request's own, where the server trusts them).
         """
         template_kwargs = template_kwargs or {}
         reserved = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(template_kwargs))
@@ -536,7 +538,14 @@ class OpenAIServing:
             raise BadRequestError(
                 "image and video content parts are only accepted by /v1/chat/completions", param="messages"
             )
-        conversation = apply_content_format(conversation, self.content_format)
+        content_format = (
+            self.content_format
+            if chat_template is None
+            else resolve_content_format(self.content_format_setting, chat_template)
+        )
+        conversation = apply_content_format(conversation, content_format)
+        if chat_template is not None:
+            template_kwargs = {**template_kwargs, "chat_template": chat_template}
         self.check_text_length(_text_chars(conversation), "messages")
 
         def render() -> str:

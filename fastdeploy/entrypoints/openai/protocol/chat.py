@@ -244,10 +244,11 @@ _PREFIX_CACHE = "the prefix cache is automatic and shared; its keys and lifetime
 class ChatCompletionRequest(SamplingRequest):
     """``POST /v1/chat/completions``. ``max_completion_tokens`` wins over ``max_tokens``.
 
-    Every field of OpenAI's chat request is declared (the ignored ones in
-    :attr:`IGNORED_FIELDS`), plus vLLM's extensions ``add_generation_prompt``,
-    ``continue_final_message`` (exclusive with it), ``chat_template_kwargs``, ``echo`` and
-    ``return_token_ids``; vLLM's ``chat_template`` is refused (as vLLM's default server does).
+        Every field of OpenAI's chat request is declared (the ignored ones in
+        :attr:`IGNORED_FIELDS`), plus vLLM's extensions ``add_generation_prompt``,
+        ``continue_final_message`` (exclusive with it), ``chat_template_kwargs``, ``echo`` and
+        ``return_token_ids``; vLLM's ``chat_template`` (the server refuses it unless started with
+    ``--trust-request-chat-template``, as vLLM's does).
     """
 
     messages: list[ChatMessage]
@@ -348,7 +349,6 @@ class ChatCompletionRequest(SamplingRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
-        refuse_request_chat_template(self.chat_template)
         self.tool_choice_mode()
         if self.continue_final_message and self.add_generation_prompt:
             raise BadRequestError(
