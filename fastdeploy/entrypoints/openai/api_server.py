@@ -48,6 +48,7 @@ from fastdeploy.entrypoints.openai.protocol import (
     parse_request,
     parse_tokenize_request,
 )
+from fastdeploy.entrypoints.openai.protocol.generate import GenerateRequest
 from fastdeploy.entrypoints.openai.reasoning import get_reasoning_parser
 from fastdeploy.entrypoints.openai.request_body import BodySizeLimitMiddleware, read_json
 from fastdeploy.entrypoints.openai.request_ids import RequestIdHeaderMiddleware
@@ -57,6 +58,7 @@ from fastdeploy.entrypoints.openai.serving_chat import OpenAIServingChat
 from fastdeploy.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from fastdeploy.entrypoints.openai.serving_embedding import OpenAIServingEmbedding, check_generation_model
 from fastdeploy.entrypoints.openai.serving_engine import ClientDisconnectedError, ServerStop, to_openai_error
+from fastdeploy.entrypoints.openai.serving_generate import OpenAIServingGenerate
 from fastdeploy.entrypoints.openai.serving_responses import OpenAIServingResponses
 from fastdeploy.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
 from fastdeploy.entrypoints.openai.tokenizer_lanes import TokenizerLanes
@@ -226,6 +228,13 @@ def build_app(
         max_prompts_per_request=server.max_prompts_per_request,
     )
 
+    native = OpenAIServingGenerate(
+        engine_client,
+        served_model_names,
+        tokenizers,
+        stop,
+        max_prompts_per_request=server.max_prompts_per_request,
+    )
     responses = OpenAIServingResponses(chat, ResponseStore())
     app.state.responses_store = responses.store
 
@@ -321,6 +330,36 @@ def build_app(
         )
 
     app.include_router(sagemaker)
+    sglang = APIRouter(route_class=OpenAIRoute, dependencies=auth)
+
+    @sglang.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(raw_request: Request) -> Response:
+        """SGLang's native generation route (docs/api.md)."""
+        raw_request.state.received = time.monotonic()
+        received.inc()
+        request = parse_request(GenerateRequest, await read_json(raw_request), strict_fields=strict)
+        check_generation_model(engine_client)
+        return await native.generate(request, raw_request)
+
+    @sglang.post("/abort_request")
+    async def abort_request(raw_request: Request) -> Response:
+        data = await read_json(raw_request)
+        if not isinstance(data, dict):
+            raise BadRequestError('the body must be an object: {"rid": ...} or {"abort_all": true}')
+        await native.abort(data.get("rid"), bool(data.get("abort_all")))
+        return Response(status_code=200)
+
+    @sglang.get("/get_model_info")
+    @sglang.get("/model_info")
+    async def model_info() -> Response:
+        return JSONResponse(native.model_info())
+
+    @sglang.get("/get_server_info")
+    @sglang.get("/server_info")
+    async def server_info() -> Response:
+        return JSONResponse(native.server_info())
+
+    app.include_router(sglang)
 
     @app.get("/health")
     @app.get("/health_generate")  # SGLang's (its test launcher polls it): answered as /health
