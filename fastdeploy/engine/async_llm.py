@@ -194,6 +194,8 @@ class AsyncLLM(EngineClient):
         )
         self.output_processor = OutputProcessor(self.tokenizer, self.metrics)
         self._queues: dict[str, asyncio.Queue] = {}
+        self._resets: dict[int, tuple[asyncio.Future, list[bool]]] = {}
+        """Prefix-cache resets waiting for the engine cores' answers: token → (result, answers so far)."""
         self._dead_reason: str | None = None
         self._tasks: list[asyncio.Task] = []
         self._closed = False
@@ -276,6 +278,8 @@ class AsyncLLM(EngineClient):
                     received = time.monotonic()
                     outputs = EngineCoreOutputs.from_wire({**message, "timestamp": time.time()})
                     self._handle_outputs(outputs, message["rank"], message.get("sent"), received)
+                elif message["type"] == "reset_prefix_cache":
+                    self._on_reset_answer(message["token"], bool(message["ok"]))
                 elif message["type"] == "dead":
                     which = self._which(message["rank"])
                     self._mark_dead(f"{message['error']} (engine core{which})" if which else message["error"])
@@ -334,6 +338,9 @@ class AsyncLLM(EngineClient):
             self.metrics.on_scheduler_gauges(SchedulerStats(), rank)
         for queue in self._queues.values():
             queue.put_nowait(EngineDeadError(reason))
+        for done, _ in self._resets.values():
+            if not done.done():
+                done.set_result(False)
 
     # ---- EngineClient ----------------------------------------------------------------
 
@@ -416,6 +423,33 @@ class AsyncLLM(EngineClient):
         self._abort_now(request_id, self._router.rank_of(request_id))
         if queue is not None:
             queue.put_nowait(asyncio.CancelledError())
+
+    async def reset_prefix_cache(self, timeout_s: float = 30.0) -> bool:
+        """Forget every engine core's cached prefixes (SGLang's ``/flush_cache``, vLLM's
+        ``/reset_prefix_cache``); only done where no request runs or waits. Whether every core reset."""
+        self._ensure_tasks()
+        if self._dead_reason is not None or not self._cores:
+            return False
+        token = max(self._resets, default=0) + 1
+        done: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._resets[token] = (done, [])
+        try:
+            for core in self._cores:
+                core.send({"type": "reset_prefix_cache", "token": token, "client": self.client_index})
+            return await asyncio.wait_for(done, timeout_s)
+        except asyncio.TimeoutError:
+            return False
+        finally:
+            self._resets.pop(token, None)
+
+    def _on_reset_answer(self, token: int, ok: bool) -> None:
+        waiting = self._resets.get(token)
+        if waiting is None:
+            return
+        done, answers = waiting
+        answers.append(ok)
+        if len(answers) == len(self._cores) and not done.done():
+            done.set_result(all(answers))
 
     def shutdown(self) -> None:
         """Stop the engine cores this client started and their workers, and remove the run's sockets

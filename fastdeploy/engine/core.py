@@ -280,6 +280,13 @@ class EngineCore:
             self._awaiting_grammar.pop(req_id, None)  # (its compile goes on, for the cache)
         return EngineCoreOutputs(outputs=self.scheduler.abort_requests(request_ids))
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (the next prompts are computed in full); only while no request
+        runs or waits. Whether it was reset."""
+        if self.has_unfinished_requests():
+            return False
+        return self.scheduler.kv.pool.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         return (
             self.scheduler.has_unfinished_requests()

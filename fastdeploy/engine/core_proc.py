@@ -42,7 +42,8 @@ def engine_core_main(config: EngineConfig, ipc_dir: str, num_clients: int = 1) -
     ``num_clients`` API servers (``--api-server-count``; each request's outputs go only to
     the client that sent it) and ``ctl`` (start-up reports to the process that started it).
     Messages in: ``{"type": "add", "request": ..., "client": i}``, ``{"type": "abort",
-    "ids": [...]}``, ``{"type": "shutdown"}``. Messages out, each with this core's ``rank``
+    "ids": [...]}``, ``{"type": "reset_prefix_cache", "token": t, "client": i}`` (answered to that
+    client with ``{"type": "reset_prefix_cache", "ok": ..., "token": t}``), ``{"type": "shutdown"}``. Messages out, each with this core's ``rank``
     (``config.parallel.data_parallel_rank``): on ``ctl`` ``ready`` (once, with the resolved
     limits) or ``failed`` (start-up error); to the clients ``outputs`` (per step; the scheduler
     stats go to every client) and ``dead`` (a worker died, to every client; this process then
@@ -175,6 +176,9 @@ def _receive(core, inbox, outbox: _Outbox, timeout_ms: int) -> bool:
         elif kind == "abort":
             outputs = core.abort_requests(message["ids"])
             _send_outputs(outbox, outputs.outputs, None)
+        elif kind == "reset_prefix_cache":
+            reply = {"type": "reset_prefix_cache", "ok": core.reset_prefix_cache(), "token": message["token"]}
+            outbox.send(reply, message.get("client", 0))
         elif kind == "shutdown":
             return True
         timeout_ms = 0

@@ -113,6 +113,10 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         self.core.abort_requests(self.output_processor.abort_request(request_id))
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (only while no request runs); whether it was reset."""
+        return self.core.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 

@@ -61,6 +61,11 @@ class EngineClient(ABC):
     async def abort(self, request_id: str) -> None:
         """Stop a request and free its KV cache blocks."""
 
+    async def reset_prefix_cache(self) -> bool:
+        """Forget the cached prefixes (only while no request runs); whether it was done. Engines
+        without a prefix cache have nothing to forget."""
+        return True
+
     @property
     @abstractmethod
     def is_healthy(self) -> bool:

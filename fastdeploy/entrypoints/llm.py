@@ -202,6 +202,11 @@ class LLM:
             return [prompts]
         return prompts
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix, so the next prompts are computed in full (between
+        benchmark runs, say), as vLLM's ``LLM.reset_prefix_cache``; whether it was reset."""
+        return self.engine.reset_prefix_cache()
+
     def shutdown(self) -> None:
         self.engine.shutdown()
         unfreeze_heap()  # what the engine held is collectable again (no leak reports at exit)

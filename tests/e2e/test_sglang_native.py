@@ -128,3 +128,18 @@ def test_model_and_server_info(server):
     assert model["is_generation"] is True and model["model_path"]
     assert isinstance(info["max_total_num_tokens"], int) and info["max_total_num_tokens"] > 0
     assert isinstance(info["version"], str)
+
+
+def test_flush_cache_forgets_the_cached_prefixes(server):
+    """SGLang's /flush_cache (and vLLM's /reset_prefix_cache): a prompt seen before is served from
+    the prefix cache, and computed in full again after a flush."""
+    prompt = "A long shared prefix for the cache: " + "one two three four five six seven eight " * 8
+    body = {"text": prompt, "sampling_params": {"max_new_tokens": 1}}
+    generate(server, **body)
+    assert generate(server, **body).json()["meta_info"]["cached_tokens"] > 0
+    with server.http() as http:
+        flushed = http.post("/flush_cache")
+        assert flushed.status_code == 200 and flushed.text.startswith("Cache flushed.")
+        assert generate(server, **body).json()["meta_info"]["cached_tokens"] == 0
+        assert http.post("/reset_prefix_cache").status_code == 200
+    assert generate(server, **body).json()["meta_info"]["cached_tokens"] == 0

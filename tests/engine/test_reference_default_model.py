@@ -85,6 +85,11 @@ def test_one_batch_matches_reference_and_hits_prefix_cache(llm, prompts, referen
     # the earlier test ran the same prompts: this batch must reuse their cached blocks
     assert llm.engine.stats.prefix_cache_hits - hits_before > 0.8 * sum(len(p) for p in prompts)
     assert llm.engine.core.scheduler.kv.pool.num_used_blocks == 0
+    # LLM.reset_prefix_cache (vLLM's): the same prompt is computed in full once the cache is reset
+    assert llm.reset_prefix_cache()
+    hits_before = llm.engine.stats.prefix_cache_hits
+    llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=1))
+    assert llm.engine.stats.prefix_cache_hits == hits_before
 
 
 def test_prefill_logits_match_reference(llm, prompts, hf_reference_model):

@@ -22,7 +22,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 import fastdeploy
 from fastdeploy.config import ServerConfig
@@ -58,7 +58,7 @@ from fastdeploy.entrypoints.openai.serving_chat import OpenAIServingChat
 from fastdeploy.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from fastdeploy.entrypoints.openai.serving_embedding import OpenAIServingEmbedding, check_generation_model
 from fastdeploy.entrypoints.openai.serving_engine import ClientDisconnectedError, ServerStop, to_openai_error
-from fastdeploy.entrypoints.openai.serving_generate import OpenAIServingGenerate
+from fastdeploy.entrypoints.openai.serving_generate import FLUSHED, NOT_FLUSHED, OpenAIServingGenerate
 from fastdeploy.entrypoints.openai.serving_responses import OpenAIServingResponses
 from fastdeploy.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
 from fastdeploy.entrypoints.openai.tokenizer_lanes import TokenizerLanes
@@ -347,6 +347,20 @@ def build_app(
         if not isinstance(data, dict):
             raise BadRequestError('the body must be an object: {"rid": ...} or {"abort_all": true}')
         await native.abort(data.get("rid"), bool(data.get("abort_all")))
+        return Response(status_code=200)
+
+    @sglang.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        """SGLang's: forget the cached prefixes (only while no request runs), in its words."""
+        if await engine_client.reset_prefix_cache():
+            return PlainTextResponse(FLUSHED)
+        return PlainTextResponse(NOT_FLUSHED, status_code=400)
+
+    @sglang.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        """vLLM's name of the same: 200 once reset, else a 400 saying why."""
+        if not await engine_client.reset_prefix_cache():
+            raise BadRequestError(NOT_FLUSHED.strip())
         return Response(status_code=200)
 
     @sglang.get("/get_model_info")

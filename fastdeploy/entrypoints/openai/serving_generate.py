@@ -1,5 +1,5 @@
 """SGLang's native API: ``POST /generate`` (prompts in, text, token ids and ``meta_info`` out, streamed
-as the text and ids so far), ``POST /abort_request``, ``GET /get_model_info`` and
+as the text and ids so far), ``POST /abort_request``, ``/flush_cache``, ``GET /get_model_info`` and
 ``GET /get_server_info``, as SGLang's server answers them, on this server's engine.
 
 One prompt (a string, or a flat list of token ids) with ``n`` of 1 is answered with one object, a
@@ -50,6 +50,13 @@ from fastdeploy.entrypoints.openai.serving_engine import (
     sse,
     to_openai_error,
 )
+
+FLUSHED = "Cache flushed.\n"
+"""``/flush_cache``'s answer once the prefix cache is reset (SGLang's first line)."""
+NOT_FLUSHED = (
+    "Cache not flushed: requests are running or waiting (it is flushed only while the server is idle).\n"
+)
+"""Its answer (a 400) when it could not be reset."""
 
 
 @dataclass
