@@ -22,7 +22,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import JSONResponse, Response
 
 import fastdeploy
 from fastdeploy.config import ServerConfig
@@ -48,7 +48,6 @@ from fastdeploy.entrypoints.openai.protocol import (
     parse_request,
     parse_tokenize_request,
 )
-from fastdeploy.entrypoints.openai.protocol.generate import GenerateRequest
 from fastdeploy.entrypoints.openai.reasoning import get_reasoning_parser
 from fastdeploy.entrypoints.openai.request_body import BodySizeLimitMiddleware, read_json
 from fastdeploy.entrypoints.openai.request_ids import RequestIdHeaderMiddleware
@@ -58,9 +57,10 @@ from fastdeploy.entrypoints.openai.serving_chat import OpenAIServingChat
 from fastdeploy.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from fastdeploy.entrypoints.openai.serving_embedding import OpenAIServingEmbedding, check_generation_model
 from fastdeploy.entrypoints.openai.serving_engine import ClientDisconnectedError, ServerStop, to_openai_error
-from fastdeploy.entrypoints.openai.serving_generate import FLUSHED, NOT_FLUSHED, OpenAIServingGenerate
+from fastdeploy.entrypoints.openai.serving_generate import OpenAIServingGenerate
 from fastdeploy.entrypoints.openai.serving_responses import OpenAIServingResponses
 from fastdeploy.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
+from fastdeploy.entrypoints.openai.sglang_api import sglang_router
 from fastdeploy.entrypoints.openai.tokenizer_lanes import TokenizerLanes
 from fastdeploy.entrypoints.openai.tool_parsers import get_tool_parser
 from fastdeploy.metrics import api_server_request_counter, exposition
@@ -330,50 +330,7 @@ def build_app(
         )
 
     app.include_router(sagemaker)
-    sglang = APIRouter(route_class=OpenAIRoute, dependencies=auth)
-
-    @sglang.api_route("/generate", methods=["POST", "PUT"])
-    async def generate(raw_request: Request) -> Response:
-        """SGLang's native generation route (docs/api.md)."""
-        raw_request.state.received = time.monotonic()
-        received.inc()
-        request = parse_request(GenerateRequest, await read_json(raw_request), strict_fields=strict)
-        check_generation_model(engine_client)
-        return await native.generate(request, raw_request)
-
-    @sglang.post("/abort_request")
-    async def abort_request(raw_request: Request) -> Response:
-        data = await read_json(raw_request)
-        if not isinstance(data, dict):
-            raise BadRequestError('the body must be an object: {"rid": ...} or {"abort_all": true}')
-        await native.abort(data.get("rid"), bool(data.get("abort_all")))
-        return Response(status_code=200)
-
-    @sglang.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache() -> Response:
-        """SGLang's: forget the cached prefixes (only while no request runs), in its words."""
-        if await engine_client.reset_prefix_cache():
-            return PlainTextResponse(FLUSHED)
-        return PlainTextResponse(NOT_FLUSHED, status_code=400)
-
-    @sglang.post("/reset_prefix_cache")
-    async def reset_prefix_cache() -> Response:
-        """vLLM's name of the same: 200 once reset, else a 400 saying why."""
-        if not await engine_client.reset_prefix_cache():
-            raise BadRequestError(NOT_FLUSHED.strip())
-        return Response(status_code=200)
-
-    @sglang.get("/get_model_info")
-    @sglang.get("/model_info")
-    async def model_info() -> Response:
-        return JSONResponse(native.model_info())
-
-    @sglang.get("/get_server_info")
-    @sglang.get("/server_info")
-    async def server_info() -> Response:
-        return JSONResponse(native.server_info())
-
-    app.include_router(sglang)
+    app.include_router(sglang_router(native, auth, OpenAIRoute, received.inc, strict))
 
     @app.get("/health")
     @app.get("/health_generate")  # SGLang's (its test launcher polls it): answered as /health

@@ -38,6 +38,29 @@ _CONSTRAINTS = {
     "structural_tag": "structural_tag",
 }
 """SGLang's output constraints (at most one) and the ``StructuredOutputsParams`` field of each."""
+_NUMBER, _INT, _BOOL = (int, float), (int,), (bool,)
+_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    "max_new_tokens": (_INT, "an integer"),
+    "min_new_tokens": (_INT, "an integer"),
+    "n": (_INT, "an integer"),
+    "top_k": (_INT, "an integer"),
+    "sampling_seed": (_INT, "an integer"),
+    "temperature": (_NUMBER, "a number"),
+    "top_p": (_NUMBER, "a number"),
+    "min_p": (_NUMBER, "a number"),
+    "frequency_penalty": (_NUMBER, "a number"),
+    "presence_penalty": (_NUMBER, "a number"),
+    "repetition_penalty": (_NUMBER, "a number"),
+    "ignore_eos": (_BOOL, "true or false"),
+    "skip_special_tokens": (_BOOL, "true or false"),
+    "no_stop_trim": (_BOOL, "true or false"),
+    "logit_bias": ((dict,), "an object"),
+    "json_schema": ((str, dict), "a JSON schema (as a string)"),
+    "regex": ((str,), "a string"),
+    "ebnf": ((str,), "a string"),
+    "structural_tag": ((str,), "a string"),
+}
+"""The JSON type each key takes (checked before the engine sees it)."""
 _ACCEPTED = ("spaces_between_special_tokens", "stream_interval", "custom_params")
 """Keys taken and left without effect here (detokenization spacing, the stream's step interval:
 every step is streamed; custom logit processors are not run)."""
@@ -107,6 +130,7 @@ def sglang_sampling_params(
     for key, value in raw.items():
         if value is None or key in _ACCEPTED:
             continue
+        _check_type(key, value)
         if key in _CONSTRAINTS:
             constraints[key] = value
         elif key in _RENAMED:
@@ -124,7 +148,9 @@ def sglang_sampling_params(
             "Only one of json_schema, regex, ebnf or structural_tag may be set", param="sampling_params"
         )
     for key, value in constraints.items():
-        kwargs["structured_outputs"] = StructuredOutputsParams(**{_CONSTRAINTS[key]: value})
+        constraint = StructuredOutputsParams(**{_CONSTRAINTS[key]: value})
+        _check_constraint(constraint, key)
+        kwargs["structured_outputs"] = constraint
     try:
         return SamplingParams(**kwargs)
     except SamplingParamsError as exc:
@@ -132,3 +158,34 @@ def sglang_sampling_params(
         raise BadRequestError(str(exc).replace(exc.param, name, 1), param=f"sampling_params.{name}") from None
     except TypeError as exc:  # a value of the wrong kind (e.g. a string temperature)
         raise BadRequestError(f"sampling_params: {exc}", param="sampling_params") from None
+
+
+def _check_type(key: str, value: Any) -> None:
+    """A 400 naming ``key`` when ``value`` is not of the JSON type it takes."""
+    bad = None
+    if key in _TYPES:
+        types, words = _TYPES[key]
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            bad = words
+    elif key == "stop" and not (
+        isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value))
+    ):
+        bad = "a string or a list of strings"
+    elif key == "stop_token_ids" and not (
+        isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    ):
+        bad = "a list of token ids"
+    if bad is not None:
+        raise BadRequestError(
+            f"sampling_params.{key} must be {bad}, got {value!r}", param=f"sampling_params.{key}"
+        )
+
+
+def _check_constraint(constraint: StructuredOutputsParams, key: str) -> None:
+    """A 400 naming ``key`` when its grammar does not build (a bad schema, regex or grammar)."""
+    from fastdeploy.structured_output.grammar import validate_structured_outputs
+
+    try:
+        validate_structured_outputs(constraint, f"sampling_params.{key}")
+    except SamplingParamsError as exc:
+        raise BadRequestError(str(exc), param=exc.param) from None
