@@ -287,9 +287,10 @@ class ServerConfig:
     """Split the model's reasoning (between think tags) out of chat answers into reasoning_content:
     qwen3 or deepseek_r1 (docs/api.md); unset: the answer is all content."""
     tool_call_parser: str | None = None
-    """How tool calls are read out of chat answers: hermes, llama3_json or mistral (docs/api.md);
-    unset: chosen from the chat template (<tool_call> hermes, [TOOL_CALLS] mistral, <|python_tag|>
-    llama3_json, otherwise hermes)."""
+    """How tool calls are read out of chat answers: hermes, llama3_json or mistral (docs/api.md;
+    SGLang's names qwen25 and qwen for hermes, llama3 for llama3_json); unset: chosen from the
+    chat template (<tool_call> hermes, [TOOL_CALLS] mistral, <|python_tag|> llama3_json, otherwise
+    hermes)."""
     chat_template_content_format: Literal["auto", "string", "openai"] = "auto"
     """How a chat message's text reaches the chat template (vLLM's flag): string (its text parts
     joined into one string), openai (OpenAI's list of parts, each with the fields the client gave

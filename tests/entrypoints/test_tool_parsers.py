@@ -210,3 +210,14 @@ def test_an_answer_cut_inside_a_call_is_that_call_as_its_stream_reports_it(parse
     out = parser.extract(text)
     assert (out.content, [(c.name, c.arguments) for c in out.calls]) == (content, calls)
     assert reassemble(parser, list(text)) == (content, calls)
+
+
+def test_sglangs_parser_names_are_aliases():
+    from fastdeploy.entrypoints.openai.tool_parsers import (
+        HermesToolParser,
+        Llama3JsonToolParser,
+        get_tool_parser,
+    )
+
+    assert get_tool_parser("qwen25") is get_tool_parser("qwen") is HermesToolParser
+    assert get_tool_parser("llama3") is Llama3JsonToolParser

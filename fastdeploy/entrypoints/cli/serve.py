@@ -117,9 +117,9 @@ def check_tool_call_parser(args: argparse.Namespace) -> str | None:
     name = getattr(args, "tool_call_parser", None)
     if not name:
         return None
-    from fastdeploy.entrypoints.openai.tool_parsers import TOOL_PARSERS
+    from fastdeploy.entrypoints.openai.tool_parsers import TOOL_PARSER_ALIASES, TOOL_PARSERS
 
-    if name in TOOL_PARSERS:
+    if name in TOOL_PARSERS or name in TOOL_PARSER_ALIASES:
         return None
     return (
         f"argument --tool-call-parser: unknown parser {name!r}; available: {', '.join(sorted(TOOL_PARSERS))}"

@@ -29,12 +29,15 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "mistral": MistralToolParser,
 }
 """Every tool-call parser, by the name ``--tool-call-parser`` takes."""
+TOOL_PARSER_ALIASES: dict[str, str] = {"qwen25": "hermes", "qwen": "hermes", "llama3": "llama3_json"}
+"""SGLang's names of the same formats (its ``--tool-call-parser qwen25`` is hermes' ``<tool_call>``)."""
 
 
 def get_tool_parser(name: str) -> type[ToolParser]:
-    """The parser class called ``name``; ``ValueError`` listing the available names otherwise."""
+    """The parser class called ``name`` (or an alias of it); ``ValueError`` listing the available
+    names otherwise."""
     try:
-        return TOOL_PARSERS[name]
+        return TOOL_PARSERS[TOOL_PARSER_ALIASES.get(name, name)]
     except KeyError:
         raise ValueError(
             f"unknown tool-call parser {name!r}; available: {', '.join(sorted(TOOL_PARSERS))}"
@@ -60,6 +63,7 @@ def default_tool_parser_name(chat_template: str | None) -> str:
 
 
 __all__ = [
+    "TOOL_PARSER_ALIASES",
     "TOOL_PARSERS",
     "ExtractedToolCalls",
     "HermesToolParser",
