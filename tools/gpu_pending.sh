@@ -30,6 +30,7 @@
 #   offline_ratio (~2) #19's online / offline throughput of our engine on the burst (serving_breakdown.py)
 #   fp8_channel (~8) the per-channel FP8 linears at 32-1,024 rows: row-wise _scaled_mm against the Triton
 #                 per-channel GEMM, and that GEMM's tile sweep
+#   gemv_sweep (~8) the batch-1 qkv / o FP8 GEMV's configurations (long loads, 8 warps among them)
 #   moe_router (~4) the batch-1 FP8 decode step, the MoE router split-K (FD_MOE_ROUTER_SPLIT) or not
 #   moe_split (~5) the MoE layer's two grouped GEMMs tuned apart at 256 and 8,192 tokens (FP8 per channel)
 #   moe_vllm_fair (~7) vLLM's bar runs with uniform simulated routing (FP8, bf16), and FP8 as before
@@ -38,7 +39,7 @@
 #   bash tools/gpu_pending.sh OUT [section ...]
 # Run it without `| tail` in the `run` call: a call stopped at its time limit returns only what it
 # already printed (twice in the twentieth session a tail held back every line of a 600 s call).
-OUT=${1:?usage: tools/gpu_pending.sh OUT [structured_nice] [structured_threads] [structured_gil] [structured_default] [structured_guidance] [first_burst] [structured] [tests] [moe_e2e] [moe_budget] [moe_prefill] [moe_phases] [moe_vllm] [moe_fair] [moe_split] [fp8_channel] [moe_router] [moe_vllm_fair] [offline_ratio] [poisson] [prefill] [moe] [budget]}
+OUT=${1:?usage: tools/gpu_pending.sh OUT [structured_nice] [structured_threads] [structured_gil] [structured_default] [structured_guidance] [first_burst] [structured] [tests] [moe_e2e] [moe_budget] [moe_prefill] [moe_phases] [moe_vllm] [moe_fair] [moe_split] [fp8_channel] [moe_router] [gemv_sweep] [moe_vllm_fair] [offline_ratio] [poisson] [prefill] [moe] [budget]}
 shift
 sections=${*:-structured_nice tests moe_e2e poisson prefill moe budget}
 mkdir -p "$OUT"
@@ -147,6 +148,14 @@ fp8_channel() {
     timeout 360 python3 -m benchmarks.gpubench.fp8_gemm_bench --out "$W/fp8_sweep" --shapes $shapes \
         --sweep gemm-channel > "$W/fp8_sweep.log" 2>&1
     grep "|" "$W/fp8_sweep/fp8_gemm.md"
+}
+
+# #18: the batch-1 qkv / o FP8 GEMVs (2 x 8.1 us a layer in the twenty-fifth session, ~1.4 TB/s): the
+# GEMV's configurations swept at 1-16 rows, the long-load 8-warp candidates among them
+gemv_sweep() {
+    timeout 500 python3 -m benchmarks.gpubench.fp8_gemm_bench --out "$W/gemv" --shapes qwen3_30b_a3b.qkv,qwen3_30b_a3b.o \
+        --sweep gemv > "$W/gemv.log" 2>&1
+    grep "|" "$W/gemv/fp8_gemm.md" | head -n 14
 }
 
 # #18: the batch-1 FP8 decode step with the MoE router as split-K partials summed by the top-k kernel

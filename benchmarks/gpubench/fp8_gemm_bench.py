@@ -214,6 +214,12 @@ def _gemv_candidates(m: int) -> list[dict[str, Any]]:
         for bk in (128, 256, 512, 1024):
             for stages in (3, 4, 6):
                 out.append({"BLOCK_N": bn, "BLOCK_K": bk, "DOT": False, "STAGES": stages, "num_warps": 4})
+    # long loads a program at one or two rows (the batch-1 qkv / o GEMVs ran at ~1.4 TB/s in the
+    # twenty-fifth session's profile): whole K rows of few outputs, 8 warps for more bytes in flight
+    for bn, bk, stages, warps in ((2, 2048, 2, 4), (4, 2048, 2, 4), (4, 2048, 2, 8), (4, 1024, 3, 8),
+                                  (8, 1024, 3, 8), (8, 2048, 2, 8), (16, 1024, 3, 8), (16, 2048, 2, 8),
+                                  (32, 256, 4, 8), (32, 512, 3, 8)):  # fmt: skip
+        out.append({"BLOCK_N": bn, "BLOCK_K": bk, "DOT": False, "STAGES": stages, "num_warps": warps})
     for bn in (16, 32, 64, 128):
         for bk in (64, 128):
             for stages in (3, 4, 6):

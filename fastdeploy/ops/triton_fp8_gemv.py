@@ -307,16 +307,17 @@ _CONFIGS = BROADCAST_CONFIGS + DOT_CONFIGS
 def config_fits(
     kw: dict[str, Any], m_pad: int, group_n: int, group_k: int, silu_mul: bool = False, norm: bool = False
 ) -> bool:
-    """Whether a configuration can run ``m_pad`` rows of weights in ``(group_n, group_k)`` blocks
-    (``group_k == 0``: per channel), with the SiLU or norm prologue or not, without spilling its
-    accumulators."""
+    """Whether a configuration (its kwargs, and ``num_warps``: 4 if absent) can run ``m_pad`` rows of
+    weights in ``(group_n, group_k)`` blocks (``group_k == 0``: per channel), with the SiLU or norm
+    prologue or not, without spilling its accumulators."""
     if kw["DOT"]:
         prologue = silu_mul or norm
         return m_pad > 1 and not prologue and (group_k == 0 or group_k % kw["BLOCK_K"] == 0)
     if norm and m_pad > NORM_FUSE_MAX_M:
         return False
     fits_block = group_k == 0 or group_n % kw["BLOCK_N"] == 0
-    return m_pad <= BROADCAST_MAX_M and fits_block and m_pad * kw["BLOCK_N"] * kw["BLOCK_K"] <= ACC_ELEMENTS
+    accumulators = ACC_ELEMENTS * kw.get("num_warps", 4) // 4  # (the registers of more warps hold more)
+    return m_pad <= BROADCAST_MAX_M and fits_block and m_pad * kw["BLOCK_N"] * kw["BLOCK_K"] <= accumulators
 
 
 def _prune(configs: list[triton.Config], named_args: dict[str, Any], **kwargs: Any) -> list[triton.Config]:
@@ -327,7 +328,11 @@ def _prune(configs: list[triton.Config], named_args: dict[str, Any], **kwargs: A
 
     m_pad, group_n, group_k = arg("M_PAD"), arg("GROUP_N"), arg("GROUP_K")
     silu, norm = arg("SILU_MUL"), arg("NORM")
-    kept = [c for c in configs if config_fits(c.kwargs, m_pad, group_n, group_k, silu, norm)]
+    kept = [
+        c
+        for c in configs
+        if config_fits({**c.kwargs, "num_warps": c.num_warps}, m_pad, group_n, group_k, silu, norm)
+    ]
     return kept or [_fallback_config(m_pad)]
 
 

@@ -135,6 +135,10 @@ def test_configs_that_do_not_fit_are_pruned():
     assert not gemv.config_fits(BROADCAST, 8, 128, 128)
     assert not gemv.config_fits(DOT, 1, 128, 128)
     assert not gemv.config_fits({"BLOCK_N": 32, "BLOCK_K": 256, "DOT": True}, 4, 128, 128)
+    # the broadcast form's accumulators: twice the tile with twice the warps, not past that
+    wide = {"BLOCK_N": 16, "BLOCK_K": 2048, "DOT": False}
+    assert not gemv.config_fits(wide, 1, 1, 0) and gemv.config_fits({**wide, "num_warps": 8}, 1, 1, 0)
+    assert not gemv.config_fits({**wide, "num_warps": 8}, 2, 1, 0)
 
 
 def test_supports_and_validation():
