@@ -115,7 +115,7 @@ class OpenAIServingGenerate(OpenAIServing):
                     param="logprob_start_len",
                 )
             raw = request.params_for(i, len(inputs))
-            params = self.check_params(sglang_sampling_params(raw, top, top))
+            params = self.check_params(sglang_sampling_params(raw, top, top), "top_logprobs_num")
             max_tokens = resolve_max_tokens(
                 len(token_ids),
                 raw.get("max_new_tokens"),
