@@ -9,6 +9,7 @@ server. (One server for all: each start costs the suite ~20 s.)"""
 from __future__ import annotations
 
 import threading
+import time
 
 import openai
 import pytest
@@ -71,6 +72,9 @@ def test_load_counts_the_requests_in_flight(flagged_server):
         t.join()
     for _ in chunks:
         pass
+    deadline = time.monotonic() + 10  # (the server finishes the stream just after its last byte)
+    while http.get("/load").json() != {"server_load": 0} and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert http.get("/load").json() == {"server_load": 0}
 
 
