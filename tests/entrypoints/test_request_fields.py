@@ -91,6 +91,12 @@ def test_a_messages_own_fields_and_custom_roles_reach_the_template_unless_strict
         parse_request(ChatCompletionRequest, {"messages": messages}, strict_fields=True)
     assert info.value.param == "messages[0].extra"
     assert info.value.message == "Unrecognized request argument supplied: messages[0].extra"
+    # a text part's own fields (kept for --chat-template-content-format openai) are extensions too
+    parts = [{"role": "user", "content": [{"type": "text", "text": "x", "lang": "es"}]}]
+    assert parse_request(ChatCompletionRequest, {"messages": parts}).messages[0].content == "x"
+    with pytest.raises(BadRequestError) as info:
+        parse_request(ChatCompletionRequest, {"messages": parts}, strict_fields=True)
+    assert info.value.param == "messages[0].content[0].lang"
 
 
 def test_other_errors_still_win_after_unknown_fields_are_dropped():

@@ -184,6 +184,12 @@ def refuse_message_extensions(messages: list[ChatMessage]) -> None:
             )
         param = f"messages[{i}].{key[:100]}"
         raise BadRequestError(f"Unrecognized request argument supplied: {param}", param=param)
+    for i, msg in enumerate(messages):  # a text part's own fields (for --chat-template-content-format openai)
+        for j, part in enumerate(msg._text_parts or []):
+            extra = next((key for key in part if key not in ("type", "text")), None)
+            if extra is not None:
+                param = f"messages[{i}].content[{j}].{extra[:100]}"
+                raise BadRequestError(f"Unrecognized request argument supplied: {param}", param=param)
 
 
 def _check_messages(value: list[ChatMessage]) -> list[ChatMessage]:
