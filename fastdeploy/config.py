@@ -36,6 +36,18 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+MULTI_VALUE_FLAGS = frozenset({"served_model_name", "api_key"})
+"""List fields whose flag takes several space-separated values (``--api-key k1 k2``), as vLLM's."""
+
+
+def as_list(value: str | list[str] | None) -> list[str]:
+    """A multi-value field's values (empty when unset); a plain string (an offline ``LLM`` keyword
+    argument, ``served_model_name="m"``) is one value."""
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else list(value)
+
+
 @dataclass
 class ModelConfig:
     """What model to run and how to load it."""
@@ -60,8 +72,9 @@ class ModelConfig:
     """Load no tokenizer (e.g. dummy-weight benchmarks of a config-only folder): prompts must
     be token ids, outputs carry token ids and empty text, and stop strings, bad words and chat
     templates are refused."""
-    served_model_name: str | None = None
-    """Model name reported by the API; defaults to the model path's name."""
+    served_model_name: list[str] | None = None
+    """Model name(s) the API answers to (vLLM's flag: several, space-separated, each accepted in
+    a request's model field); the first is the one reported. Default: the model path's name."""
     dtype: str = "auto"
     """Weight and activation dtype: auto, float32, bfloat16 or float16. auto
     takes the checkpoint's dtype (float16 becomes bfloat16 on a CPU)."""
@@ -240,9 +253,10 @@ class ServerConfig:
     uds: str | None = None
     """Serve HTTP on this Unix domain socket path instead of --host/--port (vLLM's flag); a socket
     file left there by an earlier server is replaced, and the file is removed on exit."""
-    api_key: str | None = None
+    api_key: list[str] | None = None
     """If set, every route but /health, /metrics, /load and /version needs 'Authorization: Bearer <key>'
-    (else 401), /docs and /openapi.json included."""
+    with one of these keys (several, space-separated, as vLLM's flag takes them; else 401),
+    /docs and /openapi.json included."""
     root_path: str = ""
     """The path prefix a reverse proxy serves this server under (e.g. /llm): routes answer both with
     and without it, and /docs links carry it (vLLM's and uvicorn's flag)."""

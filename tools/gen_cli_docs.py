@@ -15,6 +15,7 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from fastdeploy.config import MULTI_VALUE_FLAGS  # noqa: E402
 from fastdeploy.entrypoints.cli.args import FlagSpec, all_flag_specs  # noqa: E402
 
 DOC = ROOT / "docs" / "cli.md"
@@ -24,6 +25,8 @@ BEGIN, END = "<!-- BEGIN FLAGS -->", "<!-- END FLAGS -->"
 def _flag_cell(spec: FlagSpec) -> str:
     if spec.kind == "bool":
         return f"`{spec.flag}` / `--no-{spec.flag[2:]}`"
+    if spec.key in MULTI_VALUE_FLAGS:
+        return f"`{spec.flag} {spec.key.upper()} [{spec.key.upper()} ...]`"
     return f"`{spec.flag} {spec.key.upper()}`"
 
 

@@ -23,7 +23,7 @@ import zmq
 import zmq.asyncio
 
 from fastdeploy import envs
-from fastdeploy.config import EngineConfig
+from fastdeploy.config import EngineConfig, as_list
 from fastdeploy.core.mm_item import MMItem
 from fastdeploy.core.outputs import RequestOutput, merge_delta_outputs
 from fastdeploy.core.pooling_params import PoolingParams
@@ -182,7 +182,9 @@ class AsyncLLM(EngineClient):
         num_ranks = config.parallel.data_parallel_size
         self.client_index = attach.client_index if attach is not None else 0
         num_clients = attach.num_clients if attach is not None else 1
-        self.model_name = config.model.served_model_name or _default_model_name(config, self.source)
+        self.model_name = next(iter(as_list(config.model.served_model_name)), None) or _default_model_name(
+            config, self.source
+        )
         # the engine cores' interval counters reach every client: client 0 alone adds them up
         self.metrics = EngineMetrics(self.model_name, num_ranks, engine_counters=self.client_index == 0)
         shared_loads = None

@@ -135,7 +135,7 @@ def test_bad_flag_values_exit_2(argv, capsys):
 
 def test_server_flags():
     ns = resolve_args(parse("--host", "0.0.0.0", "--port", "0", "--api-key", "k"))
-    assert (ns.host, ns.port, ns.api_key) == ("0.0.0.0", 0, "k")
+    assert (ns.host, ns.port, ns.api_key) == ("0.0.0.0", 0, ["k"])
     assert not server_config_from_args(ns).return_tokens_as_token_ids
     ns = resolve_args(parse("--return-tokens-as-token-ids"))  # vLLM's flag
     assert server_config_from_args(ns).return_tokens_as_token_ids
@@ -143,15 +143,15 @@ def test_server_flags():
 
 def test_api_key_from_the_environment(monkeypatch):
     monkeypatch.setenv("FD_API_KEY", "from-env")
-    assert server_config_from_args(parse()).api_key == "from-env"
-    assert server_config_from_args(parse("--api-key", "flag")).api_key == "flag"  # the flag wins
+    assert server_config_from_args(parse()).api_key == ["from-env"]
+    assert server_config_from_args(parse("--api-key", "flag")).api_key == ["flag"]  # the flag wins
     monkeypatch.setenv("FD_API_KEY", "")
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
     assert server_config_from_args(parse()).api_key is None
     monkeypatch.setenv("VLLM_API_KEY", "vllm-env")  # vLLM's variable, when ours is unset
-    assert server_config_from_args(parse()).api_key == "vllm-env"
+    assert server_config_from_args(parse()).api_key == ["vllm-env"]
     monkeypatch.setenv("FD_API_KEY", "ours")
-    assert server_config_from_args(parse()).api_key == "ours"
+    assert server_config_from_args(parse()).api_key == ["ours"]
 
 
 def test_positional_model():
@@ -184,7 +184,7 @@ def test_yaml_config_merges_with_cli_overrides(tmp_path):
     assert config.cache.kv_cache_memory == 2.0 and isinstance(config.cache.kv_cache_memory, float)
     assert config.model.max_model_len is None
     assert config.scheduler.enable_chunked_prefill is True  # default
-    assert (ns.port, ns.api_key) == (9002, "secret")
+    assert (ns.port, ns.api_key) == (9002, ["secret"])
 
 
 def test_cli_bool_overrides_yaml(tmp_path):
@@ -410,9 +410,20 @@ def test_flags_take_vllms_underscore_spelling_and_its_names():
     assert normalized == ["serve", "--max-model-len", "512", "--served-model-name=my_model",
                           "--enable-prefix-caching", "--hf-overrides", '{"num_hidden_layers": 2}', "--", "--keep_this"]  # fmt: skip
     config = config_of(*normalized[1:7])
-    assert config.model.max_model_len == 512 and config.model.served_model_name == "my_model"
+    assert config.model.max_model_len == 512 and config.model.served_model_name == ["my_model"]
     assert config.model.hf_config_overrides == {"num_hidden_layers": 2}
     assert config_of("--max-logprobs", "-1").model.max_logprobs == -1
     assert config_of().model.max_logprobs == 20
     server = server_config_from_args(parse("--enable-server-load-tracking", "--enable-prompt-tokens-details"))
     assert server.enable_server_load_tracking and server.enable_prompt_tokens_details
+
+
+def test_api_key_and_served_model_name_take_several_values():
+    """``--api-key k1 k2`` (any of them is accepted) and ``--served-model-name a b`` (the first is
+    reported), as vLLM's flags take them; the model stays positional after them only with --model."""
+    ns = parse("--api-key", "k1", "k2", "--served-model-name", "a", "b", "--model", "m.gguf")
+    assert ns.api_key == ["k1", "k2"] and ns.served_model_name == ["a", "b"]
+    assert server_config_from_args(ns).api_key == ["k1", "k2"]
+    from fastdeploy.entrypoints.openai.http_server import default_served_model_names
+
+    assert default_served_model_names(engine_config_from_args(ns)) == ["a", "b"]

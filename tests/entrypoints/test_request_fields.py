@@ -415,3 +415,10 @@ def test_cors_only_for_the_allowed_origins():
         )
         assert listed.headers["access-control-allow-origin"] == "https://app.example"
         assert client.get("/v1/models", headers={"Origin": "https://app.example"}).status_code == 401
+
+
+def test_several_api_keys_each_open_the_routes():
+    app = build_app(fake_engine(), ["m"], ServerConfig(api_key=["first", "second"]))
+    with TestClient(app) as client:
+        for key, status in (("first", 200), ("second", 200), ("firs", 401), ("", 401)):
+            assert client.get("/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code == status

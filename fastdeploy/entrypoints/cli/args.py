@@ -25,7 +25,7 @@ from typing import Any, Literal, Union
 import yaml
 
 from fastdeploy import envs
-from fastdeploy.config import EngineConfig, ServerConfig, field_docs
+from fastdeploy.config import MULTI_VALUE_FLAGS, EngineConfig, ServerConfig, field_docs
 
 
 class ConfigFileError(ValueError):
@@ -151,8 +151,8 @@ def server_config_from_args(ns: argparse.Namespace) -> ServerConfig:
     """The :class:`ServerConfig` described by parsed ``serve`` arguments (file and defaults merged in)."""
     resolved = vars(resolve_args(ns))
     config = ServerConfig(**{spec.key: resolved[spec.key] for spec in SERVER_FLAGS})
-    if config.api_key is None and envs.FD_API_KEY:
-        config.api_key = envs.FD_API_KEY
+    if not config.api_key and envs.FD_API_KEY:
+        config.api_key = [envs.FD_API_KEY]
     return config
 
 
@@ -204,7 +204,9 @@ def add_engine_and_server_args(parser: argparse.ArgumentParser) -> argparse.Argu
         group = groups[spec.section]
         kwargs: dict[str, Any] = {"dest": spec.key, "default": argparse.SUPPRESS, "help": _help(spec)}
         names = (spec.flag, *FLAG_ALIASES.get(spec.key, ()))
-        if spec.kind == "bool":
+        if spec.key in MULTI_VALUE_FLAGS:  # --api-key k1 k2, as vLLM's
+            group.add_argument(*names, nargs="+", metavar=spec.key.upper(), **kwargs)
+        elif spec.kind == "bool":
             group.add_argument(*names, action=argparse.BooleanOptionalAction, **kwargs)
         else:
             if spec.choices:

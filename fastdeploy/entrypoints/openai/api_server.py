@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 import fastdeploy
-from fastdeploy.config import ServerConfig
+from fastdeploy.config import ServerConfig, as_list
 from fastdeploy.engine.protocol import EngineClient
 from fastdeploy.entrypoints.openai.batch_api import batch_router
 from fastdeploy.entrypoints.openai.errors import (
@@ -128,12 +128,14 @@ def _install_exception_handlers(app: FastAPI) -> None:
 # --------------------------------------------------------------------------- app
 
 
-def _api_key_dependency(api_key: str) -> Callable[[Request], Coroutine[Any, Any, None]]:
-    expected = api_key.encode()
+def _api_key_dependency(api_keys: list[str]) -> Callable[[Request], Coroutine[Any, Any, None]]:
+    expected = [key.encode() for key in api_keys]
 
     async def check_api_key(request: Request) -> None:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
+        sent = token.strip().encode()
+        matches = [hmac.compare_digest(sent, key) for key in expected]  # (every key compared: no early exit)
+        if scheme.lower() != "bearer" or not any(matches):
             raise AuthenticationError(
                 "Missing or incorrect API key; send it as 'Authorization: Bearer <key>'.",
                 code="invalid_api_key",
@@ -187,7 +189,8 @@ def build_app(
         )
     _install_exception_handlers(app)
     app.state.engine_client = engine_client
-    auth = [Depends(_api_key_dependency(server.api_key))] if server.api_key else []
+    api_keys = as_list(server.api_key)
+    auth = [Depends(_api_key_dependency(api_keys))] if api_keys else []
     strict = server.strict_request_fields
 
     tokenizers = TokenizerLanes()

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 from fastapi import FastAPI
 
-from fastdeploy.config import EngineConfig
+from fastdeploy.config import EngineConfig, as_list
 from fastdeploy.engine.ipc import STOP_SIGNALS
 from fastdeploy.engine.protocol import EngineClient
 from fastdeploy.entrypoints.openai.api_server import build_app
@@ -57,8 +57,8 @@ QUIET_ACCESS_LOG_PATHS = frozenset({"/health", "/health_generate", "/ping", "/me
 
 def default_served_model_names(config: EngineConfig) -> list[str]:
     """``--served-model-name`` if given, else the model path's name (``.gguf`` dropped), else the default model's."""
-    if config.model.served_model_name:
-        return [config.model.served_model_name]
+    if as_list(config.model.served_model_name):
+        return as_list(config.model.served_model_name)
     if config.model.model:
         name = os.path.basename(os.path.normpath(config.model.model))
         return [name.removesuffix(".gguf") or config.model.model]
