@@ -16,8 +16,6 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-ContentFormat = Literal["auto", "string", "openai"]
-
 PARTS_KEY = "_fd_content_parts"
 """The template dict key that carries a message's original text parts to the renderer."""
 

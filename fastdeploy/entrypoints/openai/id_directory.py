@@ -13,7 +13,6 @@ when the owner closes it or is collected.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -113,8 +112,7 @@ class IdDirectory:
 
     def clear_marker(self, pattern: re.Pattern[str], object_id: str, name: str) -> None:
         """Drop the marker ``name`` of ``object_id`` (if set)."""
-        with contextlib.suppress(OSError):
-            self.remove(self.path(pattern, object_id, f".{name}"))
+        self.remove(self.path(pattern, object_id, f".{name}"))
 
     def close(self) -> None:
         """Remove the private directory (a given one belongs to whoever gave it)."""

@@ -548,12 +548,14 @@ class ChoiceSplit:
         self.include_reasoning = options.include_reasoning
         self.token_ids: list[int] = []
         self.texts: list[str] = []
-        """The answer so far, tokens and text pieces (its reasoning tokens are counted from them at the end)."""
+        """The answer so far with a reasoning parser, tokens and text pieces (its reasoning tokens are
+        counted from them at the end)."""
 
     def delta(self, c: CompletionOutput) -> DeltaMessage:
         """The delta message of a streamed piece of the answer (its end releases what was held back)."""
-        self.token_ids.extend(c.token_ids)
-        self.texts.append(c.text)
+        if self.reasoning is not None:  # (only the reasoning count at the end reads them)
+            self.token_ids.extend(c.token_ids)
+            self.texts.append(c.text)
         reasoning, content = ("", c.text) if self.reasoning is None else self.reasoning.feed(c.text)
         if c.finish_reason is not None and self.reasoning is not None:
             last_reasoning, last_content = self.reasoning.finish()

@@ -102,8 +102,6 @@ class OpenAIServingGenerate(OpenAIServing):
                 token_ids = await self.encode(prompt, add_special_tokens=True, param="text")
             else:
                 token_ids = list(prompt)
-                if any(t < 0 for t in token_ids):
-                    raise BadRequestError("token ids must be non-negative", param="input_ids")
                 self.check_token_ids(token_ids, "input_ids")
             if not token_ids:
                 raise BadRequestError("input_ids cannot be empty.", param="input_ids")

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, field_validator
 
 from fastdeploy.core.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
 from fastdeploy.entrypoints.openai.errors import BadRequestError
-from fastdeploy.entrypoints.openai.protocol.common import OpenAIModel
+from fastdeploy.entrypoints.openai.protocol.common import OpenAIModel, _check_token_ids
 
 DEFAULT_MAX_NEW_TOKENS = 128
 """SGLang's ``max_new_tokens`` when a request leaves it out."""
@@ -89,6 +89,13 @@ class GenerateRequest(OpenAIModel):
     """Each logprob entry carries its token's text (else null)."""
     rid: str | list[str] | None = None
     """The request id(s) (``meta_info.id``, and what ``/abort_request`` takes)."""
+
+    @field_validator("input_ids")
+    @classmethod
+    def _non_negative_ids(cls, value: Any) -> Any:
+        if value and all(isinstance(ids, list) for ids in value):
+            return [_check_token_ids(ids) for ids in value]
+        return value if value is None else _check_token_ids(value)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts, a batch of one for a single one; a 400 without any."""
