@@ -24,6 +24,8 @@ def client():
         {},
         {"text": 5},
         {"input_ids": [[]]},
+        {"input_ids": []},
+        {"text": []},
         {"input_ids": [-1]},
         {"input_ids": [10**9]},
         {"text": "hi", "rid": 5},

@@ -100,12 +100,17 @@ class GenerateRequest(OpenAIModel):
     def prompts(self) -> list[str | list[int]]:
         """The prompts, a batch of one for a single one; a 400 without any."""
         if self.text is not None:
-            return [self.text] if isinstance(self.text, str) else list(self.text)
-        if self.input_ids is not None:
+            prompts: list[str | list[int]] = [self.text] if isinstance(self.text, str) else list(self.text)
+            param = "text"
+        elif self.input_ids is not None:
             if self.input_ids and all(isinstance(t, int) for t in self.input_ids):
                 return [list(self.input_ids)]  # type: ignore[arg-type]
-            return [list(ids) for ids in self.input_ids]  # type: ignore[union-attr]
-        raise BadRequestError("Either text, input_ids or input_embeds should be provided.", param="text")
+            prompts, param = [list(ids) for ids in self.input_ids], "input_ids"  # type: ignore[union-attr]
+        else:
+            raise BadRequestError("Either text, input_ids or input_embeds should be provided.", param="text")
+        if not prompts:  # (an empty batch)
+            raise BadRequestError(f"{param} cannot be empty.", param=param)
+        return prompts
 
     @property
     def is_single(self) -> bool:
