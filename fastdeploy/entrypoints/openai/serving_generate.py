@@ -293,6 +293,8 @@ class _View:
         self.request = request
         self.n = n
         self.began = began
+        self._texts: dict[int, str] = {}
+        """Token id → its text (a stream writes every logprob again in each event: decoded once)."""
 
     def answer(self, a: _Answer) -> dict[str, Any]:
         meta: dict[str, Any] = {
@@ -319,7 +321,11 @@ class _View:
         return {"type": "abort", "message": "The request was aborted.", "status_code": None, "err_type": None}
 
     def _entry(self, token: int, lp: Logprob | None) -> list[Any]:
-        text = self.serving.tokenizer.decode([token]) if self.request.return_text_in_logprobs else None
+        text = None
+        if self.request.return_text_in_logprobs:
+            text = self._texts.get(token)
+            if text is None:
+                text = self._texts[token] = self.serving.tokenizer.decode([token])
         return [None if lp is None else lp.logprob, token, text]
 
     def _top(self, entry: dict[int, Logprob] | None) -> list[list[Any]] | None:
