@@ -150,7 +150,7 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "the top-k kernel (many programs over the router weight) instead of the small-M GEMV (on by default; 0 turns it off).",
     ),
     "FD_FP8_CHANNEL_TRITON_MAX_M": (
-        lambda: int(os.environ.get("FD_FP8_CHANNEL_TRITON_MAX_M", "0")),
+        lambda: int(os.environ.get("FD_FP8_CHANNEL_TRITON_MAX_M", "512")),
         "Per-channel FP8 linears (--quantization ptpc_fp8) of more than FD_FP8_SMALL_M_MAX and at most "
         "this many rows run the Triton per-channel GEMM instead of row-wise torch._scaled_mm "
         "(cuBLASLt); 0: never.",

@@ -337,6 +337,10 @@ def sweep(
 def _gemv_candidates(fp8: bool) -> list[gemv.GemvConfig]:
     """The GEMV sweep's configurations of one kernel (FP8: tiles of at most 128 rows, whose block
     scales then multiply the activations, so ``block_k`` may span several scale blocks)."""
+    if os.environ.get("MOE_GEMV_CANDIDATES"):  # "n,k,warps,stages;..." instead of the grid below
+        return [
+            gemv.GemvConfig(*map(int, c.split(","))) for c in os.environ["MOE_GEMV_CANDIDATES"].split(";")
+        ]
     ks = (128, 256, 512)
     # narrow tiles too: at one token the down kernel's 2048 / 8 = 256 programs each loop over
     # 8 experts' rows, latency-bound (12 µs against a 5.9 µs floor in bf16, tenth session)
@@ -436,6 +440,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
+def _tile_text(c: dict[str, Any]) -> str:
+    """A kernel configuration in short: ``M64 N128 K128 G8 w4 s3`` (a GEMV's has no M or G)."""
+    m = f"M{c['block_m']} " if "block_m" in c else ""
+    g = f"G{c['group_m']} " if "group_m" in c else ""
+    return f"{m}N{c['block_n']} K{c['block_k']} {g}w{c['num_warps']} s{c['num_stages']}"
+
+
 def render(results: dict[str, Any]) -> str:
     """Markdown table of the rows (for docs/benchmarks.md)."""
     s = results["shape"]
@@ -459,11 +470,7 @@ def render(results: dict[str, Any]) -> str:
             )
             continue
         c = r.get("config")
-        conf = (
-            ""
-            if not c
-            else f"M{c['block_m']} N{c['block_n']} K{c['block_k']} G{c['group_m']} w{c['num_warps']} s{c['num_stages']}"
-        )
+        conf = _tile_text(c) if c else ""
         best = (r.get("sweep") or {}).get("best")
         best_text = ""
         if r.get("sweep") and "gate_up" in r["sweep"]:  # the GEMV / split sweeps: each kernel's best
@@ -472,17 +479,12 @@ def render(results: dict[str, Any]) -> str:
                 f"{'layer' if r['path'] == 'grouped' else 'experts'} {w['best_seconds'] * 1e6:.1f} µs "
                 f"(default {w['default_seconds'] * 1e6:.1f}, {w['tried']} tried): "
                 + ", ".join(
-                    f"{name} M{c['block_m']} N{c['block_n']} K{c['block_k']} G{c['group_m']} "
-                    f"w{c['num_warps']} s{c['num_stages']}"
-                    for name, c in (("gate_up", w["gate_up"]), ("down", w["down"]))
+                    f"{name} {_tile_text(c)}" for name, c in (("gate_up", w["gate_up"]), ("down", w["down"]))
                 )
             )
         if best:
             b = best["config"]
-            best_text = (
-                f"{(best['graph_seconds'] or best['eager_seconds']) * 1e6:.1f} µs: M{b['block_m']} N{b['block_n']} "
-                f"K{b['block_k']} G{b['group_m']} w{b['num_warps']} s{b['num_stages']}"
-            )
+            best_text = f"{(best['graph_seconds'] or best['eager_seconds']) * 1e6:.1f} µs: {_tile_text(b)}"
         route = f"{fmt(r.get('route_align_triton_seconds'))} / {fmt(r.get('route_align_torch_seconds'))}"
         lines.append(
             f"| {r['dtype']} | {r['tokens']} | {r['path']} | {fmt(r.get('graph_seconds'))} | {fmt(r['eager_seconds'])} "

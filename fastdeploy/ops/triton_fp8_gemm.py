@@ -44,11 +44,14 @@ CONFIGS: tuple[tuple[int, Fp8GemmConfig], ...] = (
     (256, Fp8GemmConfig(64, 64, 128, 8, 4, 5)),
     (1 << 62, Fp8GemmConfig(64, 128, 128, 8, 4, 3)),
 )
-# Per-channel weights: the block table's shapes to start from (no per-step rescale, so deeper K
-# steps pay off); docs/benchmarks.md has what the sweep measured.
+# Per-channel weights (no per-step rescale, so deeper K steps pay off): the winners of `--sweep
+# gemm-channel` on an H200 for the same two projections (twenty-sixth session; docs/benchmarks.md):
+# M = 32: 11.9 -> 8.3 us (qkv), M = 64-256: 9.2-9.4 -> 8.4-8.6 (o), M = 512: 16.0 -> 10.6 (o).
 CHANNEL_CONFIGS: tuple[tuple[int, Fp8GemmConfig], ...] = (
     (16, Fp8GemmConfig(16, 64, 128, 1, 4, 5)),
-    (256, Fp8GemmConfig(64, 64, 128, 8, 4, 5)),
+    (32, Fp8GemmConfig(32, 64, 128, 1, 4, 5)),
+    (256, Fp8GemmConfig(64, 64, 256, 8, 4, 4)),
+    (512, Fp8GemmConfig(64, 128, 256, 8, 4, 4)),
     (1 << 62, Fp8GemmConfig(64, 128, 128, 8, 4, 3)),
 )
 INTERPRETER_CONFIG = Fp8GemmConfig(16, 32, 64, 1, 4, 1)

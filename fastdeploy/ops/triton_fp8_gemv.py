@@ -289,6 +289,10 @@ BROADCAST_CONFIGS = [
     _config(32, 128, False, 4, 6),
     # more programs, fewer K steps each (qkv and o at one row: 6.6 µs for 10 MB, eighteenth session)
     _config(4, 1024, False, 4, 3),  # (4 x 2048 spills with the norm prologue at 2 rows)
+    # `--sweep gemv` winners at one and two rows (twenty-sixth session): qkv 11.3 -> 7.4 us, o 7.7 -> 7.2
+    _config(64, 256, False, 4, 4),
+    _config(16, 1024, False, 4, 4),
+    _config(16, 512, False, 4, 4),
 ]
 DOT_CONFIGS = [
     _config(16, 128, True, 4, 4),

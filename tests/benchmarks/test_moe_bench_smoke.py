@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -50,3 +51,26 @@ def test_moe_bench_split_sweep_smoke(tmp_path):
     assert sweep["gate_up"]["block_m"] == sweep["down"]["block_m"]
     assert sweep["best_seconds"] <= sweep["default_seconds"]
     assert "gate_up M16" in (tmp_path / "results.md").read_text()
+
+
+def test_gemv_sweep_row_renders():
+    """The GEMV sweep's winners (configurations without ``block_m`` / ``group_m``) render in the
+    report (a KeyError on them lost a whole sweep's table in the twenty-sixth session)."""
+    from benchmarks.gpubench import moe_bench
+
+    gemv = {"block_n": 32, "block_k": 256, "num_warps": 4, "num_stages": 4}
+    row = {
+        "dtype": "ptpc_fp8", "tokens": 1, "path": "gemv", "graph_seconds": 2.4e-5, "eager_seconds": 2.8e-4,
+        "weight_bytes_per_s": 1.6e12, "tflop_per_s": 3.2, "rel_err_vs_torch": 0.049,
+        "sweep": {"tried": 3, "default_seconds": 2.2e-5, "best_seconds": 2.1e-5, "gate_up": gemv,
+                  "down": {**gemv, "block_n": 16, "block_k": 512}},
+    }  # fmt: skip
+    text = moe_bench.render(
+        {
+            "shape": asdict(moe_bench.SMOKE_SHAPE),
+            "device": {},
+            "copy_bytes_per_s": None,
+            "rows": [row],
+        }
+    )
+    assert "experts 21.0 µs (default 22.0, 3 tried): gate_up N32 K256 w4 s4, down N16 K512 w4 s4" in text

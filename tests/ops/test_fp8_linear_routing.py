@@ -71,8 +71,9 @@ def test_select_path_by_rows_layout_and_backend():
 
 def test_backend_from_environment(monkeypatch):
     monkeypatch.setenv("FD_FP8_SMALL_M_MAX", "8")
+    monkeypatch.delenv("FD_FP8_CHANNEL_TRITON_MAX_M", raising=False)
     cpu = torch.device("cpu")
-    assert fl.Fp8LinearBackend.for_device(cpu) == fl.Fp8LinearBackend(8, False)
+    assert fl.Fp8LinearBackend.for_device(cpu) == fl.Fp8LinearBackend(8, False, 512)  # the default
     monkeypatch.setenv("FD_FP8_CHANNEL_TRITON_MAX_M", "256")
     assert fl.Fp8LinearBackend.for_device(cpu) == fl.Fp8LinearBackend(8, False, 256)
     monkeypatch.setenv("FD_DISABLE_CUSTOM_OPS", "1")
