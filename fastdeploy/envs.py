@@ -167,6 +167,12 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "sort, SiLU-and-multiply and the top-k sum fused) instead of the sorted grouped GEMM; "
         "0: always the grouped GEMM.",
     ),
+    "FD_MOE_GEMV_ONE_PASS": (
+        _bool("FD_MOE_GEMV_ONE_PASS", "0"),
+        "Fused-MoE calls of at most FD_MOE_GEMV_MAX_TOKENS tokens run gate_up, SiLU-and-multiply and "
+        "down per slice of the intermediate dimension in one kernel, then sum the slices' partial rows "
+        "(fastdeploy/ops/triton_moe_onepass.py), instead of the two GEMV-like kernels (off until measured).",
+    ),
     "FD_MOE_GROUPED_MM_MIN_TOKENS": (
         lambda: int(os.environ.get("FD_MOE_GROUPED_MM_MIN_TOKENS", "0")),
         "Per-channel FP8 MoE steps of at least this many tokens on Hopper run the experts as two "
