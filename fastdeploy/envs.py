@@ -149,6 +149,12 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "MoE routers of decode steps of at most 4 tokens on a GPU: split-K partial logits summed by "
         "the top-k kernel (many programs over the router weight) instead of the small-M GEMV (on by default; 0 turns it off).",
     ),
+    "FD_MOE_ROUTER_NORM_FUSION": (
+        _bool("FD_MOE_ROUTER_NORM_FUSION", "0"),
+        "With the split router (FD_MOE_ROUTER_SPLIT), run the residual add + RMSNorm before a MoE block "
+        "inside the router's kernel (one launch fewer a layer at decode steps of at most 4 tokens; "
+        "off until measured).",
+    ),
     "FD_FP8_CHANNEL_TRITON_MAX_M": (
         lambda: int(os.environ.get("FD_FP8_CHANNEL_TRITON_MAX_M", "512")),
         "Per-channel FP8 linears (--quantization ptpc_fp8) of more than FD_FP8_SMALL_M_MAX and at most "

@@ -50,7 +50,7 @@ class OnePassConfig:
 
 
 DEFAULT = OnePassConfig()
-"""Not yet measured on a GPU (``tools/gpu_pending.sh OUT moe_onepass`` sweeps it)."""
+"""Not yet measured on a GPU (``tools/gpu_pending.sh OUT moe_fusions`` sweeps it)."""
 INTERPRETER = OnePassConfig(16, 32, 32, 4, 1, 32)
 
 

@@ -85,12 +85,8 @@ def _router_partials_kernel(
         tl.store(out_ptr + split * stride_os + t * stride_ot + offs_e, part, mask=out_mask)
 
 
-def router_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Split-K partial router logits ``[S, T, E]`` float32 of ``x [T, H]`` (``T <=``
-    :data:`ROUTER_SPLIT_MAX_TOKENS`) and the router ``weight [E, H]`` (unit column strides):
-    ``partials.sum(0)`` is ``x @ weight.T`` in float32. Hand them to :func:`topk_softmax`."""
+def _check_router_operands(x: torch.Tensor, weight: torch.Tensor) -> None:
     tokens, hidden = x.shape
-    experts = weight.shape[0]
     if not 0 < tokens <= ROUTER_SPLIT_MAX_TOKENS or weight.shape[1] != hidden:
         raise ValueError(
             f"router_partials takes 1..{ROUTER_SPLIT_MAX_TOKENS} tokens of x [T, H] and weight [E, H], "
@@ -98,6 +94,15 @@ def router_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         )
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("x and weight need unit column strides")
+
+
+def router_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Split-K partial router logits ``[S, T, E]`` float32 of ``x [T, H]`` (``T <=``
+    :data:`ROUTER_SPLIT_MAX_TOKENS`) and the router ``weight [E, H]`` (unit column strides):
+    ``partials.sum(0)`` is ``x @ weight.T`` in float32. Hand them to :func:`topk_softmax`."""
+    tokens, hidden = x.shape
+    experts = weight.shape[0]
+    _check_router_operands(x, weight)
     splits = triton.cdiv(hidden, ROUTER_BLOCK_K)
     out = torch.empty((splits, tokens, experts), dtype=torch.float32, device=x.device)
     _router_partials_kernel[(triton.cdiv(experts, ROUTER_BLOCK_E), splits)](
@@ -106,6 +111,84 @@ def router_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         **pdl_kwargs(out),
     )  # fmt: skip
     return out
+
+
+@triton.jit
+def _norm_router_partials_kernel(
+    x_ptr, r_ptr, g_ptr, w_ptr, normed_ptr, res_out_ptr, out_ptr, T, E, H, eps,
+    stride_xm, stride_rm, stride_we, stride_os, stride_ot,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """:func:`_router_partials_kernel` of ``rms_norm(x + r) * g``, which each program forms itself:
+    the whole row's sum of squares (``H`` columns from L2, a few KB), then its split's columns,
+    rounded as :func:`~fastdeploy.ops.triton_layer_ops.fused_add_rms_norm` rounds them. The
+    programs of the first expert block also store their split's ``x + r`` and normalized columns."""
+    pdl_prologue(USE_PDL)
+    pid_e = tl.program_id(0)
+    split = tl.program_id(1)
+    dtype = r_ptr.dtype.element_ty
+    offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    offs_k = split * BLOCK_K + tl.arange(0, BLOCK_K)
+    cols = tl.arange(0, BLOCK_H)
+    e_mask = offs_e < E
+    k_mask = offs_k < H
+    w = tl.load(
+        w_ptr + offs_e[:, None].to(tl.int64) * stride_we + offs_k[None, :],
+        mask=e_mask[:, None] & k_mask[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    g = tl.load(g_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+    for t in tl.static_range(BLOCK_T):
+        valid = tl.zeros([BLOCK_H], dtype=tl.int32) + t < T
+        row_mask = (cols < H) & valid
+        x = tl.load(x_ptr + t * stride_xm + cols, mask=row_mask, other=0.0).to(tl.float32)
+        r = tl.load(r_ptr + t * stride_rm + cols, mask=row_mask, other=0.0).to(tl.float32)
+        summed = (x + r).to(dtype).to(tl.float32)
+        inv = tl.rsqrt(tl.sum(summed * summed, axis=0) / H + eps)
+        x_mask = k_mask & (tl.zeros([BLOCK_K], dtype=tl.int32) + t < T)
+        xk = tl.load(x_ptr + t * stride_xm + offs_k, mask=x_mask, other=0.0).to(tl.float32)
+        rk = tl.load(r_ptr + t * stride_rm + offs_k, mask=x_mask, other=0.0).to(tl.float32)
+        summed_k = (xk + rk).to(dtype)
+        normed = (((summed_k.to(tl.float32) * inv).to(dtype).to(tl.float32)) * g).to(dtype)
+        if pid_e == 0:
+            tl.store(res_out_ptr + t * H + offs_k, summed_k, mask=x_mask)
+            tl.store(normed_ptr + t * H + offs_k, normed, mask=x_mask)
+        part = tl.sum(w * normed.to(tl.float32)[None, :], axis=1)
+        out_mask = e_mask & (tl.zeros([BLOCK_E], dtype=tl.int32) + t < T)
+        tl.store(out_ptr + split * stride_os + t * stride_ot + offs_e, part, mask=out_mask)
+
+
+def norm_router_partials(
+    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(hidden, new residual, partials)``: ``hidden = rms_norm(x + residual) * norm_weight`` (new
+    tensors, the inputs untouched) and :func:`router_partials` of it, in one kernel (the residual
+    add and the norm before a MoE block's router at a decode step of at most
+    :data:`ROUTER_SPLIT_MAX_TOKENS` tokens: one launch fewer a layer). ``x``, ``residual`` ``[T, H]``
+    of one dtype with unit column strides, ``norm_weight [H]``, ``weight [E, H]`` as
+    :func:`router_partials` takes it."""
+    tokens, hidden = x.shape
+    if residual.shape != x.shape or residual.dtype != x.dtype or norm_weight.shape != (hidden,):
+        raise ValueError(
+            f"norm_router_partials needs x and residual of one shape and dtype and norm_weight [H]; got "
+            f"{tuple(x.shape)} {x.dtype}, {tuple(residual.shape)} {residual.dtype}, {tuple(norm_weight.shape)}"
+        )
+    if residual.stride(1) != 1 or not norm_weight.is_contiguous():
+        raise ValueError("residual needs a unit column stride and norm_weight to be contiguous")
+    _check_router_operands(x, weight)
+    experts = weight.shape[0]
+    splits = triton.cdiv(hidden, ROUTER_BLOCK_K)
+    out = torch.empty((splits, tokens, experts), dtype=torch.float32, device=x.device)
+    normed = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
+    new_residual = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
+    _norm_router_partials_kernel[(triton.cdiv(experts, ROUTER_BLOCK_E), splits)](
+        x, residual, norm_weight, weight, normed, new_residual, out, tokens, experts, hidden, eps,
+        x.stride(0), residual.stride(0), weight.stride(0), out.stride(0), out.stride(1),
+        BLOCK_T=triton.next_power_of_2(tokens), BLOCK_E=ROUTER_BLOCK_E, BLOCK_K=ROUTER_BLOCK_K,
+        BLOCK_H=triton.next_power_of_2(hidden), num_warps=4, **pdl_kwargs(out),
+    )  # fmt: skip
+    return normed, new_residual, out
 
 
 @triton.jit

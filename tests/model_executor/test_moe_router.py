@@ -51,3 +51,33 @@ def test_split_router_routes_as_the_plain_router(tokens, monkeypatch):
     # more tokens than a decode step of a few: the plain router
     many = torch.randn(5, H, device=device)
     assert layer.router_logits(gate, many).shape == (5, E)
+
+
+@pytest.mark.parametrize("fusion", ["0", "1"])
+def test_norm_and_router_logits_fused_or_not(fusion, monkeypatch):
+    """``norm_and_router_logits`` (the block's residual add + RMSNorm, then the router): with
+    ``FD_MOE_ROUTER_NORM_FUSION`` at a decode step, one kernel; either way the norm's rows and
+    residual, and the routing and output of the plain router on them."""
+    from fastdeploy.model_executor.layers.layernorm import RMSNorm
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    monkeypatch.setattr(fm, "_triton_kernels", lambda name, x: layer_ops.triton_module(name))
+    monkeypatch.setenv("FD_MOE_ROUTER_NORM_FUSION", fusion)
+    layer, gate = _layer(device)
+    norm = RMSNorm(H, eps=1e-6).to(device)
+    norm.weight.data = 1 + 0.1 * torch.randn(H, generator=torch.Generator().manual_seed(5)).to(device)
+    g = torch.Generator().manual_seed(6)
+    x, residual = torch.randn(2, H, generator=g).to(device), torch.randn(2, H, generator=g).to(device)
+    ref_hidden, ref_residual = norm(x.clone(), residual.clone())
+    hidden, new_residual, quantized, logits = layer.norm_and_router_logits(
+        x.clone(), residual.clone(), norm, gate
+    )
+    assert quantized is None and logits.dim() == 3  # the split router's partials either way
+    torch.testing.assert_close(hidden, ref_hidden, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(new_residual, ref_residual, rtol=0, atol=0)
+    plain = gate(ref_hidden)
+    w_plain, ids_plain = fm.select_experts(plain, K, True)
+    w, ids = fm.select_experts(logits, K, True, dtype=x.dtype)
+    assert torch.equal(ids, ids_plain)
+    torch.testing.assert_close(w, w_plain, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(layer(hidden, logits), layer(ref_hidden, plain), rtol=1e-5, atol=1e-5)

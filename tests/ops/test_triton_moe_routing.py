@@ -97,6 +97,37 @@ def test_router_partials_then_topk_equal_the_router_then_topk(tokens, dtype):
         routing.router_partials(torch.zeros(5, hidden, dtype=dtype, device=DEVICE), weight.to(DEVICE))
 
 
+@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_router_partials_equal_the_norm_then_the_router(tokens, dtype):
+    """The residual add + RMSNorm inside the split router (``norm_router_partials``): the new
+    residual and the normalized rows bit for bit those of the norm kernel (``fused_add_rms_norm``,
+    the same rounding points), the inputs untouched, and the partials those of ``router_partials``
+    on the normalized rows (the same product, split by split)."""
+    layer_ops = pytest.importorskip("fastdeploy.ops.triton_layer_ops")
+    g = torch.Generator().manual_seed(10 + tokens)
+    hidden, experts = 200, 40  # H not a multiple of the split: a partial last split
+    x = torch.randn(tokens, hidden, generator=g).to(dtype).to(DEVICE)
+    residual = torch.randn(tokens, hidden, generator=g).to(dtype).to(DEVICE)
+    norm_weight = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype).to(DEVICE)
+    weight = (torch.randn(experts, hidden, generator=g) * hidden**-0.5).to(dtype).to(DEVICE)
+    x0, r0 = x.clone(), residual.clone()
+    normed, new_residual, partials = routing.norm_router_partials(x, residual, norm_weight, 1e-6, weight)
+    assert torch.equal(x, x0) and torch.equal(residual, r0)
+    ref_normed, ref_residual = layer_ops.fused_add_rms_norm(x0.clone(), r0.clone(), norm_weight, 1e-6)
+    assert torch.equal(new_residual, ref_residual) and torch.equal(normed, ref_normed)
+    assert partials.shape == (2, tokens, experts)
+    torch.testing.assert_close(partials, routing.router_partials(ref_normed, weight), rtol=1e-6, atol=1e-6)
+    exact = (x0.double() + r0.double()) * torch.rsqrt(
+        (x0.double() + r0.double()).pow(2).mean(-1, keepdim=True)
+    )
+    exact = (exact * norm_weight.double()) @ weight.double().t()
+    tol = 1e-4 if dtype == torch.float32 else 3e-2  # (bf16: the residual and the normalized rows rounded)
+    torch.testing.assert_close(partials.sum(0).double(), exact, rtol=tol, atol=tol)
+    with pytest.raises(ValueError, match="norm_weight"):
+        routing.norm_router_partials(x, residual, norm_weight[:-1], 1e-6, weight)
+
+
 def test_topk_softmax_rejects_bad_input():
     with pytest.raises(ValueError, match="top_k"):
         routing.topk_softmax(_logits(2, 4, 0).to(DEVICE), 5, True)

@@ -33,6 +33,7 @@ or read from an FP8 checkpoint.
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 from torch import nn
@@ -235,12 +236,46 @@ class FusedMoE(nn.Module):
             return norm(x), x, None
         return *norm(x, residual), None
 
+    def norm_and_router_logits(
+        self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module, gate: nn.Module
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None, torch.Tensor]:
+        """``(hidden, residual, quantized, router logits)``: :meth:`norm_input` then
+        :meth:`router_logits`. With ``FD_MOE_ROUTER_NORM_FUSION``, where the split router runs (a
+        decode step of a few tokens) after an RMSNorm with a residual, one kernel adds, normalizes
+        and computes the partial logits
+        (:func:`~fastdeploy.ops.triton_moe_routing.norm_router_partials`)."""
+        kernels = self._split_router_kernels(gate, x) if envs.FD_MOE_ROUTER_NORM_FUSION else None
+        if (
+            kernels is not None
+            and residual is not None
+            and type(norm) is RMSNorm
+            and x.is_contiguous()
+            and residual.is_contiguous()
+            and residual.dtype == x.dtype
+            and norm.weight.dtype == x.dtype
+        ):
+            hidden, residual, partials = kernels.norm_router_partials(
+                x, residual, norm.weight, norm.eps, gate.weight
+            )
+            return hidden, residual, None, partials
+        hidden, residual, quantized = self.norm_input(x, residual, norm)
+        return hidden, residual, quantized, self.router_logits(gate, hidden)
+
     def router_logits(self, gate: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         """``gate(hidden)``: the router's logits ``[T, E]``. With ``FD_MOE_ROUTER_SPLIT`` on a GPU,
         for a decode step of at most ``ROUTER_SPLIT_MAX_TOKENS`` tokens and a plain (unquantized,
         no bias) router of the hidden states' dtype: split-K partial sums ``[S, T, E]`` instead
         (:func:`~fastdeploy.ops.triton_moe_routing.router_partials`), which :meth:`forward`'s top-k
         kernel adds up as it loads them."""
+        kernels = self._split_router_kernels(gate, hidden)
+        if kernels is not None:
+            return kernels.router_partials(hidden, gate.weight)
+        return gate(hidden)
+
+    @staticmethod
+    def _split_router_kernels(gate: nn.Module, hidden: torch.Tensor) -> ModuleType | None:
+        """The routing kernels' module where the split router takes this step (see
+        :meth:`router_logits`), else None."""
         kernels = _triton_kernels("triton_moe_routing", hidden) if envs.FD_MOE_ROUTER_SPLIT else None
         weight = getattr(gate, "weight", None)
         if (
@@ -254,8 +289,8 @@ class FusedMoE(nn.Module):
             and weight.dtype == hidden.dtype
             and weight.stride(1) == 1
         ):
-            return kernels.router_partials(hidden, weight)
-        return gate(hidden)
+            return kernels
+        return None
 
     def _block(self) -> tuple[int, int] | None:
         """The experts' scale layout as the kernels take it (None: per-channel FP8)."""

@@ -73,12 +73,12 @@ class ErnieMoeSparseBlock(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``norm(x + residual)`` → the block's output, and the new residual."""
-        hidden, residual, quantized = self.experts.norm_input(x, residual, norm)
+        hidden, residual, quantized, logits = self.experts.norm_and_router_logits(
+            x, residual, norm, self.gate
+        )
         shared = (lambda: self.shared_experts_output(hidden)) if self.shared_experts is not None else None
         bias = self.moe_statics.e_score_correction_bias
-        return self.experts(
-            hidden, self.experts.router_logits(self.gate, hidden), shared, bias, quantized
-        ), residual
+        return self.experts(hidden, logits, shared, bias, quantized), residual
 
     def shared_experts_output(self, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's partial output of the shared experts (the bias, held whole, added on rank 0

@@ -75,9 +75,10 @@ class QwenMoeSparseBlock(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``norm(x + residual)`` → the block's output, and the new residual."""
-        hidden, residual, quantized = self.experts.norm_input(x, residual, norm)
+        hidden, residual, quantized, logits = self.experts.norm_and_router_logits(
+            x, residual, norm, self.gate
+        )
         shared = (lambda: self.shared_expert_output(hidden)) if self.has_shared_expert else None
-        logits = self.experts.router_logits(self.gate, hidden)
         return self.experts(hidden, logits, shared, quantized=quantized), residual
 
     def shared_expert_output(self, hidden: torch.Tensor) -> torch.Tensor:
