@@ -49,6 +49,8 @@ class OnePassConfig:
     sum_block_h: int = 128
 
 
+SUM_BLOCK_R = 16
+"""Partial rows the summing kernel loads a step (x ``sum_block_h`` float32 columns: 8 KB at 128)."""
 DEFAULT = OnePassConfig()
 """Not yet measured on a GPU (``tools/gpu_pending.sh OUT moe_fusions`` sweeps it)."""
 INTERPRETER = OnePassConfig(16, 32, 32, 4, 1, 32)
@@ -184,17 +186,25 @@ def _expert_slice_kernel(
 
 
 @triton.jit
-def _sum_partials_kernel(part_ptr, out_ptr, H, ROWS, stride_om, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr):
-    """``out[token, cols] = sum over the token's ROWS partial rows``, in row order."""
+def _sum_partials_kernel(
+    part_ptr, out_ptr, H, ROWS, stride_om, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr
+):
+    """``out[token, cols] = sum over the token's ROWS partial rows``, ``BLOCK_R`` rows a step (one
+    ``[BLOCK_R, BLOCK_H]`` load each, not ROWS dependent loads), in a fixed order."""
     pdl_prologue(USE_PDL)
     pid_h = tl.program_id(0)
     token = tl.program_id(1).to(tl.int64)
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_r = tl.arange(0, BLOCK_R)
     h_mask = offs_h < H
-    rows = part_ptr + token * ROWS * H + offs_h
+    rows = part_ptr + token * ROWS * H + offs_h[None, :]
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for r in range(0, ROWS):
-        acc += tl.load(rows + r * H, mask=h_mask, other=0.0)
+    for r0 in range(0, ROWS, BLOCK_R):
+        r = r0 + offs_r
+        tile = tl.load(
+            rows + r.to(tl.int64)[:, None] * H, mask=(r < ROWS)[:, None] & h_mask[None, :], other=0.0
+        )
+        acc += tl.sum(tile, axis=0)
     pdl_trigger(USE_PDL)
     tl.store(out_ptr + token * stride_om + offs_h, acc.to(out_ptr.dtype.element_ty), mask=h_mask)
 
@@ -242,6 +252,13 @@ def fused_experts_one_pass(
         num_warps=config.num_warps, SKIP_NEGATIVE=skip_negative_ids, **pdl_kwargs(partials),
     )  # fmt: skip
     _sum_partials_kernel[(triton.cdiv(h, config.sum_block_h), num_tokens)](
-        partials, out, h, top_k * n_slices, out.stride(0), BLOCK_H=config.sum_block_h, **pdl_kwargs(out)
+        partials,
+        out,
+        h,
+        top_k * n_slices,
+        out.stride(0),
+        BLOCK_R=SUM_BLOCK_R,
+        BLOCK_H=config.sum_block_h,
+        **pdl_kwargs(out),
     )
     return out
