@@ -175,6 +175,8 @@ def test_out_of_range_values_are_400_with_param(fields, param):
         ({"stop": 5}, "stop"),
         ({"stop": ["a", 1]}, "stop"),
         ({"seed": 2**70}, "seed"),
+        ({"top_k": 2**70}, "top_k"),  # (once a 500: the engine's IPC and tensors hold 64-bit integers)
+        ({"top_k": 2**63}, "top_k"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"stop_token_ids": "1"}, "stop_token_ids"),
         ({"model": 3}, "model"),
@@ -243,6 +245,14 @@ def test_bad_echo_and_prompt_logprobs_values_are_400(make, fields, param):
     assert bad_request(make(**fields).to_sampling_params).param == param
 
 
+def test_zero_max_tokens_hints_echo_only_where_echo_allows_it():
+    assert "only with echo" in bad_request(completion(max_tokens=0).to_sampling_params).message
+    # (chat's echo never allows 0: the hint once told a chat request with echo to set echo)
+    for fields in ({"max_tokens": 0}, {"max_tokens": 0, "echo": True}, {"max_completion_tokens": 0}):
+        err = bad_request(chat(**fields).to_sampling_params)
+        assert "echo" not in err.message, err.message
+
+
 def test_tokenize_request_chat_template_reaches_the_chat_request():
     """(the server refuses or renders it: tests/entrypoints/test_content_format.py)"""
     tokenize = parse_tokenize_request({"messages": USER, "chat_template": "{{ x }}"})
@@ -280,6 +290,10 @@ def test_off_values_of_unimplemented_fields_are_accepted():
         ({"repetition_penalty": 0}, "repetition_penalty"),
         ({"logit_bias": {"5": 101}}, "logit_bias"),
         ({"logit_bias": {"x": 1}}, "logit_bias"),
+        # (Python's int() reads these, so they were once taken as token ids; OpenAI refuses them)
+        ({"logit_bias": {" 1": 1}}, "logit_bias"),
+        ({"logit_bias": {"1_0": 1}}, "logit_bias"),
+        ({"logit_bias": {"\uff11": 1}}, "logit_bias"),
         ({"logit_bias": {"-1": 1}}, "logit_bias"),
         ({"logprobs": True, "top_logprobs": -2}, "top_logprobs"),
         ({"top_logprobs": 3}, "top_logprobs"),

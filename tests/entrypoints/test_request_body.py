@@ -7,8 +7,14 @@ import json
 import threading
 import time
 
+import pytest
+from fastapi.testclient import TestClient
+
+from fastdeploy.config import ServerConfig
+from fastdeploy.entrypoints.openai.api_server import build_app
 from fastdeploy.entrypoints.openai.errors import BadRequestError, NotFoundError
-from fastdeploy.entrypoints.openai.request_body import lone_surrogate_path
+from fastdeploy.entrypoints.openai.request_body import MAX_JSON_DEPTH, json_depth, lone_surrogate_path
+from fastdeploy.entrypoints.openai.serving_engine import _text_chars
 from fastdeploy.entrypoints.openai.tokenizer_lanes import TokenizerLanes
 
 
@@ -29,6 +35,48 @@ def test_lone_surrogate_path_handles_deep_nesting_iteratively():
     for _ in range(50_000):
         value = [value]
     assert lone_surrogate_path(value) == "[0]" * 50_000
+
+
+def test_json_depth_is_iterative():
+    assert json_depth(1) == 0 and json_depth([]) == 1 and json_depth({"a": [{"b": 1}]}) == 3
+    value: object = 1
+    for _ in range(50_000):
+        value = {"a": [value]}
+    assert json_depth(value) == 100_000
+    assert _text_chars(value) == 0  # (counting a chat's characters recursed: a 500 past ~500 levels)
+    assert _text_chars([{"a": "xy", "b": ["z", {"c": "w"}]}, 5]) == 4
+
+
+def _nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        # a body the decoder takes but the code after it (dataclasses.asdict of the engine
+        # request, the response store) recursed too deep on: once a 500
+        ("/v1/completions", '{"prompt": "hi", "structured_outputs": {"json": {"x": %s}}}'),
+        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi", "x": %s}]}'),
+        ("/v1/responses", '{"input": [{"role": "user", "content": "hi", "x": %s}]}'),
+        ("/generate", '{"text": "hi", "sampling_params": {"json_schema": {"x": %s}}}'),
+    ],
+)
+def test_bodies_nested_too_deep_are_400(path, body):
+    from tests.entrypoints.test_tool_calling import ScriptedEngine
+
+    with TestClient(build_app(ScriptedEngine(["ok"]), ["m"], ServerConfig())) as client:
+        headers = {"Content-Type": "application/json"}
+        response = client.post(path, content=body % _nested(900), headers=headers)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["code"] == "invalid_json" and "nested too deeply" in error["message"]
+        # an integer past Python's 4300-digit limit is invalid JSON too (it was a 500)
+        response = client.post(path, content=body % ("9" * 5000), headers=headers)
+        assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_json"
+        # a depth within the limit is left to the route
+        response = client.post(path, content=body % _nested(MAX_JSON_DEPTH - 10), headers=headers)
+        assert (response.json().get("error") or {}).get("code") != "invalid_json", response.text
 
 
 def test_error_bodies_always_encode():

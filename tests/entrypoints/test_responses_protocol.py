@@ -154,6 +154,10 @@ def test_errors_name_the_responses_field():
     bad_request("conversation", input="x", conversation="conv_1")
     bad_request("prompt", input="x", prompt={"id": "pmpt_1"})
     bad_request("top_logprobs", input="x", top_logprobs=-2)
+    # (an unknown include value was once accepted; OpenAI answers it with a 400)
+    err = bad_request("include[1]", input="x", include=["message.output_text.logprobs", "bogus"])
+    assert "'bogus'" in err.message and err.code == "invalid_value"
+    bad_request("top_k", input="x", top_k=2**70)
     bad_request("input[0].content", input=[{"role": "user", "content": None}])
     err = bad_request("tools[0].name", input="x", tools=[{"type": "function", "name": "bad name"}])
     assert "tools[0].name" in err.message or "1 to 64" in err.message

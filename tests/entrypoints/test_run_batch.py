@@ -46,6 +46,8 @@ def test_a_batch_file_gives_its_requests_in_order_and_skips_blank_lines():
         (line(url="/v1/images/generations"), "url '/v1/images/generations'"),
         (json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": "x"}), "body"),
         (line(body={"model": "m", "stream": True}), "body.stream"),
+        ('{"custom_id": ' + "9" * 5000 + "}", "not JSON"),  # (past 4300 digits: once uncaught)
+        ("[" * 100_000 + "]" * 100_000, "not JSON"),
     ],
 )
 def test_a_bad_line_is_refused_naming_its_line(bad, words):

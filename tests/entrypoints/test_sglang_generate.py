@@ -34,6 +34,10 @@ def client():
         {"text": "hi", "sampling_params": {"temperature": [1]}},
         {"text": "hi", "sampling_params": {"n": "2"}},
         {"text": "hi", "sampling_params": {"n": 0}},
+        {"text": "hi", "sampling_params": {"n": 129}},  # (n of 10**6 once flooded the engine)
+        {"text": "hi", "sampling_params": {"sampling_seed": 2**70}},  # (once a 500 from the IPC)
+        {"text": "hi", "sampling_params": {"sampling_seed": 2**63}},
+        {"text": "hi", "sampling_params": {"logit_bias": {" 1": 1.0}}},
         {"text": "hi", "sampling_params": {"max_new_tokens": -1}},
         {"text": "hi", "sampling_params": {"stop": {"a": 1}}},
         {"text": "hi", "sampling_params": {"stop": [1]}},
@@ -52,6 +56,16 @@ def test_bad_bodies_are_400(client, body):
     response = client.post("/generate", json=body)
     assert response.status_code == 400, (body, response.text)
     assert response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("key", ["temperature", "repetition_penalty", "top_p", "presence_penalty"])
+@pytest.mark.parametrize("value", ["Infinity", "-Infinity", "NaN"])
+def test_non_finite_sampling_params_are_400(client, key, value):
+    # (an infinite temperature or repetition_penalty once ran; the OpenAI routes refuse them too)
+    body = f'{{"text": "hi", "sampling_params": {{"{key}": {value}}}}}'
+    response = client.post("/generate", content=body, headers={"Content-Type": "application/json"})
+    assert response.status_code == 400, (body, response.text)
+    assert response.json()["error"]["param"] == f"sampling_params.{key}"
 
 
 @pytest.mark.parametrize("body", [[], "x", {"rid": [1]}, {"rid": {"a": 1}}])

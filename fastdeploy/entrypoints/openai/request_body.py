@@ -4,7 +4,7 @@
   it is buffered (by ``Content-Length``, and by counting the bytes of a chunked
   body as they arrive), on every route.
 - :func:`read_json` decodes a JSON route's body: 415 unless it is sent as
-  JSON, 400 for JSON that is invalid, nested too deeply for the decoder, or
+  JSON, 400 for JSON that is invalid, nested deeper than :data:`MAX_JSON_DEPTH`, or
   holds a string with a lone UTF-16 surrogate (``"\\ud800"``), which no
   tokenizer or encoder downstream accepts; the 400 names the field.
 """
@@ -26,6 +26,11 @@ from fastdeploy.entrypoints.openai.errors import (
 )
 
 JSON_MEDIA_TYPES = ("application/json",)
+MAX_JSON_DEPTH = 128
+"""Most levels of nesting a request body may have. The decoder takes up to Python's recursion
+limit, but what handles the value afterwards (``dataclasses.asdict`` of the engine request, the
+response store, schema checks) recurses a few frames a level and would fail past a few hundred,
+a 500; no request of the API nests near this deep."""
 
 
 def _too_large(limit: int) -> RequestTooLargeError:
@@ -113,6 +118,19 @@ def lone_surrogate_path(value: Any) -> str | None:
     return None
 
 
+def json_depth(value: Any) -> int:
+    """Levels of nesting of a decoded JSON value (a scalar: 0). Iterative, as
+    :func:`lone_surrogate_path`."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is not None:
+            deepest = max(deepest, depth + 1)
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
 async def read_json(request: Request) -> Any:
     """The request body decoded as JSON (415, 413 or 400 when it cannot be)."""
     check_json_content_type(request)
@@ -122,10 +140,14 @@ async def read_json(request: Request) -> Any:
         raise ClientDisconnectedError("client disconnected before sending its body") from None
     try:
         value = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except ValueError as exc:  # (bad JSON or UTF-8, or an integer past Python's 4300 digits)
         raise BadRequestError(f"Invalid JSON body: {exc}", code="invalid_json") from None
     except RecursionError:
         raise BadRequestError("Invalid JSON body: nested too deeply", code="invalid_json") from None
+    if json_depth(value) > MAX_JSON_DEPTH:
+        raise BadRequestError(
+            f"Invalid JSON body: nested too deeply (more than {MAX_JSON_DEPTH} levels)", code="invalid_json"
+        )
     path = lone_surrogate_path(value)
     if path is not None:
         raise BadRequestError(

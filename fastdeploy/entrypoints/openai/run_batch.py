@@ -102,6 +102,10 @@ def _parse_line(number: int, raw: str) -> BatchRequest:
         obj = json.loads(raw)
     except json.JSONDecodeError as exc:
         raise BatchFileError(number, f"not JSON ({exc.msg} at column {exc.colno})") from None
+    except ValueError as exc:  # (an integer past Python's 4300 digits)
+        raise BatchFileError(number, f"not JSON ({exc})") from None
+    except RecursionError:
+        raise BatchFileError(number, "not JSON (nested too deeply)") from None
     if not isinstance(obj, dict):
         raise BatchFileError(number, "must be a JSON object with custom_id, method, url and body")
     custom_id, method, url, body = (obj.get(key) for key in ("custom_id", "method", "url", "body"))

@@ -576,14 +576,18 @@ class OpenAIServing:
 
 
 def _text_chars(value: Any) -> int:
-    """Characters in every string inside ``value`` (chat messages as template dicts)."""
-    if isinstance(value, str):
-        return len(value)
-    if isinstance(value, dict):
-        return sum(_text_chars(v) for v in value.values())
-    if isinstance(value, list):
-        return sum(_text_chars(v) for v in value)
-    return 0
+    """Characters in every string inside ``value`` (chat messages as template dicts). Iterative:
+    a message's own fields may nest as deep as the JSON decoder allows."""
+    total, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return total
 
 
 def sub_request_ids(request_id: str, count: int) -> list[str]:

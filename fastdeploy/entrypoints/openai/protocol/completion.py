@@ -64,6 +64,8 @@ class CompletionRequest(SamplingRequest):
             return max(k or 0, self.logprobs)
         return k
 
+    _echo_allows_zero_max_tokens: ClassVar[bool] = True
+
     def _allows_zero_max_tokens(self) -> bool:
         return bool(self.echo)
 

@@ -8,6 +8,7 @@ with a warning, as SGLang ignores them; an unknown ``sampling_params`` key is a 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from pydantic import ConfigDict, Field, field_validator
@@ -15,6 +16,12 @@ from pydantic import ConfigDict, Field, field_validator
 from fastdeploy.core.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
 from fastdeploy.entrypoints.openai.errors import BadRequestError
 from fastdeploy.entrypoints.openai.protocol.common import OpenAIModel, _check_token_ids
+from fastdeploy.entrypoints.openai.protocol.sampling import (
+    _INT64_MAX,
+    _INT64_MIN,
+    MAX_N,
+    check_logit_bias_keys,
+)
 
 DEFAULT_MAX_NEW_TOKENS = 128
 """SGLang's ``max_new_tokens`` when a request leaves it out."""
@@ -153,6 +160,16 @@ def sglang_sampling_params(
             raise BadRequestError(f"sampling_params: unknown key {key!r}", param=f"sampling_params.{key}")
     if kwargs.get("top_k", -1) >= 1 << 30:  # SGLang's "every token"
         kwargs["top_k"] = -1
+    if kwargs.get("n", 1) > MAX_N:  # (each choice is an engine request: an unbounded n floods the engine)
+        raise BadRequestError(
+            f"sampling_params.n must be at most {MAX_N}, got {kwargs['n']}", param="sampling_params.n"
+        )
+    seed = kwargs.get("seed")
+    if seed is not None and not _INT64_MIN <= seed <= _INT64_MAX:
+        raise BadRequestError(
+            "sampling_params.sampling_seed must fit in a signed 64-bit integer",
+            param="sampling_params.sampling_seed",
+        )
     if isinstance(kwargs.get("stop"), str):
         kwargs["stop"] = [kwargs["stop"]]
     if len(constraints) > 1:
@@ -179,6 +196,8 @@ def _check_type(key: str, value: Any) -> None:
         types, words = _TYPES[key]
         if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
             bad = words
+        elif isinstance(value, float) and not math.isfinite(value):  # (JSON's NaN / Infinity)
+            bad = f"a finite {words.removeprefix('a ')}"
     elif key == "stop" and not (
         isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value))
     ):
@@ -191,6 +210,8 @@ def _check_type(key: str, value: Any) -> None:
         raise BadRequestError(
             f"sampling_params.{key} must be {bad}, got {value!r}", param=f"sampling_params.{key}"
         )
+    if key == "logit_bias":
+        check_logit_bias_keys(value, param="sampling_params.logit_bias")
 
 
 def _check_constraint(constraint: StructuredOutputsParams, key: str) -> None:

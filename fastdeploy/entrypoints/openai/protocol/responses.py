@@ -33,6 +33,18 @@ from fastdeploy.multimodal.parts import is_feature_part
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 """The ``include`` value that asks for the output text's logprobs."""
+INCLUDE_VALUES = (
+    "code_interpreter_call.outputs",
+    "computer_call_output.output.image_url",
+    "file_search_call.results",
+    "message.input_image.image_url",
+    LOGPROBS_INCLUDE,
+    "reasoning.encrypted_content",
+    "web_search_call.action.sources",
+    "web_search_call.results",
+)
+"""OpenAI's ``include`` values: any other is a 400, as OpenAI answers it (those but the logprobs
+one add nothing here and are accepted with a warning)."""
 
 
 def new_id(prefix: str) -> str:
@@ -180,7 +192,14 @@ class ResponsesRequest(SamplingControls):
                     f"The request field '{name}' is accepted but ignored: the served model's "
                     "reasoning and verbosity cannot be set, and events are not padded",
                 )
-        for value in self.include or []:
+        for i, value in enumerate(self.include or []):
+            if value not in INCLUDE_VALUES:
+                raise BadRequestError(
+                    f"Invalid value: {encodable(value[:100])!r}. Supported values are: "
+                    + ", ".join(repr(v) for v in INCLUDE_VALUES),
+                    param=f"include[{i}]",
+                    code="invalid_value",
+                )
             if value != LOGPROBS_INCLUDE:
                 shown = encodable(value[:100])
                 warn_once(

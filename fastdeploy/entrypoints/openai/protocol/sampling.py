@@ -12,13 +12,14 @@ are a 400 that says so otherwise.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
 from pydantic import field_validator
 
 from fastdeploy.core.sampling_params import ALL_LOGPROBS, SamplingParams, SamplingParamsError
-from fastdeploy.entrypoints.openai.errors import BadRequestError
+from fastdeploy.entrypoints.openai.errors import BadRequestError, encodable
 from fastdeploy.entrypoints.openai.protocol.common import OpenAIModel, _check_token_ids, warn_once
 from fastdeploy.entrypoints.openai.protocol.structured import StructuredOutputsRequest
 
@@ -57,6 +58,21 @@ def check_truncate_prompt_tokens(value: int | None) -> int | None:
     if value is not None and value < 1 and value != -1:
         raise ValueError("must be at least 1, or -1 for the model's maximum context length")
     return value
+
+
+_TOKEN_ID_KEY = re.compile(r"-?[0-9]+")
+
+
+def check_logit_bias_keys(bias: Mapping[Any, Any] | None, param: str = "logit_bias") -> None:
+    """A 400 naming every ``logit_bias`` key that is not a token id written in ASCII digits (Python's
+    ``int`` also reads `` 1``, ``1_0`` or ``１``, which OpenAI refuses), in the engine's words.
+    Negative ids are left to the engine's check, which names them."""
+    bad = [key for key in bias or {} if not (isinstance(key, str) and _TOKEN_ID_KEY.fullmatch(key))]
+    if bad:
+        named = ", ".join(repr(encodable(str(key)[:100])) for key in bad)
+        raise BadRequestError(
+            f"logit_bias key{'s' if len(bad) > 1 else ''} {named}: not a token id", param=param
+        )
 
 
 def _check_stop(value: Any) -> Any:
@@ -105,9 +121,10 @@ class SamplingControls(OpenAIModel):
     def _check_stop_token_ids(cls, v: Any) -> Any:
         return v if v is None else _check_token_ids(v)
 
-    @field_validator("seed")
+    @field_validator("seed", "top_k")
     @classmethod
-    def _check_seed(cls, v: int | None) -> int | None:
+    def _check_int64(cls, v: int | None) -> int | None:
+        # (the engine's IPC and tensors hold 64-bit integers: a larger one would fail there, a 500)
         if v is not None and not _INT64_MIN <= v <= _INT64_MAX:
             raise ValueError("must fit in a signed 64-bit integer")
         return v
@@ -208,6 +225,9 @@ class SamplingRequest(StructuredOutputsRequest, SamplingControls):
             )
         return k
 
+    _echo_allows_zero_max_tokens: ClassVar[bool] = False
+    """Whether ``echo`` lets ``max_tokens`` be 0 (completions: scoring a prompt)."""
+
     def _allows_zero_max_tokens(self) -> bool:
         """Whether ``max_tokens: 0`` makes sense (only for completions with ``echo``: scoring a prompt)."""
         return False
@@ -229,9 +249,10 @@ class SamplingRequest(StructuredOutputsRequest, SamplingControls):
         max_tokens, max_tokens_field = self._requested_max_tokens()
         least = 0 if self._allows_zero_max_tokens() else 1
         if max_tokens is not None and max_tokens < least:
+            # (chat has an echo too, but never takes 0: the hint is the completions endpoint's)
             hint = (
                 " (0 is allowed only with echo)"
-                if max_tokens == 0 and "echo" in type(self).model_fields
+                if max_tokens == 0 and self._echo_allows_zero_max_tokens
                 else ""
             )
             raise BadRequestError(
@@ -265,6 +286,7 @@ class SamplingRequest(StructuredOutputsRequest, SamplingControls):
             "skip_special_tokens": self.skip_special_tokens,
         }
         kwargs.update({flag: value for flag, value in flags.items() if value is not None})
+        check_logit_bias_keys(self.logit_bias)
         try:
             return SamplingParams(**kwargs)
         except SamplingParamsError as exc:
