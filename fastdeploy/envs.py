@@ -144,6 +144,13 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "(torch._scaled_mm block-wise, cuBLASLt), triton (the Triton block GEMM, any block size), "
         "or auto (scaled_mm where a start-up probe finds it working on the GPU, else triton).",
     ),
+    "FD_CPU_BATCH_INVARIANT": (
+        _bool("FD_CPU_BATCH_INVARIANT", "1"),
+        "On a CPU, linear layers take at most 32 rows a matmul call, so that a request's logits are the "
+        "same bits whatever else shares its step (a seeded or greedy request gives the same tokens alone "
+        "or in any batch); 0: one call a layer (faster prefill, results that vary in the last bits with "
+        "the batch).",
+    ),
     "FD_MOE_ROUTER_SPLIT": (
         _bool("FD_MOE_ROUTER_SPLIT", "1"),
         "MoE routers of decode steps of at most 4 tokens on a GPU: split-K partial logits summed by "

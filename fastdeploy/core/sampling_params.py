@@ -122,7 +122,14 @@ class SamplingParams:
         self._check(self.temperature >= 0, "temperature", f"temperature must be >= 0, got {self.temperature}")
         self._check(0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p}")
         self._check(
-            self.top_k == -1 or self.top_k >= 1, "top_k", f"top_k must be -1 (off) or >= 1, got {self.top_k}"
+            self.top_k == -1 or 1 <= self.top_k < 1 << 63,
+            "top_k",
+            f"top_k must be -1 (off) or in [1, 2**63), got {self.top_k}",
+        )
+        self._check(
+            self.seed is None or -(1 << 63) <= self.seed < 1 << 63,
+            "seed",
+            "seed must fit in a signed 64-bit integer",
         )
         self._check(0 <= self.min_p <= 1, "min_p", f"min_p must be in [0, 1], got {self.min_p}")
         self._check(

@@ -91,3 +91,47 @@ def test_out_of_vocab_logit_bias_is_rejected(llm):
     with pytest.raises(SamplingParamsError) as info:
         llm.generate([PROMPT], SamplingParams(logit_bias={10**7: 1.0}))
     assert info.value.param == "logit_bias" and "out of vocabulary" in str(info.value)
+
+
+@pytest.mark.parametrize("field,value", [("top_k", 1 << 63), ("seed", 1 << 64), ("seed", -(1 << 63) - 1)])
+def test_integers_past_64_bits_are_refused(field, value):
+    """(They would fail inside the engine's step, for every request of that step.)"""
+    with pytest.raises(SamplingParamsError) as info:
+        SamplingParams(**{field: value})
+    assert info.value.param == field
+
+
+def _matmul_rows_invariant(rows: int = 32) -> bool:
+    """Whether this CPU's bf16 matmul gives a row the same bits in any call of up to ``rows`` rows
+    (what FD_CPU_BATCH_INVARIANT relies on; oneDNN chooses its kernel by the row count)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(1536, 576, generator=g).bfloat16()
+    x = torch.randn(rows, 576, generator=g).bfloat16()
+    one = torch.nn.functional.linear(x[:1], w)
+    return all(torch.equal(torch.nn.functional.linear(x[:m], w)[:1], one) for m in (2, 5, 16, rows))
+
+
+@pytest.mark.skipif(
+    not _matmul_rows_invariant(), reason="this CPU's matmul rounds a row by the call's row count"
+)
+def test_requests_same_alone_and_beside_chunked_prefills_in_bf16():
+    """The default dtype (bf16): a seeded and a greedy request give the same tokens and the same
+    logprobs, to the bit, alone and sharing their steps with other prompts' chunked prefills (a
+    64-token budget, so the decodes run beside 40-60 prompt tokens: matmuls of more than 32 rows,
+    which FD_CPU_BATCH_INVARIANT takes 32 rows a call)."""
+    engine = LLM(max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=64, enable_prefix_caching=False)
+    try:
+        seeded = SamplingParams(temperature=1.0, seed=99, max_tokens=24, logprobs=0)
+        greedy = SamplingParams(temperature=0, max_tokens=24, logprobs=0)
+        longs = [
+            ("Tell me about the history of Rome and its emperors. " * 12)[: 500 + 40 * i] for i in range(3)
+        ]
+        others = [SamplingParams(temperature=0.7, seed=i, max_tokens=6) for i in range(3)]
+        for params in (seeded, greedy):
+            alone = engine.generate([PROMPT], params)[0].outputs[0]
+            mixed = engine.generate([PROMPT, *longs], [params, *others])[0].outputs[0]
+            assert mixed.token_ids == alone.token_ids
+            logprobs = [[e[t].logprob for e, t in zip(o.logprobs, o.token_ids)] for o in (alone, mixed)]
+            assert logprobs[0] == logprobs[1]
+    finally:
+        engine.shutdown()

@@ -26,6 +26,14 @@ before triton is imported."""
 _graph_warm_up = False
 """True inside :func:`small_m_graph_warm_up`."""
 
+CPU_INVARIANT_ROWS = 32
+"""With ``FD_CPU_BATCH_INVARIANT``, CPU matmuls take at most this many rows a call. oneDNN picks its
+kernel by the row count, and a row's bits by that kernel: on the dev CPU (AMX) every count up to 32
+gives a row the same bits, counts above 32 another kernel, so a request's logits changed in the last
+bits with the prompts that shared its step (tests/engine/test_sampling_e2e.py checks the engine's
+tokens and logprobs alone and beside chunked prefills). The price: prefill matmuls in 32-row calls
+(a CPU prefill ~1.7x slower, docs/benchmarks.md)."""
+
 
 @contextlib.contextmanager
 def small_m_graph_warm_up() -> Iterator[None]:
@@ -223,6 +231,12 @@ class Linear(nn.Linear):
             return self.quant_method.apply(self, x, bias)
         if self.small_m_gemv and x.is_cuda and small_m_eligible(x, self.weight, bias):
             return load_triton_gemv().small_m_linear(x, self.weight)
+        if not x.is_cuda and x.dim() == 2 and x.shape[0] > CPU_INVARIANT_ROWS and envs.FD_CPU_BATCH_INVARIANT:
+            rows = CPU_INVARIANT_ROWS
+            return torch.cat([self._dense_matmul(x[i : i + rows], bias) for i in range(0, x.shape[0], rows)])
+        return self._dense_matmul(x, bias)
+
+    def _dense_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
         return nn.functional.linear(x, self.weight, bias)
