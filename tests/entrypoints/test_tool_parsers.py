@@ -105,6 +105,7 @@ CASES: list[tuple[ToolParser, str, str | None, list[tuple[str, str]]]] = [
         [("get_weather", W_ARGS), ("get_time", T_ARGS)],
     ),
     (NamedToolParser("get_weather"), "  " + W_ARGS, None, [("get_weather", W_ARGS)]),
+    (NamedToolParser("get_weather"), " \n", None, []),  # an empty answer (cut at once): no call, not ""
 ]
 
 BROKEN_AFTER_NAME = {

@@ -73,7 +73,7 @@ from fastdeploy.entrypoints.openai.stream_chunks import chat_content_chunk
 from fastdeploy.entrypoints.openai.timeline_log import TimelineRecorder
 from fastdeploy.entrypoints.openai.tokenizer_lanes import TokenizerLanes
 from fastdeploy.entrypoints.openai.tool_calling import ToolCalling, ToolPlan
-from fastdeploy.entrypoints.openai.tool_parsers import ToolCallDelta, ToolCallStream
+from fastdeploy.entrypoints.openai.tool_parsers import NamedToolParser, ToolCallDelta, ToolCallStream
 from fastdeploy.structured_output.grammar import reasoning_prefix_ebnf
 
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
@@ -502,7 +502,9 @@ class OpenAIServingChat(OpenAIServing):
                 logprobs=None
                 if num_top is None
                 else chat_logprobs(token_ids[k], logprobs[k], num_top, options.tokens_as_ids),
-                finish_reason=_finish_reason(finish[k] or "abort", bool(messages[k].tool_calls)),
+                finish_reason=_finish_reason(
+                    finish[k] or "abort", bool(messages[k].tool_calls), _names_a_function(options)
+                ),
                 stop_reason=stop_reason[k],
                 matched_stop=matched_stop(finish[k], stop_reason[k], token_ids[k]),
                 token_ids=token_ids[k] if options.return_token_ids else None,
@@ -531,9 +533,15 @@ def _constrain_after_reasoning(params: SamplingParams, reasoning: ReasoningParse
     return params.clone(structured_outputs=dataclasses.replace(constraint, reasoning_prefix=prefix))
 
 
-def _finish_reason(reason: str | None, called: bool) -> str | None:
-    """``tool_calls`` for an answer that called tools and stopped by itself, else ``reason``."""
-    return "tool_calls" if called and reason == "stop" else reason
+def _finish_reason(reason: str | None, called: bool, named: bool = False) -> str | None:
+    """``tool_calls`` for an answer that called tools and stopped by itself, else ``reason``; a call
+    of the function ``tool_choice`` named stops with ``stop``, as OpenAI's (and vLLM's) do."""
+    return "tool_calls" if called and reason == "stop" and not named else reason
+
+
+def _names_a_function(options: ChatOptions) -> bool:
+    """Whether the request's ``tool_choice`` names one function (its answer is that call)."""
+    return options.tools is not None and isinstance(options.tools.parser, NamedToolParser)
 
 
 class ChoiceSplit:
@@ -544,6 +552,7 @@ class ChoiceSplit:
         self.reasoning: ReasoningStream | None = options.reasoning.stream() if options.reasoning else None
         parser = options.tools.parser if options.tools else None
         self.tools: ToolCallStream | None = parser.stream() if parser else None
+        self.named = _names_a_function(options)
         self.called = False
         self.include_reasoning = options.include_reasoning
         self.token_ids: list[int] = []
@@ -577,7 +586,7 @@ class ChoiceSplit:
         )
 
     def finish_reason(self, reason: str | None) -> str | None:
-        return _finish_reason(reason, self.called)
+        return _finish_reason(reason, self.called, self.named)
 
 
 def _delta_tool_calls(calls: list[ToolCallDelta]) -> list[DeltaToolCall]:

@@ -50,17 +50,17 @@ class _NamedCallStream(ToolCallStream):
         return "", deltas
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
-        if self._started:
-            return "", []
-        self._started = True  # an empty answer: still the call, with empty arguments
-        return "", [ToolCallDelta(0, id=new_call_id(), name=self._function)]
+        # an empty answer (cut before its first character, e.g. by a reasoning that took every
+        # token) is no call: arguments "" would not be JSON
+        return "", []
 
 
 class NamedToolParser(ToolParser):
     """The answer of ``tool_choice: {"type": "function", "function": {"name": F}}``: F's arguments.
 
     The whole answer is the call's arguments, as written (the grammar made it an object that
-    matches F's parameters schema; one cut by ``max_tokens`` is reported as it stands).
+    matches F's parameters schema; one cut by ``max_tokens`` is reported as it stands). An empty
+    answer is no call.
     """
 
     name = "named"
@@ -73,4 +73,5 @@ class NamedToolParser(ToolParser):
         return _NamedCallStream(self.function)
 
     def extract(self, text: str) -> ExtractedToolCalls:
-        return ExtractedToolCalls(None, [ParsedToolCall(self.function, text.lstrip())])
+        arguments = text.lstrip()
+        return ExtractedToolCalls(None, [ParsedToolCall(self.function, arguments)] if arguments else [])
