@@ -32,7 +32,7 @@ kernel by the row count, and a row's bits by that kernel: on the dev CPU (AMX) e
 gives a row the same bits, counts above 32 another kernel, so a request's logits changed in the last
 bits with the prompts that shared its step (tests/engine/test_sampling_e2e.py checks the engine's
 tokens and logprobs alone and beside chunked prefills). The price: prefill matmuls in 32-row calls
-(a CPU prefill ~1.7x slower, docs/benchmarks.md)."""
+(a CPU prefill ~1.8x slower, docs/benchmarks.md)."""
 
 
 @contextlib.contextmanager
