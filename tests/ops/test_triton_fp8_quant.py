@@ -111,7 +111,7 @@ def test_norm_quant_linear_is_the_norm_then_the_fp8_linear():
     normed, ref_residual = lo.fused_add_rms_norm(x.clone(), residual.clone(), norm_weight, 1e-6)
     backend = fl.Fp8LinearBackend(small_m_max=16, block_scaled_mm=False)
     ref = fl.fp8_linear_kernels(normed, wq, ws, None, bias, backend)
-    out, new_residual = fl.fp8_norm_quant_linear(x, residual, norm_weight, 1e-6, wq, ws, bias)
+    out, new_residual = fl.fp8_norm_quant_linear(x, residual, norm_weight, 1e-6, wq, ws, bias, backend)
     assert torch.equal(out.cpu(), ref.cpu()) and torch.equal(new_residual.cpu(), ref_residual.cpu())
     # the Triton per-channel GEMM after the fused norm (FD_FP8_CHANNEL_TRITON_MAX_M): fp8_linear's bits too
     triton_channel = fl.Fp8LinearBackend(16, False, channel_triton_max_m=64)
