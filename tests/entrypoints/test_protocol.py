@@ -201,17 +201,38 @@ def test_unknown_field_is_rejected_with_strict_fields(fields, param):
     assert err.message == f"Unrecognized request argument supplied: {param}"
 
 
+def test_deprecated_functions_are_read_as_tools():
+    """OpenAI's deprecated ``functions`` / ``function_call``: ``tools`` / ``tool_choice``, one call."""
+    function = {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}
+    request = chat(functions=[function], function_call={"name": "f"})
+    request.to_sampling_params()
+    assert request.legacy_functions and request.parallel_tool_calls is False
+    assert [t.function.name for t in request.tools] == ["f"]
+    assert request.tool_choice == {"type": "function", "function": {"name": "f"}}
+    auto = chat(functions=[function], function_call="auto")
+    auto.to_sampling_params()
+    assert auto.tool_choice == "auto"
+    off = chat(functions=[function], function_call="none")
+    off.to_sampling_params()
+    assert off.tool_choice == "none" and off.legacy_functions
+
+
 @pytest.mark.parametrize(
-    "fields",
+    "fields,param",
     [
-        {"functions": [{"name": "f"}]},
+        (
+            {"functions": [{"name": "f"}], "tools": [{"type": "function", "function": {"name": "g"}}]},
+            "functions",
+        ),
+        ({"functions": {"name": "f"}}, "functions"),
+        ({"functions": [{"description": "no name"}]}, "functions[0]"),
+        ({"functions": [{"name": "f"}], "function_call": {"nom": "f"}}, "function_call"),
+        ({"function_call": "auto", "tool_choice": "auto"}, "function_call"),
     ],
 )
-def test_unimplemented_chat_fields_are_400(fields):
-    (name,) = fields
+def test_bad_deprecated_functions_are_400(fields, param):
     err = bad_request(chat(**fields).to_sampling_params)
-    assert err.param == name
-    assert "not supported" in err.message
+    assert err.param == param
 
 
 @pytest.mark.parametrize("fields", [{"best_of": 3}, {"suffix": "x"}])

@@ -20,6 +20,7 @@ from fastapi.testclient import TestClient
 from fastdeploy.config import ModelConfig, ServerConfig
 from fastdeploy.core.outputs import CompletionOutput, RequestOutput
 from fastdeploy.entrypoints.openai.api_server import build_app
+from fastdeploy.entrypoints.openai.protocol import ChatCompletionRequest
 from fastdeploy.entrypoints.openai.tool_template import hermes_conversation
 
 PLAIN_TEMPLATE = (
@@ -486,8 +487,13 @@ def test_named_stream_sends_no_empty_argument_piece(client_for):
     choices = stream_choices(client_for(engine), tools=[WEATHER], tool_choice=choice_field)
     pieces = [p for c in choices for p in c["delta"].get("tool_calls", [])]
     assert all(p["function"].get("arguments") for p in pieces), pieces
-    assert choices[-1] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop",
-                           "stop_reason": None}  # fmt: skip (a named function's call stops, as OpenAI's)
+    assert choices[-1] == {
+        "index": 0,
+        "delta": {},
+        "logprobs": None,
+        "finish_reason": "stop",
+        "stop_reason": None,
+    }  # fmt: skip (a named function's call stops, as OpenAI's)
 
 
 CONFLICTING_DEFS = [
@@ -592,3 +598,61 @@ def test_a_strict_tool_is_not_held_where_the_call_marker_is_a_special_token():
     assert (
         ToolCalling(ScriptedTokenizer(PLAIN_TEMPLATE), "mistral").strict_trigger is None
     )  # not built for it
+
+
+def _legacy_stream(choices: list[dict[str, Any]]) -> tuple[dict[str, str], str]:
+    """The deprecated streamed call put together (its name once, then argument pieces), and the
+    stream's finish reason; no ``tool_calls`` pieces."""
+    call = {"name": "", "arguments": ""}
+    for choice in choices:
+        assert "tool_calls" not in choice["delta"], choice
+        piece = choice["delta"].get("function_call")
+        if piece:
+            call["name"] += piece.get("name", "")
+            call["arguments"] += piece.get("arguments", "")
+    return call, choices[-1]["finish_reason"]
+
+
+def test_deprecated_functions_answer_in_the_deprecated_shape(client_for):
+    """``functions`` + ``function_call``: the call comes back as ``message.function_call`` (no
+    ``tool_calls``), whole and streamed; a named one stops with ``stop``, an automatic one with
+    ``function_call``, as OpenAI's deprecated API answers."""
+    function = WEATHER["function"]
+    engine = ScriptedEngine(['{"city"', ': "Oslo"}'])
+    client = client_for(engine)
+    named = {"functions": [function], "function_call": {"name": "get_weather"}}
+    choice = chat(client, **named).json()["choices"][0]
+    assert engine.params[0].structured_outputs.json == function["parameters"]
+    assert choice["message"]["function_call"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    assert "tool_calls" not in choice["message"] and choice["finish_reason"] == "stop"
+    call, finish = _legacy_stream(stream_choices(client, **named))
+    assert call == {"name": "get_weather", "arguments": '{"city": "Oslo"}'} and finish == "stop"
+
+    client = client_for(ScriptedEngine(HERMES_ANSWER), tool_call_parser="hermes")
+    choice = chat(client, functions=[function]).json()["choices"][0]
+    assert choice["message"]["function_call"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert choice["finish_reason"] == "function_call"
+    call, finish = _legacy_stream(stream_choices(client, functions=[function]))
+    assert call == {"name": "get_weather", "arguments": '{"city": "Paris"}'} and finish == "function_call"
+
+
+def test_deprecated_function_messages_render_as_tool_messages(client_for):
+    """The next turn of the deprecated API (an assistant ``function_call``, a ``function`` message)
+    reaches the template as a tool call and a ``tool`` message."""
+    engine = ScriptedEngine(["It is sunny."])
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "function_call": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+        },
+        {"role": "function", "name": "get_weather", "content": "sunny"},
+    ]
+    request = ChatCompletionRequest(model="m", messages=messages)
+    rendered = [m.to_template_dict() for m in request.messages]
+    assert rendered[1]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": {"city": "Paris"}}
+    assert rendered[1]["content"] is None and "function_call" not in rendered[1]
+    assert rendered[2]["role"] == "tool" and rendered[2]["name"] == "get_weather"
+    body = {"model": "m", "messages": messages, "functions": [WEATHER["function"]]}
+    assert client_for(engine).post("/v1/chat/completions", json=body).status_code == 200

@@ -98,6 +98,8 @@ class ChatOptions:
     """Splits each answer's reasoning from its content (None: all content)."""
     tools: ToolPlan | None = None
     """Reads tool calls out of each answer's content (None: no tools)."""
+    legacy_functions: bool = False
+    """The request gave ``functions`` (deprecated): its call is reported as ``function_call``."""
     tokens_as_ids: bool = False
     """Logprobs tokens as ``token_id:N`` (``return_tokens_as_token_ids``)."""
     include_reasoning: bool = True
@@ -114,6 +116,7 @@ class ChatOptions:
             echo_text=request.echo_text,
             return_token_ids=bool(request.return_token_ids),
             include_reasoning=request.include_reasoning is not False,
+            legacy_functions=request.legacy_functions,
         )
 
 
@@ -436,6 +439,7 @@ class OpenAIServingChat(OpenAIServing):
                         if (
                             has_text
                             or delta.tool_calls
+                            or delta.function_call is not None
                             or c.finish_reason is not None
                             or c.logprobs
                             or has_ids
@@ -503,7 +507,10 @@ class OpenAIServingChat(OpenAIServing):
                 if num_top is None
                 else chat_logprobs(token_ids[k], logprobs[k], num_top, options.tokens_as_ids),
                 finish_reason=_finish_reason(
-                    finish[k] or "abort", bool(messages[k].tool_calls), _names_a_function(options)
+                    finish[k] or "abort",
+                    bool(messages[k].tool_calls or messages[k].function_call),
+                    _names_a_function(options),
+                    options.legacy_functions,
                 ),
                 stop_reason=stop_reason[k],
                 matched_stop=matched_stop(finish[k], stop_reason[k], token_ids[k]),
@@ -533,10 +540,13 @@ def _constrain_after_reasoning(params: SamplingParams, reasoning: ReasoningParse
     return params.clone(structured_outputs=dataclasses.replace(constraint, reasoning_prefix=prefix))
 
 
-def _finish_reason(reason: str | None, called: bool, named: bool = False) -> str | None:
-    """``tool_calls`` for an answer that called tools and stopped by itself, else ``reason``; a call
-    of the function ``tool_choice`` named stops with ``stop``, as OpenAI's (and vLLM's) do."""
-    return "tool_calls" if called and reason == "stop" and not named else reason
+def _finish_reason(reason: str | None, called: bool, named: bool = False, legacy: bool = False) -> str | None:
+    """``tool_calls`` (``function_call`` for a request that gave ``functions``) for an answer that
+    called tools and stopped by itself, else ``reason``; a call of the function ``tool_choice``
+    named stops with ``stop``, as OpenAI's (and vLLM's) do."""
+    if called and reason == "stop" and not named:
+        return "function_call" if legacy else "tool_calls"
+    return reason
 
 
 def _names_a_function(options: ChatOptions) -> bool:
@@ -553,6 +563,7 @@ class ChoiceSplit:
         parser = options.tools.parser if options.tools else None
         self.tools: ToolCallStream | None = parser.stream() if parser else None
         self.named = _names_a_function(options)
+        self.legacy = options.legacy_functions
         self.called = False
         self.include_reasoning = options.include_reasoning
         self.token_ids: list[int] = []
@@ -578,15 +589,23 @@ class ChoiceSplit:
                 last_content, last_calls = self.tools.finish()
                 content, calls = content + last_content, calls + last_calls
         self.called = self.called or bool(calls)
+        legacy_call = None
+        if self.legacy and calls:  # the deprecated shape: the one call's name, then its arguments
+            legacy_call = DeltaFunctionCall(
+                name=next((d.name for d in calls if d.name), None),
+                arguments="".join(d.arguments for d in calls if d.index == 0) or None,
+            )
+            calls = []
         return DeltaMessage(
             content=content or None,
             reasoning_content=reasoning or None,
             reasoning=reasoning or None,
             tool_calls=_delta_tool_calls(calls) or None,
+            function_call=legacy_call,
         )
 
     def finish_reason(self, reason: str | None) -> str | None:
-        return _finish_reason(reason, self.called, self.named)
+        return _finish_reason(reason, self.called, self.named, self.legacy)
 
 
 def _delta_tool_calls(calls: list[ToolCallDelta]) -> list[DeltaToolCall]:
@@ -626,6 +645,13 @@ def _message(text: str, options: ChatOptions) -> ChatMessageOut:
         ] or None
     if options.echo_text:
         content = options.echo_text + (content or "")
+    if options.legacy_functions and tool_calls:  # the deprecated shape: one call, no id
+        return ChatMessageOut(
+            content=content,
+            reasoning_content=reasoning,
+            reasoning=reasoning,
+            function_call=tool_calls[0].function,
+        )
     return ChatMessageOut(
         content=content, reasoning_content=reasoning, reasoning=reasoning, tool_calls=tool_calls
     )

@@ -33,7 +33,9 @@ from fastdeploy.entrypoints.openai.protocol.common import (
 from fastdeploy.entrypoints.openai.protocol.sampling import SamplingRequest
 from fastdeploy.entrypoints.openai.protocol.tools import (
     ChatCompletionTool,
+    DeltaFunctionCall,
     DeltaToolCall,
+    FunctionCallOut,
     ToolCallIn,
     ToolCallOut,
     ToolChoice,
@@ -126,12 +128,28 @@ class ChatMessage(OpenAIModel):
         stays a list of parts when it carries image / video features.
 
         As ``transformers`` templates expect: an assistant message with ``tool_calls`` keeps a null
-        content, and each call's ``arguments`` is given as the object its JSON text encodes.
+        content, and each call's ``arguments`` is given as the object its JSON text encodes. OpenAI's
+        deprecated shapes are shown as the current ones: an assistant's ``function_call`` as its one
+        tool call, a ``function`` message as a ``tool`` message.
         """
+        extra = dict(self.model_extra or {})
+        legacy = (
+            extra.pop("function_call", None) if self.role == "assistant" and not self.tool_calls else None
+        )
+        legacy_call = isinstance(legacy, dict) and isinstance(legacy.get("name"), str)
         msg: dict[str, Any] = {
-            "role": "system" if self.role == "developer" else self.role,
-            "content": None if self.content is None and self.tool_calls else (self.content or ""),
+            "role": {"developer": "system", "function": "tool"}.get(self.role, self.role),
+            "content": None
+            if self.content is None and (self.tool_calls or legacy_call)
+            else (self.content or ""),
         }
+        if legacy_call:
+            arguments = legacy.get("arguments")
+            function = {
+                "name": legacy["name"],
+                "arguments": _arguments(arguments if isinstance(arguments, str) else "{}"),
+            }
+            msg["tool_calls"] = [{"id": "call_0", "type": "function", "function": function}]
         if self.name is not None:
             msg["name"] = self.name
         if self.tool_calls:
@@ -148,7 +166,7 @@ class ChatMessage(OpenAIModel):
             ]
         if self.tool_call_id is not None:
             msg["tool_call_id"] = self.tool_call_id
-        for key, value in (self.model_extra or {}).items():  # (the template may use them, as in vLLM)
+        for key, value in extra.items():  # (the template may use them, as in vLLM)
             msg.setdefault(key, value)
         if self._text_parts is not None:
             msg[PARTS_KEY] = self._text_parts
@@ -267,7 +285,11 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: bool | None = None
     """False: at most one call per answer (default: any number)."""
     functions: Any = None
+    """OpenAI's deprecated form of ``tools``: a list of function definitions (read as ``tools``; the
+    answer then reports its call as ``message.function_call``, the deprecated shape)."""
     function_call: Any = None
+    """OpenAI's deprecated form of ``tool_choice``: ``"none"``, ``"auto"`` or ``{"name": ...}``."""
+    _legacy_functions: bool = PrivateAttr(default=False)
     # accepted and ignored (IGNORED_FIELDS says why)
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -354,6 +376,7 @@ class ChatCompletionRequest(SamplingRequest):
         return self
 
     def check_supported(self) -> None:
+        self._functions_as_tools()
         super().check_supported()
         self.tool_choice_mode()
         if self.continue_final_message and self.add_generation_prompt:
@@ -362,6 +385,53 @@ class ChatCompletionRequest(SamplingRequest):
                 "(set add_generation_prompt to false to continue the final message)",
                 param="continue_final_message",
             )
+
+    @property
+    def legacy_functions(self) -> bool:
+        """Whether the request gave ``functions`` (deprecated): its call is reported as
+        ``function_call``, one call at most, finishing with ``function_call``."""
+        return self._legacy_functions
+
+    def _functions_as_tools(self) -> None:
+        """``functions`` / ``function_call`` (OpenAI's deprecated fields) as ``tools`` /
+        ``tool_choice``, one call at most; a 400 naming the field if they are wrong or come with the
+        new ones."""
+        if self.functions not in (None, []):
+            if self.tools:
+                raise BadRequestError("give 'tools' or 'functions' (deprecated), not both", param="functions")
+            if not isinstance(self.functions, list):
+                raise BadRequestError("functions must be a list of function definitions", param="functions")
+            tools = []
+            for i, function in enumerate(self.functions):
+                try:
+                    tools.append(ChatCompletionTool(type="function", function=function))
+                except ValidationError as exc:
+                    error = exc.errors()[0]
+                    where = ".".join(str(part) for part in error["loc"][1:])
+                    raise BadRequestError(
+                        f"functions[{i}]{'.' + where if where else ''}: {error['msg']}",
+                        param=f"functions[{i}]",
+                    ) from None
+            self.tools, self.functions, self._legacy_functions = tools, None, True
+            if self.parallel_tool_calls is None:
+                self.parallel_tool_calls = False  # (the deprecated shape holds one call)
+        if self.function_call not in (None, "none"):
+            if self.tool_choice is not None:
+                raise BadRequestError(
+                    "give 'tool_choice' or 'function_call' (deprecated), not both", param="function_call"
+                )
+            call = self.function_call
+            if call == "auto":
+                self.tool_choice = "auto"
+            elif isinstance(call, dict) and isinstance(call.get("name"), str) and set(call) == {"name"}:
+                self.tool_choice = {"type": "function", "function": {"name": call["name"]}}
+            else:
+                raise BadRequestError(
+                    'function_call must be "none", "auto" or {"name": FUNCTION}', param="function_call"
+                )
+            self.function_call = None
+        elif self.function_call == "none":
+            self.tool_choice, self.function_call = self.tool_choice or "none", None
 
     def response_format_applies(self) -> bool:
         """``response_format`` shapes the assistant's text answer; under a forced tool call (``tool_choice``
@@ -415,11 +485,13 @@ class ChatMessageOut(WithExtensions):
     ``reasoning`` (the newer name, the same text), left out when there is none; the calls it makes in
     ``tool_calls`` (left out when none)."""
 
-    OMIT_IF_NULL = ("tool_calls", "reasoning_content", "reasoning")
+    OMIT_IF_NULL = ("tool_calls", "function_call", "reasoning_content", "reasoning")
 
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCallOut] | None = None
+    function_call: FunctionCallOut | None = None
+    """The call, in the deprecated shape, of a request that gave ``functions`` (then no ``tool_calls``)."""
     reasoning_content: str | None = None
     reasoning: str | None = None
 
@@ -464,6 +536,8 @@ class DeltaMessage(ResponseModel):
     """The same piece under its newer name."""
     tool_calls: list[DeltaToolCall] | None = None
     """Pieces of the calls the answer makes."""
+    function_call: DeltaFunctionCall | None = None
+    """A piece of the call in the deprecated shape (a request that gave ``functions``)."""
 
     @model_serializer(mode="plain")
     def _drop_none(self) -> dict[str, Any]:
@@ -471,6 +545,8 @@ class DeltaMessage(ResponseModel):
         out = {k: getattr(self, k) for k in fields if getattr(self, k) is not None}
         if self.tool_calls:
             out["tool_calls"] = [call.to_json() for call in self.tool_calls]
+        if self.function_call is not None:
+            out["function_call"] = self.function_call.model_dump(exclude_none=True)
         return out
 
 

@@ -41,8 +41,6 @@ class StreamOptions(OpenAIModel):
 # OpenAI fields the engine does not implement yet, with the values that mean "off".
 _UNSUPPORTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
-    "functions": (None, []),
-    "function_call": (None, "none"),
 }
 
 
