@@ -256,3 +256,16 @@ def test_openai_agents_sdk_output_type_agent_with_a_required_tool(server, model_
     import asyncio
 
     asyncio.run(run())
+
+
+def test_deprecated_functions_through_the_openai_client(client, model_name):
+    """The openai client's deprecated ``functions`` / ``function_call``: the call comes back as
+    ``message.function_call``, valid against the function's schema, as older clients read it."""
+    functions = [tool["function"] for tool in TOOLS]
+    kwargs = dict(model=model_name, messages=QUESTION, **GREEDY)
+    choice = client.chat.completions.create(
+        functions=functions, function_call={"name": "get_time"}, **kwargs
+    ).choices[0]
+    assert choice.message.tool_calls is None and choice.message.function_call.name == "get_time"
+    check_call("get_time", choice.message.function_call.arguments)
+    assert choice.finish_reason == "stop"
