@@ -357,30 +357,45 @@ def _gemv_candidates(fp8: bool) -> list[gemv.GemvConfig]:
     return [gemv.GemvConfig(n, k, 4, s) for n in ns for k in ks for s in (3, 4)]
 
 
+def _routed(shape: MoeShape, count: int, tokens: int, device: torch.device) -> list[tuple[Any, Any, Any]]:
+    """``count`` sets of (hidden states, routing weights, expert ids) for ``tokens`` tokens."""
+    routed = []
+    for j in range(count):
+        x, logits = _inputs(shape, tokens, device, seed=100 + j)
+        routed.append((x, *select_experts(logits, shape.top_k, True)))
+    return routed
+
+
+def _experts_seconds(
+    layers: list[Layer], routed: list[tuple[Any, Any, Any]], device: torch.device, experts: Any, **config: Any
+) -> float:
+    """Seconds a call (CUDA graph; eager off CUDA) of ``experts`` (a few-token experts function:
+    :func:`~fastdeploy.ops.triton_moe_gemv.fused_experts_gemv` or the one-pass one) on each layer's
+    weights and routing in turn, with ``config`` (its configuration keyword)."""
+    calls = []
+    for layer, (x, w, ids) in zip(layers, routed, strict=True):
+        m = layer.module
+        s13, s2 = m.expert_scales()
+        calls.append(
+            lambda m=m, x=x, w=w, ids=ids, s13=s13, s2=s2: experts(
+                x, m.gate_up_proj, m.down_proj, w, ids, s13, s2, _block(m), **config
+            )
+        )
+    cuda = device.type == "cuda"
+    eager, graph = _time(calls, device, 20 if cuda else 1, 3 if cuda else 1)
+    return graph if graph is not None else eager
+
+
 def sweep_gemv(
     shape: MoeShape, layers: list[Layer], dtype: str, tokens: int, device: torch.device
 ) -> dict[str, Any]:
     """The two GEMV kernels' fastest configurations by coordinate descent: gate_up's with the
     default down, then down's with that gate_up. Times the experts alone (routing precomputed)."""
-    routed = []
-    for j in range(len(layers)):
-        x, logits = _inputs(shape, tokens, device, seed=100 + j)
-        routed.append((x, *select_experts(logits, shape.top_k, True)))
-    iters = 20 if device.type == "cuda" else 1
+    routed = _routed(shape, len(layers), tokens, device)
     fp8 = _is_fp8(dtype)
 
     def seconds(configs: tuple[gemv.GemvConfig, gemv.GemvConfig]) -> float:
-        calls = []
-        for layer, (x, w, ids) in zip(layers, routed, strict=True):
-            m = layer.module
-            s13, s2 = m.expert_scales()
-            calls.append(
-                lambda m=m, x=x, w=w, ids=ids, s13=s13, s2=s2: gemv.fused_experts_gemv(
-                    x, m.gate_up_proj, m.down_proj, w, ids, s13, s2, _block(m), configs=configs
-                )
-            )
-        eager, graph = _time(calls, device, iters, 3 if device.type == "cuda" else 1)
-        return graph if graph is not None else eager
+        return _experts_seconds(layers, routed, device, gemv.fused_experts_gemv, configs=configs)
 
     default = gemv.default_configs(fp8, tokens)
     default_seconds = best_seconds = seconds(default)
@@ -418,24 +433,10 @@ def sweep_onepass(
 ) -> dict[str, Any]:
     """The one-pass kernel's fastest configuration by coordinate descent from its default
     (:func:`_onepass_candidates`). Times the experts alone (routing precomputed)."""
-    routed = []
-    for j in range(len(layers)):
-        x, logits = _inputs(shape, tokens, device, seed=100 + j)
-        routed.append((x, *select_experts(logits, shape.top_k, True)))
-    iters = 20 if device.type == "cuda" else 1
+    routed = _routed(shape, len(layers), tokens, device)
 
     def seconds(config: onepass.OnePassConfig) -> float:
-        calls = []
-        for layer, (x, w, ids) in zip(layers, routed, strict=True):
-            m = layer.module
-            s13, s2 = m.expert_scales()
-            calls.append(
-                lambda m=m, x=x, w=w, ids=ids, s13=s13, s2=s2: onepass.fused_experts_one_pass(
-                    x, m.gate_up_proj, m.down_proj, w, ids, s13, s2, _block(m), config=config
-                )
-            )
-        eager, graph = _time(calls, device, iters, 3 if device.type == "cuda" else 1)
-        return graph if graph is not None else eager
+        return _experts_seconds(layers, routed, device, onepass.fused_experts_one_pass, config=config)
 
     best = onepass.default_config()
     default_seconds = best_seconds = seconds(best)

@@ -59,6 +59,16 @@ _SUB = 32
 
 
 @triton.jit
+def _router_tile(w_ptr, offs_e, offs_k, e_mask, k_mask, stride_we):
+    """The router weight's ``[BLOCK_E, BLOCK_K]`` tile of these experts and columns, in float32."""
+    return tl.load(
+        w_ptr + offs_e[:, None].to(tl.int64) * stride_we + offs_k[None, :],
+        mask=e_mask[:, None] & k_mask[None, :],
+        other=0.0,
+    ).to(tl.float32)
+
+
+@triton.jit
 def _router_partials_kernel(
     x_ptr, w_ptr, out_ptr, T, E, H, stride_xm, stride_we, stride_os, stride_ot,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
@@ -72,11 +82,7 @@ def _router_partials_kernel(
     offs_k = split * BLOCK_K + tl.arange(0, BLOCK_K)
     e_mask = offs_e < E
     k_mask = offs_k < H
-    w = tl.load(
-        w_ptr + offs_e[:, None].to(tl.int64) * stride_we + offs_k[None, :],
-        mask=e_mask[:, None] & k_mask[None, :],
-        other=0.0,
-    ).to(tl.float32)
+    w = _router_tile(w_ptr, offs_e, offs_k, e_mask, k_mask, stride_we)
     for t in tl.static_range(BLOCK_T):
         x_mask = k_mask & (tl.zeros([BLOCK_K], dtype=tl.int32) + t < T)
         x = tl.load(x_ptr + t * stride_xm + offs_k, mask=x_mask, other=0.0).to(tl.float32)
@@ -133,11 +139,7 @@ def _norm_router_partials_kernel(
     cols = tl.arange(0, BLOCK_H)
     e_mask = offs_e < E
     k_mask = offs_k < H
-    w = tl.load(
-        w_ptr + offs_e[:, None].to(tl.int64) * stride_we + offs_k[None, :],
-        mask=e_mask[:, None] & k_mask[None, :],
-        other=0.0,
-    ).to(tl.float32)
+    w = _router_tile(w_ptr, offs_e, offs_k, e_mask, k_mask, stride_we)
     g = tl.load(g_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
     for t in tl.static_range(BLOCK_T):
         valid = tl.zeros([BLOCK_H], dtype=tl.int32) + t < T
