@@ -164,16 +164,12 @@ def test_ignored_fields_keep_their_types():
     assert info.value.param == "store"
 
 
-@pytest.mark.parametrize(
-    "fields",
-    [
-        {"functions": [{"name": "f"}]},
-    ],
-)
-def test_tools_and_response_format_are_still_400(fields):
-    with pytest.raises(BadRequestError) as info:
-        chat(**fields).to_sampling_params()
-    assert "not supported" in info.value.message
+def test_deprecated_functions_and_off_values_are_accepted():
+    """``functions`` (deprecated) is read as ``tools`` (tests/entrypoints/test_tool_calling.py has
+    the answers' shape); the "off" values of the tool fields pass."""
+    request = chat(functions=[{"name": "f"}])
+    request.to_sampling_params()
+    assert [tool.function.name for tool in request.tools] == ["f"] and request.legacy_functions
     chat(tools=None, tool_choice="none", response_format={"type": "text"}).to_sampling_params()
 
 
