@@ -64,10 +64,7 @@ class CompletionRequest(SamplingRequest):
             return max(k or 0, self.logprobs)
         return k
 
-    _echo_allows_zero_max_tokens: ClassVar[bool] = True
-
-    def _allows_zero_max_tokens(self) -> bool:
-        return bool(self.echo)
+    ECHO_ALLOWS_ZERO_MAX_TOKENS: ClassVar[bool] = True
 
     def check_supported(self) -> None:
         super().check_supported()

@@ -16,12 +16,7 @@ from pydantic import ConfigDict, Field, field_validator
 from fastdeploy.core.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
 from fastdeploy.entrypoints.openai.errors import BadRequestError
 from fastdeploy.entrypoints.openai.protocol.common import OpenAIModel, _check_token_ids
-from fastdeploy.entrypoints.openai.protocol.sampling import (
-    _INT64_MAX,
-    _INT64_MIN,
-    MAX_N,
-    check_logit_bias_keys,
-)
+from fastdeploy.entrypoints.openai.protocol.sampling import MAX_N, check_logit_bias_keys
 
 DEFAULT_MAX_NEW_TOKENS = 128
 """SGLang's ``max_new_tokens`` when a request leaves it out."""
@@ -163,12 +158,6 @@ def sglang_sampling_params(
     if kwargs.get("n", 1) > MAX_N:  # (each choice is an engine request: an unbounded n floods the engine)
         raise BadRequestError(
             f"sampling_params.n must be at most {MAX_N}, got {kwargs['n']}", param="sampling_params.n"
-        )
-    seed = kwargs.get("seed")
-    if seed is not None and not _INT64_MIN <= seed <= _INT64_MAX:
-        raise BadRequestError(
-            "sampling_params.sampling_seed must fit in a signed 64-bit integer",
-            param="sampling_params.sampling_seed",
         )
     if isinstance(kwargs.get("stop"), str):
         kwargs["stop"] = [kwargs["stop"]]

@@ -223,12 +223,13 @@ class SamplingRequest(StructuredOutputsRequest, SamplingControls):
             )
         return k
 
-    _echo_allows_zero_max_tokens: ClassVar[bool] = False
-    """Whether ``echo`` lets ``max_tokens`` be 0 (completions: scoring a prompt)."""
+    ECHO_ALLOWS_ZERO_MAX_TOKENS: ClassVar[bool] = False
+    """Whether ``echo`` lets ``max_tokens`` be 0 (completions: scoring a prompt; chat has an echo
+    too, but never takes 0)."""
 
     def _allows_zero_max_tokens(self) -> bool:
         """Whether ``max_tokens: 0`` makes sense (only for completions with ``echo``: scoring a prompt)."""
-        return False
+        return self.ECHO_ALLOWS_ZERO_MAX_TOKENS and bool(getattr(self, "echo", False))
 
     def to_sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         """The engine's ``SamplingParams`` for this request (a 400 if a value is invalid).
@@ -247,10 +248,9 @@ class SamplingRequest(StructuredOutputsRequest, SamplingControls):
         max_tokens, max_tokens_field = self._requested_max_tokens()
         least = 0 if self._allows_zero_max_tokens() else 1
         if max_tokens is not None and max_tokens < least:
-            # (chat has an echo too, but never takes 0: the hint is the completions endpoint's)
             hint = (
                 " (0 is allowed only with echo)"
-                if max_tokens == 0 and self._echo_allows_zero_max_tokens
+                if max_tokens == 0 and self.ECHO_ALLOWS_ZERO_MAX_TOKENS
                 else ""
             )
             raise BadRequestError(
