@@ -20,7 +20,19 @@ from fastdeploy.ops.triton_pdl import pdl_kwargs, pdl_prologue
 def normalized_row(x, w_ptr, cols, mask, n, eps, dtype: tl.constexpr):
     """``weight * x / rms(x)`` of one float32 row, rounded to ``dtype`` after the normalization and
     again after the weight (the torch fallback's points; every kernel that normalizes uses these)."""
-    inv = tl.rsqrt(tl.sum(x * x, axis=0) / n + eps)
+    return scaled_by_rms(x, inverse_rms(x, n, eps), w_ptr, cols, mask, dtype)
+
+
+@triton.jit
+def inverse_rms(x, n, eps):
+    """``1 / rms`` of one float32 row of ``n`` values (masked columns zero)."""
+    return tl.rsqrt(tl.sum(x * x, axis=0) / n + eps)
+
+
+@triton.jit
+def scaled_by_rms(x, inv, w_ptr, cols, mask, dtype: tl.constexpr):
+    """The columns ``cols`` of a row (``x``, float32) normalized by its :func:`inverse_rms` and
+    weighted, at :func:`normalized_row`'s rounding points (for a kernel holding only some columns)."""
     normed = (x * inv).to(dtype).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     return (normed * w).to(dtype)

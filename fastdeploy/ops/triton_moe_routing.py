@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fastdeploy.ops.triton_layer_ops import inverse_rms, scaled_by_rms
 from fastdeploy.ops.triton_pdl import pdl_kwargs, pdl_prologue
 
 ROUTER_SPLIT_MAX_TOKENS = 4
@@ -140,19 +141,17 @@ def _norm_router_partials_kernel(
     e_mask = offs_e < E
     k_mask = offs_k < H
     w = _router_tile(w_ptr, offs_e, offs_k, e_mask, k_mask, stride_we)
-    g = tl.load(g_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
     for t in tl.static_range(BLOCK_T):
         valid = tl.zeros([BLOCK_H], dtype=tl.int32) + t < T
         row_mask = (cols < H) & valid
         x = tl.load(x_ptr + t * stride_xm + cols, mask=row_mask, other=0.0).to(tl.float32)
         r = tl.load(r_ptr + t * stride_rm + cols, mask=row_mask, other=0.0).to(tl.float32)
-        summed = (x + r).to(dtype).to(tl.float32)
-        inv = tl.rsqrt(tl.sum(summed * summed, axis=0) / H + eps)
+        inv = inverse_rms((x + r).to(dtype).to(tl.float32), H, eps)
         x_mask = k_mask & (tl.zeros([BLOCK_K], dtype=tl.int32) + t < T)
         xk = tl.load(x_ptr + t * stride_xm + offs_k, mask=x_mask, other=0.0).to(tl.float32)
         rk = tl.load(r_ptr + t * stride_rm + offs_k, mask=x_mask, other=0.0).to(tl.float32)
         summed_k = (xk + rk).to(dtype)
-        normed = (((summed_k.to(tl.float32) * inv).to(dtype).to(tl.float32)) * g).to(dtype)
+        normed = scaled_by_rms(summed_k.to(tl.float32), inv, g_ptr, offs_k, k_mask, dtype)
         if pid_e == 0:
             tl.store(res_out_ptr + t * H + offs_k, summed_k, mask=x_mask)
             tl.store(normed_ptr + t * H + offs_k, normed, mask=x_mask)
