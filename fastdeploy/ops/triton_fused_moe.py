@@ -421,7 +421,7 @@ def fused_experts(
     ):
         raise ValueError("a_quantized is for the per-channel FP8 grouped GEMM's steps (quantizes_per_token)")
     if explicit_config is None and num_tokens <= small_batch_max_tokens():
-        if triton_moe_onepass.enabled() and triton_moe_onepass.supports(w13, w2, block_shape):
+        if triton_moe_onepass.enabled() and triton_moe_onepass.supports(w13, block_shape):
             return triton_moe_onepass.fused_experts_one_pass(
                 hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block_shape,
                 skip_negative_ids=skip_negative_ids,

@@ -79,7 +79,7 @@ def test_one_pass_fp8_per_channel_weights_and_skipped_pairs(tokens):
 def test_one_pass_refuses_slices_across_scale_blocks():
     x, w13, w2, weights, ids = _problem(1, 128, 192, torch.float32, seed=60)  # 192: not whole 128-row blocks
     (q13, s13), (q2, s2) = fq.quantize_weight_block(w13), fq.quantize_weight_block(w2)
-    assert not onepass.supports(q13, q2, (128, 128), SMALL)
+    assert not onepass.supports(q13, (128, 128), SMALL)
     with pytest.raises(ValueError, match="block_i"):
         onepass.fused_experts_one_pass(*_on(DEVICE, x, q13, q2, weights, ids, s13, s2), config=SMALL)
 
