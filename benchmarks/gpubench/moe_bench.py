@@ -43,6 +43,7 @@ import json
 import math
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -397,65 +398,59 @@ def sweep_gemv(
     def seconds(configs: tuple[gemv.GemvConfig, gemv.GemvConfig]) -> float:
         return _experts_seconds(layers, routed, device, gemv.fused_experts_gemv, configs=configs)
 
-    default = gemv.default_configs(fp8, tokens)
-    default_seconds = best_seconds = seconds(default)
-    best, tried = default, 1
-    for which in (0, 1):
-        for cand in _gemv_candidates(fp8):
-            configs = (cand, best[1]) if which == 0 else (best[0], cand)
+    rounds = [
+        lambda best: [(c, best[1]) for c in _gemv_candidates(fp8)],
+        lambda best: [(best[0], c) for c in _gemv_candidates(fp8)],
+    ]
+    best, timing = _descend(seconds, gemv.default_configs(fp8, tokens), rounds)
+    return {**timing, "gate_up": asdict(best[0]), "down": asdict(best[1])}
+
+
+def _descend(
+    seconds: Callable[[Any], float], start: Any, rounds: list[Callable[[Any], list[Any]]]
+) -> tuple[Any, dict[str, Any]]:
+    """Coordinate descent from ``start``: each round times the candidates it makes from the best so
+    far (one the compiler or the layout refuses is skipped). The best, and ``tried`` /
+    ``default_seconds`` (the start's) / ``best_seconds``."""
+    best = start
+    default_seconds = best_seconds = seconds(start)
+    tried = 1
+    for candidates in rounds:
+        for cand in candidates(best):
+            if cand == best:
+                continue
             try:
-                t = seconds(configs)
-            except Exception:  # a configuration the compiler refuses: skip it
+                t = seconds(cand)
+            except Exception:  # noqa: BLE001 - a configuration that does not compile or fit
                 continue
             tried += 1
             if t < best_seconds:
-                best, best_seconds = configs, t
-    return {
-        "tried": tried, "default_seconds": default_seconds, "best_seconds": best_seconds,
-        "gate_up": asdict(best[0]), "down": asdict(best[1]),
-    }  # fmt: skip
+                best, best_seconds = cand, t
+    return best, {"tried": tried, "default_seconds": default_seconds, "best_seconds": best_seconds}
 
 
-def _onepass_candidates(default: onepass.OnePassConfig) -> list[list[onepass.OnePassConfig]]:
-    """The one-pass kernel's candidates, in coordinate-descent rounds (each round varies some
-    fields of the best so far): slice width x K step, then the ``w2`` row step, then warps x
-    stages, then the summing kernel's columns."""
-    return [
-        [dataclasses.replace(default, block_i=i, block_k=k) for i in (16, 32, 64) for k in (128, 256, 512)],
-        [dataclasses.replace(default, block_h=h) for h in (32, 64, 128, 256)],
-        [dataclasses.replace(default, num_warps=w, num_stages=st) for w in (4, 8) for st in (2, 3, 4)],
-        [dataclasses.replace(default, sum_block_h=h) for h in (64, 128, 256, 512)],
-    ]
+_ONEPASS_ROUNDS: list[Callable[[onepass.OnePassConfig], list[onepass.OnePassConfig]]] = [
+    lambda b: [dataclasses.replace(b, block_i=i, block_k=k) for i in (16, 32, 64) for k in (128, 256, 512)],
+    lambda b: [dataclasses.replace(b, block_h=h) for h in (32, 64, 128, 256)],
+    lambda b: [dataclasses.replace(b, num_warps=w, num_stages=st) for w in (4, 8) for st in (2, 3, 4)],
+    lambda b: [dataclasses.replace(b, sum_block_h=h) for h in (64, 128, 256, 512)],
+]
+"""The one-pass kernel's coordinate-descent rounds, each varying some fields of the best so far:
+slice width x K step, the ``w2`` row step, warps x stages, the summing kernel's columns."""
 
 
 def sweep_onepass(
     shape: MoeShape, layers: list[Layer], dtype: str, tokens: int, device: torch.device
 ) -> dict[str, Any]:
     """The one-pass kernel's fastest configuration by coordinate descent from its default
-    (:func:`_onepass_candidates`). Times the experts alone (routing precomputed)."""
+    (:data:`_ONEPASS_ROUNDS`). Times the experts alone (routing precomputed)."""
     routed = _routed(shape, len(layers), tokens, device)
 
     def seconds(config: onepass.OnePassConfig) -> float:
         return _experts_seconds(layers, routed, device, onepass.fused_experts_one_pass, config=config)
 
-    best = onepass.default_config()
-    default_seconds = best_seconds = seconds(best)
-    tried = 1
-    for rounds in range(4):
-        for cand in _onepass_candidates(best)[rounds]:
-            if cand == best:
-                continue
-            try:
-                t = seconds(cand)
-            except Exception:  # a configuration the compiler refuses or the layout does not take
-                continue
-            tried += 1
-            if t < best_seconds:
-                best, best_seconds = cand, t
-    return {
-        "tried": tried, "default_seconds": default_seconds, "best_seconds": best_seconds,
-        "onepass": asdict(best),
-    }  # fmt: skip
+    best, timing = _descend(seconds, onepass.default_config(), _ONEPASS_ROUNDS)
+    return {**timing, "onepass": asdict(best)}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -490,11 +485,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     if copy_bw:
                         row["floor_seconds"] = row["weight_bytes"] / copy_bw
                         row["x_floor"] = (row["graph_seconds"] or row["eager_seconds"]) / row["floor_seconds"]
-                    if args.sweep:
+                    if args.sweep or (args.sweep_onepass and path == "onepass"):
                         search = {"grouped": sweep, "gemv": sweep_gemv, "onepass": sweep_onepass}[path]
                         row["sweep"] = search(shape, use, dtype, tokens, device)
-                    if args.sweep_onepass and path == "onepass":
-                        row["sweep"] = sweep_onepass(shape, use, dtype, tokens, device)
                     if args.sweep_split and path == "grouped":
                         row["sweep"] = sweep_split(
                             shape, use, dtype, tokens, device, 2 if args.smoke else None
