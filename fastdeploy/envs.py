@@ -157,10 +157,10 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "the top-k kernel (many programs over the router weight) instead of the small-M GEMV (on by default; 0 turns it off).",
     ),
     "FD_MOE_ROUTER_NORM_FUSION": (
-        _bool("FD_MOE_ROUTER_NORM_FUSION", "0"),
+        _bool("FD_MOE_ROUTER_NORM_FUSION", "1"),
         "With the split router (FD_MOE_ROUTER_SPLIT), run the residual add + RMSNorm before a MoE block "
-        "inside the router's kernel (one launch fewer a layer at decode steps of at most 4 tokens; "
-        "off until measured).",
+        "inside the router's kernel (one launch fewer a layer at decode steps of at most 4 tokens; on "
+        "by default; 0: the norm kernel, then the router).",
     ),
     "FD_FP8_CHANNEL_TRITON_MAX_M": (
         lambda: int(os.environ.get("FD_FP8_CHANNEL_TRITON_MAX_M", "512")),
@@ -179,12 +179,6 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "Fused-MoE calls of at most this many tokens run the two GEMV-like expert kernels (no expert "
         "sort, SiLU-and-multiply and the top-k sum fused) instead of the sorted grouped GEMM; "
         "0: always the grouped GEMM.",
-    ),
-    "FD_MOE_GEMV_ONE_PASS": (
-        _bool("FD_MOE_GEMV_ONE_PASS", "0"),
-        "Fused-MoE calls of at most FD_MOE_GEMV_MAX_TOKENS tokens run gate_up, SiLU-and-multiply and "
-        "down per slice of the intermediate dimension in one kernel, then sum the slices' partial rows "
-        "(fastdeploy/ops/triton_moe_onepass.py), instead of the two GEMV-like kernels (off until measured).",
     ),
     "FD_MOE_GROUPED_MM_MIN_TOKENS": (
         lambda: int(os.environ.get("FD_MOE_GROUPED_MM_MIN_TOKENS", "0")),

@@ -34,9 +34,8 @@
 #   moe_router (~4) the batch-1 FP8 decode step, the MoE router split-K (FD_MOE_ROUTER_SPLIT) or not
 #   moe_split (~5) the MoE layer's two grouped GEMMs tuned apart at 256 and 8,192 tokens (FP8 per channel)
 #   moe_vllm_fair (~7) vLLM's bar runs with uniform simulated routing (FP8, bf16), and FP8 as before
-#   moe_fusions (~8) the few-token MoE in one pass (FD_MOE_GEMV_ONE_PASS) against the two GEMV kernels at
-#                 1-4 tokens, its configurations swept at one token; the batch-1 FP8 / bf16 step with it and
-#                 the norm inside the router (FD_MOE_ROUTER_NORM_FUSION) off / on
+#   moe_fusions (~4) the batch-1 FP8 / bf16 step with the norm inside the router (FD_MOE_ROUTER_NORM_FUSION)
+#                 off / on
 #   moe (~6)      a batch-1 FP8 and bf16 decode step of the Qwen3-30B-A3B shape, kernel table;
 #                 the experts' GEMV configuration sweep at one token
 #   bash tools/gpu_pending.sh OUT [section ...]
@@ -283,7 +282,7 @@ tests() {  # one pytest a file, all at once (small tests; one GPU is enough): a 
         "tests/ops/test_triton_fused_moe.py -k grouped_mm" tests/ops/test_layer_ops.py
         "tests/ops/test_triton_moe_routing.py tests/model_executor/test_moe_router.py"
         "tests/ops/test_triton_fp8_gemm.py tests/ops/test_fp8_linear_cuda.py tests/ops/test_triton_fp8_quant.py"
-        tests/model_executor/test_fused_moe_fp8.py "tests/ops/test_triton_moe_onepass.py tests/ops/test_triton_moe_gemv.py")
+        tests/model_executor/test_fused_moe_fp8.py tests/ops/test_triton_moe_gemv.py)
     for target in "${targets[@]}"; do
         timeout 400 python3 -X faulthandler -m pytest -q -p no:cacheprovider $target > "$W/gpu_tests_$i.log" 2>&1 &
         pids+=($!)
@@ -296,23 +295,18 @@ tests() {  # one pytest a file, all at once (small tests; one GPU is enough): a 
     timeout 120 python3 tools/probe_cpu_ext_throw.py 2>&1 | tee "$W/throw_probe.txt"
 }
 
-# #18: the few-token MoE as one kernel per (pair, intermediate slice) plus a sum of the slices'
-# partial rows (triton_moe_onepass) against the two GEMV kernels (gate_up 10.4 + down 8.6 us a layer
-# at one FP8 token in the twenty-sixth session, against a 9 us floor): the layer at 1-4 tokens, the
-# one-pass configurations at one token, then the batch-1 decode step with it and the MoE input's
-# residual add + RMSNorm inside the split router's kernel (FD_MOE_ROUTER_NORM_FUSION) off and on
+# #18: the batch-1 decode step of the Qwen3-30B-A3B shape with the MoE input's residual add + RMSNorm
+# inside the split router's kernel (FD_MOE_ROUTER_NORM_FUSION) off and on (the twenty-seventh session:
+# 2.396 -> 2.308 ms FP8, 2.709 -> 2.625 bf16; that run also timed the one-pass few-token MoE, since
+# dropped: 4x slower than the two GEMV kernels)
 moe_fusions() {
-    timeout 300 python3 -m benchmarks.gpubench.moe_bench --out "$W/layer" --tokens 1,2,4 --dtypes ptpc_fp8,bf16 \
-        --sweep-onepass > "$W/layer.log" 2>&1
-    grep "|" "$W/layer/results.md" | tail -n 12 | cut -c1-400
     for quant in ptpc_fp8 bf16; do
-        for flags in 00 10 01 11; do  # one pass, norm fusion
-            FD_MOE_GEMV_ONE_PASS=${flags:0:1} FD_MOE_ROUTER_NORM_FUSION=${flags:1:1} timeout 120 python3 -m \
-                benchmarks.gpubench.profile_decode benchmarks/configs/qwen3-30b-a3b --batch 1 \
-                $([ $quant = bf16 ] || echo --quantization $quant) --rows 14 > "$W/b1_${quant}_$flags.txt" 2>&1
-            echo "$quant one pass ${flags:0:1}, norm fusion ${flags:1:1}: $(grep '^batch 1' "$W/b1_${quant}_$flags.txt" | head -n 1)"
-            grep -E "_expert_slice|_sum_partials|_gate_up_kernel|_down_kernel|norm|router" "$W/b1_${quant}_$flags.txt" \
-                | cut -c1-60,100-160
+        for fusion in 0 1; do
+            FD_MOE_ROUTER_NORM_FUSION=$fusion timeout 120 python3 -m benchmarks.gpubench.profile_decode \
+                benchmarks/configs/qwen3-30b-a3b --batch 1 $([ $quant = bf16 ] || echo --quantization $quant) \
+                --rows 14 > "$W/b1_${quant}_$fusion.txt" 2>&1
+            echo "$quant norm fusion $fusion: $(grep '^batch 1' "$W/b1_${quant}_$fusion.txt" | head -n 1)"
+            grep -E "norm|router" "$W/b1_${quant}_$fusion.txt" | cut -c1-60,100-160
         done
     done
 }

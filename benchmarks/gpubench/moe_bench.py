@@ -16,10 +16,9 @@ replayed from a CUDA graph (what decode steps run). For each token count and pat
 * the error against the torch path (``compute_experts_torch`` on the same routing; for FP8 it
   computes w8a8, which the grouped GEMM matches, the w8a16 GEMV path only to FP8 precision).
 
-Paths: ``gemv`` (the few-token kernels of :mod:`fastdeploy.ops.triton_moe_gemv`), ``onepass``
-(the few-token kernel of :mod:`fastdeploy.ops.triton_moe_onepass`, ``FD_MOE_GEMV_ONE_PASS``) and
-``grouped`` (the sorted grouped GEMM), all timed up to 16 tokens so that ``FD_MOE_GEMV_MAX_TOKENS``
-can be set where they cross; ``grouped`` beyond. Routing is random (each token's k experts distinct).
+Paths: ``gemv`` (the few-token kernels of :mod:`fastdeploy.ops.triton_moe_gemv`) and ``grouped``
+(the sorted grouped GEMM), both timed up to 16 tokens so that ``FD_MOE_GEMV_MAX_TOKENS`` can be set
+where they cross; ``grouped`` beyond. Routing is random (each token's k experts distinct).
 Weights rotate over several layers' worth of sets at small batches so that the touched experts
 are read from HBM, not L2.
 
@@ -38,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import math
 import os
@@ -55,7 +53,6 @@ from fastdeploy.model_executor.layers.fused_moe import FusedMoE, select_experts,
 from fastdeploy.model_executor.layers.quantization import Fp8Config, PtpcFp8Config
 from fastdeploy.ops import triton_fused_moe as moe
 from fastdeploy.ops import triton_moe_gemv as gemv
-from fastdeploy.ops import triton_moe_onepass as onepass
 from fastdeploy.ops.triton_moe_routing import moe_align_block_size
 
 from .measure import copy_bandwidth, device_description, error_text, free_memory, time_per_call
@@ -145,12 +142,8 @@ def _inputs(shape: MoeShape, tokens: int, device: torch.device, seed: int):
 
 @contextlib.contextmanager
 def _path(path: str):
-    """``FD_MOE_GEMV_MAX_TOKENS`` and ``FD_MOE_GEMV_ONE_PASS`` for one path (read at each call, so
-    also at graph capture)."""
-    settings = {
-        "FD_MOE_GEMV_MAX_TOKENS": str(0 if path == "grouped" else 1 << 30),
-        "FD_MOE_GEMV_ONE_PASS": "1" if path == "onepass" else "0",
-    }
+    """``FD_MOE_GEMV_MAX_TOKENS`` for one path (read at each call, so also at graph capture)."""
+    settings = {"FD_MOE_GEMV_MAX_TOKENS": str(0 if path == "grouped" else 1 << 30)}
     old = {name: os.environ.get(name) for name in settings}
     os.environ.update(settings)
     try:
@@ -429,30 +422,6 @@ def _descend(
     return best, {"tried": tried, "default_seconds": default_seconds, "best_seconds": best_seconds}
 
 
-_ONEPASS_ROUNDS: list[Callable[[onepass.OnePassConfig], list[onepass.OnePassConfig]]] = [
-    lambda b: [dataclasses.replace(b, block_i=i, block_k=k) for i in (16, 32, 64) for k in (128, 256, 512)],
-    lambda b: [dataclasses.replace(b, block_h=h) for h in (32, 64, 128, 256)],
-    lambda b: [dataclasses.replace(b, num_warps=w, num_stages=st) for w in (4, 8) for st in (2, 3, 4)],
-    lambda b: [dataclasses.replace(b, sum_block_h=h) for h in (64, 128, 256, 512)],
-]
-"""The one-pass kernel's coordinate-descent rounds, each varying some fields of the best so far:
-slice width x K step, the ``w2`` row step, warps x stages, the summing kernel's columns."""
-
-
-def sweep_onepass(
-    shape: MoeShape, layers: list[Layer], dtype: str, tokens: int, device: torch.device
-) -> dict[str, Any]:
-    """The one-pass kernel's fastest configuration by coordinate descent from its default
-    (:data:`_ONEPASS_ROUNDS`). Times the experts alone (routing precomputed)."""
-    routed = _routed(shape, len(layers), tokens, device)
-
-    def seconds(config: onepass.OnePassConfig) -> float:
-        return _experts_seconds(layers, routed, device, onepass.fused_experts_one_pass, config=config)
-
-    best, timing = _descend(seconds, onepass.default_config(), _ONEPASS_ROUNDS)
-    return {**timing, "onepass": asdict(best)}
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every (dtype, tokens) row of the settings (and the sweep's winners with ``--sweep``)."""
     device = torch.device(args.device)
@@ -472,7 +441,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         layers = [make_layer(shape, dtype, device, seed=j) for j in range(sets)]
         for tokens in tokens_list:
             use = layers if tokens <= 64 else layers[:1]
-            paths = ("gemv", "onepass", "grouped") if tokens <= GEMV_COMPARE_MAX else ("grouped",)
+            paths = ("gemv", "grouped") if tokens <= GEMV_COMPARE_MAX else ("grouped",)
             route = {}
             try:
                 route = route_align_times(shape, tokens, _default_config(tokens, dtype).block_m, device)
@@ -485,8 +454,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     if copy_bw:
                         row["floor_seconds"] = row["weight_bytes"] / copy_bw
                         row["x_floor"] = (row["graph_seconds"] or row["eager_seconds"]) / row["floor_seconds"]
-                    if args.sweep or (args.sweep_onepass and path == "onepass"):
-                        search = {"grouped": sweep, "gemv": sweep_gemv, "onepass": sweep_onepass}[path]
+                    if args.sweep:
+                        search = {"grouped": sweep, "gemv": sweep_gemv}[path]
                         row["sweep"] = search(shape, use, dtype, tokens, device)
                     if args.sweep_split and path == "grouped":
                         row["sweep"] = sweep_split(
@@ -534,14 +503,6 @@ def render(results: dict[str, Any]) -> str:
         conf = _tile_text(c) if c else ""
         best = (r.get("sweep") or {}).get("best")
         best_text = ""
-        if r.get("sweep") and "onepass" in r["sweep"]:
-            w = r["sweep"]
-            c = w["onepass"]
-            best_text = (
-                f"experts {w['best_seconds'] * 1e6:.1f} µs (default {w['default_seconds'] * 1e6:.1f}, "
-                f"{w['tried']} tried): I{c['block_i']} K{c['block_k']} H{c['block_h']} w{c['num_warps']} "
-                f"s{c['num_stages']} sum{c['sum_block_h']}"
-            )
         if r.get("sweep") and "gate_up" in r["sweep"]:  # the GEMV / split sweeps: each kernel's best
             w = r["sweep"]
             best_text = (
@@ -576,9 +537,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", action="store_true", help="also time candidate configurations per size")
     parser.add_argument(
         "--sweep-split", action="store_true", help="grouped rows: the two GEMMs' configurations apart"
-    )
-    parser.add_argument(
-        "--sweep-onepass", action="store_true", help="onepass rows only: the one-pass kernel's configurations"
     )
     parser.add_argument(
         "--smoke", action="store_true", help="tiny shapes (script check, CPU + TRITON_INTERPRET=1)"

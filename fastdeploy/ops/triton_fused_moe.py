@@ -40,7 +40,6 @@ import triton
 import triton.language as tl
 
 from fastdeploy import envs
-from fastdeploy.ops import triton_moe_onepass
 from fastdeploy.ops.fp8_grouped_mm import grouped_mm_applies, grouped_mm_experts
 from fastdeploy.ops.fp8_quant import (
     FP8_DTYPE,
@@ -421,11 +420,6 @@ def fused_experts(
     ):
         raise ValueError("a_quantized is for the per-channel FP8 grouped GEMM's steps (quantizes_per_token)")
     if explicit_config is None and num_tokens <= small_batch_max_tokens():
-        if triton_moe_onepass.enabled() and triton_moe_onepass.supports(w13, block_shape):
-            return triton_moe_onepass.fused_experts_one_pass(
-                hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block_shape,
-                skip_negative_ids=skip_negative_ids,
-            )  # fmt: skip
         return fused_experts_gemv(
             hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block_shape,
             skip_negative_ids=skip_negative_ids,
