@@ -180,6 +180,12 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "sort, SiLU-and-multiply and the top-k sum fused) instead of the sorted grouped GEMM; "
         "0: always the grouped GEMM.",
     ),
+    "FD_MOE_TMA_WEIGHTS": (
+        _bool("FD_MOE_TMA_WEIGHTS", "0"),
+        "The fused MoE's grouped GEMM reads the expert weights through TMA tensor descriptors on "
+        "Hopper and later (the activations' gathered rows stay pointer loads); 0 (the default until "
+        "measured on a GPU): pointer loads for both.",
+    ),
     "FD_MOE_GROUPED_MM_MIN_TOKENS": (
         lambda: int(os.environ.get("FD_MOE_GROUPED_MM_MIN_TOKENS", "0")),
         "Per-channel FP8 MoE steps of at least this many tokens on Hopper run the experts as two "

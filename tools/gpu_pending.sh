@@ -36,12 +36,14 @@
 #   moe_vllm_fair (~7) vLLM's bar runs with uniform simulated routing (FP8, bf16), and FP8 as before
 #   moe_fusions (~4) the batch-1 FP8 / bf16 step with the norm inside the router (FD_MOE_ROUTER_NORM_FUSION)
 #                 off / on
+#   moe_tma (~5)  the expert weights through TMA descriptors (FD_MOE_TMA_WEIGHTS) or pointer loads: its
+#                 test on the GPU, then the MoE layer at 256 and 8,192 tokens, FP8 per channel and bf16
 #   moe (~6)      a batch-1 FP8 and bf16 decode step of the Qwen3-30B-A3B shape, kernel table;
 #                 the experts' GEMV configuration sweep at one token
 #   bash tools/gpu_pending.sh OUT [section ...]
 # Run it without `| tail` in the `run` call: a call stopped at its time limit returns only what it
 # already printed (twice in the twentieth session a tail held back every line of a 600 s call).
-OUT=${1:?usage: tools/gpu_pending.sh OUT [structured_nice] [structured_threads] [structured_gil] [structured_default] [structured_guidance] [first_burst] [structured] [tests] [moe_e2e] [moe_budget] [moe_prefill] [moe_phases] [moe_vllm] [moe_fair] [moe_split] [fp8_channel] [moe_router] [gemv_sweep] [moe_vllm_fair] [moe_fusions] [offline_ratio] [poisson] [prefill] [moe] [budget]}
+OUT=${1:?usage: tools/gpu_pending.sh OUT [structured_nice] [structured_threads] [structured_gil] [structured_default] [structured_guidance] [first_burst] [structured] [tests] [moe_e2e] [moe_budget] [moe_prefill] [moe_phases] [moe_vllm] [moe_fair] [moe_split] [fp8_channel] [moe_router] [gemv_sweep] [moe_vllm_fair] [moe_fusions] [moe_tma] [offline_ratio] [poisson] [prefill] [moe] [budget]}
 shift
 sections=${*:-structured_nice tests moe_e2e poisson prefill moe budget}
 mkdir -p "$OUT"
@@ -308,6 +310,20 @@ moe_fusions() {
             echo "$quant norm fusion $fusion: $(grep '^batch 1' "$W/b1_${quant}_$fusion.txt" | head -n 1)"
             grep -E "norm|router" "$W/b1_${quant}_$fusion.txt" | cut -c1-60,100-160
         done
+    done
+}
+
+# #18: the grouped GEMM's weight tiles through TMA tensor descriptors against pointer loads (the
+# prefill steps' grouped GEMM ran at ~890 TFLOP/s in FP8, the twenty-third session)
+moe_tma() {
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/ops/test_triton_fused_moe.py -k tma_desc \
+        > "$W/tma_test.log" 2>&1
+    echo "tma test: $(tail -n 1 "$W/tma_test.log")"
+    for tma in 0 1; do
+        FD_MOE_TMA_WEIGHTS=$tma timeout 150 python3 -m benchmarks.gpubench.moe_bench --out "$W/tma$tma" \
+            --tokens 256,8192 --dtypes ptpc_fp8,bf16 > "$W/tma$tma.log" 2>&1
+        echo "FD_MOE_TMA_WEIGHTS=$tma"
+        grep "|" "$W/tma$tma/results.md" | tail -n 4 | cut -c1-200
     done
 }
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fastdeploy import envs
 from fastdeploy.ops.fp8_grouped_mm import grouped_mm_applies, grouped_mm_experts
@@ -164,11 +165,14 @@ def _moe_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    B_TMA: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """``c[pair, n] = (w[pair]) * sum_k a[pair // A_DIV, k] * b[expert, n, k]`` for the pairs of one
     ``BLOCK_M`` block of ``sorted_ids`` (one expert) and ``BLOCK_N`` columns (``CHANNEL``: FP8 with
-    per-token and per-channel scales, applied after the K loop)."""
+    per-token and per-channel scales, applied after the K loop). With ``B_TMA`` ``b_ptr`` is a
+    tensor descriptor of the ``[E, N, K]`` weights (``[1, BLOCK_N, BLOCK_K]`` boxes; the tile's rows
+    past ``N`` or ``K`` read as zeros)."""
     pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(EM, BLOCK_M)
@@ -192,7 +196,8 @@ def _moe_gemm_kernel(
     cols = tl.minimum(offs_n, N - 1).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + row[:, None] * stride_am + offs_k[None, :]
-    b_ptrs = b_ptr + expert * stride_be + cols[None, :] * stride_bn + offs_k[:, None]
+    if not B_TMA:
+        b_ptrs = b_ptr + expert * stride_be + cols[None, :] * stride_bn + offs_k[:, None]
     if FP8:
         a_scale_ptrs = a_scale_ptr + row * stride_asm
         b_scale_ptrs = b_scale_ptr + expert * stride_bse + (cols // GROUP_N) * stride_bsn
@@ -200,11 +205,14 @@ def _moe_gemm_kernel(
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=pair_mask[:, None], other=0.0)
+        else:
+            a = tl.load(a_ptrs, mask=pair_mask[:, None] & ((k0 + offs_k) < K)[None, :], other=0.0)
+        if B_TMA:
+            b = b_ptr.load([expert.to(tl.int32), pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
+        elif EVEN_K:
             b = tl.load(b_ptrs)
         else:
-            k_mask = (k0 + offs_k) < K
-            a = tl.load(a_ptrs, mask=pair_mask[:, None] & k_mask[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=((k0 + offs_k) < K)[:, None], other=0.0)
         if FP8 and not CHANNEL:
             if DOT_FP32:
                 part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
@@ -218,7 +226,8 @@ def _moe_gemm_kernel(
         else:
             acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
+        if not B_TMA:
+            b_ptrs += BLOCK_K
     pdl_trigger(USE_PDL)
     if FP8 and CHANNEL:
         a_s = tl.load(a_scale_ptrs, mask=pair_mask, other=0.0)
@@ -228,6 +237,25 @@ def _moe_gemm_kernel(
         acc = acc * w[:, None]
     c_ptrs = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=pair_mask[:, None] & n_mask[None, :])
+
+
+def weights_by_tma(w: torch.Tensor, config: MoEKernelConfig) -> bool:
+    """Whether the grouped GEMM reads the ``[E, N, K]`` expert weights ``w`` through TMA tensor
+    descriptors (``FD_MOE_TMA_WEIGHTS``): on Hopper or later (or the interpreter), with the
+    descriptor's alignment (16-byte rows and base) and box limits (256 elements a side, 16 bytes
+    or more along K)."""
+    if not envs.FD_MOE_TMA_WEIGHTS or w.dim() != 3 or w.stride(2) != 1:
+        return False
+    if not triton_interpreting() and not (w.is_cuda and torch.cuda.get_device_capability(w.device)[0] >= 9):
+        return False
+    size = w.element_size()
+    return (
+        w.stride(1) * size % 16 == 0
+        and w.stride(0) * size % 16 == 0
+        and w.data_ptr() % 16 == 0
+        and config.block_k * size >= 16
+        and max(config.block_n, config.block_k) <= 256
+    )
 
 
 def _launch(
@@ -250,9 +278,10 @@ def _launch(
     interpreting = triton_interpreting()
     dot_fp32 = a.dtype == torch.float32 or interpreting  # the interpreter's low-precision dot is wrong
     grid = (triton.cdiv(sorted_ids.numel(), config.block_m) * triton.cdiv(n, config.block_n),)
+    b_tma = weights_by_tma(w, config)
     _moe_gemm_kernel[grid](
         a,
-        w,
+        TensorDescriptor.from_tensor(w, [1, config.block_n, config.block_k]) if b_tma else w,
         out,
         a_scale if fp8 else a,
         w_scale if fp8 else w,
@@ -283,6 +312,7 @@ def _launch(
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         GROUP_M=config.group_m,
+        B_TMA=b_tma,
         num_warps=config.num_warps,
         num_stages=1 if interpreting else config.num_stages,
         **pdl_kwargs(out),

@@ -289,6 +289,41 @@ def test_config_override_and_non_even_k():
 
 
 @needs_backend
+@pytest.mark.parametrize("quant", ["bf16", "fp32-odd-k", "fp8-block", "fp8-channel"])
+def test_weights_through_tma_descriptors(quant, monkeypatch):
+    """``FD_MOE_TMA_WEIGHTS=1`` (the weights' tiles loaded through tensor descriptors, zeros past N
+    and K) computes what the pointer loads compute, also where a tile overhangs K (80 = 2.5 tiles
+    of 32, 48 = 1.5) and N (80 columns in 32-wide tiles), with FP8 block and per-channel scales.
+    Up to accumulation order (the interpreter's dot of a transposed tile sums in another order):
+    1e-5 in float32; in bf16 an output may round one ulp (2^-8) the other way, so 4e-3 of the
+    norm there (a wrong tile, expert or scale is O(1))."""
+    config = None
+    if quant == "fp32-odd-k":
+        args = _problem(9, 80, 48, torch.float32, seed=12)
+        config = moe.MoEKernelConfig(block_m=16, block_n=32, block_k=32, group_m=2)
+        kwargs = {}
+    elif quant == "bf16":
+        args, kwargs = _problem(21, 128, 96, torch.bfloat16, seed=13), {}
+    elif quant == "fp8-block":
+        (x, _, _, weights, ids), (q13, s13, q2, s2) = _fp8_problem(21, 192, 96, seed=14)
+        args, kwargs = (x, q13, q2, weights, ids, s13, s2), {}
+    else:
+        x, w13, w2, weights, ids = _problem(21, 192, 96, torch.bfloat16, seed=15)
+        (q13, s13), (q2, s2) = (
+            fq.quantize_weight_per_channel(w13.float()),
+            fq.quantize_weight_per_channel(w2.float()),
+        )
+        args, kwargs = (x, q13, q2, weights, ids, s13, s2), {"block_shape": None}
+    tensors = _on(DEVICE, *args)
+    monkeypatch.setenv("FD_MOE_TMA_WEIGHTS", "0")
+    pointers = moe.fused_experts(*tensors, config=config, **kwargs)
+    monkeypatch.setenv("FD_MOE_TMA_WEIGHTS", "1")
+    assert moe.weights_by_tma(tensors[1], config or moe.default_config(21, False))
+    tma = moe.fused_experts(*tensors, config=config, **kwargs)
+    assert _rel_err(tma, pointers.cpu().double()) < (1e-5 if quant == "fp32-odd-k" else 4e-3)
+
+
+@needs_backend
 def test_down_config_of_its_own():
     """The down GEMM with its own tiles (same ``block_m``) gives the same result; another
     ``block_m`` than gate_up's (one sorted layout for both) is refused."""
