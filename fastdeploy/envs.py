@@ -181,10 +181,11 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "0: always the grouped GEMM.",
     ),
     "FD_MOE_TMA_WEIGHTS": (
-        _bool("FD_MOE_TMA_WEIGHTS", "0"),
-        "The fused MoE's grouped GEMM reads the expert weights through TMA tensor descriptors on "
-        "Hopper and later (the activations' gathered rows stay pointer loads); 0 (the default until "
-        "measured on a GPU): pointer loads for both.",
+        lambda: os.environ.get("FD_MOE_TMA_WEIGHTS", "auto").strip().lower() or "auto",
+        "Whether the fused MoE's grouped GEMM reads the expert weights through TMA tensor descriptors "
+        "on Hopper and later (the activations' gathered rows stay pointer loads): auto (the default) "
+        "for 16-bit weights (bf16 prefill layer 8% faster on an H200), not FP8 (within 1%); 1: every "
+        "dtype; 0: never.",
     ),
     "FD_MOE_GROUPED_MM_MIN_TOKENS": (
         lambda: int(os.environ.get("FD_MOE_GROUPED_MM_MIN_TOKENS", "0")),

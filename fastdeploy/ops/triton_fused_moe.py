@@ -241,10 +241,13 @@ def _moe_gemm_kernel(
 
 def weights_by_tma(w: torch.Tensor, config: MoEKernelConfig) -> bool:
     """Whether the grouped GEMM reads the ``[E, N, K]`` expert weights ``w`` through TMA tensor
-    descriptors (``FD_MOE_TMA_WEIGHTS``): on Hopper or later (or the interpreter), with the
-    descriptor's alignment (16-byte rows and base) and box limits (256 elements a side, 16 bytes
-    or more along K)."""
-    if not envs.FD_MOE_TMA_WEIGHTS or w.dim() != 3 or w.stride(2) != 1:
+    descriptors (``FD_MOE_TMA_WEIGHTS``: ``auto`` for 16-bit weights, ``1`` any, ``0`` none): on
+    Hopper or later (or the interpreter), with the descriptor's alignment (16-byte rows and base)
+    and box limits (256 elements a side, 16 bytes or more along K)."""
+    setting = envs.FD_MOE_TMA_WEIGHTS
+    if setting in ("0", "false", "no", "off") or w.dim() != 3 or w.stride(2) != 1:
+        return False
+    if setting == "auto" and w.dtype == FP8_DTYPE:
         return False
     if not triton_interpreting() and not (w.is_cuda and torch.cuda.get_device_capability(w.device)[0] >= 9):
         return False
@@ -256,6 +259,22 @@ def weights_by_tma(w: torch.Tensor, config: MoEKernelConfig) -> bool:
         and config.block_k * size >= 16
         and max(config.block_n, config.block_k) <= 256
     )
+
+
+_DESCRIPTORS: dict[tuple, TensorDescriptor] = {}
+"""Tensor descriptors of expert weights by (address, shape, strides, dtype, box): made once each
+(the weights do not move; a descriptor holds its tensor, so the address is not reused while cached)."""
+
+
+def _weight_descriptor(w: torch.Tensor, block_n: int, block_k: int) -> TensorDescriptor:
+    """The ``[E, N, K]`` weights' descriptor with ``[1, block_n, block_k]`` boxes (cached)."""
+    key = (w.data_ptr(), tuple(w.shape), tuple(w.stride()), w.dtype, block_n, block_k)
+    desc = _DESCRIPTORS.get(key)
+    if desc is None:
+        if len(_DESCRIPTORS) >= 4096:  # (weights reloaded many times over: start afresh)
+            _DESCRIPTORS.clear()
+        desc = _DESCRIPTORS[key] = TensorDescriptor.from_tensor(w, [1, block_n, block_k])
+    return desc
 
 
 def _launch(
@@ -281,7 +300,7 @@ def _launch(
     b_tma = weights_by_tma(w, config)
     _moe_gemm_kernel[grid](
         a,
-        TensorDescriptor.from_tensor(w, [1, config.block_n, config.block_k]) if b_tma else w,
+        _weight_descriptor(w, config.block_n, config.block_k) if b_tma else w,
         out,
         a_scale if fp8 else a,
         w_scale if fp8 else w,

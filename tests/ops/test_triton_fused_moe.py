@@ -323,6 +323,22 @@ def test_weights_through_tma_descriptors(quant, monkeypatch):
     assert _rel_err(tma, pointers.cpu().double()) < (1e-5 if quant == "fp32-odd-k" else 4e-3)
 
 
+def test_tma_weights_setting(monkeypatch):
+    """``FD_MOE_TMA_WEIGHTS``: ``auto`` (the default) takes descriptors for 16-bit weights only, ``1``
+    for FP8 too, ``0`` never; a layout TMA cannot address (a K row of 8 bytes) never."""
+    monkeypatch.setattr(moe, "triton_interpreting", lambda: True)  # (as on a Hopper GPU)
+    config = moe.MoEKernelConfig(16, 32, 32, 1)
+    bf16 = torch.zeros(4, 64, 64, dtype=torch.bfloat16)
+    fp8 = torch.zeros(4, 64, 64, dtype=fq.FP8_DTYPE)
+    monkeypatch.delenv("FD_MOE_TMA_WEIGHTS", raising=False)
+    assert moe.weights_by_tma(bf16, config) and not moe.weights_by_tma(fp8, config)
+    monkeypatch.setenv("FD_MOE_TMA_WEIGHTS", "1")
+    assert moe.weights_by_tma(bf16, config) and moe.weights_by_tma(fp8, config)
+    assert not moe.weights_by_tma(torch.zeros(4, 64, 4, dtype=torch.bfloat16), config)
+    monkeypatch.setenv("FD_MOE_TMA_WEIGHTS", "0")
+    assert not moe.weights_by_tma(bf16, config) and not moe.weights_by_tma(fp8, config)
+
+
 @needs_backend
 def test_down_config_of_its_own():
     """The down GEMM with its own tiles (same ``block_m``) gives the same result; another
