@@ -261,19 +261,13 @@ def weights_by_tma(w: torch.Tensor, config: MoEKernelConfig) -> bool:
     )
 
 
-_DESCRIPTORS: dict[tuple, TensorDescriptor] = {}
-"""Tensor descriptors of expert weights by (address, shape, strides, dtype, box): made once each
-(the weights do not move; a descriptor holds its tensor, so the address is not reused while cached)."""
-
-
 def _weight_descriptor(w: torch.Tensor, block_n: int, block_k: int) -> TensorDescriptor:
-    """The ``[E, N, K]`` weights' descriptor with ``[1, block_n, block_k]`` boxes (cached)."""
-    key = (w.data_ptr(), tuple(w.shape), tuple(w.stride()), w.dtype, block_n, block_k)
-    desc = _DESCRIPTORS.get(key)
+    """The ``[E, N, K]`` weights' descriptor with ``[1, block_n, block_k]`` boxes, made once per
+    weight tensor and box and kept on the tensor (it lives and dies with the weights)."""
+    cache = w.__dict__.setdefault("_fd_tma_descriptors", {})
+    desc = cache.get((block_n, block_k))
     if desc is None:
-        if len(_DESCRIPTORS) >= 4096:  # (weights reloaded many times over: start afresh)
-            _DESCRIPTORS.clear()
-        desc = _DESCRIPTORS[key] = TensorDescriptor.from_tensor(w, [1, block_n, block_k])
+        desc = cache[(block_n, block_k)] = TensorDescriptor.from_tensor(w, [1, block_n, block_k])
     return desc
 
 
