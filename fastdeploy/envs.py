@@ -187,6 +187,12 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "for 16-bit weights (bf16 prefill layer 8% faster on an H200), not FP8 (within 1%); 1: every "
         "dtype; 0: never.",
     ),
+    "FD_MOE_PERSISTENT_MIN_TOKENS": (
+        lambda: int(os.environ.get("FD_MOE_PERSISTENT_MIN_TOKENS", "0")),
+        "Fused-MoE steps of at least this many tokens run the grouped GEMM on a persistent grid (one "
+        "program per SM walking the tiles, tile and K loops pipelined together; "
+        "fastdeploy/ops/triton_moe_gemm.py); 0 (the default until measured on a GPU): one program a tile.",
+    ),
     "FD_MOE_GROUPED_MM_MIN_TOKENS": (
         lambda: int(os.environ.get("FD_MOE_GROUPED_MM_MIN_TOKENS", "0")),
         "Per-channel FP8 MoE steps of at least this many tokens on Hopper run the experts as two "

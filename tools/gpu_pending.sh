@@ -38,12 +38,15 @@
 #                 off / on
 #   moe_tma (~5)  the expert weights through TMA descriptors (FD_MOE_TMA_WEIGHTS) or pointer loads: its
 #                 test on the GPU, then the MoE layer at 256 and 8,192 tokens, FP8 per channel and bf16
+#   moe_persistent (~8) the grouped GEMM on a persistent grid (FD_MOE_PERSISTENT_MIN_TOKENS) or one program a
+#                 tile: its tests on the GPU, the MoE layer at 2,048 / 8,192 tokens (FP8 per channel, bf16),
+#                 then the FP8 and bf16 offline runs with it from 1,024 tokens
 #   moe (~6)      a batch-1 FP8 and bf16 decode step of the Qwen3-30B-A3B shape, kernel table;
 #                 the experts' GEMV configuration sweep at one token
 #   bash tools/gpu_pending.sh OUT [section ...]
 # Run it without `| tail` in the `run` call: a call stopped at its time limit returns only what it
 # already printed (twice in the twentieth session a tail held back every line of a 600 s call).
-OUT=${1:?usage: tools/gpu_pending.sh OUT [structured_nice] [structured_threads] [structured_gil] [structured_default] [structured_guidance] [first_burst] [structured] [tests] [moe_e2e] [moe_budget] [moe_prefill] [moe_phases] [moe_vllm] [moe_fair] [moe_split] [fp8_channel] [moe_router] [gemv_sweep] [moe_vllm_fair] [moe_fusions] [moe_tma] [offline_ratio] [poisson] [prefill] [moe] [budget]}
+OUT=${1:?usage: tools/gpu_pending.sh OUT [structured_nice] [structured_threads] [structured_gil] [structured_default] [structured_guidance] [first_burst] [structured] [tests] [moe_e2e] [moe_budget] [moe_prefill] [moe_phases] [moe_vllm] [moe_fair] [moe_split] [fp8_channel] [moe_router] [gemv_sweep] [moe_vllm_fair] [moe_fusions] [moe_tma] [moe_persistent] [offline_ratio] [poisson] [prefill] [moe] [budget]}
 shift
 sections=${*:-structured_nice tests moe_e2e poisson prefill moe budget}
 mkdir -p "$OUT"
@@ -330,6 +333,27 @@ moe_tma() {
             --tokens 256,8192 --dtypes ptpc_fp8,bf16 > "$W/tma$tma.log" 2>&1
         echo "FD_MOE_TMA_WEIGHTS=$tma"
         grep "|" "$W/tma$tma/results.md" | tail -n 4 | cut -c1-200
+    done
+}
+
+# #18: the grouped GEMM's persistent grid (tile and K loops pipelined together: down's K loop is six
+# 128-steps, so each tile's pipeline fill is a large share of it) against one program a tile
+moe_persistent() {
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/ops/test_triton_fused_moe.py \
+        -k "persistent or tma" > "$W/persistent_test.log" 2>&1
+    echo "tests: $(tail -n 1 "$W/persistent_test.log")"
+    grep -E "^FAILED|Error" "$W/persistent_test.log" | head -n 5
+    for least in 0 1024; do
+        FD_MOE_PERSISTENT_MIN_TOKENS=$least timeout 150 python3 -m benchmarks.gpubench.moe_bench \
+            --out "$W/layer$least" --tokens 2048,8192 --dtypes ptpc_fp8,bf16 > "$W/layer$least.log" 2>&1
+        echo "FD_MOE_PERSISTENT_MIN_TOKENS=$least"
+        grep "|" "$W/layer$least/results.md" | tail -n 4 | cut -c1-200
+    done
+    for quant in ptpc_fp8 none; do
+        FD_MOE_PERSISTENT_MIN_TOKENS=1024 timeout 130 python3 benchmarks/multi_gpu.py --sections moe --tp 1 \
+            --moe-quantizations $quant --out "$W/run_$quant" > "$W/run_$quant.log" 2>&1
+        echo "$quant with persistent from 1024: $(grep -o "'batch1_itl_ms_mean': [0-9.]*\|'output_tok_per_s': [0-9.]*" \
+            "$W/run_$quant.log" | tr '\n' ' ')"
     done
 }
 

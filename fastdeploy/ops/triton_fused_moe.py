@@ -5,10 +5,11 @@ multiple of ``BLOCK_M`` (:func:`fastdeploy.ops.triton_moe_routing.moe_align_bloc
 kernels), so that every ``BLOCK_M`` block of the sorted
 list belongs to one expert. Then:
 
-1. ``gate_up[pair] = hidden[token] @ w13[e].T`` (kernel :func:`_moe_gemm_kernel`, ``[T*k, 2I]``),
-2. ``act = silu(gate) * up`` (:func:`fastdeploy.ops.layer_ops.silu_and_mul`, ``[T*k, I]``),
-3. ``out[pair] = weight[pair] * act[pair] @ w2[e].T`` (the same kernel, ``[T*k, H]``),
-4. ``out[token] = sum over its k slots`` (one torch reduction, float32 accumulation).
+1. ``gate_up[pair] = hidden[token] @ w13[e].T`` (:func:`fastdeploy.ops.triton_moe_gemm.grouped_gemm`, ``[T*k, 2I]``),
+2. ``act = silu(gate) * up`` (:func:`fastdeploy.ops.layer_ops.silu_and_mul`, ``[T*k, I]``; FP8:
+   quantized in the same kernel, :mod:`fastdeploy.ops.triton_moe_act`),
+3. ``out[pair] = weight[pair] * act[pair] @ w2[e].T`` (the same GEMM, ``[T*k, H]``),
+4. ``out[token] = sum over its k slots`` (float32 accumulation, :func:`~fastdeploy.ops.triton_moe_act.sum_pairs`).
 
 Each program computes a ``BLOCK_M x BLOCK_N`` tile of one expert's rows; the blocks past the
 padded end (the grid is sized from shapes only, so nothing syncs the host) exit at once. A
@@ -37,8 +38,6 @@ from __future__ import annotations
 
 import torch
 import triton
-import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fastdeploy import envs
 from fastdeploy.ops.fp8_grouped_mm import grouped_mm_applies, grouped_mm_experts
@@ -51,9 +50,9 @@ from fastdeploy.ops.layer_ops import silu_and_mul
 from fastdeploy.ops.tile_config import TileConfig, device_shared_memory, fit_shared_memory, table_config
 from fastdeploy.ops.triton_env import triton_interpreting
 from fastdeploy.ops.triton_moe_act import silu_and_mul_pairs, silu_mul_fp8, sum_pairs
-from fastdeploy.ops.triton_moe_gemv import fused_experts_gemv, scale_groups, small_batch_max_tokens
+from fastdeploy.ops.triton_moe_gemm import grouped_gemm, persistent_programs
+from fastdeploy.ops.triton_moe_gemv import fused_experts_gemv, small_batch_max_tokens
 from fastdeploy.ops.triton_moe_routing import moe_align_block_size, padded_length
-from fastdeploy.ops.triton_pdl import pdl_kwargs, pdl_prologue, pdl_trigger
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 """Activation dtypes the kernels take (weights in the same dtype, or FP8)."""
@@ -129,207 +128,6 @@ def align_block_size_torch(
     block_start = torch.arange(0, length, block_m, device=device)
     expert_ids = torch.searchsorted(padded_end, block_start, right=True).clamp_(max=num_experts - 1)
     return sorted_ids, expert_ids.to(torch.int32), padded_end[-1:].to(torch.int32)
-
-
-@triton.jit(do_not_specialize=["EM", "num_valid"])  # batch-dependent: no recompile per size class
-def _moe_gemm_kernel(
-    a_ptr,
-    b_ptr,
-    c_ptr,
-    a_scale_ptr,
-    b_scale_ptr,
-    weights_ptr,
-    sorted_ids_ptr,
-    expert_ids_ptr,
-    num_padded_ptr,
-    N,
-    K,
-    EM,
-    num_valid,
-    stride_am,
-    stride_be,
-    stride_bn,
-    stride_cm,
-    stride_asm,
-    stride_bse,
-    stride_bsn,
-    A_DIV: tl.constexpr,
-    MUL_WEIGHT: tl.constexpr,
-    FP8: tl.constexpr,
-    CHANNEL: tl.constexpr,
-    GROUP_N: tl.constexpr,
-    GROUP_K: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    B_TMA: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    """``c[pair, n] = (w[pair]) * sum_k a[pair // A_DIV, k] * b[expert, n, k]`` for the pairs of one
-    ``BLOCK_M`` block of ``sorted_ids`` (one expert) and ``BLOCK_N`` columns (``CHANNEL``: FP8 with
-    per-token and per-channel scales, applied after the K loop). With ``B_TMA`` ``b_ptr`` is a
-    tensor descriptor of the ``[E, N, K]`` weights (``[1, BLOCK_N, BLOCK_K]`` boxes; the tile's rows
-    past ``N`` or ``K`` read as zeros)."""
-    pdl_prologue(USE_PDL)
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(EM, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    # grouped launch order: GROUP_M row blocks sweep a column block before the next one
-    per_group = GROUP_M * num_pid_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
-        return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ids_ptr + offs_m)
-    pair_mask = pair < num_valid
-    row = (pair // A_DIV).to(tl.int64)
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    # clamped columns: the weight loads need no N mask (the tail's duplicates are not stored)
-    cols = tl.minimum(offs_n, N - 1).to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + row[:, None] * stride_am + offs_k[None, :]
-    if not B_TMA:
-        b_ptrs = b_ptr + expert * stride_be + cols[None, :] * stride_bn + offs_k[:, None]
-    if FP8:
-        a_scale_ptrs = a_scale_ptr + row * stride_asm
-        b_scale_ptrs = b_scale_ptr + expert * stride_bse + (cols // GROUP_N) * stride_bsn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=pair_mask[:, None], other=0.0)
-        else:
-            a = tl.load(a_ptrs, mask=pair_mask[:, None] & ((k0 + offs_k) < K)[None, :], other=0.0)
-        if B_TMA:
-            b = b_ptr.load([expert.to(tl.int32), pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
-        elif EVEN_K:
-            b = tl.load(b_ptrs)
-        else:
-            b = tl.load(b_ptrs, mask=((k0 + offs_k) < K)[:, None], other=0.0)
-        if FP8 and not CHANNEL:
-            if DOT_FP32:
-                part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-            else:
-                part = tl.dot(a, b)
-            a_s = tl.load(a_scale_ptrs + k0 // GROUP_K, mask=pair_mask, other=0.0)
-            b_s = tl.load(b_scale_ptrs + k0 // GROUP_K)
-            acc += part * a_s[:, None] * b_s[None, :]
-        elif DOT_FP32:
-            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
-        a_ptrs += BLOCK_K
-        if not B_TMA:
-            b_ptrs += BLOCK_K
-    pdl_trigger(USE_PDL)
-    if FP8 and CHANNEL:
-        a_s = tl.load(a_scale_ptrs, mask=pair_mask, other=0.0)
-        acc = acc * a_s[:, None] * tl.load(b_scale_ptrs)[None, :]
-    if MUL_WEIGHT:
-        w = tl.load(weights_ptr + pair, mask=pair_mask, other=0.0).to(tl.float32)
-        acc = acc * w[:, None]
-    c_ptrs = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=pair_mask[:, None] & n_mask[None, :])
-
-
-def weights_by_tma(w: torch.Tensor, config: MoEKernelConfig) -> bool:
-    """Whether the grouped GEMM reads the ``[E, N, K]`` expert weights ``w`` through TMA tensor
-    descriptors (``FD_MOE_TMA_WEIGHTS``: ``auto`` for 16-bit weights, ``1`` any, ``0`` none): on
-    Hopper or later (or the interpreter), with the descriptor's alignment (16-byte rows and base)
-    and box limits (256 elements a side, 16 bytes or more along K)."""
-    setting = envs.FD_MOE_TMA_WEIGHTS
-    if setting in ("0", "false", "no", "off") or w.dim() != 3 or w.stride(2) != 1:
-        return False
-    if setting == "auto" and w.dtype == FP8_DTYPE:
-        return False
-    if not triton_interpreting() and not (w.is_cuda and torch.cuda.get_device_capability(w.device)[0] >= 9):
-        return False
-    size = w.element_size()
-    return (
-        w.stride(1) * size % 16 == 0
-        and w.stride(0) * size % 16 == 0
-        and w.data_ptr() % 16 == 0
-        and config.block_k * size >= 16
-        and max(config.block_n, config.block_k) <= 256
-    )
-
-
-def _weight_descriptor(w: torch.Tensor, block_n: int, block_k: int) -> TensorDescriptor:
-    """The ``[E, N, K]`` weights' descriptor with ``[1, block_n, block_k]`` boxes, made once per
-    weight tensor and box and kept on the tensor (it lives and dies with the weights)."""
-    cache = w.__dict__.setdefault("_fd_tma_descriptors", {})
-    desc = cache.get((block_n, block_k))
-    if desc is None:
-        desc = cache[(block_n, block_k)] = TensorDescriptor.from_tensor(w, [1, block_n, block_k])
-    return desc
-
-
-def _launch(
-    a: torch.Tensor,
-    a_scale: torch.Tensor | None,
-    w: torch.Tensor,
-    w_scale: torch.Tensor | None,
-    out: torch.Tensor,
-    routing: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    topk_weights: torch.Tensor | None,
-    a_div: int,
-    block_shape: tuple[int, int] | None,
-    config: MoEKernelConfig,
-) -> None:
-    """One grouped GEMM: ``out [P, N] = a[pair // a_div] @ w[expert].T`` (times ``topk_weights``)."""
-    sorted_ids, expert_ids, num_padded = routing
-    n, k = w.shape[1], w.shape[2]
-    fp8 = w.dtype == FP8_DTYPE
-    group_n, group_k = scale_groups(block_shape)
-    interpreting = triton_interpreting()
-    dot_fp32 = a.dtype == torch.float32 or interpreting  # the interpreter's low-precision dot is wrong
-    grid = (triton.cdiv(sorted_ids.numel(), config.block_m) * triton.cdiv(n, config.block_n),)
-    b_tma = weights_by_tma(w, config)
-    _moe_gemm_kernel[grid](
-        a,
-        _weight_descriptor(w, config.block_n, config.block_k) if b_tma else w,
-        out,
-        a_scale if fp8 else a,
-        w_scale if fp8 else w,
-        topk_weights if topk_weights is not None else a,
-        sorted_ids,
-        expert_ids,
-        num_padded,
-        n,
-        k,
-        sorted_ids.numel(),
-        out.shape[0],
-        a.stride(0),
-        w.stride(0),
-        w.stride(1),
-        out.stride(0),
-        a_scale.stride(0) if fp8 else 0,
-        w_scale.stride(0) if fp8 else 0,
-        w_scale.stride(1) if fp8 else 0,
-        A_DIV=a_div,
-        MUL_WEIGHT=topk_weights is not None,
-        FP8=fp8,
-        CHANNEL=block_shape is None,
-        GROUP_N=group_n,
-        GROUP_K=group_k,
-        DOT_FP32=dot_fp32,
-        EVEN_K=k % config.block_k == 0,
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k,
-        GROUP_M=config.group_m,
-        B_TMA=b_tma,
-        num_warps=config.num_warps,
-        num_stages=1 if interpreting else config.num_stages,
-        **pdl_kwargs(out),
-    )
 
 
 def _check(
@@ -471,12 +269,13 @@ def fused_experts(
         return grouped_mm_experts(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     routing = moe_align_block_size(topk_ids, config.block_m, w13.shape[0])
     pairs = num_tokens * top_k
+    programs = persistent_programs(num_tokens, hidden.device)
     if a_quantized is not None:
         a, a_scale = a_quantized
     else:
         a, a_scale = _quantize_activation(hidden, block_shape) if fp8 else (hidden, None)
     gate_up = torch.empty((pairs, w13.shape[1]), dtype=hidden.dtype, device=hidden.device)
-    _launch(a, a_scale, w13, w13_scale, gate_up, routing, None, top_k, block_shape, config)
+    grouped_gemm(a, a_scale, w13, w13_scale, gate_up, routing, None, top_k, block_shape, config, programs)
     # skipped pairs (another rank's experts: about (n-1)/n of them when the tokens of n
     # data-parallel ranks are gathered) get no activation and are left out of the sum
     ids = topk_ids.reshape(-1).contiguous() if skip_negative_ids else None
@@ -486,7 +285,7 @@ def fused_experts(
         a, a_scale = (silu_and_mul_pairs(gate_up, ids) if skip_negative_ids else silu_and_mul(gate_up)), None
     out = torch.empty((pairs, w2.shape[1]), dtype=hidden.dtype, device=hidden.device)
     weights = topk_weights.reshape(-1).contiguous()
-    _launch(a, a_scale, w2, w2_scale, out, routing, weights, 1, block_shape, down_config)
+    grouped_gemm(a, a_scale, w2, w2_scale, out, routing, weights, 1, block_shape, down_config, programs)
     if skip_negative_ids or envs.FD_MOE_TRITON_SUM:
         return sum_pairs(out, ids, top_k)
     return out.view(num_tokens, top_k, -1).sum(dim=1)

@@ -29,6 +29,7 @@ moe = pytest.importorskip("fastdeploy.ops.triton_fused_moe")
 
 from fastdeploy.ops import fp8_quant as fq  # noqa: E402
 from fastdeploy.ops import triton_moe_act as act_kernels  # noqa: E402
+from fastdeploy.ops import triton_moe_gemm as gemm  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -318,25 +319,69 @@ def test_weights_through_tma_descriptors(quant, monkeypatch):
     monkeypatch.setenv("FD_MOE_TMA_WEIGHTS", "0")
     pointers = moe.fused_experts(*tensors, config=config, **kwargs)
     monkeypatch.setenv("FD_MOE_TMA_WEIGHTS", "1")
-    assert moe.weights_by_tma(tensors[1], config or moe.default_config(21, False))
+    assert gemm.weights_by_tma(tensors[1], config or moe.default_config(21, False))
     tma = moe.fused_experts(*tensors, config=config, **kwargs)
     assert _rel_err(tma, pointers.cpu().double()) < (1e-5 if quant == "fp32-odd-k" else 4e-3)
+
+
+@needs_backend
+@pytest.mark.parametrize("quant", ["bf16", "fp32-odd-k", "fp8-block", "fp8-channel-skipped"])
+def test_persistent_grid_gives_the_same_bits(quant, monkeypatch):
+    """A persistent grid (2 or 3 programs here, each walking every 2nd / 3rd tile up to the padded
+    length read on the device) computes every tile as one program a tile does: the same bits,
+    with and without TMA weights, and with another rank's pairs skipped."""
+    config, kwargs = None, {}
+    if quant == "fp32-odd-k":
+        args = _problem(9, 80, 48, torch.float32, seed=21)
+        config = moe.MoEKernelConfig(block_m=16, block_n=32, block_k=32, group_m=2)
+    elif quant == "bf16":
+        args = _problem(21, 128, 96, torch.bfloat16, seed=22)
+    elif quant == "fp8-block":
+        (x, _, _, weights, ids), (q13, s13, q2, s2) = _fp8_problem(21, 192, 96, seed=23)
+        args = (x, q13, q2, weights, ids, s13, s2)
+    else:
+        x, w13, w2, weights, ids = _problem(21, 192, 96, torch.bfloat16, seed=24)
+        (q13, s13), (q2, s2) = (
+            fq.quantize_weight_per_channel(w13.float()),
+            fq.quantize_weight_per_channel(w2.float()),
+        )
+        args = (x, q13, q2, weights, _drop_pairs(ids, 3), s13, s2)
+        kwargs = {"block_shape": None, "skip_negative_ids": True}
+    tensors = _on(DEVICE, *args)
+    for tma in "01":
+        monkeypatch.setenv("FD_MOE_TMA_WEIGHTS", tma)
+        monkeypatch.setattr(moe, "persistent_programs", lambda tokens, device: 0)
+        one_a_tile = moe.fused_experts(*tensors, config=config, **kwargs)
+        for programs in (2, 3):
+            monkeypatch.setattr(moe, "persistent_programs", lambda tokens, device, n=programs: n)
+            assert torch.equal(moe.fused_experts(*tensors, config=config, **kwargs), one_a_tile)
+
+
+def test_persistent_programs_setting(monkeypatch):
+    """``FD_MOE_PERSISTENT_MIN_TOKENS``: steps of at least that many tokens get a persistent grid
+    (one program per SM; two under the interpreter), smaller ones and 0 (the default) none."""
+    monkeypatch.setattr(gemm, "triton_interpreting", lambda: True)
+    monkeypatch.delenv("FD_MOE_PERSISTENT_MIN_TOKENS", raising=False)
+    assert gemm.persistent_programs(8192, torch.device("cpu")) == 0
+    monkeypatch.setenv("FD_MOE_PERSISTENT_MIN_TOKENS", "1024")
+    assert gemm.persistent_programs(1023, torch.device("cpu")) == 0
+    assert gemm.persistent_programs(1024, torch.device("cpu")) == 2
 
 
 def test_tma_weights_setting(monkeypatch):
     """``FD_MOE_TMA_WEIGHTS``: ``auto`` (the default) takes descriptors for 16-bit weights only, ``1``
     for FP8 too, ``0`` never; a layout TMA cannot address (a K row of 8 bytes) never."""
-    monkeypatch.setattr(moe, "triton_interpreting", lambda: True)  # (as on a Hopper GPU)
+    monkeypatch.setattr(gemm, "triton_interpreting", lambda: True)  # (as on a Hopper GPU)
     config = moe.MoEKernelConfig(16, 32, 32, 1)
     bf16 = torch.zeros(4, 64, 64, dtype=torch.bfloat16)
     fp8 = torch.zeros(4, 64, 64, dtype=fq.FP8_DTYPE)
     monkeypatch.delenv("FD_MOE_TMA_WEIGHTS", raising=False)
-    assert moe.weights_by_tma(bf16, config) and not moe.weights_by_tma(fp8, config)
+    assert gemm.weights_by_tma(bf16, config) and not gemm.weights_by_tma(fp8, config)
     monkeypatch.setenv("FD_MOE_TMA_WEIGHTS", "1")
-    assert moe.weights_by_tma(bf16, config) and moe.weights_by_tma(fp8, config)
-    assert not moe.weights_by_tma(torch.zeros(4, 64, 4, dtype=torch.bfloat16), config)
+    assert gemm.weights_by_tma(bf16, config) and gemm.weights_by_tma(fp8, config)
+    assert not gemm.weights_by_tma(torch.zeros(4, 64, 4, dtype=torch.bfloat16), config)
     monkeypatch.setenv("FD_MOE_TMA_WEIGHTS", "0")
-    assert not moe.weights_by_tma(bf16, config) and not moe.weights_by_tma(fp8, config)
+    assert not gemm.weights_by_tma(bf16, config) and not gemm.weights_by_tma(fp8, config)
 
 
 @needs_backend
