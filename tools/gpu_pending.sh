@@ -38,9 +38,9 @@
 #                 off / on
 #   moe_tma (~5)  the expert weights through TMA descriptors (FD_MOE_TMA_WEIGHTS) or pointer loads: its
 #                 test on the GPU, then the MoE layer at 256 and 8,192 tokens, FP8 per channel and bf16
-#   moe_persistent (~8) the grouped GEMM on a persistent grid (FD_MOE_PERSISTENT_MIN_TOKENS) or one program a
-#                 tile: its tests on the GPU, the MoE layer at 2,048 / 8,192 tokens (FP8 per channel, bf16),
-#                 then the FP8 and bf16 offline runs with it from 1,024 tokens
+#   moe_persistent (~5) the grouped GEMM on a persistent grid (FD_MOE_PERSISTENT_MIN_TOKENS) or one program a
+#                 tile: its tests on the GPU, the MoE layer at 256 / 2,048 / 8,192 tokens (FP8 per channel,
+#                 bf16); the offline runs with it: FD_MOE_PERSISTENT_MIN_TOKENS=N ... moe_fair
 #   moe (~6)      a batch-1 FP8 and bf16 decode step of the Qwen3-30B-A3B shape, kernel table;
 #                 the experts' GEMV configuration sweep at one token
 #   bash tools/gpu_pending.sh OUT [section ...]
@@ -343,17 +343,11 @@ moe_persistent() {
         -k "persistent or tma" > "$W/persistent_test.log" 2>&1
     echo "tests: $(tail -n 1 "$W/persistent_test.log")"
     grep -E "^FAILED|Error" "$W/persistent_test.log" | head -n 5
-    for least in 0 1024; do
-        FD_MOE_PERSISTENT_MIN_TOKENS=$least timeout 150 python3 -m benchmarks.gpubench.moe_bench \
-            --out "$W/layer$least" --tokens 2048,8192 --dtypes ptpc_fp8,bf16 > "$W/layer$least.log" 2>&1
+    for least in 0 1; do  # 1: every grouped-GEMM step (the decode batch's too)
+        FD_MOE_PERSISTENT_MIN_TOKENS=$least timeout 200 python3 -m benchmarks.gpubench.moe_bench \
+            --out "$W/layer$least" --tokens 256,2048,8192 --dtypes ptpc_fp8,bf16 > "$W/layer$least.log" 2>&1
         echo "FD_MOE_PERSISTENT_MIN_TOKENS=$least"
-        grep "|" "$W/layer$least/results.md" | tail -n 4 | cut -c1-200
-    done
-    for quant in ptpc_fp8 none; do
-        FD_MOE_PERSISTENT_MIN_TOKENS=1024 timeout 130 python3 benchmarks/multi_gpu.py --sections moe --tp 1 \
-            --moe-quantizations $quant --out "$W/run_$quant" > "$W/run_$quant.log" 2>&1
-        echo "$quant with persistent from 1024: $(grep -o "'batch1_itl_ms_mean': [0-9.]*\|'output_tok_per_s': [0-9.]*" \
-            "$W/run_$quant.log" | tr '\n' ' ')"
+        grep "|" "$W/layer$least/results.md" | tail -n 6 | cut -c1-200
     done
 }
 
