@@ -269,13 +269,16 @@ def fused_experts(
         return grouped_mm_experts(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     routing = moe_align_block_size(topk_ids, config.block_m, w13.shape[0])
     pairs = num_tokens * top_k
-    programs = persistent_programs(num_tokens, hidden.device)
     if a_quantized is not None:
         a, a_scale = a_quantized
     else:
         a, a_scale = _quantize_activation(hidden, block_shape) if fp8 else (hidden, None)
     gate_up = torch.empty((pairs, w13.shape[1]), dtype=hidden.dtype, device=hidden.device)
-    grouped_gemm(a, a_scale, w13, w13_scale, gate_up, routing, None, top_k, block_shape, config, programs)
+    element_bytes = w13.element_size()
+    grouped_gemm(
+        a, a_scale, w13, w13_scale, gate_up, routing, None, top_k, block_shape, config,
+        persistent_programs(num_tokens, hidden.device, config, element_bytes),
+    )  # fmt: skip
     # skipped pairs (another rank's experts: about (n-1)/n of them when the tokens of n
     # data-parallel ranks are gathered) get no activation and are left out of the sum
     ids = topk_ids.reshape(-1).contiguous() if skip_negative_ids else None
@@ -285,7 +288,10 @@ def fused_experts(
         a, a_scale = (silu_and_mul_pairs(gate_up, ids) if skip_negative_ids else silu_and_mul(gate_up)), None
     out = torch.empty((pairs, w2.shape[1]), dtype=hidden.dtype, device=hidden.device)
     weights = topk_weights.reshape(-1).contiguous()
-    grouped_gemm(a, a_scale, w2, w2_scale, out, routing, weights, 1, block_shape, down_config, programs)
+    grouped_gemm(
+        a, a_scale, w2, w2_scale, out, routing, weights, 1, block_shape, down_config,
+        persistent_programs(num_tokens, hidden.device, down_config, element_bytes),
+    )  # fmt: skip
     if skip_negative_ids or envs.FD_MOE_TRITON_SUM:
         return sum_pairs(out, ids, top_k)
     return out.view(num_tokens, top_k, -1).sum(dim=1)

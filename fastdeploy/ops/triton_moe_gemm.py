@@ -27,7 +27,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fastdeploy import envs
 from fastdeploy.ops.fp8_quant import FP8_DTYPE
-from fastdeploy.ops.tile_config import TileConfig
+from fastdeploy.ops.tile_config import TileConfig, device_shared_memory, shared_memory_bytes
 from fastdeploy.ops.triton_env import triton_interpreting
 from fastdeploy.ops.triton_moe_gemv import scale_groups
 from fastdeploy.ops.triton_pdl import pdl_kwargs, pdl_prologue, pdl_trigger
@@ -182,16 +182,22 @@ def _weight_descriptor(w: torch.Tensor, block_n: int, block_k: int) -> TensorDes
     return desc
 
 
-def persistent_programs(tokens: int, device: torch.device) -> int:
-    """Programs of a persistent launch for a step of ``tokens`` tokens: one per SM from
-    ``FD_MOE_PERSISTENT_MIN_TOKENS`` tokens (0: never), else 0 (one program a tile). Under the
-    interpreter, two (the tests walk several tiles a program)."""
+def persistent_programs(tokens: int, device: torch.device, config: TileConfig, element_bytes: int) -> int:
+    """Programs of a persistent launch for a step of ``tokens`` tokens from
+    ``FD_MOE_PERSISTENT_MIN_TOKENS`` tokens (0: never; else 0, one program a tile): as many as
+    run at once, the SMs times the programs one SM holds by its shared memory (the pipeline's
+    buffers of ``config``) and warps (64), at most 8. Under the interpreter, two (the tests walk
+    several tiles a program)."""
     least = envs.FD_MOE_PERSISTENT_MIN_TOKENS
     if least <= 0 or tokens < least:
         return 0
     if triton_interpreting():
         return 2
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    per_sm = min(
+        device_shared_memory(index) // shared_memory_bytes(config, element_bytes), 64 // config.num_warps, 8
+    )
+    return torch.cuda.get_device_properties(device).multi_processor_count * max(1, per_sm)
 
 
 def grouped_gemm(

@@ -350,10 +350,10 @@ def test_persistent_grid_gives_the_same_bits(quant, monkeypatch):
     tensors = _on(DEVICE, *args)
     for tma in "01":
         monkeypatch.setenv("FD_MOE_TMA_WEIGHTS", tma)
-        monkeypatch.setattr(moe, "persistent_programs", lambda tokens, device: 0)
+        monkeypatch.setattr(moe, "persistent_programs", lambda *args: 0)
         one_a_tile = moe.fused_experts(*tensors, config=config, **kwargs)
         for programs in (2, 3):
-            monkeypatch.setattr(moe, "persistent_programs", lambda tokens, device, n=programs: n)
+            monkeypatch.setattr(moe, "persistent_programs", lambda *args, n=programs: n)
             assert torch.equal(moe.fused_experts(*tensors, config=config, **kwargs), one_a_tile)
 
 
@@ -362,10 +362,11 @@ def test_persistent_programs_setting(monkeypatch):
     (one program per SM; two under the interpreter), smaller ones and 0 (the default) none."""
     monkeypatch.setattr(gemm, "triton_interpreting", lambda: True)
     monkeypatch.delenv("FD_MOE_PERSISTENT_MIN_TOKENS", raising=False)
-    assert gemm.persistent_programs(8192, torch.device("cpu")) == 0
+    config, cpu = moe.MoEKernelConfig(128, 256, 128, 16, 8, 4), torch.device("cpu")
+    assert gemm.persistent_programs(8192, cpu, config, 1) == 0
     monkeypatch.setenv("FD_MOE_PERSISTENT_MIN_TOKENS", "1024")
-    assert gemm.persistent_programs(1023, torch.device("cpu")) == 0
-    assert gemm.persistent_programs(1024, torch.device("cpu")) == 2
+    assert gemm.persistent_programs(1023, cpu, config, 1) == 0
+    assert gemm.persistent_programs(1024, cpu, config, 1) == 2
 
 
 def test_tma_weights_setting(monkeypatch):
