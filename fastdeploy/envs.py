@@ -189,8 +189,8 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
     ),
     "FD_MOE_PERSISTENT_MIN_TOKENS": (
         lambda: int(os.environ.get("FD_MOE_PERSISTENT_MIN_TOKENS", "0")),
-        "Fused-MoE steps of at least this many tokens run the grouped GEMM on a persistent grid (one "
-        "program per SM walking the tiles, tile and K loops pipelined together; "
+        "Fused-MoE steps of at least this many tokens run the grouped GEMM on a persistent grid (as "
+        "many programs as the SMs hold at once, walking the tiles; tile and K loops pipelined together; "
         "fastdeploy/ops/triton_moe_gemm.py); 0 (the default until measured on a GPU): one program a tile.",
     ),
     "FD_MOE_GROUPED_MM_MIN_TOKENS": (

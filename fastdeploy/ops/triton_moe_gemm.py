@@ -11,8 +11,8 @@ Two ways to read the operands and walk the tiles, each behind a switch:
 * ``FD_MOE_TMA_WEIGHTS``: the weight tiles through a TMA tensor descriptor (``[1, BLOCK_N,
   BLOCK_K]`` boxes of ``[E, N, K]``; zeros past N and K) on Hopper and later; the activation
   rows, gathered by pair, stay pointer loads (Hopper's TMA has no row gather).
-* ``FD_MOE_PERSISTENT_MIN_TOKENS``: steps of that many tokens or more run a persistent grid (one
-  program per SM, each walking tiles ``pid, pid + programs, ...`` up to the padded length read on
+* ``FD_MOE_PERSISTENT_MIN_TOKENS``: steps of that many tokens or more run a persistent grid (as
+  many programs as the SMs hold at once, each walking tiles ``pid, pid + programs, ...`` up to the padded length read on
   the device) whose tile and K loops are flattened for the software pipeliner, so a tile's loads
   start while the last one's epilogue runs (down's K loop is 6 steps of 128 at K = 768: the
   per-tile pipeline fill is a large share of it).
