@@ -140,14 +140,13 @@ def _moe_gemm_kernel(
         pdl_trigger(USE_PDL)
     else:
         pid_m, pid_n = _tile_coords(pid, tl.cdiv(EM, BLOCK_M), num_pid_n, GROUP_M)
-        if pid_m * BLOCK_M >= num_padded:
-            return
-        _gemm_tile(
-            pid_m, pid_n, a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, weights_ptr, sorted_ids_ptr,
-            expert_ids_ptr, N, K, num_valid, stride_am, stride_be, stride_bn, stride_cm, stride_asm,
-            stride_bse, stride_bsn, A_DIV, MUL_WEIGHT, FP8, CHANNEL, GROUP_N, GROUP_K, DOT_FP32, EVEN_K,
-            BLOCK_M, BLOCK_N, BLOCK_K, B_TMA, USE_PDL,
-        )  # fmt: skip
+        if pid_m * BLOCK_M < num_padded:  # (the blocks past the padded length do nothing)
+            _gemm_tile(
+                pid_m, pid_n, a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, weights_ptr, sorted_ids_ptr,
+                expert_ids_ptr, N, K, num_valid, stride_am, stride_be, stride_bn, stride_cm, stride_asm,
+                stride_bse, stride_bsn, A_DIV, MUL_WEIGHT, FP8, CHANNEL, GROUP_N, GROUP_K, DOT_FP32, EVEN_K,
+                BLOCK_M, BLOCK_N, BLOCK_K, B_TMA, USE_PDL,
+            )  # fmt: skip
 
 
 def weights_by_tma(w: torch.Tensor, config: TileConfig) -> bool:
