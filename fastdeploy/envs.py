@@ -193,6 +193,11 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "many programs as the SMs hold at once, walking the tiles; tile and K loops pipelined together; "
         "fastdeploy/ops/triton_moe_gemm.py); 0 (the default until measured on a GPU): one program a tile.",
     ),
+    "FD_MOE_ALIGN_SUB": (
+        lambda: int(os.environ.get("FD_MOE_ALIGN_SUB", "32")),
+        "Pairs per step of the MoE expert sort's chunk loop on a GPU (a power of two, 16-256; "
+        "fastdeploy/ops/triton_moe_routing.py): fewer, wider one-hot steps per chunk (8 warps above 32).",
+    ),
     "FD_MOE_GROUPED_MM_MIN_TOKENS": (
         lambda: int(os.environ.get("FD_MOE_GROUPED_MM_MIN_TOKENS", "0")),
         "Per-channel FP8 MoE steps of at least this many tokens on Hopper run the experts as two "

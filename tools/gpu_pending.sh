@@ -40,7 +40,8 @@
 #                 test on the GPU, then the MoE layer at 256 and 8,192 tokens, FP8 per channel and bf16
 #   moe_persistent (~5) the grouped GEMM on a persistent grid (FD_MOE_PERSISTENT_MIN_TOKENS) or one program a
 #                 tile: its tests on the GPU, the MoE layer at 256 / 2,048 / 8,192 tokens (FP8 per channel,
-#                 bf16); the offline runs with it: FD_MOE_PERSISTENT_MIN_TOKENS=N ... moe_fair
+#                 bf16); the expert sort's step width (FD_MOE_ALIGN_SUB 64, 128); the offline runs with
+#                 them: FD_MOE_PERSISTENT_MIN_TOKENS=N ... moe_fair
 #   moe (~6)      a batch-1 FP8 and bf16 decode step of the Qwen3-30B-A3B shape, kernel table;
 #                 the experts' GEMV configuration sweep at one token
 #   bash tools/gpu_pending.sh OUT [section ...]
@@ -348,6 +349,12 @@ moe_persistent() {
             --out "$W/layer$least" --tokens 256,2048,8192 --dtypes ptpc_fp8,bf16 > "$W/layer$least.log" 2>&1
         echo "FD_MOE_PERSISTENT_MIN_TOKENS=$least"
         grep "|" "$W/layer$least/results.md" | tail -n 6 | cut -c1-200
+    done
+    for sub in 64 128; do  # the expert sort's step width (the route+align column; 32 above)
+        FD_MOE_ALIGN_SUB=$sub timeout 100 python3 -m benchmarks.gpubench.moe_bench --out "$W/align$sub" \
+            --tokens 256,8192 --dtypes ptpc_fp8 > "$W/align$sub.log" 2>&1
+        echo "FD_MOE_ALIGN_SUB=$sub"
+        grep "|" "$W/align$sub/results.md" | tail -n 2 | cut -c1-200
     done
 }
 

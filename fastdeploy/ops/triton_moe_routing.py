@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fastdeploy import envs
 from fastdeploy.ops.triton_layer_ops import inverse_rms, scaled_by_rms
 from fastdeploy.ops.triton_pdl import pdl_kwargs, pdl_prologue
 
@@ -56,7 +57,17 @@ ALIGN_MIN_CHUNK = 64
 each, not 8 of eight (each step of a program is a dependent one-hot count and scan, so the
 program's latency, not the pairs' total, is what the sort costs at decode sizes)."""
 _SUB = 32
-"""Pairs per step inside a chunk (a ``[_SUB, experts]`` one-hot tile in registers)."""
+"""Pairs per step inside a chunk (a ``[_SUB, experts]`` one-hot tile in registers); the default of
+``FD_MOE_ALIGN_SUB``."""
+
+
+def align_step_pairs() -> int:
+    """Pairs per step inside a chunk: ``FD_MOE_ALIGN_SUB`` (a power of two, 16-256; a prefill step's
+    chunks of 512 pairs are 16 dependent steps of 32), else :data:`_SUB`."""
+    sub = envs.FD_MOE_ALIGN_SUB
+    if sub < 16 or sub > 256 or sub & (sub - 1):
+        raise ValueError(f"FD_MOE_ALIGN_SUB must be a power of two from 16 to 256, got {sub}")
+    return sub
 
 
 @triton.jit
@@ -430,19 +441,22 @@ def moe_align_block_size(
         return sorted_ids, expert_ids, num_padded
     block_e = triton.next_power_of_2(num_experts)
     single = pairs <= ALIGN_SINGLE_MAX
+    sub = align_step_pairs()
     if single:
-        chunk, chunks = triton.next_power_of_2(max(pairs, _SUB)), 1
+        chunk, chunks = triton.next_power_of_2(max(pairs, sub)), 1
     else:
         chunk = max(ALIGN_MIN_CHUNK, triton.next_power_of_2(triton.cdiv(pairs, ALIGN_MAX_CHUNKS)))
         chunks = triton.cdiv(pairs, chunk)
+    sub = min(sub, chunk)
+    warps = 4 if sub <= 32 else 8
     counts = sorted_ids  # unused with one chunk
     if not single:
         counts = torch.empty((chunks, block_e), dtype=torch.int32, device=device)
-        _count_kernel[(chunks,)](flat, counts, pairs, CHUNK=chunk, SUB=_SUB, BLOCK_E=block_e, num_warps=4)
+        _count_kernel[(chunks,)](flat, counts, pairs, CHUNK=chunk, SUB=sub, BLOCK_E=block_e, num_warps=warps)
     _align_kernel[(chunks,)](
         flat, counts, sorted_ids, expert_ids, num_padded, pairs, num_experts, chunks,
-        CHUNK=chunk, SUB=_SUB, BLOCK_E=block_e, BLOCK_M=block_m, BLOCK_C=16, SINGLE=single,
-        num_warps=4,
+        CHUNK=chunk, SUB=sub, BLOCK_E=block_e, BLOCK_M=block_m, BLOCK_C=16, SINGLE=single,
+        num_warps=warps,
         **(pdl_kwargs(sorted_ids) if single else {"USE_PDL": False}),
     )  # fmt: skip
     return sorted_ids, expert_ids, num_padded

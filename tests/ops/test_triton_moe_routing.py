@@ -172,6 +172,21 @@ def test_align_chunks_larger_than_the_minimum(monkeypatch):
     _check_layout(ids, 32, 32)
 
 
+@pytest.mark.parametrize("sub", ["16", "128", "256"])
+def test_align_step_width(sub, monkeypatch):
+    """``FD_MOE_ALIGN_SUB``: wider or narrower steps inside a chunk (one program, and chunks of 512
+    and of 64) give the torch layout; a width that is not a power of two from 16 to 256 is refused."""
+    monkeypatch.setenv("FD_MOE_ALIGN_SUB", sub)
+    g = torch.Generator().manual_seed(int(sub))
+    _check_layout(torch.stack([torch.randperm(64, generator=g)[:8] for _ in range(20)]), 16, 64)
+    _check_layout(torch.stack([torch.randperm(128, generator=g)[:8] for _ in range(40)]), 64, 128)
+    monkeypatch.setattr(routing, "ALIGN_MAX_CHUNKS", 3)
+    _check_layout(torch.stack([torch.randperm(32, generator=g)[:4] for _ in range(300)]), 32, 32)
+    monkeypatch.setenv("FD_MOE_ALIGN_SUB", "48")
+    with pytest.raises(ValueError, match="FD_MOE_ALIGN_SUB"):
+        routing.moe_align_block_size(torch.zeros(4, 2, dtype=torch.int32, device=DEVICE), 16, 8)
+
+
 def test_align_skewed_and_empty_experts():
     """Every pair on two experts (the rest receive none), across chunk boundaries."""
     g = torch.Generator().manual_seed(5)
