@@ -198,6 +198,13 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "Pairs per step of the MoE expert sort's chunk loop on a GPU (a power of two, 16-256; "
         "fastdeploy/ops/triton_moe_routing.py): fewer, wider one-hot steps per chunk (8 warps above 32).",
     ),
+    "FD_MOE_ALIGN_ATOMIC_MIN_PAIRS": (
+        lambda: int(os.environ.get("FD_MOE_ALIGN_ATOMIC_MIN_PAIRS", "0")),
+        "MoE steps of at least this many (token, expert) pairs sort the pairs by expert with atomic "
+        "counters in three short kernels (fastdeploy/ops/triton_moe_align_atomic.py; the order "
+        "within an expert is then the atomics', the MoE's output the same) instead of the chunked "
+        "sort; 0 (the default until measured on a GPU): never.",
+    ),
     "FD_MOE_GROUPED_MM_MIN_TOKENS": (
         lambda: int(os.environ.get("FD_MOE_GROUPED_MM_MIN_TOKENS", "0")),
         "Per-channel FP8 MoE steps of at least this many tokens on Hopper run the experts as two "

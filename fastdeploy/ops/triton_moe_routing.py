@@ -39,6 +39,7 @@ import triton.language as tl
 
 from fastdeploy import envs
 from fastdeploy.ops.triton_layer_ops import inverse_rms, scaled_by_rms
+from fastdeploy.ops.triton_moe_align_atomic import align_by_atomics
 from fastdeploy.ops.triton_pdl import pdl_kwargs, pdl_prologue
 
 ROUTER_SPLIT_MAX_TOKENS = 4
@@ -422,7 +423,8 @@ def moe_align_block_size(
 
     Returns ``(sorted_ids [L] int32, expert_ids [L / block_m] int32, num_padded [1] int32)`` with
     ``L = padded_length(P, block_m, num_experts)``: ``sorted_ids[:num_padded]`` holds the pair
-    indices ``token * k + slot`` (stable within an expert; pairs with a negative id, experts
+    indices ``token * k + slot`` (stable within an expert, but in the atomics' order from
+    ``FD_MOE_ALIGN_ATOMIC_MIN_PAIRS`` pairs; pairs with a negative id, experts
     another expert-parallel rank holds, are left out) and ``P`` for padding, block ``b <
     num_padded / block_m`` belongs to expert ``expert_ids[b]``; the entries past ``num_padded``
     are left unwritten (the GEMM reads none of them)."""
@@ -438,6 +440,10 @@ def moe_align_block_size(
     num_padded = torch.empty((1,), dtype=torch.int32, device=device)
     if pairs == 0:
         num_padded.zero_()
+        return sorted_ids, expert_ids, num_padded
+    least = envs.FD_MOE_ALIGN_ATOMIC_MIN_PAIRS
+    if 0 < least <= pairs:
+        align_by_atomics(flat, block_m, num_experts, sorted_ids, expert_ids, num_padded)
         return sorted_ids, expert_ids, num_padded
     block_e = triton.next_power_of_2(num_experts)
     single = pairs <= ALIGN_SINGLE_MAX

@@ -357,6 +357,26 @@ def test_persistent_grid_gives_the_same_bits(quant, monkeypatch):
             assert torch.equal(moe.fused_experts(*tensors, config=config, **kwargs), one_a_tile)
 
 
+@needs_backend
+@pytest.mark.parametrize("quant", ["bf16", "fp8-channel"])
+def test_atomic_expert_sort_gives_the_same_bits(quant, monkeypatch):
+    """The expert sort by atomic counters (``FD_MOE_ALIGN_ATOMIC_MIN_PAIRS``) may order an expert's
+    pairs differently; each pair's row is computed on its own, so the output is the same bits."""
+    x, w13, w2, weights, ids = _problem(300, 128, 96, torch.bfloat16, seed=31)
+    args, kwargs = (x, w13, w2, weights, ids), {}
+    if quant == "fp8-channel":
+        (q13, s13), (q2, s2) = (
+            fq.quantize_weight_per_channel(w13.float()),
+            fq.quantize_weight_per_channel(w2.float()),
+        )
+        args, kwargs = (x, q13, q2, weights, ids, s13, s2), {"block_shape": None}
+    tensors = _on(DEVICE, *args)
+    monkeypatch.setenv("FD_MOE_ALIGN_ATOMIC_MIN_PAIRS", "0")
+    chunked = moe.fused_experts(*tensors, **kwargs)
+    monkeypatch.setenv("FD_MOE_ALIGN_ATOMIC_MIN_PAIRS", "1")
+    assert torch.equal(moe.fused_experts(*tensors, **kwargs), chunked)
+
+
 def test_persistent_programs_setting(monkeypatch):
     """``FD_MOE_PERSISTENT_MIN_TOKENS``: steps of at least that many tokens get a persistent grid
     (one program per SM; two under the interpreter), smaller ones and 0 (the default) none."""

@@ -135,13 +135,41 @@ def test_topk_softmax_rejects_bad_input():
         routing.topk_softmax(_logits(2, 4, 0).to(DEVICE), 2, True, torch.zeros(3, device=DEVICE))
 
 
-def _check_layout(ids, block_m, experts):
+def _check_layout(ids, block_m, experts, stable=True):
+    """The Triton sort's layout equals the torch reference's; ``stable=False``: up to the order of
+    the pairs inside each expert's run (each run holds the same pairs, padding in the same slots)."""
     ref_sorted, ref_experts, ref_padded = align_block_size_torch(ids, block_m, experts)
     sorted_ids, expert_ids, num_padded = routing.moe_align_block_size(ids.to(DEVICE), block_m, experts)
     n = int(ref_padded)
     assert int(num_padded) == n and sorted_ids.numel() == ref_sorted.numel()
-    assert torch.equal(sorted_ids[:n].cpu(), ref_sorted[:n])
     assert torch.equal(expert_ids[: n // block_m].cpu(), ref_experts[: n // block_m])
+    got = sorted_ids[:n].cpu()
+    if stable:
+        assert torch.equal(got, ref_sorted[:n])
+        return
+    for b in range(0, n, block_m):  # the runs are whole blocks: compare each run's blocks as a set
+        same = ref_experts[b // block_m] == ref_experts[: n // block_m]
+        first, last = int(same.nonzero().min()) * block_m, (int(same.nonzero().max()) + 1) * block_m
+        if b == first:
+            assert torch.equal(got[first:last].sort().values, ref_sorted[first:last].sort().values)
+    assert torch.equal(got == ids.numel(), ref_sorted[:n] == ids.numel())  # the padding slots
+
+
+@pytest.mark.parametrize(
+    "tokens,top_k,experts,block_m",
+    [(1, 8, 128, 16), (256, 8, 128, 64), (300, 8, 128, 128), (700, 2, 16, 16), (40, 8, 60, 32)],
+)
+def test_align_by_atomics(tokens, top_k, experts, block_m, monkeypatch):
+    """``FD_MOE_ALIGN_ATOMIC_MIN_PAIRS``: the atomic counters' sort gives the chunked sort's layout up
+    to the order inside each expert's run (one pair, a decode step, prefill tiles, every expert busy,
+    experts not a power of two), also with another rank's pairs left out and all on two experts."""
+    monkeypatch.setenv("FD_MOE_ALIGN_ATOMIC_MIN_PAIRS", "1")
+    g = torch.Generator().manual_seed(tokens)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    _check_layout(ids, block_m, experts, stable=False)
+    ids[torch.rand(ids.shape, generator=g) < 0.5] = -1
+    _check_layout(ids, block_m, experts, stable=False)
+    _check_layout(torch.randint(0, 2, (tokens, 1), generator=g) * 3 + 1, block_m, experts, stable=False)
 
 
 @pytest.mark.parametrize(
