@@ -26,6 +26,28 @@ BLOCK_P = 1024
 """Pairs per program of the rank and place kernels."""
 
 
+@triton.jit
+def write_layout(
+    sorted_ptr, expert_ids_ptr, num_padded_ptr, totals, padded, start, end, e_mask, P, E, BLOCK_M: tl.constexpr
+):  # fmt: skip
+    """The padded length, each expert's padding entries (``P`` in slots ``[start + count, end)``)
+    and the expert of every ``BLOCK_M`` block, from the experts' pair counts ``totals`` and their
+    padded runs ``[start, end)`` (both sorts share it)."""
+    num_padded = tl.sum(padded, axis=0)
+    tl.store(num_padded_ptr, num_padded)
+    fill = start + totals
+    for j0 in tl.static_range(0, BLOCK_M, 16):
+        j = j0 + tl.arange(0, 16)
+        pos = fill[:, None] + j[None, :]
+        tl.store(sorted_ptr + pos, tl.zeros_like(pos) + P, mask=pos < end[:, None])
+    # block b belongs to the first expert whose padded run ends past b * BLOCK_M
+    for b0 in range(0, num_padded // BLOCK_M, 64):
+        b = b0 + tl.arange(0, 64)
+        ended = (end[None, :] <= b[:, None] * BLOCK_M) & e_mask[None, :]
+        expert = tl.minimum(tl.sum(ended.to(tl.int32), axis=1), E - 1)
+        tl.store(expert_ids_ptr + b, expert, mask=b * BLOCK_M < num_padded)
+
+
 @triton.jit(do_not_specialize=["P"])
 def _rank_kernel(ids_ptr, counts_ptr, ranks_ptr, P, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     """``ranks[p]``: how many pairs of ``p``'s expert took a slot before it (atomically)."""
@@ -52,19 +74,9 @@ def _layout_kernel(
     end = tl.cumsum(padded, axis=0)
     start = end - padded
     tl.store(starts_ptr + offs_e, start, mask=e_mask)
-    num_padded = tl.sum(padded, axis=0)
-    tl.store(num_padded_ptr, num_padded)
-    fill = start + totals  # each expert's padding: slots [start + count, end) hold P
-    for j0 in tl.static_range(0, BLOCK_M, 16):
-        j = j0 + tl.arange(0, 16)
-        pos = fill[:, None] + j[None, :]
-        tl.store(sorted_ptr + pos, tl.zeros_like(pos) + P, mask=pos < end[:, None])
-    # block b belongs to the first expert whose padded run ends past b * BLOCK_M
-    for b0 in range(0, num_padded // BLOCK_M, 64):
-        b = b0 + tl.arange(0, 64)
-        ended = (end[None, :] <= b[:, None] * BLOCK_M) & e_mask[None, :]
-        expert = tl.minimum(tl.sum(ended.to(tl.int32), axis=1), E - 1)
-        tl.store(expert_ids_ptr + b, expert, mask=b * BLOCK_M < num_padded)
+    write_layout(
+        sorted_ptr, expert_ids_ptr, num_padded_ptr, totals, padded, start, end, e_mask, P, E, BLOCK_M
+    )
 
 
 @triton.jit(do_not_specialize=["P"])

@@ -39,7 +39,7 @@ import triton.language as tl
 
 from fastdeploy import envs
 from fastdeploy.ops.triton_layer_ops import inverse_rms, scaled_by_rms
-from fastdeploy.ops.triton_moe_align_atomic import align_by_atomics
+from fastdeploy.ops.triton_moe_align_atomic import align_by_atomics, write_layout
 from fastdeploy.ops.triton_pdl import pdl_kwargs, pdl_prologue
 
 ROUTER_SPLIT_MAX_TOKENS = 4
@@ -63,8 +63,8 @@ _SUB = 32
 
 
 def align_step_pairs() -> int:
-    """Pairs per step inside a chunk: ``FD_MOE_ALIGN_SUB`` (a power of two, 16-256; a prefill step's
-    chunks of 512 pairs are 16 dependent steps of 32), else :data:`_SUB`."""
+    """Pairs per step inside a chunk: ``FD_MOE_ALIGN_SUB`` (a power of two, 16-256; default
+    :data:`_SUB`: a prefill step's chunks of 512 pairs are then 16 dependent steps)."""
     sub = envs.FD_MOE_ALIGN_SUB
     if sub < 16 or sub > 256 or sub & (sub - 1):
         raise ValueError(f"FD_MOE_ALIGN_SUB must be a power of two from 16 to 256, got {sub}")
@@ -390,20 +390,9 @@ def _align_kernel(
         tl.store(sorted_ptr + dest, p.to(tl.int32), mask=valid)
         slot += tl.sum(onehot, axis=0)
     if c == 0:
-        num_padded = tl.sum(padded, axis=0)
-        tl.store(num_padded_ptr, num_padded)
-        # each expert's padding: slots [start + count, end) hold P
-        fill = start + totals
-        for j0 in tl.static_range(0, BLOCK_M, 16):
-            j = j0 + tl.arange(0, 16)
-            pos = fill[:, None] + j[None, :]
-            tl.store(sorted_ptr + pos, tl.zeros_like(pos) + P, mask=pos < end[:, None])
-        # block b belongs to the first expert whose padded run ends past b * BLOCK_M
-        for b0 in range(0, num_padded // BLOCK_M, 64):
-            b = b0 + tl.arange(0, 64)
-            ended = (end[None, :] <= b[:, None] * BLOCK_M) & e_mask[None, :]
-            expert = tl.minimum(tl.sum(ended.to(tl.int32), axis=1), E - 1)
-            tl.store(expert_ids_ptr + b, expert, mask=b * BLOCK_M < num_padded)
+        write_layout(
+            sorted_ptr, expert_ids_ptr, num_padded_ptr, totals, padded, start, end, e_mask, P, E, BLOCK_M
+        )
 
 
 def padded_length(pairs: int, block_m: int, num_experts: int) -> int:
