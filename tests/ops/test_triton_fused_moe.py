@@ -289,6 +289,32 @@ def test_config_override_and_non_even_k():
     assert _rel_err(out, ref) < 1e-5
 
 
+def _variant(quant, tokens, seed):
+    """``(args, kwargs, config)`` of a ``fused_experts`` call: ``fp32-odd-k`` (float32, tiles that
+    overhang K and N), ``bf16``, ``fp8-block`` (128 x 128 block scales), ``fp8-channel`` (per-channel
+    weight scales), ``fp8-channel-skipped`` (the same with some pairs on another rank's experts)."""
+    if quant == "fp32-odd-k":
+        config = moe.MoEKernelConfig(block_m=16, block_n=32, block_k=32, group_m=2)
+        return _problem(9, 80, 48, torch.float32, seed=seed), {}, config
+    if quant == "bf16":
+        return _problem(tokens, 128, 96, torch.bfloat16, seed=seed), {}, None
+    if quant == "fp8-block":
+        (x, _, _, weights, ids), (q13, s13, q2, s2) = _fp8_problem(tokens, 192, 96, seed=seed)
+        return (x, q13, q2, weights, ids, s13, s2), {}, None
+    x, w13, w2, weights, ids = _problem(tokens, 192, 96, torch.bfloat16, seed=seed)
+    (q13, s13), (q2, s2) = (
+        fq.quantize_weight_per_channel(w13.float()),
+        fq.quantize_weight_per_channel(w2.float()),
+    )
+    if quant == "fp8-channel-skipped":
+        return (
+            (x, q13, q2, weights, _drop_pairs(ids, 3), s13, s2),
+            {"block_shape": None, "skip_negative_ids": True},
+            None,
+        )
+    return (x, q13, q2, weights, ids, s13, s2), {"block_shape": None}, None
+
+
 @needs_backend
 @pytest.mark.parametrize("quant", ["bf16", "fp32-odd-k", "fp8-block", "fp8-channel"])
 def test_weights_through_tma_descriptors(quant, monkeypatch):
@@ -298,23 +324,7 @@ def test_weights_through_tma_descriptors(quant, monkeypatch):
     Up to accumulation order (the interpreter's dot of a transposed tile sums in another order):
     1e-5 in float32; in bf16 an output may round one ulp (2^-8) the other way, so 4e-3 of the
     norm there (a wrong tile, expert or scale is O(1))."""
-    config = None
-    if quant == "fp32-odd-k":
-        args = _problem(9, 80, 48, torch.float32, seed=12)
-        config = moe.MoEKernelConfig(block_m=16, block_n=32, block_k=32, group_m=2)
-        kwargs = {}
-    elif quant == "bf16":
-        args, kwargs = _problem(21, 128, 96, torch.bfloat16, seed=13), {}
-    elif quant == "fp8-block":
-        (x, _, _, weights, ids), (q13, s13, q2, s2) = _fp8_problem(21, 192, 96, seed=14)
-        args, kwargs = (x, q13, q2, weights, ids, s13, s2), {}
-    else:
-        x, w13, w2, weights, ids = _problem(21, 192, 96, torch.bfloat16, seed=15)
-        (q13, s13), (q2, s2) = (
-            fq.quantize_weight_per_channel(w13.float()),
-            fq.quantize_weight_per_channel(w2.float()),
-        )
-        args, kwargs = (x, q13, q2, weights, ids, s13, s2), {"block_shape": None}
+    args, kwargs, config = _variant(quant, 21, seed=13)
     tensors = _on(DEVICE, *args)
     monkeypatch.setenv("FD_MOE_TMA_WEIGHTS", "0")
     pointers = moe.fused_experts(*tensors, config=config, **kwargs)
@@ -330,23 +340,7 @@ def test_persistent_grid_gives_the_same_bits(quant, monkeypatch):
     """A persistent grid (2 or 3 programs here, each walking every 2nd / 3rd tile up to the padded
     length read on the device) computes every tile as one program a tile does: the same bits,
     with and without TMA weights, and with another rank's pairs skipped."""
-    config, kwargs = None, {}
-    if quant == "fp32-odd-k":
-        args = _problem(9, 80, 48, torch.float32, seed=21)
-        config = moe.MoEKernelConfig(block_m=16, block_n=32, block_k=32, group_m=2)
-    elif quant == "bf16":
-        args = _problem(21, 128, 96, torch.bfloat16, seed=22)
-    elif quant == "fp8-block":
-        (x, _, _, weights, ids), (q13, s13, q2, s2) = _fp8_problem(21, 192, 96, seed=23)
-        args = (x, q13, q2, weights, ids, s13, s2)
-    else:
-        x, w13, w2, weights, ids = _problem(21, 192, 96, torch.bfloat16, seed=24)
-        (q13, s13), (q2, s2) = (
-            fq.quantize_weight_per_channel(w13.float()),
-            fq.quantize_weight_per_channel(w2.float()),
-        )
-        args = (x, q13, q2, weights, _drop_pairs(ids, 3), s13, s2)
-        kwargs = {"block_shape": None, "skip_negative_ids": True}
+    args, kwargs, config = _variant(quant, 21, seed=22)
     tensors = _on(DEVICE, *args)
     for tma in "01":
         monkeypatch.setenv("FD_MOE_TMA_WEIGHTS", tma)
@@ -362,14 +356,7 @@ def test_persistent_grid_gives_the_same_bits(quant, monkeypatch):
 def test_atomic_expert_sort_gives_the_same_bits(quant, monkeypatch):
     """The expert sort by atomic counters (``FD_MOE_ALIGN_ATOMIC_MIN_PAIRS``) may order an expert's
     pairs differently; each pair's row is computed on its own, so the output is the same bits."""
-    x, w13, w2, weights, ids = _problem(300, 128, 96, torch.bfloat16, seed=31)
-    args, kwargs = (x, w13, w2, weights, ids), {}
-    if quant == "fp8-channel":
-        (q13, s13), (q2, s2) = (
-            fq.quantize_weight_per_channel(w13.float()),
-            fq.quantize_weight_per_channel(w2.float()),
-        )
-        args, kwargs = (x, q13, q2, weights, ids, s13, s2), {"block_shape": None}
+    args, kwargs, _ = _variant(quant, 300, seed=31)
     tensors = _on(DEVICE, *args)
     monkeypatch.setenv("FD_MOE_ALIGN_ATOMIC_MIN_PAIRS", "0")
     chunked = moe.fused_experts(*tensors, **kwargs)
