@@ -55,7 +55,8 @@ def _rank_kernel(ids_ptr, counts_ptr, ranks_ptr, P, BLOCK: tl.constexpr, USE_PDL
     p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     e = tl.load(ids_ptr + p, mask=p < P, other=-1).to(tl.int32)
     valid = (p < P) & (e >= 0)  # a negative id: an expert another rank holds (left out)
-    rank = tl.atomic_add(counts_ptr + tl.where(valid, e, 0), tl.full([BLOCK], 1, tl.int32), mask=valid)
+    ones = tl.full([BLOCK], 1, tl.int32)  # (relaxed: only the counts matter, read by the next kernel)
+    rank = tl.atomic_add(counts_ptr + tl.where(valid, e, 0), ones, mask=valid, sem="relaxed")
     tl.store(ranks_ptr + p, rank, mask=valid)
 
 
