@@ -42,12 +42,13 @@
 #                 tile: its tests on the GPU, the MoE layer at 256 / 2,048 / 8,192 tokens (FP8 per channel,
 #                 bf16); the expert sort's step width (FD_MOE_ALIGN_SUB 64, 128) and by atomics
 #                 (FD_MOE_ALIGN_ATOMIC_MIN_PAIRS); then the offline runs: FD_...=N ... moe_fair
+#   moe_persistent_sweep (~4) the grouped GEMM's tile candidates on the persistent grid at 8,192 tokens (FP8)
 #   moe (~6)      a batch-1 FP8 and bf16 decode step of the Qwen3-30B-A3B shape, kernel table;
 #                 the experts' GEMV configuration sweep at one token
 #   bash tools/gpu_pending.sh OUT [section ...]
 # Run it without `| tail` in the `run` call: a call stopped at its time limit returns only what it
 # already printed (twice in the twentieth session a tail held back every line of a 600 s call).
-OUT=${1:?usage: tools/gpu_pending.sh OUT [structured_nice] [structured_threads] [structured_gil] [structured_default] [structured_guidance] [first_burst] [structured] [tests] [moe_e2e] [moe_budget] [moe_prefill] [moe_phases] [moe_vllm] [moe_fair] [moe_split] [fp8_channel] [moe_router] [gemv_sweep] [moe_vllm_fair] [moe_fusions] [moe_tma] [moe_persistent] [offline_ratio] [poisson] [prefill] [moe] [budget]}
+OUT=${1:?usage: tools/gpu_pending.sh OUT [structured_nice] [structured_threads] [structured_gil] [structured_default] [structured_guidance] [first_burst] [structured] [tests] [moe_e2e] [moe_budget] [moe_prefill] [moe_phases] [moe_vllm] [moe_fair] [moe_split] [fp8_channel] [moe_router] [gemv_sweep] [moe_vllm_fair] [moe_fusions] [moe_tma] [moe_persistent] [moe_persistent_sweep] [offline_ratio] [poisson] [prefill] [moe] [budget]}
 shift
 sections=${*:-structured_nice tests moe_e2e poisson prefill moe budget}
 mkdir -p "$OUT"
@@ -357,6 +358,13 @@ moe_persistent() {
         echo "$setting"
         grep "|" "$W/$setting/results.md" | tail -n 2 | cut -c1-200
     done
+}
+
+# #18: the tile table's candidates on the persistent grid (its best tiles may not be one-program-a-tile's)
+moe_persistent_sweep() {
+    FD_MOE_PERSISTENT_MIN_TOKENS=1 timeout 280 python3 -m benchmarks.gpubench.moe_bench --out "$W/sweep" --sweep \
+        --tokens 8192 --dtypes ptpc_fp8 > "$W/sweep.log" 2>&1
+    grep "|" "$W/sweep/results.md" | tail -n 1 | cut -c1-300
 }
 
 # #18: the batch-1 decode step of the Qwen3-30B-A3B shape after this session's kernel changes
