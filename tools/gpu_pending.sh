@@ -322,12 +322,6 @@ moe_fusions() {
 # #18: the grouped GEMM's weight tiles through TMA tensor descriptors against pointer loads (the
 # prefill steps' grouped GEMM ran at ~890 TFLOP/s in FP8, the twenty-third session)
 moe_tma() {
-    if [ -n "${MOE_TMA_QUICK:-}" ]; then  # the eager host cost alone: TMA on, 256 tokens
-        FD_MOE_TMA_WEIGHTS=1 timeout 100 python3 -m benchmarks.gpubench.moe_bench --out "$W/quick" --tokens 256 \
-            --dtypes ptpc_fp8,bf16 > "$W/quick.log" 2>&1
-        grep "|" "$W/quick/results.md" | tail -n 2 | cut -c1-200
-        return
-    fi
     timeout 120 python3 -m pytest -q -p no:cacheprovider tests/ops/test_triton_fused_moe.py -k tma_desc \
         > "$W/tma_test.log" 2>&1
     echo "tma test: $(tail -n 1 "$W/tma_test.log")"
