@@ -205,12 +205,6 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "within an expert is then the atomics', the MoE's output the same) instead of the chunked "
         "sort; 0 (the default until measured on a GPU): never.",
     ),
-    "FD_MOE_SILU_ROWS": (
-        lambda: max(1, int(os.environ.get("FD_MOE_SILU_ROWS", "1"))),
-        "Pairs' rows per program of the fused MoE's SiLU-and-multiply + FP8 quantization kernel "
-        "(fastdeploy/ops/triton_moe_act.py): a prefill step's 65,536 pairs are as many one-row "
-        "programs at 1 (the default until measured on a GPU).",
-    ),
     "FD_MOE_GROUPED_MM_MIN_TOKENS": (
         lambda: int(os.environ.get("FD_MOE_GROUPED_MM_MIN_TOKENS", "0")),
         "Per-channel FP8 MoE steps of at least this many tokens on Hopper run the experts as two "

@@ -41,8 +41,7 @@
 #   moe_persistent (~5) the grouped GEMM on a persistent grid (FD_MOE_PERSISTENT_MIN_TOKENS) or one program a
 #                 tile: its tests on the GPU, the MoE layer at 256 / 2,048 / 8,192 tokens (FP8 per channel,
 #                 bf16); the expert sort's step width (FD_MOE_ALIGN_SUB 64, 128) and by atomics
-#                 (FD_MOE_ALIGN_ATOMIC_MIN_PAIRS); FD_MOE_SILU_ROWS 4, 8; then the offline runs:
-#                 FD_...=N ... moe_fair
+#                 (FD_MOE_ALIGN_ATOMIC_MIN_PAIRS); then the offline runs: FD_...=N ... moe_fair
 #   moe_persistent_sweep (~4) the grouped GEMM's tile candidates on the persistent grid at 8,192 tokens (FP8)
 #   moe (~6)      a batch-1 FP8 and bf16 decode step of the Qwen3-30B-A3B shape, kernel table;
 #                 the experts' GEMV configuration sweep at one token
@@ -337,7 +336,7 @@ moe_tma() {
 # 128-steps, so each tile's pipeline fill is a large share of it) against one program a tile
 moe_persistent() {
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/ops/test_triton_fused_moe.py tests/ops/test_triton_moe_routing.py \
-        -k "persistent or tma or atomic or step_width or silu_mul_quant" > "$W/persistent_test.log" 2>&1
+        -k "persistent or tma or atomic or step_width" > "$W/persistent_test.log" 2>&1
     echo "tests: $(tail -n 1 "$W/persistent_test.log")"
     grep -E "^FAILED|Error" "$W/persistent_test.log" | head -n 5
     for least in 0 1; do  # 1: every grouped-GEMM step (the decode batch's too)
@@ -346,10 +345,8 @@ moe_persistent() {
         echo "FD_MOE_PERSISTENT_MIN_TOKENS=$least"
         grep "|" "$W/layer$least/results.md" | tail -n 6 | cut -c1-200
     done
-    # the expert sort (the route+align column; 32 / chunked above): its step width, and by atomics;
-    # the SiLU + quantization kernel with several rows a program (the layer's graph time)
-    for setting in FD_MOE_ALIGN_SUB=64 FD_MOE_ALIGN_SUB=128 FD_MOE_ALIGN_ATOMIC_MIN_PAIRS=1 FD_MOE_SILU_ROWS=4 \
-        FD_MOE_SILU_ROWS=8; do
+    # the expert sort (the route+align column; 32 / chunked above): its step width, and by atomics
+    for setting in FD_MOE_ALIGN_SUB=64 FD_MOE_ALIGN_SUB=128 FD_MOE_ALIGN_ATOMIC_MIN_PAIRS=1; do
         env $setting timeout 100 python3 -m benchmarks.gpubench.moe_bench --out "$W/$setting" \
             --tokens 256,8192 --dtypes ptpc_fp8 > "$W/$setting.log" 2>&1
         echo "$setting"

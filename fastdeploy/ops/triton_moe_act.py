@@ -19,7 +19,6 @@ import torch
 import triton
 import triton.language as tl
 
-from fastdeploy import envs
 from fastdeploy.ops.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_AMAX, quantize_activation_per_token
 from fastdeploy.ops.layer_ops import silu_and_mul
 from fastdeploy.ops.triton_env import triton_interpreting
@@ -67,33 +66,25 @@ def _sum_pairs_kernel(
 
 @triton.jit
 def _silu_mul_quant_kernel(
-    gu_ptr, ids_ptr, q_ptr, s_ptr, rows, n, gu_stride, q_stride, s_stride_m, s_stride_g, WIDTH: tl.constexpr,
-    BLOCK: tl.constexpr, ROWS: tl.constexpr, SKIP: tl.constexpr, FP8_MAX_C: tl.constexpr,
-    MIN_AMAX_C: tl.constexpr,
+    gu_ptr, ids_ptr, q_ptr, s_ptr, n, gu_stride, q_stride, s_stride_m, s_stride_g, WIDTH: tl.constexpr,
+    BLOCK: tl.constexpr, SKIP: tl.constexpr, FP8_MAX_C: tl.constexpr, MIN_AMAX_C: tl.constexpr,
 ):  # fmt: skip
-    """``silu(gate) * up`` of ``WIDTH`` columns of ``ROWS`` pairs' rows, each rounded to the
-    activation dtype as :func:`silu_and_mul` rounds it, then quantized to FP8 with one scale for
-    those columns of the row, as :mod:`fastdeploy.ops.triton_fp8_quant` quantizes them (the same
-    bits, one kernel; several rows a program: fewer, fuller programs for a prefill step's pairs)."""
+    """``silu(gate) * up`` of ``WIDTH`` columns of one pair's row, rounded to the activation dtype
+    as :func:`silu_and_mul` rounds it, then quantized to FP8 with one scale for those columns, as
+    :mod:`fastdeploy.ops.triton_fp8_quant` quantizes them (the same bits, one kernel)."""
+    row = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
+    if SKIP:
+        if tl.load(ids_ptr + row) < 0:  # another rank's expert: nothing to compute
+            return
     offs = tl.arange(0, BLOCK)
     cols = group * WIDTH + offs
     mask = (offs < WIDTH) & (cols < n)
-    for r in tl.static_range(ROWS):
-        row = tl.program_id(0).to(tl.int64) * ROWS + r
-        live = row < rows
-        if SKIP:  # another rank's expert: nothing to compute
-            live = live & (tl.load(ids_ptr + row, mask=row < rows, other=-1) >= 0)
-        if live:
-            val = (
-                silu_mul_cols(gu_ptr, row, gu_stride, n, cols, mask)
-                .to(gu_ptr.dtype.element_ty)
-                .to(tl.float32)
-            )
-            scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(val), axis=0), MIN_AMAX_C), FP8_MAX_C)
-            q = tl.minimum(tl.maximum(tl.math.div_rn(val, scale), -FP8_MAX_C), FP8_MAX_C)
-            tl.store(q_ptr + row * q_stride + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-            tl.store(s_ptr + row * s_stride_m + group * s_stride_g, scale)
+    val = silu_mul_cols(gu_ptr, row, gu_stride, n, cols, mask).to(gu_ptr.dtype.element_ty).to(tl.float32)
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(val), axis=0), MIN_AMAX_C), FP8_MAX_C)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(val, scale), -FP8_MAX_C), FP8_MAX_C)
+    tl.store(q_ptr + row * q_stride + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row * s_stride_m + group * s_stride_g, scale)
 
 
 SILU_QUANT_MAX_BLOCK = 8192
@@ -117,10 +108,9 @@ def silu_mul_quant(
     scale = torch.empty((rows, groups), dtype=torch.float32, device=gate_up.device)
     if rows:
         block = triton.next_power_of_2(width)
-        per_program = envs.FD_MOE_SILU_ROWS
-        _silu_mul_quant_kernel[(triton.cdiv(rows, per_program), groups)](
-            gate_up, ids if ids is not None else gate_up, q, scale, rows, n, gate_up.stride(0), q.stride(0),
-            scale.stride(0), scale.stride(1), WIDTH=width, BLOCK=block, ROWS=per_program, SKIP=ids is not None,
+        _silu_mul_quant_kernel[(rows, groups)](
+            gate_up, ids if ids is not None else gate_up, q, scale, n, gate_up.stride(0), q.stride(0),
+            scale.stride(0), scale.stride(1), WIDTH=width, BLOCK=block, SKIP=ids is not None,
             FP8_MAX_C=FP8_MAX, MIN_AMAX_C=MIN_AMAX, num_warps=4 if block <= 1024 else 8,
         )  # fmt: skip
     return (q.to(FP8_DTYPE) if interpreting else q), scale

@@ -239,14 +239,11 @@ def test_fp8_per_channel_matches_references(tokens, hidden, inter):
 @needs_backend
 @pytest.mark.parametrize("block_shape", [(128, 128), None], ids=["1x128-groups", "per-token"])
 @pytest.mark.parametrize("inter", [256, 96])  # 96: a partial group
-@pytest.mark.parametrize("rows_per_program", ["1", "4"])  # 4: 9 rows in three programs, one partial
-def test_silu_mul_quant_equals_the_two_kernels(block_shape, inter, rows_per_program, monkeypatch):
+def test_silu_mul_quant_equals_the_two_kernels(block_shape, inter):
     """The fused SiLU-and-multiply + FP8 activation quantization: the same bits as the activation
     of silu_and_mul quantized by fp8_quant (bf16 rows, large and tiny values, a zero row), and
-    skipped rows left out; one row a program or several (``FD_MOE_SILU_ROWS``)."""
+    skipped rows left out."""
     from fastdeploy.ops.triton_layer_ops import silu_and_mul  # the GPU path's kernel (also on a CPU here)
-
-    monkeypatch.setenv("FD_MOE_SILU_ROWS", rows_per_program)
 
     gate_up = (_rand(9, 2 * inter, seed=inter) * 3).bfloat16()
     gate_up[2] *= 1e-4
