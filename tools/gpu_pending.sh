@@ -38,17 +38,17 @@
 #                 off / on
 #   moe_tma (~5)  the expert weights through TMA descriptors (FD_MOE_TMA_WEIGHTS) or pointer loads: its
 #                 test on the GPU, then the MoE layer at 256 and 8,192 tokens, FP8 per channel and bf16
-#   moe_persistent (~5) the grouped GEMM on a persistent grid (FD_MOE_PERSISTENT_MIN_TOKENS) or one program a
-#                 tile: its tests on the GPU, the MoE layer at 256 / 2,048 / 8,192 tokens (FP8 per channel,
-#                 bf16); the expert sort's step width (FD_MOE_ALIGN_SUB 64, 128) and by atomics
-#                 (FD_MOE_ALIGN_ATOMIC_MIN_PAIRS); then the offline runs: FD_...=N ... moe_fair
+#   moe_pdl (~4)  the kernels that now take programmatic dependent launch (FP8 quantization, the per-channel
+#                 FP8 GEMM, the MoE's SiLU + quantization and top-k sum) and the expert sort (one program up
+#                 to 256 pairs, atomics beyond) on the GPU: their test files, then the MoE layer at 256 / 8,192
+#                 tokens; then the offline runs: moe_fair (and moe_vllm_fair beside it)
 #   moe_persistent_sweep (~4) the grouped GEMM's tile candidates on the persistent grid at 8,192 tokens (FP8)
 #   moe (~6)      a batch-1 FP8 and bf16 decode step of the Qwen3-30B-A3B shape, kernel table;
 #                 the experts' GEMV configuration sweep at one token
 #   bash tools/gpu_pending.sh OUT [section ...]
 # Run it without `| tail` in the `run` call: a call stopped at its time limit returns only what it
 # already printed (twice in the twentieth session a tail held back every line of a 600 s call).
-OUT=${1:?usage: tools/gpu_pending.sh OUT [structured_nice] [structured_threads] [structured_gil] [structured_default] [structured_guidance] [first_burst] [structured] [tests] [moe_e2e] [moe_budget] [moe_prefill] [moe_phases] [moe_vllm] [moe_fair] [moe_split] [fp8_channel] [moe_router] [gemv_sweep] [moe_vllm_fair] [moe_fusions] [moe_tma] [moe_persistent] [moe_persistent_sweep] [offline_ratio] [poisson] [prefill] [moe] [budget]}
+OUT=${1:?usage: tools/gpu_pending.sh OUT [structured_nice] [structured_threads] [structured_gil] [structured_default] [structured_guidance] [first_burst] [structured] [tests] [moe_e2e] [moe_budget] [moe_prefill] [moe_phases] [moe_vllm] [moe_fair] [moe_split] [fp8_channel] [moe_router] [gemv_sweep] [moe_vllm_fair] [moe_fusions] [moe_tma] [moe_pdl] [moe_persistent_sweep] [offline_ratio] [poisson] [prefill] [moe] [budget]}
 shift
 sections=${*:-structured_nice tests moe_e2e poisson prefill moe budget}
 mkdir -p "$OUT"
@@ -332,26 +332,18 @@ moe_tma() {
     done
 }
 
-# #18: the grouped GEMM's persistent grid (tile and K loops pipelined together: down's K loop is six
-# 128-steps, so each tile's pipeline fill is a large share of it) against one program a tile
-moe_persistent() {
-    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/ops/test_triton_fused_moe.py tests/ops/test_triton_moe_routing.py \
-        -k "persistent or tma or atomic or step_width" > "$W/persistent_test.log" 2>&1
-    echo "tests: $(tail -n 1 "$W/persistent_test.log")"
-    grep -E "^FAILED|Error" "$W/persistent_test.log" | head -n 5
-    for least in 0 1; do  # 1: every grouped-GEMM step (the decode batch's too)
-        FD_MOE_PERSISTENT_MIN_TOKENS=$least timeout 200 python3 -m benchmarks.gpubench.moe_bench \
-            --out "$W/layer$least" --tokens 256,2048,8192 --dtypes ptpc_fp8,bf16 > "$W/layer$least.log" 2>&1
-        echo "FD_MOE_PERSISTENT_MIN_TOKENS=$least"
-        grep "|" "$W/layer$least/results.md" | tail -n 6 | cut -c1-200
-    done
-    # the expert sort (the route+align column; 32 / chunked above): its step width, and by atomics
-    for setting in FD_MOE_ALIGN_SUB=64 FD_MOE_ALIGN_SUB=128 FD_MOE_ALIGN_ATOMIC_MIN_PAIRS=1; do
-        env $setting timeout 100 python3 -m benchmarks.gpubench.moe_bench --out "$W/$setting" \
-            --tokens 256,8192 --dtypes ptpc_fp8 > "$W/$setting.log" 2>&1
-        echo "$setting"
-        grep "|" "$W/$setting/results.md" | tail -n 2 | cut -c1-200
-    done
+# #18: the kernels that take programmatic dependent launch since the twenty-eighth session and the expert
+# sort's two paths, on the GPU; then the MoE layer (the session's first lease: FP8 at 256 tokens 193.2 µs,
+# 8,192 974.8 before the atomic sort and the persistent grid, 927.4 with both)
+moe_pdl() {
+    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/ops/test_triton_fused_moe.py tests/ops/test_triton_moe_routing.py \
+        tests/ops/test_triton_fp8_gemm.py tests/ops/test_triton_fp8_quant.py tests/ops/test_fp8_linear_cuda.py \
+        > "$W/pdl_test.log" 2>&1
+    echo "tests: $(tail -n 1 "$W/pdl_test.log")"
+    grep -E "^FAILED|Error" "$W/pdl_test.log" | head -n 5
+    timeout 150 python3 -m benchmarks.gpubench.moe_bench --out "$W/layer" --tokens 256,8192 --dtypes ptpc_fp8 \
+        > "$W/layer.log" 2>&1
+    grep "|" "$W/layer/results.md" | tail -n 2 | cut -c1-200
 }
 
 # #18: the tile table's candidates on the persistent grid (its best tiles may not be one-program-a-tile's)

@@ -30,6 +30,7 @@ from fastdeploy.ops.fp8_quant import FP8_DTYPE
 from fastdeploy.ops.tile_config import TileConfig, table_config
 from fastdeploy.ops.triton_env import triton_interpreting
 from fastdeploy.ops.triton_fp8_quant import quantize_activation_per_token_group
+from fastdeploy.ops.triton_pdl import pdl_kwargs, pdl_prologue, pdl_trigger
 
 Fp8GemmConfig = TileConfig
 """Triton meta-parameters of one FP8 GEMM launch."""
@@ -92,9 +93,11 @@ def _fp8_block_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """One ``BLOCK_M × BLOCK_N`` tile of ``c = sum_k (a_k * a_scale) (b_k * b_scale)^T (+ bias)``
     (``CHANNEL``: one scale per row of ``a`` and of ``b``, applied after the K loop)."""
+    pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -138,6 +141,7 @@ def _fp8_block_gemm_kernel(
             acc += part * a_s[:, None] * b_s[None, :]
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    pdl_trigger(USE_PDL)
     if CHANNEL:
         acc = acc * tl.load(a_scale_ptrs)[:, None] * tl.load(b_scale_ptrs)[None, :]
     if HAS_BIAS:
@@ -247,6 +251,7 @@ def _launch(
         GROUP_M=config.group_m,
         num_warps=config.num_warps,
         num_stages=1 if interpreting else config.num_stages,
+        **pdl_kwargs(out),
     )  # fmt: skip
     return out
 

@@ -27,6 +27,7 @@ import triton.language as tl
 from fastdeploy.ops.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_AMAX
 from fastdeploy.ops.triton_env import triton_interpreting
 from fastdeploy.ops.triton_layer_ops import normalized_row
+from fastdeploy.ops.triton_pdl import pdl_kwargs, pdl_prologue
 
 TOKEN_BLOCK = 1024
 """Columns one step of the per-token kernel loads (it loops over K twice: amax, then quantize)."""
@@ -35,8 +36,9 @@ TOKEN_BLOCK = 1024
 @triton.jit
 def _group_quant_kernel(
     x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm, stride_sg, GROUP: tl.constexpr,
-    BLOCK: tl.constexpr, FP8_MAX_C: tl.constexpr, MIN_AMAX_C: tl.constexpr,
+    BLOCK: tl.constexpr, FP8_MAX_C: tl.constexpr, MIN_AMAX_C: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_prologue(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
     cols = group * GROUP + tl.arange(0, BLOCK)
@@ -53,8 +55,9 @@ def _group_quant_kernel(
 @triton.jit
 def _token_quant_kernel(
     x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK: tl.constexpr, FP8_MAX_C: tl.constexpr,
-    MIN_AMAX_C: tl.constexpr,
+    MIN_AMAX_C: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_prologue(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     amax = tl.zeros([BLOCK], dtype=tl.float32)
@@ -74,12 +77,13 @@ def _token_quant_kernel(
 def _add_rms_norm_quant_kernel(
     x_ptr, r_ptr, w_ptr, q_ptr, s_ptr, y_ptr, n, eps, stride_xm, stride_rm, stride_qm, stride_ym,
     HAS_RESIDUAL: tl.constexpr, STORE_NORMED: tl.constexpr, BLOCK: tl.constexpr, FP8_MAX_C: tl.constexpr,
-    MIN_AMAX_C: tl.constexpr,
+    MIN_AMAX_C: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """One row: ``h = x + residual`` (stored into ``residual``), ``y = weight * h / rms(h)`` rounded
     as :func:`fastdeploy.ops.triton_layer_ops.fused_add_rms_norm` rounds it (stored into ``y`` with
     ``STORE_NORMED``), then ``y`` quantized per token as :func:`_token_quant_kernel` quantizes it:
     the two kernels' bits."""
+    pdl_prologue(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
@@ -125,7 +129,7 @@ def add_rms_norm_quant(
             k, eps, x.stride(0), residual.stride(0) if residual is not None else 0, q.stride(0),
             normed.stride(0) if normed is not None else 0, HAS_RESIDUAL=residual is not None,
             STORE_NORMED=normed is not None, BLOCK=block, FP8_MAX_C=FP8_MAX, MIN_AMAX_C=MIN_AMAX,
-            num_warps=4 if block <= 2048 else 8,
+            num_warps=4 if block <= 2048 else 8, **pdl_kwargs(x),
         )  # fmt: skip
     return (q.to(FP8_DTYPE) if interpreting else q), scale, (residual if residual is not None else x)
 
@@ -149,6 +153,7 @@ def quantize_activation_per_token_group(
     _group_quant_kernel[(m, groups)](
         x, q, scale, k, x.stride(0), q.stride(0), scale.stride(0), scale.stride(1),
         GROUP=group, BLOCK=triton.next_power_of_2(group), FP8_MAX_C=FP8_MAX, MIN_AMAX_C=MIN_AMAX,
+        **pdl_kwargs(x),
     )  # fmt: skip
     return (q.to(FP8_DTYPE) if interpreting else q), scale
 
@@ -165,6 +170,6 @@ def quantize_activation_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.
     block = min(TOKEN_BLOCK, triton.next_power_of_2(k))
     _token_quant_kernel[(m,)](
         x, q, scale, k, x.stride(0), q.stride(0), BLOCK=block, FP8_MAX_C=FP8_MAX, MIN_AMAX_C=MIN_AMAX,
-        num_warps=4 if block <= 1024 else 8,
+        num_warps=4 if block <= 1024 else 8, **pdl_kwargs(x),
     )  # fmt: skip
     return (q.to(FP8_DTYPE) if interpreting else q), scale

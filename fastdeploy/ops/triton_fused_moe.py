@@ -1,7 +1,7 @@
 """Fused mixture-of-experts on a GPU: a route-sorted grouped GEMM in Triton, bf16/fp16 or FP8 w8a8.
 
 The T*k (token, slot) pairs of a batch are sorted by expert and each expert's run is padded to a
-multiple of ``BLOCK_M`` (:func:`fastdeploy.ops.triton_moe_routing.moe_align_block_size`, one or two
+multiple of ``BLOCK_M`` (:func:`fastdeploy.ops.triton_moe_routing.moe_align_block_size`, one or three
 kernels), so that every ``BLOCK_M`` block of the sorted
 list belongs to one expert. Then:
 

@@ -23,11 +23,15 @@ from fastdeploy.ops.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_AMAX, quantize_acti
 from fastdeploy.ops.layer_ops import silu_and_mul
 from fastdeploy.ops.triton_env import triton_interpreting
 from fastdeploy.ops.triton_layer_ops import silu_mul_cols
+from fastdeploy.ops.triton_pdl import pdl_kwargs, pdl_prologue
 
 
 @triton.jit
-def _silu_and_mul_pairs_kernel(gu_ptr, ids_ptr, out_ptr, gu_stride, out_stride, n, BLOCK: tl.constexpr):
+def _silu_and_mul_pairs_kernel(
+    gu_ptr, ids_ptr, out_ptr, gu_stride, out_stride, n, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
+):  # fmt: skip
     """``silu(gate) * up`` of one pair's row, nothing for a pair whose expert id is negative."""
+    pdl_prologue(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     if tl.load(ids_ptr + row) < 0:
         return
@@ -48,9 +52,11 @@ def _sum_pairs_kernel(
     TOP_K: tl.constexpr,
     BLOCK: tl.constexpr,
     SKIP: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """``out[token] = sum of x[pair]`` over the token's k pairs (with ``SKIP``: those whose expert id
     is not negative), float32 accumulation, rounded once."""
+    pdl_prologue(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < H
@@ -68,10 +74,12 @@ def _sum_pairs_kernel(
 def _silu_mul_quant_kernel(
     gu_ptr, ids_ptr, q_ptr, s_ptr, n, gu_stride, q_stride, s_stride_m, s_stride_g, WIDTH: tl.constexpr,
     BLOCK: tl.constexpr, SKIP: tl.constexpr, FP8_MAX_C: tl.constexpr, MIN_AMAX_C: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """``silu(gate) * up`` of ``WIDTH`` columns of one pair's row, rounded to the activation dtype
     as :func:`silu_and_mul` rounds it, then quantized to FP8 with one scale for those columns, as
     :mod:`fastdeploy.ops.triton_fp8_quant` quantizes them (the same bits, one kernel)."""
+    pdl_prologue(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
     if SKIP:
@@ -111,7 +119,7 @@ def silu_mul_quant(
         _silu_mul_quant_kernel[(rows, groups)](
             gate_up, ids if ids is not None else gate_up, q, scale, n, gate_up.stride(0), q.stride(0),
             scale.stride(0), scale.stride(1), WIDTH=width, BLOCK=block, SKIP=ids is not None,
-            FP8_MAX_C=FP8_MAX, MIN_AMAX_C=MIN_AMAX, num_warps=4 if block <= 1024 else 8,
+            FP8_MAX_C=FP8_MAX, MIN_AMAX_C=MIN_AMAX, num_warps=4 if block <= 1024 else 8, **pdl_kwargs(q),
         )  # fmt: skip
     return (q.to(FP8_DTYPE) if interpreting else q), scale
 
@@ -136,7 +144,9 @@ def silu_and_mul_pairs(gate_up: torch.Tensor, ids: torch.Tensor) -> torch.Tensor
     if rows:
         block = min(1024, triton.next_power_of_2(n))
         grid = (rows, triton.cdiv(n, block))
-        _silu_and_mul_pairs_kernel[grid](gate_up, ids, out, gate_up.stride(0), out.stride(0), n, BLOCK=block)
+        _silu_and_mul_pairs_kernel[grid](
+            gate_up, ids, out, gate_up.stride(0), out.stride(0), n, BLOCK=block, **pdl_kwargs(out)
+        )
     return out
 
 
@@ -150,6 +160,6 @@ def sum_pairs(x: torch.Tensor, ids: torch.Tensor | None, top_k: int) -> torch.Te
         grid = (tokens, triton.cdiv(h, block))
         _sum_pairs_kernel[grid](
             x, ids if ids is not None else x, out, h, x.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block,
-            SKIP=ids is not None,
+            SKIP=ids is not None, **pdl_kwargs(out),
         )  # fmt: skip
     return out

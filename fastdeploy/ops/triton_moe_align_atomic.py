@@ -1,6 +1,6 @@
-"""The MoE expert sort of large steps by atomic counters (``FD_MOE_ALIGN_ATOMIC_MIN_PAIRS``): three
-short kernels where the chunked sort of :mod:`fastdeploy.ops.triton_moe_routing` walks each chunk of
-512 pairs in dependent one-hot steps (a prefill step of 8,192 tokens x top-8).
+"""The MoE expert sort of steps beyond one program's pairs
+(:data:`fastdeploy.ops.triton_moe_routing.ALIGN_SINGLE_MAX`) by atomic counters, in three short kernels
+(a prefill step of 8,192 tokens x top-8 is 65,536 pairs).
 
 1. :func:`_rank_kernel`: every pair adds one to its expert's counter; the counter's old value is
    the pair's rank within its expert (a unique slot; the order among an expert's pairs is the
@@ -9,8 +9,8 @@ short kernels where the chunked sort of :mod:`fastdeploy.ops.triton_moe_routing`
    padded length, the padding entries and the block -> expert map.
 3. :func:`_place_kernel`: ``sorted_ids[start[expert] + rank] = pair``.
 
-The layout is the chunked sort's (same padded length, same block -> expert map, same set of pairs
-in each expert's run), only the order within a run may differ. The grouped GEMM computes each pair's
+The layout is the one-program sort's (same padded length, same block -> expert map, same set of
+pairs in each expert's run), only the order within a run may differ. The grouped GEMM computes each pair's
 row on its own, so the MoE's output is the same either way (bit for bit).
 """
 

@@ -1,5 +1,5 @@
 """MoE routing on a GPU in Triton: the router's split-K logits at a few tokens, top-k softmax in one
-kernel, the expert sort/pad in one or two.
+kernel, the expert sort/pad in one kernel or three.
 
 A decode step of a 48-layer MoE model routes 48 times; the torch versions of these steps
 (softmax, topk, the renormalising sum and divide, the casts; then a bincount, cumsums, a
@@ -20,12 +20,11 @@ kernels per layer, each costing a launch even inside a CUDA graph. Here:
 * :func:`moe_align_block_size` — the layout :func:`fastdeploy.ops.triton_fused_moe.align_block_size_torch`
   builds (the (token, slot) pairs sorted stably by expert, each expert's run padded to a
   multiple of ``block_m``, the expert of every block, the padded length). Up to
-  :data:`ALIGN_SINGLE_MAX` pairs (a decode step) it is one program of one kernel; beyond that
-  one program per chunk of pairs (:data:`ALIGN_MIN_CHUNK` or more) counts its chunk's experts
-  (:func:`_count_kernel`), then one
-  program per chunk places its pairs after the earlier chunks' (:func:`_align_kernel`), so the
-  order within an expert is the pairs' order, with no atomics. Every size comes from shapes, so
-  nothing waits for the device (CUDA-graph safe).
+  :data:`ALIGN_SINGLE_MAX` pairs (a decode step) it is one program of one kernel, the order within
+  an expert the pairs' order; beyond that the atomic counters of
+  :mod:`fastdeploy.ops.triton_moe_align_atomic` (three short kernels; the order within an expert
+  is the atomics', which changes no output: the grouped GEMM computes each pair's row on its own).
+  Every size comes from shapes, so nothing waits for the device (CUDA-graph safe).
 
 The routing kernel also adds the step's per-expert pair counts into the load statistic
 (``expert_counts``, atomically), which the torch path does with one more ``index_add_``.
@@ -37,7 +36,6 @@ import torch
 import triton
 import triton.language as tl
 
-from fastdeploy import envs
 from fastdeploy.ops.triton_layer_ops import inverse_rms, scaled_by_rms
 from fastdeploy.ops.triton_moe_align_atomic import align_by_atomics, write_layout
 from fastdeploy.ops.triton_pdl import pdl_kwargs, pdl_prologue
@@ -49,26 +47,10 @@ ROUTER_BLOCK_E = 16
 ROUTER_BLOCK_K = 128
 """Hidden columns per split of :func:`router_partials`."""
 ALIGN_SINGLE_MAX = 256
-"""At most this many pairs (32 tokens x top-8) are sorted by one program of one kernel."""
-ALIGN_MAX_CHUNKS = 128
-"""Beyond it the pairs are cut into chunks of at least ``ALIGN_MIN_CHUNK`` (a power of two), at most
-this many (one wave of programs; each reads every chunk's counts)."""
-ALIGN_MIN_CHUNK = 64
-"""Fewest pairs of a chunk: a decode step of 256 tokens x top-8 is 32 chunks of two ``_SUB`` steps
-each, not 8 of eight (each step of a program is a dependent one-hot count and scan, so the
-program's latency, not the pairs' total, is what the sort costs at decode sizes)."""
+"""Up to this many pairs (32 tokens x top-8) one program of one kernel sorts them; beyond, the
+atomic counters of :mod:`fastdeploy.ops.triton_moe_align_atomic`."""
 _SUB = 32
-"""Pairs per step inside a chunk (a ``[_SUB, experts]`` one-hot tile in registers); the default of
-``FD_MOE_ALIGN_SUB``."""
-
-
-def align_step_pairs() -> int:
-    """Pairs per step inside a chunk: ``FD_MOE_ALIGN_SUB`` (a power of two, 16-256; default
-    :data:`_SUB`: a prefill step's chunks of 512 pairs are then 16 dependent steps)."""
-    sub = envs.FD_MOE_ALIGN_SUB
-    if sub < 16 or sub > 256 or sub & (sub - 1):
-        raise ValueError(f"FD_MOE_ALIGN_SUB must be a power of two from 16 to 256, got {sub}")
-    return sub
+"""Pairs per step of the one-program sort (a ``[_SUB, experts]`` one-hot tile in registers)."""
 
 
 @triton.jit
@@ -316,72 +298,36 @@ def topk_softmax(
     return weights, ids
 
 
-@triton.jit
-def _chunk_counts(ids_ptr, first, P, offs_e, CHUNK, SUB: tl.constexpr):
-    """Pairs per expert (``offs_e``) among the pairs ``[first, first + CHUNK)`` below ``P``."""
-    counts = tl.zeros(offs_e.shape, dtype=tl.int32)
-    for s in range(0, CHUNK, SUB):
-        p = first + s + tl.arange(0, SUB)
-        e = tl.load(ids_ptr + p, mask=p < P, other=-1).to(tl.int32)
-        counts += tl.sum((e[:, None] == offs_e[None, :]).to(tl.int32), axis=0)
-    return counts
-
-
-# batch-dependent arguments, CHUNK included, are not specialized: no compile when T*k changes class
-@triton.jit(do_not_specialize=["P", "CHUNK"])
-def _count_kernel(ids_ptr, counts_ptr, P, CHUNK, SUB: tl.constexpr, BLOCK_E: tl.constexpr):
-    """``counts[c, e]``: the pairs of chunk ``c`` routed to expert ``e``."""
-    c = tl.program_id(0)
-    offs_e = tl.arange(0, BLOCK_E)
-    counts = _chunk_counts(ids_ptr, c * CHUNK, P, offs_e, CHUNK, SUB)
-    tl.store(counts_ptr + c * BLOCK_E + offs_e, counts)
-
-
-@triton.jit(do_not_specialize=["P", "num_chunks", "CHUNK"])  # as _count_kernel
+@triton.jit(do_not_specialize=["P", "CHUNK"])  # batch-dependent: no compile when T*k changes
 def _align_kernel(
     ids_ptr,
-    counts_ptr,
     sorted_ptr,
     expert_ids_ptr,
     num_padded_ptr,
     P,
     E,
-    num_chunks,
     CHUNK,
     SUB: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-    SINGLE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """Chunk ``c``'s pairs into their slots; program 0 also writes the padding, the block → expert
-    map and the padded length."""
+    """All ``P <= CHUNK`` pairs into their slots (in the pairs' order within an expert), the
+    padding, the block -> expert map and the padded length, in one program."""
     pdl_prologue(USE_PDL)
-    c = tl.program_id(0)
     offs_e = tl.arange(0, BLOCK_E)
     e_mask = offs_e < E
-    if SINGLE:  # one chunk: count it here
-        totals = _chunk_counts(ids_ptr, 0, P, offs_e, CHUNK, SUB)
-        before = tl.zeros([BLOCK_E], dtype=tl.int32)
-    else:  # every chunk's counts: the totals, and the pairs of earlier chunks per expert
-        totals = tl.zeros([BLOCK_E], dtype=tl.int32)
-        before = tl.zeros([BLOCK_E], dtype=tl.int32)
-        for c0 in range(0, num_chunks, BLOCK_C):
-            rows = c0 + tl.arange(0, BLOCK_C)
-            cnt = tl.load(
-                counts_ptr + rows[:, None] * BLOCK_E + offs_e[None, :],
-                mask=rows[:, None] < num_chunks,
-                other=0,
-            )
-            totals += tl.sum(cnt, axis=0)
-            before += tl.sum(tl.where(rows[:, None] < c, cnt, 0), axis=0)
+    totals = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for s in range(0, CHUNK, SUB):
+        p = s + tl.arange(0, SUB)
+        e = tl.load(ids_ptr + p, mask=p < P, other=-1).to(tl.int32)
+        totals += tl.sum((e[:, None] == offs_e[None, :]).to(tl.int32), axis=0)
     padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     end = tl.cumsum(padded, axis=0)
     start = end - padded
-    slot = start + before  # the next free slot of each expert for this chunk's pairs
+    slot = start  # the next free slot of each expert
     for s in range(0, CHUNK, SUB):
-        p = c * CHUNK + s + tl.arange(0, SUB)
+        p = s + tl.arange(0, SUB)
         e = tl.load(ids_ptr + p, mask=p < P, other=-1).to(tl.int32)
         valid = (p < P) & (e >= 0)  # a negative id: an expert another rank holds (left out)
         onehot = (e[:, None] == offs_e[None, :]).to(tl.int32)
@@ -389,10 +335,9 @@ def _align_kernel(
         dest = tl.sum(onehot * (rank + slot[None, :]), axis=1)
         tl.store(sorted_ptr + dest, p.to(tl.int32), mask=valid)
         slot += tl.sum(onehot, axis=0)
-    if c == 0:
-        write_layout(
-            sorted_ptr, expert_ids_ptr, num_padded_ptr, totals, padded, start, end, e_mask, P, E, BLOCK_M
-        )
+    write_layout(
+        sorted_ptr, expert_ids_ptr, num_padded_ptr, totals, padded, start, end, e_mask, P, E, BLOCK_M
+    )
 
 
 def padded_length(pairs: int, block_m: int, num_experts: int) -> int:
@@ -412,11 +357,11 @@ def moe_align_block_size(
 
     Returns ``(sorted_ids [L] int32, expert_ids [L / block_m] int32, num_padded [1] int32)`` with
     ``L = padded_length(P, block_m, num_experts)``: ``sorted_ids[:num_padded]`` holds the pair
-    indices ``token * k + slot`` (stable within an expert, but in the atomics' order from
-    ``FD_MOE_ALIGN_ATOMIC_MIN_PAIRS`` pairs; pairs with a negative id, experts
-    another expert-parallel rank holds, are left out) and ``P`` for padding, block ``b <
-    num_padded / block_m`` belongs to expert ``expert_ids[b]``; the entries past ``num_padded``
-    are left unwritten (the GEMM reads none of them)."""
+    indices ``token * k + slot`` (stable within an expert up to :data:`ALIGN_SINGLE_MAX` pairs, in
+    the atomics' order beyond; pairs with a negative id, experts another expert-parallel rank
+    holds, are left out) and ``P`` for padding, block ``b < num_padded / block_m`` belongs to
+    expert ``expert_ids[b]``; the entries past ``num_padded`` are left unwritten (the GEMM reads
+    none of them)."""
     if block_m < 16 or block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of two >= 16, got {block_m}")
     flat = topk_ids.reshape(-1)
@@ -430,28 +375,12 @@ def moe_align_block_size(
     if pairs == 0:
         num_padded.zero_()
         return sorted_ids, expert_ids, num_padded
-    least = envs.FD_MOE_ALIGN_ATOMIC_MIN_PAIRS
-    if 0 < least <= pairs:
+    if pairs > ALIGN_SINGLE_MAX:
         align_by_atomics(flat, block_m, num_experts, sorted_ids, expert_ids, num_padded)
         return sorted_ids, expert_ids, num_padded
-    block_e = triton.next_power_of_2(num_experts)
-    single = pairs <= ALIGN_SINGLE_MAX
-    sub = align_step_pairs()
-    if single:
-        chunk, chunks = triton.next_power_of_2(max(pairs, sub)), 1
-    else:
-        chunk = max(ALIGN_MIN_CHUNK, triton.next_power_of_2(triton.cdiv(pairs, ALIGN_MAX_CHUNKS)))
-        chunks = triton.cdiv(pairs, chunk)
-    sub = min(sub, chunk)
-    warps = 4 if sub <= 32 else 8
-    counts = sorted_ids  # unused with one chunk
-    if not single:
-        counts = torch.empty((chunks, block_e), dtype=torch.int32, device=device)
-        _count_kernel[(chunks,)](flat, counts, pairs, CHUNK=chunk, SUB=sub, BLOCK_E=block_e, num_warps=warps)
-    _align_kernel[(chunks,)](
-        flat, counts, sorted_ids, expert_ids, num_padded, pairs, num_experts, chunks,
-        CHUNK=chunk, SUB=sub, BLOCK_E=block_e, BLOCK_M=block_m, BLOCK_C=16, SINGLE=single,
-        num_warps=warps,
-        **(pdl_kwargs(sorted_ids) if single else {"USE_PDL": False}),
+    _align_kernel[(1,)](
+        flat, sorted_ids, expert_ids, num_padded, pairs, num_experts,
+        CHUNK=triton.next_power_of_2(max(pairs, _SUB)), SUB=_SUB, BLOCK_E=triton.next_power_of_2(num_experts),
+        BLOCK_M=block_m, num_warps=4, **pdl_kwargs(sorted_ids),
     )  # fmt: skip
     return sorted_ids, expert_ids, num_padded

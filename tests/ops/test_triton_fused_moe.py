@@ -30,6 +30,7 @@ moe = pytest.importorskip("fastdeploy.ops.triton_fused_moe")
 from fastdeploy.ops import fp8_quant as fq  # noqa: E402
 from fastdeploy.ops import triton_moe_act as act_kernels  # noqa: E402
 from fastdeploy.ops import triton_moe_gemm as gemm  # noqa: E402
+from fastdeploy.ops import triton_moe_routing as routing  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -354,22 +355,26 @@ def test_persistent_grid_gives_the_same_bits(quant, monkeypatch):
 @needs_backend
 @pytest.mark.parametrize("quant", ["bf16", "fp8-channel"])
 def test_atomic_expert_sort_gives_the_same_bits(quant, monkeypatch):
-    """The expert sort by atomic counters (``FD_MOE_ALIGN_ATOMIC_MIN_PAIRS``) may order an expert's
-    pairs differently; each pair's row is computed on its own, so the output is the same bits."""
+    """The expert sort by atomic counters (beyond ``ALIGN_SINGLE_MAX`` pairs) may order an expert's
+    pairs differently from the one-program sort; each pair's row is computed on its own, so the
+    output is the same bits."""
     args, kwargs, _ = _variant(quant, 300, seed=31)
     tensors = _on(DEVICE, *args)
-    monkeypatch.setenv("FD_MOE_ALIGN_ATOMIC_MIN_PAIRS", "0")
-    chunked = moe.fused_experts(*tensors, **kwargs)
-    monkeypatch.setenv("FD_MOE_ALIGN_ATOMIC_MIN_PAIRS", "1")
-    assert torch.equal(moe.fused_experts(*tensors, **kwargs), chunked)
+    monkeypatch.setattr(routing, "ALIGN_SINGLE_MAX", 1 << 30)
+    one_program = moe.fused_experts(*tensors, **kwargs)
+    monkeypatch.setattr(routing, "ALIGN_SINGLE_MAX", 0)
+    assert torch.equal(moe.fused_experts(*tensors, **kwargs), one_program)
 
 
 def test_persistent_programs_setting(monkeypatch):
-    """``FD_MOE_PERSISTENT_MIN_TOKENS``: steps of at least that many tokens get a persistent grid
-    (one program per SM; two under the interpreter), smaller ones and 0 (the default) none."""
+    """``FD_MOE_PERSISTENT_MIN_TOKENS``: steps of at least that many tokens (4,096 by default) get a
+    persistent grid (one program per SM; two under the interpreter), smaller ones and 0 none."""
     monkeypatch.setattr(gemm, "triton_interpreting", lambda: True)
     monkeypatch.delenv("FD_MOE_PERSISTENT_MIN_TOKENS", raising=False)
     config, cpu = moe.MoEKernelConfig(128, 256, 128, 16, 8, 4), torch.device("cpu")
+    assert gemm.persistent_programs(4095, cpu, config, 1) == 0
+    assert gemm.persistent_programs(8192, cpu, config, 1) == 2
+    monkeypatch.setenv("FD_MOE_PERSISTENT_MIN_TOKENS", "0")
     assert gemm.persistent_programs(8192, cpu, config, 1) == 0
     monkeypatch.setenv("FD_MOE_PERSISTENT_MIN_TOKENS", "1024")
     assert gemm.persistent_programs(1023, cpu, config, 1) == 0

@@ -7,8 +7,9 @@
   a wrong expert or a missing renormalisation is O(1)); with and without renormalisation and
   with Ernie-4.5's correction bias.
 * :func:`moe_align_block_size` against ``align_block_size_torch``: the same padded length and
-  the same ``sorted_ids`` / ``expert_ids`` up to it, entry for entry; batch 1, one chunk, several
-  chunks (more pairs than ``ALIGN_SINGLE_MAX``, in chunks of ``ALIGN_MIN_CHUNK``; chunks larger than it), experts receiving no pair, all pairs to one expert.
+  the same ``sorted_ids`` / ``expert_ids`` up to it, entry for entry (the atomic counters' sort up
+  to the order inside each expert's run); batch 1 to prefill sizes, each sort forced at every
+  size, experts receiving no pair, all pairs on two experts, another rank's pairs left out.
   The routing kernel's load statistic equals a bincount of the ids.
 """
 
@@ -155,82 +156,70 @@ def _check_layout(ids, block_m, experts, stable=True):
     assert torch.equal(got == ids.numel(), ref_sorted[:n] == ids.numel())  # the padding slots
 
 
-@pytest.mark.parametrize(
-    "tokens,top_k,experts,block_m",
-    [(1, 8, 128, 16), (256, 8, 128, 64), (300, 8, 128, 128), (700, 2, 16, 16), (40, 8, 60, 32)],
-)
-def test_align_by_atomics(tokens, top_k, experts, block_m, monkeypatch):
-    """``FD_MOE_ALIGN_ATOMIC_MIN_PAIRS``: the atomic counters' sort gives the chunked sort's layout up
-    to the order inside each expert's run (one pair, a decode step, prefill tiles, every expert busy,
-    experts not a power of two), also with another rank's pairs left out and all on two experts."""
-    monkeypatch.setenv("FD_MOE_ALIGN_ATOMIC_MIN_PAIRS", "1")
-    g = torch.Generator().manual_seed(tokens)
-    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
-    _check_layout(ids, block_m, experts, stable=False)
-    ids[torch.rand(ids.shape, generator=g) < 0.5] = -1
-    _check_layout(ids, block_m, experts, stable=False)
-    _check_layout(torch.randint(0, 2, (tokens, 1), generator=g) * 3 + 1, block_m, experts, stable=False)
+SORTS = ("one-program", "atomics")
+"""The two expert sorts, each forced for any pair count (by default one program sorts up to
+``ALIGN_SINGLE_MAX`` pairs, the atomic counters more)."""
 
 
+def _force_sort(sort, monkeypatch):
+    """Make ``moe_align_block_size`` take ``sort`` whatever the pair count; True if that sort keeps
+    the pairs' order inside each expert's run (the one program) and False if not (the atomics)."""
+    monkeypatch.setattr(routing, "ALIGN_SINGLE_MAX", 1 << 30 if sort == "one-program" else 0)
+    return sort == "one-program"
+
+
+@pytest.mark.parametrize("sort", SORTS)
 @pytest.mark.parametrize(
     "tokens,top_k,experts,block_m",
     [
         (1, 8, 128, 16),  # batch-1 decode: 8 experts touched, 120 empty
         (3, 2, 8, 16),
         (13, 4, 60, 32),  # experts not a power of two
-        (32, 8, 128, 16),  # the most pairs one program sorts
-        (128, 8, 128, 64),  # 16 chunks of ALIGN_MIN_CHUNK
-        (256, 8, 128, 16),  # a decode step of 256 tokens: 32 chunks
-        (300, 8, 128, 128),  # 38 chunks, prefill tiles
+        (32, 8, 128, 16),  # the most pairs one program sorts by default
+        (256, 8, 128, 64),  # a decode step of 256 tokens
+        (300, 8, 128, 128),  # prefill tiles
         (700, 2, 16, 16),  # every expert busy
     ],
 )
-def test_align_matches_torch(tokens, top_k, experts, block_m):
+def test_align_matches_torch(sort, tokens, top_k, experts, block_m, monkeypatch):
+    """Both sorts give the torch layout (the atomics up to the order inside each expert's run), also
+    with another rank's pairs left out and with every pair on two experts."""
+    stable = _force_sort(sort, monkeypatch)
     g = torch.Generator().manual_seed(tokens)
     ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
-    _check_layout(ids, block_m, experts)
+    _check_layout(ids, block_m, experts, stable)
+    ids[torch.rand(ids.shape, generator=g) < 0.5] = -1
+    _check_layout(ids, block_m, experts, stable)
+    _check_layout(torch.randint(0, 2, (tokens, 1), generator=g) * 3 + 1, block_m, experts, stable)
 
 
-def test_align_chunks_larger_than_the_minimum(monkeypatch):
-    """More pairs than ALIGN_MAX_CHUNKS minimal chunks hold: chunks of 512 (the limit lowered to 3;
-    a prefill of 8,192 tokens x top-8 takes chunks of 512 under the real limit)."""
-    monkeypatch.setattr(routing, "ALIGN_MAX_CHUNKS", 3)
-    g = torch.Generator().manual_seed(1)
-    ids = torch.stack([torch.randperm(32, generator=g)[:4] for _ in range(300)])  # 1200 pairs
-    _check_layout(ids, 32, 32)
+def test_align_default_sort_by_size():
+    """By default a decode step's pairs (up to ``ALIGN_SINGLE_MAX``) keep their order inside each
+    expert's run (one program) and larger steps get the layout in some order (the atomics)."""
+    g = torch.Generator().manual_seed(8)
+    _check_layout(torch.stack([torch.randperm(128, generator=g)[:8] for _ in range(32)]), 16, 128)
+    _check_layout(torch.stack([torch.randperm(128, generator=g)[:8] for _ in range(33)]), 16, 128, False)
 
 
-@pytest.mark.parametrize("sub", ["16", "128", "256"])
-def test_align_step_width(sub, monkeypatch):
-    """``FD_MOE_ALIGN_SUB``: wider or narrower steps inside a chunk (one program, and chunks of 512
-    and of 64) give the torch layout; a width that is not a power of two from 16 to 256 is refused."""
-    monkeypatch.setenv("FD_MOE_ALIGN_SUB", sub)
-    g = torch.Generator().manual_seed(int(sub))
-    _check_layout(torch.stack([torch.randperm(64, generator=g)[:8] for _ in range(20)]), 16, 64)
-    _check_layout(torch.stack([torch.randperm(128, generator=g)[:8] for _ in range(40)]), 64, 128)
-    monkeypatch.setattr(routing, "ALIGN_MAX_CHUNKS", 3)
-    _check_layout(torch.stack([torch.randperm(32, generator=g)[:4] for _ in range(300)]), 32, 32)
-    monkeypatch.setenv("FD_MOE_ALIGN_SUB", "48")
-    with pytest.raises(ValueError, match="FD_MOE_ALIGN_SUB"):
-        routing.moe_align_block_size(torch.zeros(4, 2, dtype=torch.int32, device=DEVICE), 16, 8)
-
-
-def test_align_skewed_and_empty_experts():
-    """Every pair on two experts (the rest receive none), across chunk boundaries."""
+@pytest.mark.parametrize("sort", SORTS)
+def test_align_skewed_and_empty_experts(sort, monkeypatch):
+    """Every pair on two experts (the rest receive none), and one pair on the last expert."""
+    stable = _force_sort(sort, monkeypatch)
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(0, 2, (600, 2), generator=g) * 7 + 3  # experts 3 and 10 of 16
-    _check_layout(ids, 16, 16)
-    _check_layout(torch.full((1, 1), 15), 16, 16)  # one pair on the last expert
+    _check_layout(ids, 16, 16, stable)
+    _check_layout(torch.full((1, 1), 15), 16, 16, stable)
 
 
-@pytest.mark.parametrize("tokens", [3, 300])  # one program; several chunks
-def test_align_leaves_out_negative_ids(tokens):
+@pytest.mark.parametrize("sort", SORTS)
+def test_align_leaves_out_negative_ids(sort, monkeypatch):
     """Expert parallelism: ids of -1 (another rank's experts) are in no block, the rest as usual."""
-    g = torch.Generator().manual_seed(tokens)
-    ids = torch.stack([torch.randperm(16, generator=g)[:4] for _ in range(tokens)])
+    stable = _force_sort(sort, monkeypatch)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.stack([torch.randperm(16, generator=g)[:4] for _ in range(300)])
     ids[torch.rand(ids.shape, generator=g) < 0.5] = -1
     ids[0] = -1  # a token with no pair here
-    _check_layout(ids, 16, 16)
+    _check_layout(ids, 16, 16, stable)
     ref_sorted, _, ref_padded = align_block_size_torch(ids, 16, 16)
     used = ref_sorted[: int(ref_padded)]
     kept = used[used < ids.numel()].sort().values
