@@ -42,13 +42,16 @@
 #                 FP8 GEMM, the MoE's SiLU + quantization and top-k sum) and the expert sort (one program up
 #                 to 256 pairs, atomics beyond) on the GPU: their test files, then the MoE layer at 256 / 8,192
 #                 tokens; then the offline runs: moe_fair (and moe_vllm_fair beside it)
+#   attn_prefill (~6) the attention kernels' GPU tests (SPLIT_INTERIOR among them), the unified kernel's tiles
+#                 on prefill shapes (16 x 512 causal, Qwen3-30B-A3B's 32/4 and Llama-8B's 32/8 heads; 4 x 2,048)
+#                 with and without the unmasked interior tiles, and the decode kernel's choice with and without them
 #   moe_persistent_sweep (~4) the grouped GEMM's tile candidates on the persistent grid at 8,192 tokens (FP8)
 #   moe (~6)      a batch-1 FP8 and bf16 decode step of the Qwen3-30B-A3B shape, kernel table;
 #                 the experts' GEMV configuration sweep at one token
 #   bash tools/gpu_pending.sh OUT [section ...]
 # Run it without `| tail` in the `run` call: a call stopped at its time limit returns only what it
 # already printed (twice in the twentieth session a tail held back every line of a 600 s call).
-OUT=${1:?usage: tools/gpu_pending.sh OUT [structured_nice] [structured_threads] [structured_gil] [structured_default] [structured_guidance] [first_burst] [structured] [tests] [moe_e2e] [moe_budget] [moe_prefill] [moe_phases] [moe_vllm] [moe_fair] [moe_split] [fp8_channel] [moe_router] [gemv_sweep] [moe_vllm_fair] [moe_fusions] [moe_tma] [moe_pdl] [moe_persistent_sweep] [offline_ratio] [poisson] [prefill] [moe] [budget]}
+OUT=${1:?usage: tools/gpu_pending.sh OUT [structured_nice] [structured_threads] [structured_gil] [structured_default] [structured_guidance] [first_burst] [structured] [tests] [moe_e2e] [moe_budget] [moe_prefill] [moe_phases] [moe_vllm] [moe_fair] [moe_split] [fp8_channel] [moe_router] [gemv_sweep] [moe_vllm_fair] [moe_fusions] [moe_tma] [moe_pdl] [attn_prefill] [moe_persistent_sweep] [offline_ratio] [poisson] [prefill] [moe] [budget]}
 shift
 sections=${*:-structured_nice tests moe_e2e poisson prefill moe budget}
 mkdir -p "$OUT"
@@ -344,6 +347,19 @@ moe_pdl() {
     timeout 150 python3 -m benchmarks.gpubench.moe_bench --out "$W/layer" --tokens 256,8192 --dtypes ptpc_fp8 \
         > "$W/layer.log" 2>&1
     grep "|" "$W/layer/results.md" | tail -n 2 | cut -c1-200
+}
+
+# #18: the prefill attention (~11% of an 8,192-token FP8 prefill step of Qwen3-30B-A3B in the twenty-third
+# session: ~94 TFLOP/s) and the unmasked interior tiles (SPLIT_INTERIOR, off until timed)
+attn_prefill() {
+    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/model_executor/test_triton_attention.py -k gpu \
+        > "$W/attn_test.log" 2>&1
+    echo "tests: $(tail -n 1 "$W/attn_test.log")"
+    grep -E "^FAILED|Error" "$W/attn_test.log" | head -n 5
+    timeout 300 python3 -m benchmarks.gpubench.attention_sweep --prefill --out "$W/prefill" > "$W/prefill.log" 2>&1
+    grep "^|" "$W/prefill.log" | cut -c1-400
+    timeout 120 python3 -m benchmarks.gpubench.attention_sweep --no-grid --out "$W/decode" > "$W/decode.log" 2>&1
+    grep "^|" "$W/decode.log" | cut -c1-300
 }
 
 # #18: the tile table's candidates on the persistent grid (its best tiles may not be one-program-a-tile's)

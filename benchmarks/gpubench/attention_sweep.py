@@ -1,13 +1,18 @@
-"""Sweep the Triton decode-attention kernel's tile sizes and KV splits on decode shapes.
+"""Sweep the Triton attention kernels' tile sizes on decode shapes (KV splits too) or prefill shapes.
 
-    python -m benchmarks.gpubench.attention_sweep [--out DIR]
+    python -m benchmarks.gpubench.attention_sweep [--out DIR] [--prefill]
 
-For each (batch, context, q heads, KV heads) shape, times
+Decode: for each (batch, context, q heads, KV heads) shape, times
 :func:`fastdeploy.ops.triton_attention.decode_attention` (bf16, head_dim 128, KV blocks of 16 at
-random places) with the engine's choice (:func:`decode_config`, :func:`decode_num_splits`) and
-with every candidate (TILE_N, warps, stages, splits), and prints the engine's and the best
-time per shape with the achieved KV read bandwidth. The winners are what ``decode_config`` /
-``decode_num_splits`` should choose.
+random places) with the engine's choice (:func:`decode_config`, :func:`decode_num_splits`), that
+choice with the unmasked interior tiles (``SPLIT_INTERIOR``), and every candidate (TILE_N, warps,
+stages, splits), and prints the engine's and the best time per shape with the achieved KV read
+bandwidth. The winners are what ``decode_config`` / ``decode_num_splits`` should choose.
+
+``--prefill``: causal prompts of one length with no cached context through
+:func:`unified_attention`, the engine's :func:`unified_config` against candidates (BLOCK_M,
+TILE_N, warps, stages, with and without ``SPLIT_INTERIOR``), with the achieved TFLOP/s (the
+causal half of ``4 * L^2 * D`` per head and prompt).
 """
 
 from __future__ import annotations
@@ -24,6 +29,21 @@ from fastdeploy.ops import triton_attention as ta
 
 SHAPES = [(256, 640, 32, 4), (256, 640, 32, 8), (128, 1024, 32, 8), (64, 2048, 32, 4), (1, 160, 32, 4)]
 """(requests, context tokens, query heads, KV heads): Qwen3-30B-A3B and Llama-8B decode steps."""
+PREFILL_SHAPES = [(16, 512, 32, 4), (16, 512, 32, 8), (4, 2048, 32, 4)]
+"""(prompts, prompt tokens, query heads, KV heads): the prefill steps of the throughput runs
+(8,192 tokens: Qwen3-30B-A3B, Llama-8B) and longer prompts."""
+PREFILL_CANDIDATES = [  # (BLOCK_M, TILE_N, warps, stages): no register spills on sm_90 at head_dim 128
+    (128, 32, 8, 2),
+    (128, 32, 8, 3),
+    (128, 64, 8, 2),
+    (128, 64, 8, 3),
+    (128, 16, 8, 2),
+    (64, 32, 4, 2),
+    (64, 32, 4, 3),
+    (64, 64, 4, 2),
+    (64, 32, 8, 2),
+    (64, 64, 8, 2),
+]
 HEAD_DIM, BLOCK = 128, 16
 
 
@@ -39,6 +59,75 @@ def problem(batch: int, context: int, q_heads: int, kv_heads: int, device: torch
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     qsl = torch.arange(batch + 1, dtype=torch.int32, device=device)
     return q, k, v, table, seq_lens, qsl
+
+
+def prefill_problem(prompts: int, length: int, q_heads: int, kv_heads: int, device: torch.device):
+    """Random queries and caches of ``prompts`` fresh causal prompts (blocks at random places)."""
+    blocks_per_req = -(-length // BLOCK)
+    num_blocks = prompts * blocks_per_req
+    shape = (num_blocks, BLOCK, kv_heads, HEAD_DIM)
+    k = torch.randn(shape, device=device, dtype=torch.bfloat16)
+    v = torch.randn(shape, device=device, dtype=torch.bfloat16)
+    table = torch.randperm(num_blocks, device=device).view(prompts, blocks_per_req).to(torch.int32)
+    q = torch.randn(prompts * length, q_heads, HEAD_DIM, device=device, dtype=torch.bfloat16)
+    seq_lens = torch.full((prompts,), length, dtype=torch.int32, device=device)
+    qsl = torch.arange(0, (prompts + 1) * length, length, dtype=torch.int32, device=device)
+    return q, k, v, table, seq_lens, qsl, length
+
+
+def time_prefill(args, config: dict | None, device: torch.device) -> float:
+    q, k, v, table, seq_lens, qsl, length = args
+    out = torch.empty_like(q)
+
+    def call(_: int) -> None:
+        ta.unified_attention(
+            out, q, k, v, table, seq_lens, qsl, scale=HEAD_DIM**-0.5, num_tokens=q.shape[0],
+            num_reqs=seq_lens.shape[0], max_query_len=length, config=config,
+        )  # fmt: skip
+
+    return time_per_call(call, device, iters=20)
+
+
+def sweep_prefill(out_dir: str, device: torch.device) -> None:
+    """The ``--prefill`` sweep (module docstring): one JSON line per shape, then a table."""
+    rows = []
+    for prompts, length, q_heads, kv_heads in PREFILL_SHAPES:
+        data = prefill_problem(prompts, length, q_heads, kv_heads, device)
+        group = q_heads // kv_heads
+        flops = prompts * q_heads * 4 * HEAD_DIM * length * (length + 1) / 2
+        engine_config = ta.unified_config(torch.bfloat16, HEAD_DIM, group, length)
+        engine = time_prefill(data, engine_config, device)
+        best = (engine, engine_config)
+        for (block_m, tile, warps, stages), interior in itertools.product(PREFILL_CANDIDATES, (False, True)):
+            config = dict(
+                BLOCK_M=block_m, BLOCK_Q=block_m // group, TILE_N=tile, num_warps=warps, num_stages=stages,
+                SPLIT_INTERIOR=interior,
+            )  # fmt: skip
+            try:
+                t = time_prefill(data, config, device)
+            except Exception:  # out of shared memory / registers: not a candidate
+                continue
+            print(
+                json.dumps({"shape": [prompts, length, q_heads, kv_heads], "config": config, "us": t * 1e6})
+            )
+            if t < best[0]:
+                best = (t, config)
+        row = {
+            "shape": f"{prompts} x {length} causal, {q_heads}/{kv_heads} heads",
+            "engine_us": engine * 1e6, "engine_config": engine_config, "engine_TFLOPs": flops / engine / 1e12,
+            "best_us": best[0] * 1e6, "best_config": best[1], "best_TFLOPs": flops / best[0] / 1e12,
+        }  # fmt: skip
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    with open(os.path.join(out_dir, "prefill_sweep.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    print("| shape | engine µs (config) | TFLOP/s | best µs (config) | TFLOP/s |")
+    print("| --- | --- | ---: | --- | ---: |")
+    for r in rows:
+        print(
+            f"| {r['shape']} | {r['engine_us']:.1f} ({r['engine_config']}) | {r['engine_TFLOPs']:.0f} | "
+            f"{r['best_us']:.1f} ({r['best_config']}) | {r['best_TFLOPs']:.0f} |"
+        )
 
 
 def time_one(args, splits: int, config: dict | None, device: torch.device) -> float:
@@ -57,9 +146,18 @@ def time_one(args, splits: int, config: dict | None, device: torch.device) -> fl
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="/tmp/attention_sweep")
+    parser.add_argument("--prefill", action="store_true", help="the unified kernel on causal prompts")
+    parser.add_argument(
+        "--no-grid",
+        action="store_true",
+        help="decode: only the engine's choice with and without SPLIT_INTERIOR",
+    )
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     device = torch.device("cuda")
+    if args.prefill:
+        sweep_prefill(args.out, device)
+        return
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     rows = []
     for batch, context, q_heads, kv_heads in SHAPES:
@@ -68,10 +166,12 @@ def main() -> None:
         splits0 = ta.decode_num_splits(batch, kv_heads, -(-context // BLOCK) * BLOCK, num_sms)
         engine = time_one(data, splits0, None, device)
         group = q_heads // kv_heads
-        best = (engine, splits0, None)
-        for tile, warps, stages, splits in itertools.product(
-            (16, 32, 64, 128), (2, 4, 8), (2, 3, 4), (1, 2, 4, 8)
-        ):
+        interior_config = ta.decode_config(torch.bfloat16, HEAD_DIM, group, batch * kv_heads * splits0)
+        interior_config["SPLIT_INTERIOR"] = True
+        interior = time_one(data, splits0, interior_config, device)
+        best = min((engine, splits0, None), (interior, splits0, interior_config), key=lambda c: c[0])
+        grid = itertools.product((16, 32, 64, 128), (2, 4, 8), (2, 3, 4), (1, 2, 4, 8))
+        for tile, warps, stages, splits in [] if args.no_grid else grid:
             if splits > 1 and context // splits < 64:
                 continue
             config = dict(BLOCK_H=max(16, group), TILE_N=tile, num_warps=warps, num_stages=stages)
@@ -85,7 +185,7 @@ def main() -> None:
             "shape": f"{batch} x {context} ctx, {q_heads}/{kv_heads} heads",
             "engine_us": engine * 1e6, "engine_splits": splits0,
             "engine_config": ta.decode_config(torch.bfloat16, HEAD_DIM, group, batch * kv_heads * splits0),
-            "engine_TBps": kv_bytes / engine / 1e12,
+            "engine_TBps": kv_bytes / engine / 1e12, "interior_us": interior * 1e6,
             "best_us": best[0] * 1e6, "best_splits": best[1], "best_config": best[2],
             "best_TBps": kv_bytes / best[0] / 1e12,
         }  # fmt: skip
@@ -93,12 +193,13 @@ def main() -> None:
         rows.append(row)
     with open(os.path.join(args.out, "attention_sweep.json"), "w") as f:
         json.dump(rows, f, indent=1)
-    print("| shape | engine µs (splits, config) | TB/s | best µs (splits, config) | TB/s |")
-    print("| --- | --- | ---: | --- | ---: |")
+    print("| shape | engine µs (splits, config) | TB/s | interior µs | best µs (splits, config) | TB/s |")
+    print("| --- | --- | ---: | ---: | --- | ---: |")
     for r in rows:
         print(
             f"| {r['shape']} | {r['engine_us']:.1f} ({r['engine_splits']}, {r['engine_config']}) | "
-            f"{r['engine_TBps']:.2f} | {r['best_us']:.1f} ({r['best_splits']}, {r['best_config']}) | {r['best_TBps']:.2f} |"
+            f"{r['engine_TBps']:.2f} | {r['interior_us']:.1f} | {r['best_us']:.1f} ({r['best_splits']}, "
+            f"{r['best_config']}) | {r['best_TBps']:.2f} |"
         )
 
 

@@ -31,6 +31,10 @@ LOG2E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 256
 """Decode splits are only added while each still covers this many tokens of the static bound."""
 MAX_SPLITS = 16
+SPLIT_INTERIOR = False
+"""Whether both kernels walk the key tiles that every row sees in full without masks, then the
+rest masked (the causal diagonal; a decode split's last partial tile): off until timed on a GPU
+(``benchmarks/gpubench/attention_sweep.py`` times both)."""
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -59,41 +63,57 @@ def _dot(a, b, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _load_rows(ptrs, in_range, MASKED: tl.constexpr):
+    """``ptrs`` (one row per key) loaded, the keys out of range as zeros when ``MASKED``."""
+    if MASKED:
+        return tl.load(ptrs, mask=in_range[:, None], other=0.0)
+    return tl.load(ptrs)
+
+
+@triton.jit
+def _load_keys(ptrs, in_range, MASKED: tl.constexpr):
+    """One value per key (block ids, fp8 scales), those out of range as zeros when ``MASKED``."""
+    if MASKED:
+        return tl.load(ptrs, mask=in_range, other=0)
+    return tl.load(ptrs)
+
+
+@triton.jit
 def _attend_tile(
     q, m_i, l_i, acc, start, kv_end, limit, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
     block_row_ptr, kv_head, block_size, qk_scale,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
     TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, FP8: tl.constexpr, DOT_FP32: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr = True,
 ):  # fmt: skip
-    """One online-softmax step over keys ``start:start+TILE_N`` (those < kv_end; row r sees keys < limit[r])."""
+    """One online-softmax step over keys ``start:start+TILE_N`` (those < kv_end; row r sees keys < limit[r]).
+    ``MASKED=False``: every key of the tile is below ``kv_end`` and every row's limit (no masks)."""
     offs_n = start + tl.arange(0, TILE_N)
     offs_d = tl.arange(0, HEAD_DIM)
     in_range = offs_n < kv_end
-    block = tl.load(block_row_ptr + offs_n // block_size, mask=in_range, other=0).to(tl.int64)
+    block = _load_keys(block_row_ptr + offs_n // block_size, in_range, MASKED).to(tl.int64)
     slot = offs_n % block_size
-    k = tl.load(
-        k_cache_ptr + (block * stride_kb + slot * stride_ks + kv_head * stride_kh)[:, None] + offs_d[None, :],
-        mask=in_range[:, None],
-        other=0.0,
+    k_ptrs = (
+        k_cache_ptr + (block * stride_kb + slot * stride_ks + kv_head * stride_kh)[:, None] + offs_d[None, :]
     )
+    k = _load_rows(k_ptrs, in_range, MASKED)
     s = _dot(q, tl.trans(k.to(q.dtype)), DOT_FP32, DOT_PRECISION) * qk_scale
     scale_off = block * stride_sb + slot * stride_ss + kv_head * stride_sh
     if FP8:
-        s = s * tl.load(k_scale_ptr + scale_off, mask=in_range, other=0.0)[None, :]
-    s = tl.where(offs_n[None, :] < limit[:, None], s, float("-inf"))
+        s = s * _load_keys(k_scale_ptr + scale_off, in_range, MASKED)[None, :]
+    if MASKED:
+        s = tl.where(offs_n[None, :] < limit[:, None], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(
-        v_cache_ptr + (block * stride_vb + slot * stride_vs + kv_head * stride_vh)[:, None] + offs_d[None, :],
-        mask=in_range[:, None],
-        other=0.0,
+    v_ptrs = (
+        v_cache_ptr + (block * stride_vb + slot * stride_vs + kv_head * stride_vh)[:, None] + offs_d[None, :]
     )
+    v = _load_rows(v_ptrs, in_range, MASKED)
     if FP8:  # P @ (v * v_scale) == (P * v_scale) @ v
-        p = p * tl.load(v_scale_ptr + scale_off, mask=in_range, other=0.0)[None, :]
+        p = p * _load_keys(v_scale_ptr + scale_off, in_range, MASKED)[None, :]
     acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v.to(q.dtype), DOT_FP32, DOT_PRECISION)
     return m_new, l_i, acc
 
@@ -109,7 +129,7 @@ def _unified_kernel(
     stride_sb, stride_ss, stride_sh, stride_bt,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, FP8: tl.constexpr, HAS_LIMITS: tl.constexpr, DOT_FP32: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, SPLIT_INTERIOR: tl.constexpr = False,
 ):  # fmt: skip
     pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
@@ -142,7 +162,18 @@ def _unified_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     block_row_ptr = block_table_ptr + req.to(tl.int64) * stride_bt
-    for start in range(0, kv_end, TILE_N):
+    if SPLIT_INTERIOR:  # the whole tiles below every row's limit (the causal diagonal) need no masks
+        full_end = tl.min(tl.where(valid, limit, kv_end), 0) // TILE_N * TILE_N
+        for start in range(0, full_end, TILE_N):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, start, kv_end, limit, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                block_row_ptr, kv_head, block_size, qk_scale,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
+                TILE_N, HEAD_DIM, FP8, DOT_FP32, DOT_PRECISION, MASKED=False,
+            )  # fmt: skip
+    else:
+        full_end = 0
+    for start in range(full_end, kv_end, TILE_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, start, kv_end, limit, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
             block_row_ptr, kv_head, block_size, qk_scale,
@@ -165,7 +196,7 @@ def _decode_kernel(
     stride_sb, stride_ss, stride_sh, stride_bt,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr, FP8: tl.constexpr, HAS_LIMITS: tl.constexpr, DOT_FP32: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, SPLIT_INTERIOR: tl.constexpr = False,
 ):  # fmt: skip
     pdl_prologue(USE_PDL)
     req = tl.program_id(0)
@@ -192,7 +223,18 @@ def _decode_kernel(
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
     row_limit = tl.zeros([BLOCK_H], tl.int32) + end
     block_row_ptr = block_table_ptr + req.to(tl.int64) * stride_bt
-    for tile in range(start, end, TILE_N):
+    if SPLIT_INTERIOR:  # the split's whole tiles need no masks, only a last partial one does
+        full_end = start + tl.maximum(end - start, 0) // TILE_N * TILE_N
+        for tile in range(start, full_end, TILE_N):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, tile, end, row_limit, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                block_row_ptr, kv_head, block_size, qk_scale,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
+                TILE_N, HEAD_DIM, FP8, DOT_FP32, DOT_PRECISION, MASKED=False,
+            )  # fmt: skip
+    else:
+        full_end = start
+    for tile in range(full_end, end, TILE_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, tile, end, row_limit, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
             block_row_ptr, kv_head, block_size, qk_scale,
@@ -260,6 +302,7 @@ def unified_config(dtype: torch.dtype, head_dim: int, group: int, max_query_len:
         config.update(BLOCK_M=16, num_warps=8 if head_dim >= 256 else 4)
     config["BLOCK_M"] = max(config["BLOCK_M"], triton.next_power_of_2(group))
     config["BLOCK_Q"] = config["BLOCK_M"] // group
+    config["SPLIT_INTERIOR"] = SPLIT_INTERIOR
     return config
 
 
@@ -282,13 +325,18 @@ def decode_config(dtype: torch.dtype, head_dim: int, group: int, programs: int =
     """
     block_h = max(16, triton.next_power_of_2(group))
     if dtype == torch.float32:
-        return dict(BLOCK_H=block_h, TILE_N=max(16, 2048 // head_dim), num_warps=4)
+        return dict(
+            BLOCK_H=block_h, TILE_N=max(16, 2048 // head_dim), num_warps=4, SPLIT_INTERIOR=SPLIT_INTERIOR
+        )
     many_programs = programs >= DECODE_SMALL_TILE_MIN_PROGRAMS
     if group >= 8:  # few KV heads (Qwen3-30B-A3B: 32/4): fewer, fuller programs take bigger tiles
         tile, warps = (64 if many_programs else 128), 4
     else:
         tile, warps = (32 if many_programs else 64), (2 if block_h * head_dim <= 16 * 128 else 4)
-    return dict(BLOCK_H=block_h, TILE_N=min(tile, 8192 // head_dim), num_warps=warps, num_stages=2)
+    return dict(
+        BLOCK_H=block_h, TILE_N=min(tile, 8192 // head_dim), num_warps=warps, num_stages=2,
+        SPLIT_INTERIOR=SPLIT_INTERIOR,
+    )  # fmt: skip
 
 
 def _common_args(q, key_cache, value_cache, k_scale, v_scale, block_table, scale) -> tuple[dict, list]:
@@ -355,19 +403,22 @@ def unified_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     mask_limits: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
 ) -> None:
     """Attention for any batch (prefills, chunks with cached context, decodes) into ``out`` [T, Hq, D].
 
     Request ``i``'s query tokens ``query_start_loc[i]:[i+1]`` are the last of its ``seq_lens[i]``
     keys. ``mask_limits`` (int32 per token) is the exclusive bound of the keys a token sees;
     None means causal. The grid depends only on ``num_tokens``, ``num_reqs`` and the KV heads.
+    ``config`` overrides :func:`unified_config`'s tile sizes (benchmark sweeps; ``BLOCK_M`` a
+    multiple of the query heads per KV head, ``BLOCK_Q = BLOCK_M // group``).
     """
     if num_reqs == 0:
         return
     constexprs, (qk_scale, strides, caches) = _common_args(
         q, key_cache, value_cache, k_scale, v_scale, block_table, scale
     )
-    config = unified_config(q.dtype, constexprs["HEAD_DIM"], constexprs["GROUP"], max_query_len)
+    config = config or unified_config(q.dtype, constexprs["HEAD_DIM"], constexprs["GROUP"], max_query_len)
     grid = (num_tokens // config["BLOCK_Q"] + num_reqs, key_cache.shape[2])
     _unified_kernel[grid](
         out, q, *caches, block_table, seq_lens, query_start_loc,

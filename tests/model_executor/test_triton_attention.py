@@ -126,6 +126,20 @@ def test_mask_offsets_open_bidirectional_spans(dtype):
 
 
 @needs_interpreter
+def test_unmasked_interior_tiles(monkeypatch):
+    """``SPLIT_INTERIOR``: the key tiles every row of a block sees walked without masks, then the
+    rest masked: decodes (several splits), fresh and chunked prefills, an fp8 cache, mask offsets."""
+    from fastdeploy.ops import triton_attention as ta
+
+    monkeypatch.setattr(ta, "SPLIT_INTERIOR", True)
+    _decode_case(6, 2, 128, torch.bfloat16, 4)
+    _mixed_case(2, 2, 64, torch.float32)
+    _mixed_case(6, 2, 128, torch.bfloat16)
+    _fp8_case(False)
+    _mask_case(torch.bfloat16)
+
+
+@needs_interpreter
 def test_through_the_attention_layer():
     """The layer writes this step's keys/values into the cache, then the backend attends."""
     heads, kv_heads, head_dim, ctx, new = 4, 2, 64, 21, 6
@@ -312,3 +326,14 @@ def test_gpu_fp8_cache_with_scales(decode):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_mask_offsets(dtype):
     _mask_case(dtype, device="cuda", factor=8)
+
+
+@gpu_compiled
+@pytest.mark.parametrize("heads, kv_heads, head_dim, dtype", GPU_CASES)
+def test_gpu_unmasked_interior_tiles(heads, kv_heads, head_dim, dtype, monkeypatch):
+    """The compiled kernels with ``SPLIT_INTERIOR`` on: decodes (8 splits) and mixed steps."""
+    from fastdeploy.ops import triton_attention as ta
+
+    monkeypatch.setattr(ta, "SPLIT_INTERIOR", True)
+    _decode_case(heads, kv_heads, head_dim, dtype, 8, device="cuda", factor=8)
+    _mixed_case(heads, kv_heads, head_dim, dtype, device="cuda", factor=8)
