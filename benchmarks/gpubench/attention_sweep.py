@@ -11,8 +11,8 @@ bandwidth. The winners are what ``decode_config`` / ``decode_num_splits`` should
 
 ``--prefill``: causal prompts of one length with no cached context through
 :func:`unified_attention`, the engine's :func:`unified_config` against candidates (BLOCK_M,
-TILE_N, warps, stages, with and without ``SPLIT_INTERIOR``), with the achieved TFLOP/s (the
-causal half of ``4 * L^2 * D`` per head and prompt).
+TILE_N, warps, stages; with and without ``SPLIT_INTERIOR``, and ``LONGEST_FIRST``), with the
+achieved TFLOP/s (the causal half of ``4 * L^2 * D`` per head and prompt).
 """
 
 from __future__ import annotations
@@ -33,17 +33,11 @@ PREFILL_SHAPES = [(16, 512, 32, 4), (16, 512, 32, 8), (4, 2048, 32, 4)]
 """(prompts, prompt tokens, query heads, KV heads): the prefill steps of the throughput runs
 (8,192 tokens: Qwen3-30B-A3B, Llama-8B) and longer prompts."""
 PREFILL_CANDIDATES = [  # (BLOCK_M, TILE_N, warps, stages): no register spills on sm_90 at head_dim 128
-    (128, 32, 8, 2),
-    (128, 32, 8, 3),
-    (128, 64, 8, 2),
-    (128, 64, 8, 3),
-    (128, 16, 8, 2),
-    (64, 32, 4, 2),
-    (64, 32, 4, 3),
-    (64, 64, 4, 2),
-    (64, 32, 8, 2),
-    (64, 64, 8, 2),
-]
+    (128, 32, 8, 2), (128, 32, 8, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 16, 8, 2), (128, 128, 8, 2),
+    (64, 32, 4, 2), (64, 32, 8, 2),
+]  # fmt: skip
+PREFILL_ORDERS = [(False, False), (True, False), (True, True)]
+"""(SPLIT_INTERIOR, LONGEST_FIRST) pairs tried with each candidate."""
 HEAD_DIM, BLOCK = 128, 16
 
 
@@ -75,7 +69,8 @@ def prefill_problem(prompts: int, length: int, q_heads: int, kv_heads: int, devi
     return q, k, v, table, seq_lens, qsl, length
 
 
-def time_prefill(args, config: dict | None, device: torch.device) -> float:
+def time_prefill(args, config: dict | None, device: torch.device) -> tuple[float, torch.Tensor]:
+    """Seconds per call of the unified kernel under ``config``, and its output."""
     q, k, v, table, seq_lens, qsl, length = args
     out = torch.empty_like(q)
 
@@ -85,7 +80,7 @@ def time_prefill(args, config: dict | None, device: torch.device) -> float:
             num_reqs=seq_lens.shape[0], max_query_len=length, config=config,
         )  # fmt: skip
 
-    return time_per_call(call, device, iters=20)
+    return time_per_call(call, device, iters=20), out
 
 
 def sweep_prefill(out_dir: str, device: torch.device) -> None:
@@ -96,21 +91,23 @@ def sweep_prefill(out_dir: str, device: torch.device) -> None:
         group = q_heads // kv_heads
         flops = prompts * q_heads * 4 * HEAD_DIM * length * (length + 1) / 2
         engine_config = ta.unified_config(torch.bfloat16, HEAD_DIM, group, length)
-        engine = time_prefill(data, engine_config, device)
+        engine, expected = time_prefill(data, engine_config, device)
         best = (engine, engine_config)
-        for (block_m, tile, warps, stages), interior in itertools.product(PREFILL_CANDIDATES, (False, True)):
+        for (block_m, tile, warps, stages), (interior, longest) in itertools.product(
+            PREFILL_CANDIDATES, PREFILL_ORDERS
+        ):
             config = dict(
                 BLOCK_M=block_m, BLOCK_Q=block_m // group, TILE_N=tile, num_warps=warps, num_stages=stages,
-                SPLIT_INTERIOR=interior,
+                SPLIT_INTERIOR=interior, LONGEST_FIRST=longest,
             )  # fmt: skip
             try:
-                t = time_prefill(data, config, device)
+                t, out = time_prefill(data, config, device)
             except Exception:  # out of shared memory / registers: not a candidate
                 continue
-            print(
-                json.dumps({"shape": [prompts, length, q_heads, kv_heads], "config": config, "us": t * 1e6})
-            )
-            if t < best[0]:
+            diff = (out.float() - expected.float()).abs().max().item()  # the same attention, other tiles
+            shape = [prompts, length, q_heads, kv_heads]
+            print(json.dumps({"shape": shape, "config": config, "us": t * 1e6, "max_diff": diff}))
+            if t < best[0] and diff < 2e-2:
                 best = (t, config)
         row = {
             "shape": f"{prompts} x {length} causal, {q_heads}/{kv_heads} heads",

@@ -35,6 +35,9 @@ SPLIT_INTERIOR = False
 """Whether both kernels walk the key tiles that every row sees in full without masks, then the
 rest masked (the causal diagonal; a decode split's last partial tile): off until timed on a GPU
 (``benchmarks/gpubench/attention_sweep.py`` times both)."""
+LONGEST_FIRST = False
+"""Whether the unified kernel's programs take the query blocks in reverse order, each request's last
+(longest under the causal mask) first, so that the last wave holds the shortest: off until timed."""
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -130,9 +133,12 @@ def _unified_kernel(
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, FP8: tl.constexpr, HAS_LIMITS: tl.constexpr, DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, SPLIT_INTERIOR: tl.constexpr = False,
+    LONGEST_FIRST: tl.constexpr = False,
 ):  # fmt: skip
     pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
+    if LONGEST_FIRST:
+        pid = tl.num_programs(0) - 1 - pid
     kv_head = tl.program_id(1)
     req = _find_request(query_start_ptr, pid, num_reqs, BLOCK_Q)
     q_start = tl.load(query_start_ptr + req)
@@ -302,7 +308,7 @@ def unified_config(dtype: torch.dtype, head_dim: int, group: int, max_query_len:
         config.update(BLOCK_M=16, num_warps=8 if head_dim >= 256 else 4)
     config["BLOCK_M"] = max(config["BLOCK_M"], triton.next_power_of_2(group))
     config["BLOCK_Q"] = config["BLOCK_M"] // group
-    config["SPLIT_INTERIOR"] = SPLIT_INTERIOR
+    config.update(SPLIT_INTERIOR=SPLIT_INTERIOR, LONGEST_FIRST=LONGEST_FIRST)
     return config
 
 

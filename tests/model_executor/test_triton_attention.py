@@ -128,10 +128,12 @@ def test_mask_offsets_open_bidirectional_spans(dtype):
 @needs_interpreter
 def test_unmasked_interior_tiles(monkeypatch):
     """``SPLIT_INTERIOR``: the key tiles every row of a block sees walked without masks, then the
-    rest masked: decodes (several splits), fresh and chunked prefills, an fp8 cache, mask offsets."""
+    rest masked: decodes (several splits), fresh and chunked prefills, an fp8 cache, mask offsets;
+    with ``LONGEST_FIRST`` (the query blocks in reverse order)."""
     from fastdeploy.ops import triton_attention as ta
 
     monkeypatch.setattr(ta, "SPLIT_INTERIOR", True)
+    monkeypatch.setattr(ta, "LONGEST_FIRST", True)  # (the unified kernel's blocks in reverse order)
     _decode_case(6, 2, 128, torch.bfloat16, 4)
     _mixed_case(2, 2, 64, torch.float32)
     _mixed_case(6, 2, 128, torch.bfloat16)
@@ -331,9 +333,11 @@ def test_gpu_mask_offsets(dtype):
 @gpu_compiled
 @pytest.mark.parametrize("heads, kv_heads, head_dim, dtype", GPU_CASES)
 def test_gpu_unmasked_interior_tiles(heads, kv_heads, head_dim, dtype, monkeypatch):
-    """The compiled kernels with ``SPLIT_INTERIOR`` on: decodes (8 splits) and mixed steps."""
+    """The compiled kernels with ``SPLIT_INTERIOR`` and ``LONGEST_FIRST`` on: decodes (8 splits) and
+    mixed steps."""
     from fastdeploy.ops import triton_attention as ta
 
     monkeypatch.setattr(ta, "SPLIT_INTERIOR", True)
+    monkeypatch.setattr(ta, "LONGEST_FIRST", True)
     _decode_case(heads, kv_heads, head_dim, dtype, 8, device="cuda", factor=8)
     _mixed_case(heads, kv_heads, head_dim, dtype, device="cuda", factor=8)
