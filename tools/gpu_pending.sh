@@ -44,7 +44,8 @@
 #                 tokens; then the offline runs: moe_fair (and moe_vllm_fair beside it)
 #   attn_prefill (~6) the attention kernels' GPU tests (SPLIT_INTERIOR among them), the unified kernel's tiles
 #                 on prefill shapes (16 x 512 causal, Qwen3-30B-A3B's 32/4 and Llama-8B's 32/8 heads; 4 x 2,048)
-#                 with and without the unmasked interior tiles, and the decode kernel's choice with and without them
+#                 with and without the unmasked interior tiles (and longest query blocks first), and the decode
+#                 kernel's choice with and without those tiles
 #   moe_persistent_sweep (~4) the grouped GEMM's tile candidates on the persistent grid at 8,192 tokens (FP8)
 #   moe (~6)      a batch-1 FP8 and bf16 decode step of the Qwen3-30B-A3B shape, kernel table;
 #                 the experts' GEMV configuration sweep at one token
