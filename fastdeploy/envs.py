@@ -194,6 +194,12 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "fastdeploy/ops/triton_moe_gemm.py; 2% faster at 8,192 tokens on an H200, slower at 256); "
         "0: never (one program a tile).",
     ),
+    "FD_MOE_RANKS_IN_ROUTER": (
+        _bool("FD_MOE_RANKS_IN_ROUTER", "0"),
+        "Whether the MoE routing kernel also takes each (token, expert) pair's rank within its expert "
+        "(atomic adds) for the expert sort of steps of more than 256 pairs, one kernel fewer a layer "
+        "(fastdeploy/ops/triton_moe_align_atomic.py); off (the default) until measured on a GPU.",
+    ),
     "FD_MOE_GROUPED_MM_MIN_TOKENS": (
         lambda: int(os.environ.get("FD_MOE_GROUPED_MM_MIN_TOKENS", "0")),
         "Per-channel FP8 MoE steps of at least this many tokens on Hopper run the experts as two "

@@ -42,6 +42,9 @@
 #                 FP8 GEMM, the MoE's SiLU + quantization and top-k sum) and the expert sort (one program up
 #                 to 256 pairs, atomics beyond) on the GPU: their test files, then the MoE layer at 256 / 8,192
 #                 tokens; then the offline runs: moe_fair (and moe_vllm_fair beside it)
+#   moe_ranks (~3) the pairs' ranks taken by the routing kernel (FD_MOE_RANKS_IN_ROUTER) and the layout
+#                 kernel placing a decode batch's pairs: their GPU tests, then the MoE layer at 256 / 8,192 FP8
+#                 tokens with the ranks in the router off / on
 #   attn_prefill (~6) the attention kernels' GPU tests (SPLIT_INTERIOR among them), the unified kernel's tiles
 #                 on prefill shapes (16 x 512 causal, Qwen3-30B-A3B's 32/4 and Llama-8B's 32/8 heads; 4 x 2,048)
 #                 with and without the unmasked interior tiles (and longest query blocks first), and the decode
@@ -52,7 +55,7 @@
 #   bash tools/gpu_pending.sh OUT [section ...]
 # Run it without `| tail` in the `run` call: a call stopped at its time limit returns only what it
 # already printed (twice in the twentieth session a tail held back every line of a 600 s call).
-OUT=${1:?usage: tools/gpu_pending.sh OUT [structured_nice] [structured_threads] [structured_gil] [structured_default] [structured_guidance] [first_burst] [structured] [tests] [moe_e2e] [moe_budget] [moe_prefill] [moe_phases] [moe_vllm] [moe_fair] [moe_split] [fp8_channel] [moe_router] [gemv_sweep] [moe_vllm_fair] [moe_fusions] [moe_tma] [moe_pdl] [attn_prefill] [moe_persistent_sweep] [offline_ratio] [poisson] [prefill] [moe] [budget]}
+OUT=${1:?usage: tools/gpu_pending.sh OUT [structured_nice] [structured_threads] [structured_gil] [structured_default] [structured_guidance] [first_burst] [structured] [tests] [moe_e2e] [moe_budget] [moe_prefill] [moe_phases] [moe_vllm] [moe_fair] [moe_split] [fp8_channel] [moe_router] [gemv_sweep] [moe_vllm_fair] [moe_fusions] [moe_tma] [moe_pdl] [moe_ranks] [attn_prefill] [moe_persistent_sweep] [offline_ratio] [poisson] [prefill] [moe] [budget]}
 shift
 sections=${*:-structured_nice tests moe_e2e poisson prefill moe budget}
 mkdir -p "$OUT"
@@ -348,6 +351,21 @@ moe_pdl() {
     timeout 150 python3 -m benchmarks.gpubench.moe_bench --out "$W/layer" --tokens 256,8192 --dtypes ptpc_fp8 \
         > "$W/layer.log" 2>&1
     grep "|" "$W/layer/results.md" | tail -n 2 | cut -c1-200
+}
+
+# #18: the expert sort with the ranks taken in the routing kernel (one launch fewer a layer) and the pairs
+# placed by the layout kernel up to 2,048 pairs (one more fewer at the decode batch)
+moe_ranks() {
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/ops/test_triton_moe_routing.py tests/ops/test_triton_fused_moe.py \
+        -k "ranks or atomic or align" > "$W/ranks_test.log" 2>&1
+    echo "tests: $(tail -n 1 "$W/ranks_test.log")"
+    grep -E "^FAILED|Error" "$W/ranks_test.log" | head -n 5
+    for on in 0 1; do
+        FD_MOE_RANKS_IN_ROUTER=$on timeout 150 python3 -m benchmarks.gpubench.moe_bench --out "$W/layer$on" \
+            --tokens 256,8192 --dtypes ptpc_fp8 > "$W/layer$on.log" 2>&1
+        echo "FD_MOE_RANKS_IN_ROUTER=$on"
+        grep "|" "$W/layer$on/results.md" | tail -n 2 | cut -c1-200
+    done
 }
 
 # #18: the prefill attention (~11% of an 8,192-token FP8 prefill step of Qwen3-30B-A3B in the twenty-third

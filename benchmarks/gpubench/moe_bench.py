@@ -49,11 +49,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from fastdeploy import envs
 from fastdeploy.model_executor.layers.fused_moe import FusedMoE, select_experts, select_experts_torch
 from fastdeploy.model_executor.layers.quantization import Fp8Config, PtpcFp8Config
 from fastdeploy.ops import triton_fused_moe as moe
 from fastdeploy.ops import triton_moe_gemv as gemv
-from fastdeploy.ops.triton_moe_routing import moe_align_block_size
+from fastdeploy.ops.triton_moe_align_atomic import new_pair_ranks
+from fastdeploy.ops.triton_moe_routing import ALIGN_SINGLE_MAX, moe_align_block_size
 
 from .measure import copy_bandwidth, device_description, error_text, free_memory, time_per_call
 
@@ -163,10 +165,14 @@ def _forward(
     the load statistic, then ``fused_experts``), called directly so that the interpreter's CPU
     smoke run takes the kernels too."""
     m = layer.module
-    weights, ids = select_experts(logits, m.top_k, m.renormalize, None, m.routed_tokens)
+    ranked = (
+        moe.pair_ranks_for(x, m.gate_up_proj, m.down_proj, _block(m), m.top_k) if config is None else None
+    )
+    weights, ids = select_experts(logits, m.top_k, m.renormalize, None, m.routed_tokens, ranked=ranked)
     s13, s2 = m.expert_scales()
     return moe.fused_experts(
-        x, m.gate_up_proj, m.down_proj, weights, ids, s13, s2, _block(m), config=config, down_config=down
+        x, m.gate_up_proj, m.down_proj, weights, ids, s13, s2, _block(m), config=config, down_config=down,
+        ranked=ranked,
     )  # fmt: skip
 
 
@@ -205,9 +211,12 @@ def route_align_times(shape: MoeShape, tokens: int, block_m: int, device: torch.
     _, logits = _inputs(shape, tokens, device, seed=7)
     k, e = shape.top_k, shape.experts
 
+    in_router = envs.FD_MOE_RANKS_IN_ROUTER and tokens * k > ALIGN_SINGLE_MAX
+
     def triton_call(_=0):
-        _, ids = select_experts(logits, k, True)
-        return moe_align_block_size(ids, block_m, e)
+        ranked = new_pair_ranks(tokens * k, e, device) if in_router else None  # (FD_MOE_RANKS_IN_ROUTER)
+        _, ids = select_experts(logits, k, True, ranked=ranked)
+        return moe_align_block_size(ids, block_m, e, ranked)
 
     def torch_call(_=0):
         _, ids = select_experts_torch(logits, k, True)

@@ -50,9 +50,10 @@ from fastdeploy.ops.layer_ops import silu_and_mul
 from fastdeploy.ops.tile_config import TileConfig, device_shared_memory, fit_shared_memory, table_config
 from fastdeploy.ops.triton_env import triton_interpreting
 from fastdeploy.ops.triton_moe_act import silu_and_mul_pairs, silu_mul_fp8, sum_pairs
+from fastdeploy.ops.triton_moe_align_atomic import PairRanks, new_pair_ranks
 from fastdeploy.ops.triton_moe_gemm import grouped_gemm, persistent_programs
 from fastdeploy.ops.triton_moe_gemv import fused_experts_gemv, small_batch_max_tokens
-from fastdeploy.ops.triton_moe_routing import moe_align_block_size, padded_length
+from fastdeploy.ops.triton_moe_routing import ALIGN_SINGLE_MAX, moe_align_block_size, padded_length
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 """Activation dtypes the kernels take (weights in the same dtype, or FP8)."""
@@ -203,6 +204,23 @@ def quantizes_per_token(
     )
 
 
+def pair_ranks_for(
+    hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, block_shape: tuple[int, int] | None, top_k: int
+) -> PairRanks | None:
+    """With ``FD_MOE_RANKS_IN_ROUTER``: buffers for the routing kernel to rank the pairs by expert
+    (:func:`~fastdeploy.ops.triton_moe_routing.topk_softmax`'s ``ranked``) where :func:`fused_experts`
+    (the tables' configuration, no expert parallelism) sorts them by atomic counters; else None."""
+    tokens = hidden.shape[0]
+    if (
+        not envs.FD_MOE_RANKS_IN_ROUTER
+        or tokens * top_k <= ALIGN_SINGLE_MAX
+        or tokens <= small_batch_max_tokens()
+        or grouped_mm_applies(hidden, w13, w2, block_shape)
+    ):
+        return None
+    return new_pair_ranks(tokens * top_k, w13.shape[0], hidden.device)
+
+
 def fused_experts(
     hidden: torch.Tensor,
     w13: torch.Tensor,
@@ -216,6 +234,7 @@ def fused_experts(
     skip_negative_ids: bool = False,
     down_config: MoEKernelConfig | None = None,
     a_quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ranked: PairRanks | None = None,
 ) -> torch.Tensor:
     """``sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` with ``e = topk_ids[t, j]``.
 
@@ -232,7 +251,8 @@ def fused_experts(
     unfused torch path rounds them. ``config`` overrides the table's meta-parameters (of both GEMMs;
     ``down_config``, with the same ``block_m``, of the down GEMM alone). ``a_quantized``: ``hidden``
     already quantized per token (``(fp8 [T, H], scale [T, 1])``), only where
-    :func:`quantizes_per_token` holds (ValueError elsewhere).
+    :func:`quantizes_per_token` holds (ValueError elsewhere). ``ranked``: the pairs' ranks the
+    routing kernel took (:func:`pair_ranks_for`), for the expert sort.
 
     Up to :func:`~fastdeploy.ops.triton_moe_gemv.small_batch_max_tokens` tokens (and with no
     ``config``) the two GEMV-like kernels of :mod:`fastdeploy.ops.triton_moe_gemv` run instead
@@ -267,7 +287,7 @@ def fused_experts(
         )  # fmt: skip
     if explicit_config is None and not skip_negative_ids and grouped_mm_applies(hidden, w13, w2, block_shape):
         return grouped_mm_experts(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
-    routing = moe_align_block_size(topk_ids, config.block_m, w13.shape[0])
+    routing = moe_align_block_size(topk_ids, config.block_m, w13.shape[0], ranked)
     pairs = num_tokens * top_k
     if a_quantized is not None:
         a, a_scale = a_quantized

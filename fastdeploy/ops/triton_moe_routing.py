@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from fastdeploy.ops.triton_layer_ops import inverse_rms, scaled_by_rms
-from fastdeploy.ops.triton_moe_align_atomic import align_by_atomics, write_layout
+from fastdeploy.ops.triton_moe_align_atomic import PairRanks, align_by_atomics, write_layout
 from fastdeploy.ops.triton_pdl import pdl_kwargs, pdl_prologue
 
 ROUTER_SPLIT_MAX_TOKENS = 4
@@ -193,6 +193,8 @@ def _topk_softmax_kernel(
     weights_ptr,
     ids_ptr,
     counts_ptr,
+    pair_counts_ptr,
+    ranks_ptr,
     E,
     stride_lm,
     stride_ls,
@@ -204,11 +206,13 @@ def _topk_softmax_kernel(
     HAS_BIAS: tl.constexpr,
     RENORMALIZE: tl.constexpr,
     HAS_COUNTS: tl.constexpr,
+    HAS_RANKS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """One token: ``probs = softmax(logits)``; the ``TOP_K`` best by ``probs (+ bias)``; their probs.
     ``SPLITS > 1``: the logits are the sum of that many float32 partials (``stride_ls`` apart),
-    rounded to ``ROUND_TO`` as the router's output in the model's dtype would be."""
+    rounded to ``ROUND_TO`` as the router's output in the model's dtype would be. ``HAS_RANKS``:
+    each chosen pair's rank among its expert's pairs of the step, by an atomic add on its counter."""
     pdl_prologue(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
@@ -246,6 +250,11 @@ def _topk_softmax_kernel(
         tl.atomic_add(
             counts_ptr + chosen_id, tl.full([BLOCK_K], 1, tl.int64), mask=slots < TOP_K, sem="relaxed"
         )
+    if HAS_RANKS:  # (relaxed: the ranks and counts are read by the next kernel)
+        rank = tl.atomic_add(
+            pair_counts_ptr + chosen_id, tl.full([BLOCK_K], 1, tl.int32), mask=slots < TOP_K, sem="relaxed"
+        )
+        tl.store(ranks_ptr + out, rank, mask=slots < TOP_K)
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -258,13 +267,16 @@ def topk_softmax(
     correction_bias: torch.Tensor | None = None,
     expert_counts: torch.Tensor | None = None,
     dtype: torch.dtype | None = None,
+    ranked: PairRanks | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``[T, E]`` logits → (weights ``[T, k]`` in the logits' dtype, expert ids ``[T, k]`` int64),
     as ``select_experts_torch`` (softmax in float32; ``correction_bias [E]`` chooses by
     ``probs + bias`` and weights by ``probs``; ``renormalize`` rescales the k weights to sum to 1).
     ``expert_counts [E]`` (int64), when given, gets each expert's chosen (token, slot) pairs added
     (the load statistic). ``[S, T, E]`` float32 logits are :func:`router_partials`' split-K sums:
-    added up, rounded to ``dtype`` (the model's; the weights come back in it) and routed so."""
+    added up, rounded to ``dtype`` (the model's; the weights come back in it) and routed so.
+    ``ranked`` (:func:`~fastdeploy.ops.triton_moe_align_atomic.new_pair_ranks` of ``T * k`` pairs):
+    filled with the pairs' ranks within their experts for :func:`moe_align_block_size`."""
     partials = router_logits.dim() == 3
     if (
         router_logits.dim() not in (2, 3)
@@ -287,13 +299,17 @@ def topk_softmax(
     bias = None if correction_bias is None else correction_bias.reshape(-1)
     if bias is not None and bias.numel() != experts:
         raise ValueError(f"correction_bias must have {experts} entries, got {bias.numel()}")
+    if ranked is not None and (ranked.ranks.numel() != tokens * top_k or ranked.counts.numel() < experts):
+        raise ValueError(f"ranked must hold {tokens * top_k} ranks and {experts} counters")
     _topk_softmax_kernel[(tokens,)](
         router_logits, bias if bias is not None else router_logits, weights, ids,
-        expert_counts if expert_counts is not None else ids, experts, router_logits.stride(-2),
+        expert_counts if expert_counts is not None else ids,
+        ranked.counts if ranked is not None else ids, ranked.ranks if ranked is not None else ids,
+        experts, router_logits.stride(-2),
         router_logits.stride(0) if partials else 0, SPLITS=splits, ROUND_TO=_TL_DTYPES[dtype], TOP_K=top_k,
         BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(experts),
         HAS_BIAS=bias is not None, RENORMALIZE=renormalize, HAS_COUNTS=expert_counts is not None,
-        num_warps=1 if experts <= 256 else 4, **pdl_kwargs(weights),
+        HAS_RANKS=ranked is not None, num_warps=1 if experts <= 256 else 4, **pdl_kwargs(weights),
     )  # fmt: skip
     return weights, ids
 
@@ -351,6 +367,7 @@ def moe_align_block_size(
     topk_ids: torch.Tensor,
     block_m: int,
     num_experts: int,
+    ranked: PairRanks | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sort the ``P = T*k`` (token, slot) pairs of ``topk_ids [T, k]`` by expert, each expert's run
     padded to a multiple of ``block_m`` (a power of two of at least 16).
@@ -361,7 +378,8 @@ def moe_align_block_size(
     the atomics' order beyond; pairs with a negative id, experts another expert-parallel rank
     holds, are left out) and ``P`` for padding, block ``b < num_padded / block_m`` belongs to
     expert ``expert_ids[b]``; the entries past ``num_padded`` are left unwritten (the GEMM reads
-    none of them)."""
+    none of them). ``ranked``: the pairs' ranks taken by the routing kernel (:func:`topk_softmax`),
+    used beyond :data:`ALIGN_SINGLE_MAX` pairs (the atomic sort then skips its rank kernel)."""
     if block_m < 16 or block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of two >= 16, got {block_m}")
     flat = topk_ids.reshape(-1)
@@ -376,7 +394,7 @@ def moe_align_block_size(
         num_padded.zero_()
         return sorted_ids, expert_ids, num_padded
     if pairs > ALIGN_SINGLE_MAX:
-        align_by_atomics(flat, block_m, num_experts, sorted_ids, expert_ids, num_padded)
+        align_by_atomics(flat, block_m, num_experts, sorted_ids, expert_ids, num_padded, ranked)
         return sorted_ids, expert_ids, num_padded
     _align_kernel[(1,)](
         flat, sorted_ids, expert_ids, num_padded, pairs, num_experts,

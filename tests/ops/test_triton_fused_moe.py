@@ -366,6 +366,32 @@ def test_atomic_expert_sort_gives_the_same_bits(quant, monkeypatch):
     assert torch.equal(moe.fused_experts(*tensors, **kwargs), one_program)
 
 
+@needs_backend
+@pytest.mark.parametrize("quant", ["bf16", "fp8-channel"])
+def test_ranks_from_the_routing_kernel_give_the_same_bits(quant, monkeypatch):
+    """``FD_MOE_RANKS_IN_ROUTER``: the routing kernel ranks the pairs (``pair_ranks_for``) and the
+    sort skips its rank kernel; the MoE's output is the bits of the sort that ranks them itself.
+    Off by default, and never for steps the one-program sort, the GEMV kernels or a few tokens take."""
+    from fastdeploy.ops import triton_moe_routing as routing_ops
+
+    args, kwargs, _ = _variant(quant, 300, seed=41)
+    hidden, w13, w2, weights, ids, *scales = _on(DEVICE, *args)
+    block = kwargs.get("block_shape", (128, 128))
+    monkeypatch.delenv("FD_MOE_RANKS_IN_ROUTER", raising=False)
+    assert moe.pair_ranks_for(hidden, w13, w2, block, ids.shape[1]) is None
+    monkeypatch.setenv("FD_MOE_RANKS_IN_ROUTER", "1")
+    assert moe.pair_ranks_for(hidden[:4], w13, w2, block, ids.shape[1]) is None
+    ranked = moe.pair_ranks_for(hidden, w13, w2, block, ids.shape[1])
+    assert ranked is not None and ranked.ranks.numel() == ids.numel()
+    logits = torch.randn(hidden.shape[0], w13.shape[0], generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    weights, ids = routing_ops.topk_softmax(logits, ids.shape[1], True, ranked=ranked)
+    weights = weights.to(hidden.dtype)
+    expected = moe.fused_experts(hidden, w13, w2, weights, ids, *scales, **kwargs)
+    assert torch.equal(
+        moe.fused_experts(hidden, w13, w2, weights, ids, *scales, ranked=ranked, **kwargs), expected
+    )
+
+
 def test_persistent_programs_setting(monkeypatch):
     """``FD_MOE_PERSISTENT_MIN_TOKENS``: steps of at least that many tokens (4,096 by default) get a
     persistent grid (one program per SM; two under the interpreter), smaller ones and 0 none."""

@@ -136,11 +136,14 @@ def test_topk_softmax_rejects_bad_input():
         routing.topk_softmax(_logits(2, 4, 0).to(DEVICE), 2, True, torch.zeros(3, device=DEVICE))
 
 
-def _check_layout(ids, block_m, experts, stable=True):
+def _check_layout(ids, block_m, experts, stable=True, ranked=None):
     """The Triton sort's layout equals the torch reference's; ``stable=False``: up to the order of
-    the pairs inside each expert's run (each run holds the same pairs, padding in the same slots)."""
+    the pairs inside each expert's run (each run holds the same pairs, padding in the same slots).
+    ``ranked``: the pairs' ranks from the routing kernel, passed to the sort."""
     ref_sorted, ref_experts, ref_padded = align_block_size_torch(ids, block_m, experts)
-    sorted_ids, expert_ids, num_padded = routing.moe_align_block_size(ids.to(DEVICE), block_m, experts)
+    sorted_ids, expert_ids, num_padded = routing.moe_align_block_size(
+        ids.to(DEVICE), block_m, experts, ranked
+    )
     n = int(ref_padded)
     assert int(num_padded) == n and sorted_ids.numel() == ref_sorted.numel()
     assert torch.equal(expert_ids[: n // block_m].cpu(), ref_experts[: n // block_m])
@@ -235,3 +238,33 @@ def test_topk_softmax_nan_logits_give_valid_experts():
     counts = torch.zeros(16, dtype=torch.int64, device=DEVICE)
     _, ids = routing.topk_softmax(logits.to(DEVICE), 4, True, None, counts)
     assert ((ids >= 0) & (ids < 16)).all() and int(counts.sum()) == 8
+
+
+@pytest.mark.parametrize("tokens,place_in_layout", [(40, True), (300, False)])
+def test_ranks_taken_by_the_routing_kernel(tokens, place_in_layout, monkeypatch):
+    """``topk_softmax(ranked=...)``: each expert's counter ends at its pair count and its pairs hold
+    the ranks 0..count-1 once each; the atomic sort fed those ranks (its rank kernel skipped; the
+    pairs placed by the layout kernel's program or by the place kernel) gives the torch layout up to
+    the order inside each run. Buffers of the wrong size are refused."""
+    from fastdeploy.ops import triton_moe_align_atomic as atomic
+
+    monkeypatch.setattr(atomic, "PLACE_IN_LAYOUT_MAX", 1 << 30 if place_in_layout else 0)
+    experts, top_k = 60, 8
+    logits = _logits(tokens, experts, seed=tokens).to(DEVICE)
+    ranked = atomic.new_pair_ranks(tokens * top_k, experts, torch.device(DEVICE))
+    _, ids = routing.topk_softmax(logits, top_k, True, ranked=ranked)
+    flat = ids.reshape(-1).cpu()
+    counts = torch.bincount(flat, minlength=64).to(torch.int32)
+    assert torch.equal(ranked.counts.cpu(), counts)
+    ranks = ranked.ranks.cpu()
+    for e in flat.unique():
+        assert torch.equal(ranks[flat == e].sort().values, torch.arange(int(counts[e]), dtype=torch.int32))
+    _check_layout(ids.cpu(), 32, experts, stable=False, ranked=ranked)
+    with pytest.raises(ValueError, match="ranked"):
+        routing.topk_softmax(
+            logits, top_k, True, ranked=atomic.new_pair_ranks(8, experts, torch.device(DEVICE))
+        )
+    with pytest.raises(ValueError, match="ranked"):
+        routing.moe_align_block_size(
+            ids, 32, experts, atomic.new_pair_ranks(8, experts, torch.device(DEVICE))
+        )

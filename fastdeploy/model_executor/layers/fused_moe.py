@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -59,6 +60,9 @@ from fastdeploy.model_executor.layers.side_stream import start_beside
 from fastdeploy.model_executor.layers.weight_loading import ShardId, copy_rows, set_weight_loader
 from fastdeploy.ops.fp8_quant import DEFAULT_BLOCK, FP8_DTYPE
 from fastdeploy.ops.layer_ops import silu_and_mul, triton_module
+
+if TYPE_CHECKING:  # (the Triton modules load lazily: CPU installs may lack triton)
+    from fastdeploy.ops.triton_moe_align_atomic import PairRanks
 
 
 def select_experts_torch(
@@ -101,15 +105,19 @@ def select_experts(
     correction_bias: torch.Tensor | None = None,
     expert_counts: torch.Tensor | None = None,
     dtype: torch.dtype | None = None,
+    ranked: PairRanks | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k softmax routing (:func:`select_experts_torch`'s result): one Triton kernel on CUDA
     (:func:`fastdeploy.ops.triton_moe_routing.topk_softmax`), torch elsewhere. ``expert_counts
     [E]`` (int64), when given, gets each expert's chosen pairs added, on the device (no sync).
     ``[S, T, E]`` logits are :meth:`FusedMoE.router_logits`' split-K partials, summed and rounded
-    to ``dtype`` (the model's)."""
+    to ``dtype`` (the model's). ``ranked`` (Triton path only: it comes from
+    :func:`~fastdeploy.ops.triton_fused_moe.pair_ranks_for`): the pairs' ranks for the expert sort."""
     kernels = _triton_kernels("triton_moe_routing", router_logits)
     if kernels is not None and router_logits.dim() in (2, 3) and router_logits.stride(-1) == 1:
-        return kernels.topk_softmax(router_logits, top_k, renormalize, correction_bias, expert_counts, dtype)
+        return kernels.topk_softmax(
+            router_logits, top_k, renormalize, correction_bias, expert_counts, dtype, ranked
+        )
     if router_logits.dim() == 3:
         router_logits = router_logits.sum(0).to(dtype or router_logits.dtype)
     weights, ids = select_experts_torch(router_logits, top_k, renormalize, correction_bias)
@@ -311,8 +319,15 @@ class FusedMoE(nn.Module):
         tensor-parallel ranks: one all-reduce of routed + shared partials. ``quantized``:
         :meth:`norm_input`'s FP8 rows of ``hidden``."""
         shared = start_beside(shared_experts, hidden.device) if shared_experts is not None else None
+        ranked = self.pair_ranks(hidden, router_logits)
         weights, ids = select_experts(
-            router_logits, self.top_k, self.renormalize, correction_bias, self.routed_tokens, hidden.dtype
+            router_logits,
+            self.top_k,
+            self.renormalize,
+            correction_bias,
+            self.routed_tokens,
+            hidden.dtype,
+            ranked,
         )
         if self.ep_size > 1 and ep_spans_replicas():
             out = self.experts_across_replicas(hidden, weights, ids)
@@ -320,12 +335,25 @@ class FusedMoE(nn.Module):
                 partial = shared.result()
                 out = out + (tp_all_reduce(partial) if self.tp_size > 1 else partial)
             return out
-        out = self.compute_experts(hidden, weights, self.local_expert_ids(ids), quantized)
+        out = self.compute_experts(hidden, weights, self.local_expert_ids(ids), quantized, ranked)
         if shared is not None:
             out = out + shared.result()
         if self.tp_size > 1:
             out = tp_all_reduce(out)
         return out
+
+    def pair_ranks(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> PairRanks | None:
+        """Buffers for the routing kernel to rank the step's pairs for the fused experts' sort
+        (:func:`~fastdeploy.ops.triton_fused_moe.pair_ranks_for`): Triton routing and experts, no
+        expert parallelism; else None."""
+        kernels = _triton_kernels("triton_fused_moe", hidden)
+        if (
+            kernels is None
+            or self.ep_size > 1
+            or _triton_kernels("triton_moe_routing", router_logits) is None
+        ):
+            return None
+        return kernels.pair_ranks_for(hidden, self.gate_up_proj, self.down_proj, self._block(), self.top_k)
 
     def local_expert_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Global expert ids → indices into this rank's experts, -1 where another expert-parallel
@@ -371,20 +399,22 @@ class FusedMoE(nn.Module):
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
         quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
+        ranked: PairRanks | None = None,
     ) -> torch.Tensor:
         """This rank's partial expert output for routed tokens (before the all-reduce; the ids index
         this rank's experts, ``[0, num_local_experts)``, or are -1: another rank's, skipped): the fused
         Triton kernel on CUDA, :meth:`compute_experts_torch` on a CPU or with
         ``FD_DISABLE_CUSTOM_OPS=1``. Both take the stacked ``gate_up_proj`` / ``down_proj``
         shards (and their FP8 scales) and return the ``[T, H]`` partial sum. ``quantized``: the FP8
-        rows of ``hidden`` (:meth:`norm_input`; only made where the kernel takes them)."""
+        rows of ``hidden`` (:meth:`norm_input`; only made where the kernel takes them); ``ranked``:
+        the pairs' ranks the routing kernel took (:meth:`pair_ranks`)."""
         kernels = _triton_kernels("triton_fused_moe", hidden)
         if kernels is None:
             return self.compute_experts_torch(hidden, topk_weights, topk_ids)
         w13_scale, w2_scale = self.expert_scales()
         return kernels.fused_experts(
             hidden, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, w13_scale, w2_scale,
-            self._block(), skip_negative_ids=self.ep_size > 1, a_quantized=quantized,
+            self._block(), skip_negative_ids=self.ep_size > 1, a_quantized=quantized, ranked=ranked,
         )  # fmt: skip
 
     def compute_experts_torch(
