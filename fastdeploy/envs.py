@@ -136,7 +136,8 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         lambda: int(os.environ.get("FD_FP8_SMALL_M_MAX", "16")),
         "FP8 linear layers of at most this many rows (decode steps) run the w8a16 Triton GEMV "
         "(the fp8 weight dequantized in registers, the activation not quantized, one kernel); "
-        "larger ones quantize the activation and run an FP8 GEMM (0: always the latter).",
+        "larger ones quantize the activation and run an FP8 GEMM (0: always the latter; at most 256, "
+        "the kernel's limit).",
     ),
     "FD_FP8_BLOCK_GEMM": (
         lambda: os.environ.get("FD_FP8_BLOCK_GEMM", "auto").strip().lower() or "auto",

@@ -45,6 +45,9 @@
 #   moe_ranks (~3) the pairs' ranks taken by the routing kernel (FD_MOE_RANKS_IN_ROUTER) and the layout
 #                 kernel placing a decode batch's pairs: their GPU tests, then the MoE layer at 256 / 8,192 FP8
 #                 tokens with the ranks in the router off / on
+#   decode256 (~4) a batch-256 FP8 decode step (profile_decode, 32-token prompts): as it is, with the ranks in the
+#                 router (FD_MOE_RANKS_IN_ROUTER=1), and with that and the w8a16 dot form for the linears of
+#                 up to 256 rows (FD_FP8_SMALL_M_MAX=256: no activation quantization before qkv / o)
 #   attn_prefill (~6) the attention kernels' GPU tests (SPLIT_INTERIOR among them), the unified kernel's tiles
 #                 on prefill shapes (16 x 512 causal, Qwen3-30B-A3B's 32/4 and Llama-8B's 32/8 heads; 4 x 2,048)
 #                 with and without the unmasked interior tiles (and longest query blocks first), and the decode
@@ -55,7 +58,7 @@
 #   bash tools/gpu_pending.sh OUT [section ...]
 # Run it without `| tail` in the `run` call: a call stopped at its time limit returns only what it
 # already printed (twice in the twentieth session a tail held back every line of a 600 s call).
-OUT=${1:?usage: tools/gpu_pending.sh OUT [structured_nice] [structured_threads] [structured_gil] [structured_default] [structured_guidance] [first_burst] [structured] [tests] [moe_e2e] [moe_budget] [moe_prefill] [moe_phases] [moe_vllm] [moe_fair] [moe_split] [fp8_channel] [moe_router] [gemv_sweep] [moe_vllm_fair] [moe_fusions] [moe_tma] [moe_pdl] [moe_ranks] [attn_prefill] [moe_persistent_sweep] [offline_ratio] [poisson] [prefill] [moe] [budget]}
+OUT=${1:?usage: tools/gpu_pending.sh OUT [structured_nice] [structured_threads] [structured_gil] [structured_default] [structured_guidance] [first_burst] [structured] [tests] [moe_e2e] [moe_budget] [moe_prefill] [moe_phases] [moe_vllm] [moe_fair] [moe_split] [fp8_channel] [moe_router] [gemv_sweep] [moe_vllm_fair] [moe_fusions] [moe_tma] [moe_pdl] [moe_ranks] [decode256] [attn_prefill] [moe_persistent_sweep] [offline_ratio] [poisson] [prefill] [moe] [budget]}
 shift
 sections=${*:-structured_nice tests moe_e2e poisson prefill moe budget}
 mkdir -p "$OUT"
@@ -365,6 +368,17 @@ moe_ranks() {
             --tokens 256,8192 --dtypes ptpc_fp8 > "$W/layer$on.log" 2>&1
         echo "FD_MOE_RANKS_IN_ROUTER=$on"
         grep "|" "$W/layer$on/results.md" | tail -n 2 | cut -c1-200
+    done
+}
+
+# #18: the batch-256 decode step's kernels (the throughput run's decode steps: 73% of its time)
+decode256() {
+    for setting in FD_NOTHING=0 FD_MOE_RANKS_IN_ROUTER=1 "FD_MOE_RANKS_IN_ROUTER=1 FD_FP8_SMALL_M_MAX=256"; do
+        local name=${setting// /_}
+        env $setting timeout 150 python3 -m benchmarks.gpubench.profile_decode benchmarks/configs/qwen3-30b-a3b \
+            --batch 256 --quantization ptpc_fp8 --rows 24 > "$W/$name.txt" 2>&1
+        echo "$setting: $(grep '^batch 256' "$W/$name.txt" | head -n 1)"
+        grep -E "kernel|nvjet|Memcpy" "$W/$name.txt" | cut -c1-60,100-160 | head -n 24
     done
 }
 

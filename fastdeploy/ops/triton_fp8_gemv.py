@@ -52,8 +52,11 @@ from fastdeploy.ops.triton_env import triton_interpreting
 from fastdeploy.ops.triton_gemv import ACC_ELEMENTS, autotune_bench
 from fastdeploy.ops.triton_pdl import pdl_kwargs, pdl_prologue, pdl_trigger
 
-MAX_M = 64
-"""Most rows :func:`fp8_small_m_linear` takes (how many it is used for is the caller's choice)."""
+MAX_M = 256
+"""Most rows :func:`fp8_small_m_linear` takes (how many it is used for is the caller's choice,
+``FD_FP8_SMALL_M_MAX``); the dot form tiles them by at most :data:`DOT_MAX_BLOCK_M`."""
+DOT_MAX_BLOCK_M = 64
+"""Most rows one program of the dot form multiplies (its accumulator is ``BLOCK_N x BLOCK_M``)."""
 BROADCAST_MAX_M = 4
 """Most (padded) rows of the broadcast form: one float32 accumulator tile per row."""
 NORM_FUSE_MAX_M = 2
@@ -346,7 +349,7 @@ def _fallback_config(m_pad: int) -> triton.Config:
 
 
 def _block_m(args: dict[str, Any]) -> int:
-    return max(16, args["M_PAD"])
+    return min(DOT_MAX_BLOCK_M, max(16, args["M_PAD"]))
 
 
 _kernel = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0, "BLOCK_M": _block_m})(
@@ -471,7 +474,7 @@ def launch_kernel(
     warps = meta.pop("num_warps", 4)
     if not config_fits(meta, const["M_PAD"], group_n, group_k, silu_mul, norm is not None):
         raise ValueError(f"configuration {config} does not fit M_PAD={const['M_PAD']}, block {block}")
-    grid = (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, max(16, const["M_PAD"])))
+    grid = (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, _block_m(const)))
     _kernel[grid](*args, **const, **meta, num_warps=warps, num_stages=1 if interpreting else meta["STAGES"])
 
 

@@ -100,9 +100,9 @@ def test_broadcast_form(block, m):
 
 @needs_backend
 @pytest.mark.parametrize("block", BLOCKS, ids=BLOCK_IDS)
-@pytest.mark.parametrize("m", [2, 5, 17, 40])
+@pytest.mark.parametrize("m", [2, 5, 17, 40, 130])
 def test_dot_form(block, m):
-    """Row tiles of 16, 32 and 64 rows (the padded rows masked)."""
+    """Row tiles of 16, 32 and 64 rows (the padded rows masked); 130 rows: three 64-row programs."""
     x, wq, ws, b = _operands(m, 72, 200, block, torch.float32, seed=20 + m)
     err = _rel(_run(x, wq, ws, block, b, DOT), _reference(x, wq, ws, block, b))
     assert err < 1e-5, f"relative error {err}"

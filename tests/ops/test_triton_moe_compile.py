@@ -53,6 +53,11 @@ CASES = [
      dict(a_ptr=FP8, b_ptr=FP8, c_ptr=BF16, a_scale_ptr=FP32, b_scale_ptr=FP32, bias_ptr=BF16),
      dict(GROUP_N=1, GROUP_K=1, CHANNEL=True, HAS_BIAS=False, DOT_FP32=False, EVEN_K=True, BLOCK_M=64,
           BLOCK_N=64, BLOCK_K=256, GROUP_M=8, USE_PDL=True), 4, 4),
+    ("triton_fp8_gemv", "_fp8_gemv_kernel",  # the w8a16 dot form at a decode batch's 256 rows
+     dict(x_ptr=BF16, w_ptr=FP8, s_ptr=FP32, b_ptr=BF16, out_ptr=BF16, r_ptr=BF16, r_out_ptr=BF16, nw_ptr=BF16,
+          eps="fp32"),
+     dict(M_PAD=256, GROUP_N=1, GROUP_K=0, HAS_BIAS=False, SILU_MUL=False, NORM=False, HAS_RES=False, BLOCK_N=128,
+          BLOCK_K=128, DOT=True, STAGES=4, BLOCK_M=64, DOT_FP32=False, EVEN_K=True, USE_PDL=True), 4, 4),
 ]  # fmt: skip
 
 
