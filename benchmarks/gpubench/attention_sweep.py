@@ -41,30 +41,31 @@ PREFILL_ORDERS = [(False, False), (True, False), (True, True)]
 HEAD_DIM, BLOCK = 128, 16
 
 
-def problem(batch: int, context: int, q_heads: int, kv_heads: int, device: torch.device):
-    """Random queries, caches and block tables (blocks at random places)."""
-    blocks_per_req = -(-context // BLOCK)
-    num_blocks = batch * blocks_per_req
+def _paged_cache(requests: int, tokens: int, kv_heads: int, device: torch.device):
+    """Random bf16 key / value caches holding ``tokens`` keys for each of ``requests`` requests, in
+    blocks of :data:`BLOCK` at random places; ``(k, v, block_table, seq_lens)``."""
+    blocks_per_req = -(-tokens // BLOCK)
+    num_blocks = requests * blocks_per_req
     shape = (num_blocks, BLOCK, kv_heads, HEAD_DIM)
     k = torch.randn(shape, device=device, dtype=torch.bfloat16)
     v = torch.randn(shape, device=device, dtype=torch.bfloat16)
-    table = torch.randperm(num_blocks, device=device).view(batch, blocks_per_req).to(torch.int32)
+    table = torch.randperm(num_blocks, device=device).view(requests, blocks_per_req).to(torch.int32)
+    seq_lens = torch.full((requests,), tokens, dtype=torch.int32, device=device)
+    return k, v, table, seq_lens
+
+
+def problem(batch: int, context: int, q_heads: int, kv_heads: int, device: torch.device):
+    """One query token per request over ``context`` cached keys."""
+    k, v, table, seq_lens = _paged_cache(batch, context, kv_heads, device)
     q = torch.randn(batch, q_heads, HEAD_DIM, device=device, dtype=torch.bfloat16)
-    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     qsl = torch.arange(batch + 1, dtype=torch.int32, device=device)
     return q, k, v, table, seq_lens, qsl
 
 
 def prefill_problem(prompts: int, length: int, q_heads: int, kv_heads: int, device: torch.device):
-    """Random queries and caches of ``prompts`` fresh causal prompts (blocks at random places)."""
-    blocks_per_req = -(-length // BLOCK)
-    num_blocks = prompts * blocks_per_req
-    shape = (num_blocks, BLOCK, kv_heads, HEAD_DIM)
-    k = torch.randn(shape, device=device, dtype=torch.bfloat16)
-    v = torch.randn(shape, device=device, dtype=torch.bfloat16)
-    table = torch.randperm(num_blocks, device=device).view(prompts, blocks_per_req).to(torch.int32)
+    """``prompts`` fresh causal prompts of ``length`` tokens (their keys in the cache)."""
+    k, v, table, seq_lens = _paged_cache(prompts, length, kv_heads, device)
     q = torch.randn(prompts * length, q_heads, HEAD_DIM, device=device, dtype=torch.bfloat16)
-    seq_lens = torch.full((prompts,), length, dtype=torch.int32, device=device)
     qsl = torch.arange(0, (prompts + 1) * length, length, dtype=torch.int32, device=device)
     return q, k, v, table, seq_lens, qsl, length
 

@@ -9,12 +9,8 @@ register and stack usage with the bundled ``cuobjdump``. No GPU is needed.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import tempfile
 
-import pytest
+from sm90_compile import compile_sm90, run_compile_script, spills
 
 PTR_TYPES = {
     "block_table_ptr": "*i32",
@@ -45,12 +41,10 @@ CASES = [
 def _compile_all() -> dict[str, dict]:
     """Compiles every case for sm_90; returns ``{case: {"regs": n, "stack": bytes}}`` (runs without the interpreter)."""
     import torch
-    import triton
 
     from fastdeploy.ops import triton_attention as ta
 
     torch_dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     results = {}
     for kind, q_type, cache_type, head_dim, group, max_query_len, splits in CASES:
         fp8 = cache_type == "fp8e4nv"
@@ -74,69 +68,24 @@ def _compile_all() -> dict[str, dict]:
         options = {"num_warps": constexprs.pop("num_warps")}
         if "num_stages" in constexprs:
             options["num_stages"] = constexprs.pop("num_stages")
+        types = {"out_ptr": f"*{q_type}", "q_ptr": f"*{q_type}", "k_cache_ptr": f"*{cache_type}"}
+        types.update(v_cache_ptr=types["k_cache_ptr"], qk_scale="fp32", **PTR_TYPES)
+        types.update(
+            k_scale_ptr="*fp32" if fp8 else types["k_cache_ptr"],
+            v_scale_ptr="*fp32" if fp8 else types["k_cache_ptr"],
+        )
         for interior in (False, True) if kind != "reduce" else (None,):
             if interior is not None:  # the unmasked interior tiles (SPLIT_INTERIOR) or not
                 constexprs["SPLIT_INTERIOR"] = interior
             key = f"{kind}-{q_type}-{cache_type}-d{head_dim}-g{group}-q{max_query_len}-s{splits}-i{interior}"
-            results[key] = _usage(
-                kernel, {**shared, **constexprs}, options, q_type, cache_type, fp8, cuobjdump
-            )
+            results[key] = compile_sm90(kernel, types, {**shared, **constexprs}, options, NOT_ALIGNED)
     return results
 
 
-def _usage(
-    kernel, constexprs: dict, options: dict, q_type: str, cache_type: str, fp8: bool, cuobjdump: str
-) -> dict:
-    """Compiles one kernel for sm_90; ``{"regs": n, "stack": bytes}`` from its cubin."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    types = {"out_ptr": f"*{q_type}", "q_ptr": f"*{q_type}", "k_cache_ptr": f"*{cache_type}"}
-    types.update(v_cache_ptr=types["k_cache_ptr"], qk_scale="fp32", **PTR_TYPES)
-    types.update(
-        k_scale_ptr="*fp32" if fp8 else types["k_cache_ptr"],
-        v_scale_ptr="*fp32" if fp8 else types["k_cache_ptr"],
-    )
-    names = list(kernel.arg_names)
-    signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in names}
-    aligned = {
-        (i,): [["tt.divisibility", 16]]
-        for i, name in enumerate(names)
-        if signature[name].startswith("*") or (name.startswith("stride_") and name not in NOT_ALIGNED)
-    }
-    source = ASTSource(kernel, signature, constexprs, aligned)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(compiled.asm["cubin"])
-        cubin.flush()
-        report = subprocess.run(
-            [cuobjdump, "--dump-resource-usage", cubin.name], capture_output=True, text=True
-        )
-    fields = dict(
-        item.split(":", 1) for line in report.stdout.splitlines() if "REG:" in line for item in line.split()
-    )
-    return {"regs": int(fields["REG"]), "stack": int(fields["STACK"])}
-
-
 def test_kernels_compile_for_sm90_without_spills():
-    pytest.importorskip("triton")
-    import triton
-
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    if not os.path.exists(ptxas):
-        pytest.skip("this triton build has no bundled ptxas")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    run = subprocess.run(
-        [sys.executable, __file__], capture_output=True, text=True, env=env, cwd=root, timeout=300
-    )
-    assert run.returncode == 0, run.stderr[-4000:]
-    results = json.loads(run.stdout.strip().splitlines()[-1])
+    results = run_compile_script(__file__, timeout=300)
     assert len(results) == 2 * len(CASES) - sum(case[0] == "reduce" for case in CASES)
-    spilled = {case: usage for case, usage in results.items() if usage["stack"] > 0}
-    assert not spilled, f"register spills on sm_90: {spilled}"
+    assert not spills(results), f"register spills on sm_90: {spills(results)}"
 
 
 if __name__ == "__main__":

@@ -11,39 +11,10 @@ the bundled ``cuobjdump`` (as tests/ops/test_triton_attention_compile.py does). 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import tempfile
 
 import pytest
-
-
-def _compile(kernel, types: dict[str, str], constexprs: dict, options: dict) -> dict[str, int]:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    names = list(kernel.arg_names)
-    signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
-    aligned = {
-        (i,): [["tt.divisibility", 16]]
-        for i, n in enumerate(names)
-        if signature[n].startswith("*") or n.startswith("stride_")
-    }
-    source = ASTSource(kernel, signature, constexprs, aligned)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(compiled.asm["cubin"])
-        cubin.flush()
-        report = subprocess.run(
-            [cuobjdump, "--dump-resource-usage", cubin.name], capture_output=True, text=True
-        )
-    fields = dict(
-        item.split(":", 1) for line in report.stdout.splitlines() if "REG:" in line for item in line.split()
-    )
-    return {"regs": int(fields["REG"]), "stack": int(fields["STACK"])}
+from sm90_compile import compile_sm90 as _compile
+from sm90_compile import run_compile_script, spills
 
 
 def _gemv_cases():
@@ -78,7 +49,8 @@ def _compile_all() -> dict[str, dict[str, int]]:
     for name, xt, m_pad, (gn, gk), prologue, config in _gemv_cases():
         constexprs = dict(config.kwargs, M_PAD=m_pad, GROUP_N=gn, GROUP_K=gk, HAS_BIAS=True,
                           SILU_MUL=prologue == "silu", NORM=prologue == "norm", HAS_RES=prologue == "norm",
-                          DOT_FP32=xt == "fp32", EVEN_K=True, USE_PDL=True, BLOCK_M=max(16, m_pad))  # fmt: skip
+                          DOT_FP32=xt == "fp32", EVEN_K=True, USE_PDL=True,
+                          BLOCK_M=g._block_m({"M_PAD": m_pad}))  # fmt: skip
         types = {"x_ptr": f"*{xt}", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "b_ptr": f"*{xt}", "out_ptr": f"*{xt}",
                  "r_ptr": f"*{xt}", "r_out_ptr": f"*{xt}", "nw_ptr": f"*{xt}", "eps": "fp32"}  # fmt: skip
         options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
@@ -90,13 +62,13 @@ def _compile_all() -> dict[str, dict[str, int]]:
                  "b_scale_ptr": "*fp32", "bias_ptr": "*bf16"}  # fmt: skip
         constexprs = dict(GROUP_N=group, GROUP_K=group, CHANNEL=channel, HAS_BIAS=True, DOT_FP32=False,
                           EVEN_K=True, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
-                          GROUP_M=c.group_m)  # fmt: skip
+                          GROUP_M=c.group_m, USE_PDL=True)  # fmt: skip
         options = {"num_warps": c.num_warps, "num_stages": c.num_stages}
         results[f"{name}-gemm-m{min(most, 1 << 20)}"] = _compile(
             gm._fp8_block_gemm_kernel, types, constexprs, options
         )
     quant_types = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
-    limits = dict(FP8_MAX_C=448.0, MIN_AMAX_C=1e-12)
+    limits = dict(FP8_MAX_C=448.0, MIN_AMAX_C=1e-12, USE_PDL=True)
     results["quant-token"] = _compile(
         q._token_quant_kernel, quant_types, dict(BLOCK=q.TOKEN_BLOCK, **limits), {"num_warps": 4}
     )
@@ -116,21 +88,9 @@ def _compile_all() -> dict[str, dict[str, int]]:
 
 @pytest.mark.slow
 def test_fp8_kernels_compile_for_sm90_without_spills():
-    triton = pytest.importorskip("triton")
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    if not os.path.exists(ptxas):
-        pytest.skip("this triton build has no bundled ptxas")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    run = subprocess.run(
-        [sys.executable, __file__], capture_output=True, text=True, env=env, cwd=root, timeout=600
-    )
-    assert run.returncode == 0, run.stderr[-4000:]
-    results = json.loads(run.stdout.strip().splitlines()[-1])
+    results = run_compile_script(__file__, timeout=600)
     assert len(results) >= 20
-    spilled = {case: usage for case, usage in results.items() if usage["stack"] > 0}
-    assert not spilled, f"register spills on sm_90: {spilled}"
+    assert not spills(results), f"register spills on sm_90: {spills(results)}"
 
 
 if __name__ == "__main__":
