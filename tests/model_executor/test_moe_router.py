@@ -81,3 +81,16 @@ def test_norm_and_router_logits_fused_or_not(fusion, monkeypatch):
     assert torch.equal(ids, ids_plain)
     torch.testing.assert_close(w, w_plain, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(layer(hidden, logits), layer(ref_hidden, plain), rtol=1e-5, atol=1e-5)
+
+
+def test_ranks_only_where_the_triton_routing_kernel_runs(monkeypatch):
+    """``FD_MOE_RANKS_IN_ROUTER``: the layer asks for pair ranks only where the Triton routing and
+    experts run (never on CPU tensors), and the torch routing refuses ranks it would not fill."""
+    from fastdeploy.ops.triton_moe_align_atomic import new_pair_ranks
+
+    monkeypatch.setenv("FD_MOE_RANKS_IN_ROUTER", "1")
+    layer, gate = _layer("cpu")
+    hidden = torch.randn(200, H)
+    assert layer.pair_ranks(hidden, gate(hidden)) is None
+    with pytest.raises(ValueError, match="ranked"):
+        fm.select_experts(gate(hidden), K, True, ranked=new_pair_ranks(200 * K, E, torch.device("cpu")))

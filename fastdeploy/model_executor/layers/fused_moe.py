@@ -98,6 +98,15 @@ def _triton_kernels(name: str, x: torch.Tensor):
     return triton_module(name)
 
 
+def _routing_kernels(router_logits: torch.Tensor) -> ModuleType | None:
+    """The Triton routing module where its top-k kernel takes these logits (``[T, E]`` or split-K
+    ``[S, T, E]`` partials with unit column stride, on CUDA), else None."""
+    kernels = _triton_kernels("triton_moe_routing", router_logits)
+    if kernels is not None and router_logits.dim() in (2, 3) and router_logits.stride(-1) == 1:
+        return kernels
+    return None
+
+
 def select_experts(
     router_logits: torch.Tensor,
     top_k: int,
@@ -113,11 +122,13 @@ def select_experts(
     ``[S, T, E]`` logits are :meth:`FusedMoE.router_logits`' split-K partials, summed and rounded
     to ``dtype`` (the model's). ``ranked`` (Triton path only: it comes from
     :func:`~fastdeploy.ops.triton_fused_moe.pair_ranks_for`): the pairs' ranks for the expert sort."""
-    kernels = _triton_kernels("triton_moe_routing", router_logits)
-    if kernels is not None and router_logits.dim() in (2, 3) and router_logits.stride(-1) == 1:
+    kernels = _routing_kernels(router_logits)
+    if kernels is not None:
         return kernels.topk_softmax(
             router_logits, top_k, renormalize, correction_bias, expert_counts, dtype, ranked
         )
+    if ranked is not None:
+        raise ValueError("ranked needs the Triton routing kernel (CUDA logits with unit column stride)")
     if router_logits.dim() == 3:
         router_logits = router_logits.sum(0).to(dtype or router_logits.dtype)
     weights, ids = select_experts_torch(router_logits, top_k, renormalize, correction_bias)
@@ -347,11 +358,7 @@ class FusedMoE(nn.Module):
         (:func:`~fastdeploy.ops.triton_fused_moe.pair_ranks_for`): Triton routing and experts, no
         expert parallelism; else None."""
         kernels = _triton_kernels("triton_fused_moe", hidden)
-        if (
-            kernels is None
-            or self.ep_size > 1
-            or _triton_kernels("triton_moe_routing", router_logits) is None
-        ):
+        if kernels is None or self.ep_size > 1 or _routing_kernels(router_logits) is None:
             return None
         return kernels.pair_ranks_for(hidden, self.gate_up_proj, self.down_proj, self._block(), self.top_k)
 
