@@ -121,6 +121,36 @@ def _attend_tile(
     return m_new, l_i, acc
 
 
+@triton.jit
+def _attend_keys(
+    q, m_i, l_i, acc, first, full_end, kv_end, limit, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+    block_row_ptr, kv_head, block_size, qk_scale,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
+    TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, FP8: tl.constexpr, DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SPLIT_INTERIOR: tl.constexpr,
+):  # fmt: skip
+    """The online softmax over keys ``first:kv_end``, :func:`_attend_tile` by tile; with
+    ``SPLIT_INTERIOR`` the tiles below ``full_end`` (every row sees all their keys) without masks."""
+    masked_from = first
+    if SPLIT_INTERIOR:
+        for start in range(first, full_end, TILE_N):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, start, kv_end, limit, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                block_row_ptr, kv_head, block_size, qk_scale,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
+                TILE_N, HEAD_DIM, FP8, DOT_FP32, DOT_PRECISION, MASKED=False,
+            )  # fmt: skip
+        masked_from = full_end
+    for start in range(masked_from, kv_end, TILE_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, start, kv_end, limit, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+            block_row_ptr, kv_head, block_size, qk_scale,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
+            TILE_N, HEAD_DIM, FP8, DOT_FP32, DOT_PRECISION,
+        )  # fmt: skip
+    return m_i, l_i, acc
+
+
 # stride_bt is the width of the step's block table, trimmed to its longest request: were it
 # specialized (== 1, % 16), a step whose width crossed a class would compile a new variant
 # in the middle of serving; unspecialized, the start-up warm-up compiles every variant.
@@ -168,24 +198,15 @@ def _unified_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     block_row_ptr = block_table_ptr + req.to(tl.int64) * stride_bt
-    if SPLIT_INTERIOR:  # the whole tiles below every row's limit (the causal diagonal) need no masks
+    full_end = 0
+    if SPLIT_INTERIOR:  # the whole tiles below every row's limit (the causal diagonal)
         full_end = tl.min(tl.where(valid, limit, kv_end), 0) // TILE_N * TILE_N
-        for start in range(0, full_end, TILE_N):
-            m_i, l_i, acc = _attend_tile(
-                q, m_i, l_i, acc, start, kv_end, limit, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-                block_row_ptr, kv_head, block_size, qk_scale,
-                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
-                TILE_N, HEAD_DIM, FP8, DOT_FP32, DOT_PRECISION, MASKED=False,
-            )  # fmt: skip
-    else:
-        full_end = 0
-    for start in range(full_end, kv_end, TILE_N):
-        m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, start, kv_end, limit, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-            block_row_ptr, kv_head, block_size, qk_scale,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
-            TILE_N, HEAD_DIM, FP8, DOT_FP32, DOT_PRECISION,
-        )  # fmt: skip
+    m_i, l_i, acc = _attend_keys(
+        q, m_i, l_i, acc, 0, full_end, kv_end, limit, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+        block_row_ptr, kv_head, block_size, qk_scale,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
+        TILE_N, HEAD_DIM, FP8, DOT_FP32, DOT_PRECISION, SPLIT_INTERIOR,
+    )  # fmt: skip
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
         out_ptr + (token * stride_ot + head * stride_oh)[:, None] + offs_d[None, :],
@@ -229,24 +250,15 @@ def _decode_kernel(
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
     row_limit = tl.zeros([BLOCK_H], tl.int32) + end
     block_row_ptr = block_table_ptr + req.to(tl.int64) * stride_bt
-    if SPLIT_INTERIOR:  # the split's whole tiles need no masks, only a last partial one does
+    full_end = start
+    if SPLIT_INTERIOR:  # the split's whole tiles (only a last partial one needs masks)
         full_end = start + tl.maximum(end - start, 0) // TILE_N * TILE_N
-        for tile in range(start, full_end, TILE_N):
-            m_i, l_i, acc = _attend_tile(
-                q, m_i, l_i, acc, tile, end, row_limit, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-                block_row_ptr, kv_head, block_size, qk_scale,
-                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
-                TILE_N, HEAD_DIM, FP8, DOT_FP32, DOT_PRECISION, MASKED=False,
-            )  # fmt: skip
-    else:
-        full_end = start
-    for tile in range(full_end, end, TILE_N):
-        m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, tile, end, row_limit, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-            block_row_ptr, kv_head, block_size, qk_scale,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
-            TILE_N, HEAD_DIM, FP8, DOT_FP32, DOT_PRECISION,
-        )  # fmt: skip
+    m_i, l_i, acc = _attend_keys(
+        q, m_i, l_i, acc, start, full_end, end, row_limit, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+        block_row_ptr, kv_head, block_size, qk_scale,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh,
+        TILE_N, HEAD_DIM, FP8, DOT_FP32, DOT_PRECISION, SPLIT_INTERIOR,
+    )  # fmt: skip
     pdl_trigger(USE_PDL)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if NUM_SPLITS == 1:
