@@ -373,7 +373,7 @@ moe_ranks() {
 
 # #18: the batch-256 decode step's kernels (the throughput run's decode steps: 73% of its time)
 decode256() {
-    for setting in FD_NOTHING=0 FD_MOE_RANKS_IN_ROUTER=1 "FD_MOE_RANKS_IN_ROUTER=1 FD_FP8_SMALL_M_MAX=256"; do
+    for setting in FD_MOE_RANKS_IN_ROUTER=0 FD_MOE_RANKS_IN_ROUTER=1 "FD_MOE_RANKS_IN_ROUTER=1 FD_FP8_SMALL_M_MAX=256"; do
         local name=${setting// /_}
         env $setting timeout 150 python3 -m benchmarks.gpubench.profile_decode benchmarks/configs/qwen3-30b-a3b \
             --batch 256 --quantization ptpc_fp8 --rows 24 > "$W/$name.txt" 2>&1

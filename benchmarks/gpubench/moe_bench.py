@@ -49,13 +49,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastdeploy import envs
 from fastdeploy.model_executor.layers.fused_moe import FusedMoE, select_experts, select_experts_torch
 from fastdeploy.model_executor.layers.quantization import Fp8Config, PtpcFp8Config
 from fastdeploy.ops import triton_fused_moe as moe
 from fastdeploy.ops import triton_moe_gemv as gemv
 from fastdeploy.ops.triton_moe_align_atomic import new_pair_ranks
-from fastdeploy.ops.triton_moe_routing import ALIGN_SINGLE_MAX, moe_align_block_size
+from fastdeploy.ops.triton_moe_routing import moe_align_block_size
 
 from .measure import copy_bandwidth, device_description, error_text, free_memory, time_per_call
 
@@ -211,7 +210,7 @@ def route_align_times(shape: MoeShape, tokens: int, block_m: int, device: torch.
     _, logits = _inputs(shape, tokens, device, seed=7)
     k, e = shape.top_k, shape.experts
 
-    in_router = envs.FD_MOE_RANKS_IN_ROUTER and tokens * k > ALIGN_SINGLE_MAX
+    in_router = moe.router_takes_ranks(tokens * k)
 
     def triton_call(_=0):
         ranked = new_pair_ranks(tokens * k, e, device) if in_router else None  # (FD_MOE_RANKS_IN_ROUTER)

@@ -204,6 +204,12 @@ def quantizes_per_token(
     )
 
 
+def router_takes_ranks(pairs: int) -> bool:
+    """Whether the routing kernel ranks a step's ``pairs`` (token, expert) pairs for the expert sort:
+    ``FD_MOE_RANKS_IN_ROUTER`` and more pairs than the one-program sort takes (it ranks none)."""
+    return envs.FD_MOE_RANKS_IN_ROUTER and pairs > ALIGN_SINGLE_MAX
+
+
 def pair_ranks_for(
     hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, block_shape: tuple[int, int] | None, top_k: int
 ) -> PairRanks | None:
@@ -212,8 +218,7 @@ def pair_ranks_for(
     (the tables' configuration, no expert parallelism) sorts them by atomic counters; else None."""
     tokens = hidden.shape[0]
     if (
-        not envs.FD_MOE_RANKS_IN_ROUTER
-        or tokens * top_k <= ALIGN_SINGLE_MAX
+        not router_takes_ranks(tokens * top_k)
         or tokens <= small_batch_max_tokens()
         or grouped_mm_applies(hidden, w13, w2, block_shape)
     ):
