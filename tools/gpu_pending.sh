@@ -383,7 +383,7 @@ decode256() {
 }
 
 # #18: the prefill attention (~11% of an 8,192-token FP8 prefill step of Qwen3-30B-A3B in the twenty-third
-# session: ~94 TFLOP/s) and the unmasked interior tiles (SPLIT_INTERIOR, off until timed)
+# session: ~94 TFLOP/s) and the unmasked interior tiles (SPLIT_INTERIOR: on for prefill since the twenty-ninth)
 attn_prefill() {
     timeout 240 python3 -m pytest -q -p no:cacheprovider tests/model_executor/test_triton_attention.py -k gpu \
         > "$W/attn_test.log" 2>&1

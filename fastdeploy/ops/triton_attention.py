@@ -31,13 +31,16 @@ LOG2E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 256
 """Decode splits are only added while each still covers this many tokens of the static bound."""
 MAX_SPLITS = 16
-SPLIT_INTERIOR = False
-"""Whether both kernels walk the key tiles that every row sees in full without masks, then the
-rest masked (the causal diagonal; a decode split's last partial tile): off until timed on a GPU
-(``benchmarks/gpubench/attention_sweep.py`` times both)."""
-LONGEST_FIRST = False
+SPLIT_INTERIOR = True
+"""Whether the unified kernel walks the key tiles that every row sees in full without masks, then
+the rest (the causal diagonal) masked (``benchmarks/gpubench/attention_sweep.py --prefill`` times
+both; docs/benchmarks.md, twenty-ninth session)."""
+LONGEST_FIRST = True
 """Whether the unified kernel's programs take the query blocks in reverse order, each request's last
-(longest under the causal mask) first, so that the last wave holds the shortest: off until timed."""
+(longest under the causal mask) first, so that the last wave holds the shortest."""
+DECODE_INTERIOR_BELOW_PROGRAMS = 1024
+"""Decode grids of fewer programs walk a split's whole key tiles without masks (only its last,
+partial tile masked); larger grids (smaller tiles) mask every tile, which timed faster there."""
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -339,13 +342,13 @@ def decode_config(dtype: torch.dtype, head_dim: int, group: int, programs: int =
     256 x 640 189.8 → 163.8, 256 x 2k 570.7 → 495.4 (4.33 TB/s of KV read); 16 x 2k unchanged.
     Eight or more query heads per KV head (32 / 4 heads of 128): four warps, 64-key tiles, or 128
     below ``DECODE_SMALL_TILE_MIN_PROGRAMS`` programs (``benchmarks/gpubench/attention_sweep.py``, H200:
-    256 x 640 109.9 → 90.6 µs, 64 x 2k 100.7 → 71.1 µs with one split).
+    256 x 640 109.9 → 90.6 µs, 64 x 2k 100.7 → 71.1 µs with one split). Grids of fewer than
+    ``DECODE_INTERIOR_BELOW_PROGRAMS`` programs walk the whole tiles without masks.
     """
     block_h = max(16, triton.next_power_of_2(group))
+    interior = programs < DECODE_INTERIOR_BELOW_PROGRAMS
     if dtype == torch.float32:
-        return dict(
-            BLOCK_H=block_h, TILE_N=max(16, 2048 // head_dim), num_warps=4, SPLIT_INTERIOR=SPLIT_INTERIOR
-        )
+        return dict(BLOCK_H=block_h, TILE_N=max(16, 2048 // head_dim), num_warps=4, SPLIT_INTERIOR=interior)
     many_programs = programs >= DECODE_SMALL_TILE_MIN_PROGRAMS
     if group >= 8:  # few KV heads (Qwen3-30B-A3B: 32/4): fewer, fuller programs take bigger tiles
         tile, warps = (64 if many_programs else 128), 4
@@ -353,7 +356,7 @@ def decode_config(dtype: torch.dtype, head_dim: int, group: int, programs: int =
         tile, warps = (32 if many_programs else 64), (2 if block_h * head_dim <= 16 * 128 else 4)
     return dict(
         BLOCK_H=block_h, TILE_N=min(tile, 8192 // head_dim), num_warps=warps, num_stages=2,
-        SPLIT_INTERIOR=SPLIT_INTERIOR,
+        SPLIT_INTERIOR=interior,
     )  # fmt: skip
 
 

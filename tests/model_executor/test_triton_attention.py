@@ -126,14 +126,15 @@ def test_mask_offsets_open_bidirectional_spans(dtype):
 
 
 @needs_interpreter
-def test_unmasked_interior_tiles(monkeypatch):
-    """``SPLIT_INTERIOR``: the key tiles every row of a block sees walked without masks, then the
-    rest masked: decodes (several splits), fresh and chunked prefills, an fp8 cache, mask offsets;
-    with ``LONGEST_FIRST`` (the query blocks in reverse order)."""
+def test_every_tile_masked(monkeypatch):
+    """The other side of the default ``SPLIT_INTERIOR`` / ``LONGEST_FIRST`` (and of a small decode
+    grid's unmasked tiles): every key tile masked, the query blocks in order: decodes (several
+    splits), fresh and chunked prefills, an fp8 cache, mask offsets."""
     from fastdeploy.ops import triton_attention as ta
 
-    monkeypatch.setattr(ta, "SPLIT_INTERIOR", True)
-    monkeypatch.setattr(ta, "LONGEST_FIRST", True)  # (the unified kernel's blocks in reverse order)
+    monkeypatch.setattr(ta, "SPLIT_INTERIOR", False)
+    monkeypatch.setattr(ta, "LONGEST_FIRST", False)
+    monkeypatch.setattr(ta, "DECODE_INTERIOR_BELOW_PROGRAMS", 0)
     _decode_case(6, 2, 128, torch.bfloat16, 4)
     _mixed_case(2, 2, 64, torch.float32)
     _mixed_case(6, 2, 128, torch.bfloat16)
@@ -332,12 +333,13 @@ def test_gpu_mask_offsets(dtype):
 
 @gpu_compiled
 @pytest.mark.parametrize("heads, kv_heads, head_dim, dtype", GPU_CASES)
-def test_gpu_unmasked_interior_tiles(heads, kv_heads, head_dim, dtype, monkeypatch):
-    """The compiled kernels with ``SPLIT_INTERIOR`` and ``LONGEST_FIRST`` on: decodes (8 splits) and
-    mixed steps."""
+def test_gpu_every_tile_masked(heads, kv_heads, head_dim, dtype, monkeypatch):
+    """The compiled kernels with every key tile masked and the query blocks in order (the default
+    unmasks the interior tiles): decodes (8 splits) and mixed steps."""
     from fastdeploy.ops import triton_attention as ta
 
-    monkeypatch.setattr(ta, "SPLIT_INTERIOR", True)
-    monkeypatch.setattr(ta, "LONGEST_FIRST", True)
+    monkeypatch.setattr(ta, "SPLIT_INTERIOR", False)
+    monkeypatch.setattr(ta, "LONGEST_FIRST", False)
+    monkeypatch.setattr(ta, "DECODE_INTERIOR_BELOW_PROGRAMS", 0)
     _decode_case(heads, kv_heads, head_dim, dtype, 8, device="cuda", factor=8)
     _mixed_case(heads, kv_heads, head_dim, dtype, device="cuda", factor=8)

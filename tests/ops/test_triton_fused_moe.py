@@ -371,15 +371,15 @@ def test_atomic_expert_sort_gives_the_same_bits(quant, monkeypatch):
 def test_ranks_from_the_routing_kernel_give_the_same_bits(quant, monkeypatch):
     """``FD_MOE_RANKS_IN_ROUTER``: the routing kernel ranks the pairs (``pair_ranks_for``) and the
     sort skips its rank kernel; the MoE's output is the bits of the sort that ranks them itself.
-    Off by default, and never for steps the one-program sort, the GEMV kernels or a few tokens take."""
+    On by default, and never for steps the one-program sort, the GEMV kernels or a few tokens take."""
     from fastdeploy.ops import triton_moe_routing as routing_ops
 
     args, kwargs, _ = _variant(quant, 140, seed=41)
     hidden, w13, w2, weights, ids, *scales = _on(DEVICE, *args)
     block = kwargs.get("block_shape", (128, 128))
-    monkeypatch.delenv("FD_MOE_RANKS_IN_ROUTER", raising=False)
+    monkeypatch.setenv("FD_MOE_RANKS_IN_ROUTER", "0")
     assert moe.pair_ranks_for(hidden, w13, w2, block, ids.shape[1]) is None
-    monkeypatch.setenv("FD_MOE_RANKS_IN_ROUTER", "1")
+    monkeypatch.delenv("FD_MOE_RANKS_IN_ROUTER", raising=False)
     assert moe.pair_ranks_for(hidden[:4], w13, w2, block, ids.shape[1]) is None
     ranked = moe.pair_ranks_for(hidden, w13, w2, block, ids.shape[1])
     assert ranked is not None and ranked.ranks.numel() == ids.numel()
