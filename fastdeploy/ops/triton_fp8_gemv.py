@@ -49,7 +49,7 @@ import triton.language as tl
 
 from fastdeploy.ops.fp8_quant import FP8_DTYPE
 from fastdeploy.ops.triton_env import triton_interpreting
-from fastdeploy.ops.triton_gemv import ACC_ELEMENTS, autotune_bench
+from fastdeploy.ops.triton_gemv import ACC_ELEMENTS, autotune_bench, gemv_config
 from fastdeploy.ops.triton_pdl import pdl_kwargs, pdl_prologue, pdl_trigger
 
 MAX_M = 256
@@ -270,43 +270,35 @@ def _fp8_gemv_kernel(
             )
 
 
-def _config(block_n: int, block_k: int, dot: bool, num_warps: int, stages: int) -> triton.Config:
-    return triton.Config(
-        {"BLOCK_N": block_n, "BLOCK_K": block_k, "DOT": dot, "STAGES": stages},
-        num_warps=num_warps,
-        num_stages=stages,
-    )
-
-
 # Candidates, not yet measured: the bf16 kernel's winners scaled to fp8 (a weight byte per
 # element, so twice the columns per step for the same bytes) plus deeper pipelines, since
 # each step's loads are smaller. benchmarks/gpubench/fp8_gemm_bench.py prints the winners.
 BROADCAST_CONFIGS = [
-    _config(8, 256, False, 4, 4),
-    _config(8, 512, False, 4, 3),
-    _config(8, 512, False, 4, 4),
-    _config(16, 256, False, 4, 4),
-    _config(16, 512, False, 4, 3),
-    _config(16, 128, False, 4, 6),
-    _config(32, 256, False, 4, 3),
-    _config(32, 128, False, 4, 6),
+    gemv_config(8, 256, False, 4, 4),
+    gemv_config(8, 512, False, 4, 3),
+    gemv_config(8, 512, False, 4, 4),
+    gemv_config(16, 256, False, 4, 4),
+    gemv_config(16, 512, False, 4, 3),
+    gemv_config(16, 128, False, 4, 6),
+    gemv_config(32, 256, False, 4, 3),
+    gemv_config(32, 128, False, 4, 6),
     # more programs, fewer K steps each (qkv and o at one row: 6.6 µs for 10 MB, eighteenth session)
-    _config(4, 1024, False, 4, 3),  # (4 x 2048 spills with the norm prologue at 2 rows)
+    gemv_config(4, 1024, False, 4, 3),  # (4 x 2048 spills with the norm prologue at 2 rows)
     # `--sweep gemv` winners at one and two rows (twenty-sixth session): qkv 11.3 -> 7.4 us, o 7.7 -> 7.2
-    _config(64, 256, False, 4, 4),
-    _config(16, 1024, False, 4, 4),
-    _config(16, 512, False, 4, 4),
+    gemv_config(64, 256, False, 4, 4),
+    gemv_config(16, 1024, False, 4, 4),
+    gemv_config(16, 512, False, 4, 4),
 ]
 DOT_CONFIGS = [
-    _config(16, 128, True, 4, 4),
-    _config(32, 128, True, 4, 4),
-    _config(32, 128, True, 4, 6),
-    _config(64, 128, True, 4, 4),
-    _config(64, 128, True, 4, 6),
-    _config(128, 128, True, 8, 4),
-    _config(32, 64, True, 4, 8),
-    _config(64, 256, True, 4, 3),
-    _config(32, 256, True, 4, 4),
+    gemv_config(16, 128, True, 4, 4),
+    gemv_config(32, 128, True, 4, 4),
+    gemv_config(32, 128, True, 4, 6),
+    gemv_config(64, 128, True, 4, 4),
+    gemv_config(64, 128, True, 4, 6),
+    gemv_config(128, 128, True, 8, 4),
+    gemv_config(32, 64, True, 4, 8),
+    gemv_config(64, 256, True, 4, 3),
+    gemv_config(32, 256, True, 4, 4),
 ]
 _CONFIGS = BROADCAST_CONFIGS + DOT_CONFIGS
 
@@ -345,7 +337,7 @@ def _prune(configs: list[triton.Config], named_args: dict[str, Any], **kwargs: A
 
 def _fallback_config(m_pad: int) -> triton.Config:
     """A configuration every eligible call fits (blocks of at least 64 x 64, see :func:`supports`)."""
-    return _config(8, 64, False, 4, 3) if m_pad <= BROADCAST_MAX_M else _config(32, 64, True, 4, 4)
+    return gemv_config(8, 64, False, 4, 3) if m_pad <= BROADCAST_MAX_M else gemv_config(32, 64, True, 4, 4)
 
 
 def _block_m(args: dict[str, Any]) -> int:

@@ -174,7 +174,9 @@ def _small_m_linear_kernel(
             _store_row(out_ptr + 3 * stride_om, tl.sum(acc3, axis=1), offs_n, n_mask)
 
 
-def _config(block_n: int, block_k: int, dot: bool, num_warps: int, stages: int) -> triton.Config:
+def gemv_config(block_n: int, block_k: int, dot: bool, num_warps: int, stages: int) -> triton.Config:
+    """One autotune candidate of a GEMV kernel (this one's and the FP8 GEMV's): ``BLOCK_N`` output
+    columns a program, ``BLOCK_K`` a step, the broadcast or the ``tl.dot`` form, ``STAGES`` deep."""
     return triton.Config(
         {"BLOCK_N": block_n, "BLOCK_K": block_k, "DOT": dot, "STAGES": stages},
         num_warps=num_warps,
@@ -186,24 +188,24 @@ def _config(block_n: int, block_k: int, dot: bool, num_warps: int, stages: int) 
 # both forms on the Llama-3.1-8B and 3.2-1B shapes at M = 1-4 (H200); each is the best or
 # within 2% of the best for at least one of them.
 BROADCAST_CONFIGS = [
-    _config(8, 256, False, 4, 3),
-    _config(8, 256, False, 4, 4),
-    _config(8, 512, False, 4, 3),
-    _config(8, 1024, False, 4, 3),
-    _config(16, 256, False, 4, 4),
-    _config(16, 512, False, 4, 4),
-    _config(32, 256, False, 4, 3),
+    gemv_config(8, 256, False, 4, 3),
+    gemv_config(8, 256, False, 4, 4),
+    gemv_config(8, 512, False, 4, 3),
+    gemv_config(8, 1024, False, 4, 3),
+    gemv_config(16, 256, False, 4, 4),
+    gemv_config(16, 512, False, 4, 4),
+    gemv_config(32, 256, False, 4, 3),
     # not yet measured: a few rows of the whole K per program, for small latency-bound weights
     # (a MoE router's 128 x 2048: 5.2 µs a call with 16 programs of 8 rows, eighteenth session)
-    _config(4, 1024, False, 4, 3),
-    _config(4, 2048, False, 4, 2),
-    _config(2, 2048, False, 4, 2),
+    gemv_config(4, 1024, False, 4, 3),
+    gemv_config(4, 2048, False, 4, 2),
+    gemv_config(2, 2048, False, 4, 2),
 ]
 _CONFIGS = BROADCAST_CONFIGS + [
-    _config(64, 128, True, 4, 4),
-    _config(64, 256, True, 4, 4),
-    _config(32, 512, True, 4, 3),
-    _config(32, 512, True, 4, 4),
+    gemv_config(64, 128, True, 4, 4),
+    gemv_config(64, 256, True, 4, 4),
+    gemv_config(32, 512, True, 4, 3),
+    gemv_config(32, 512, True, 4, 4),
 ]
 _INTERPRETER_CONFIG = {"BLOCK_N": 64, "BLOCK_K": 128, "DOT": False, "STAGES": 1}
 """The one configuration under ``TRITON_INTERPRET=1`` (CPU tests): small and quick."""
