@@ -94,3 +94,40 @@ def test_ranks_only_where_the_triton_routing_kernel_runs(monkeypatch):
     assert layer.pair_ranks(hidden, gate(hidden)) is None
     with pytest.raises(ValueError, match="ranked"):
         fm.select_experts(gate(hidden), K, True, ranked=new_pair_ranks(200 * K, E, torch.device("cpu")))
+
+
+@pytest.mark.parametrize("norm_fusion", ["0", "1"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_routing_in_the_router_kernel(norm_fusion, bias, monkeypatch):
+    """``FD_MOE_ROUTE_IN_ROUTER``: the split router's kernel routes the tokens itself; the layer gets
+    :class:`RoutedLogits` with the top-k kernel's weights and ids (bit for bit, by a correction
+    bias too), the same load statistic, and the same output from :meth:`FusedMoE.forward`."""
+    from fastdeploy.model_executor.layers.layernorm import RMSNorm
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    monkeypatch.setattr(fm, "_triton_kernels", lambda name, x: layer_ops.triton_module(name))
+    monkeypatch.setenv("FD_MOE_ROUTER_NORM_FUSION", norm_fusion)
+    layer, gate = _layer(device)
+    norm = RMSNorm(H, eps=1e-6).to(device)
+    g = torch.Generator().manual_seed(7)
+    x, residual = torch.randn(3, H, generator=g).to(device), torch.randn(3, H, generator=g).to(device)
+    correction = (0.05 * torch.randn(E, generator=g)).to(device) if bias else None
+    results = {}
+    for on in ("0", "1"):
+        monkeypatch.setenv("FD_MOE_ROUTE_IN_ROUTER", on)
+        layer.routed_tokens.zero_()
+        hidden, _, _, logits = layer.norm_and_router_logits(
+            x.clone(), residual.clone(), norm, gate, correction
+        )
+        out = layer(hidden, logits, correction_bias=correction)
+        results[on] = (logits, out, layer.routed_tokens.clone())
+    (partials, out, counts), (routed, routed_out, routed_counts) = results["0"], results["1"]
+    assert isinstance(routed, fm.RoutedLogits) and partials.dim() == 3
+    w, ids = fm.select_experts(partials, K, True, correction, dtype=x.dtype)
+    assert torch.equal(routed.ids, ids) and torch.equal(routed.weights, w)
+    assert torch.equal(routed_counts, counts) and int(counts.sum()) == 3 * K
+    assert torch.equal(routed_out, out)
+    assert layer.route_tickets.item() == 0
+    # the plain router of more tokens than the split router takes: logits, routed by forward
+    monkeypatch.setenv("FD_MOE_ROUTE_IN_ROUTER", "1")
+    assert layer.router_logits(gate, torch.randn(5, H, device=device)).shape == (5, E)
