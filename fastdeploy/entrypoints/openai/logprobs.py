@@ -99,11 +99,21 @@ def _top_logprobs(token: int, entry: dict[int, Logprob], num_top: int, as_ids: b
     """A legacy ``top_logprobs`` entry: the ``num_top`` most likely tokens and, always, the sampled
     one (OpenAI: "up to logprobs+1 elements"; with ``logprobs: 0`` just the sampled token). The
     sampled token comes first, then the others most likely first, as vLLM orders them (its clients
-    read the first key as the chosen token)."""
+    read the first key as the chosen token).
+
+    The keys are token texts, and different tokens can have the same text (the byte tokens of a
+    character split in pieces all decode to "\\ufffd"). Such tokens share one key, which holds the
+    largest of their logprobs: a later, less likely token must not overwrite the sampled token's
+    value (or a more likely one's), or a client comparing ``token_logprobs[i]`` with
+    ``max(top_logprobs[i].values())`` (lm-evaluation-harness's greedy check) gets it wrong."""
     others = [(t, lp) for t, lp in entry.items() if t != token and lp.rank is not None and lp.rank <= num_top]
     others.sort(key=lambda x: -x[1].logprob)
-    chosen = [(token, entry[token]), *others]
-    return {_token_str(t, lp, as_ids): _finite(lp.logprob) for t, lp in chosen}
+    top: dict[str, float] = {}
+    for t, lp in [(token, entry[token]), *others]:
+        key, value = _token_str(t, lp, as_ids), _finite(lp.logprob)
+        if key not in top or value > top[key]:
+            top[key] = value
+    return top
 
 
 def prompt_logprobs_json(

@@ -45,8 +45,10 @@ class CompletionRequest(SamplingRequest):
     """Legacy form: how many top logprobs per token (0 still returns the sampled token's)."""
     echo: bool | None = None
     """Start each choice's text with its prompt (and, with ``logprobs``, its logprobs with the prompt's)."""
-    best_of: Any = None
-    suffix: Any = None
+    best_of: int | None = None
+    """Not implemented: only equal to ``n`` (an int, strictly: ``true`` or ``1.0`` is a 400)."""
+    suffix: str | None = None
+    """Not implemented: only null or ``""``."""
 
     @field_validator("prompt", mode="before")
     @classmethod
