@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -102,13 +104,14 @@ def test_integers_past_64_bits_are_refused(field, value):
 
 
 def _matmul_rows_invariant(rows: int = 32) -> bool:
-    """Whether this CPU's bf16 matmul gives a row the same bits in any call of up to ``rows`` rows
-    (what FD_CPU_BATCH_INVARIANT relies on; oneDNN chooses its kernel by the row count)."""
+    """Whether this CPU's bf16 matmul gives a row the same bits in any call of 2 to ``rows`` rows
+    (what FD_CPU_BATCH_INVARIANT relies on, a single row padded to two; oneDNN chooses its kernel by
+    the row count)."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(1536, 576, generator=g).bfloat16()
     x = torch.randn(rows, 576, generator=g).bfloat16()
-    one = torch.nn.functional.linear(x[:1], w)
-    return all(torch.equal(torch.nn.functional.linear(x[:m], w)[:1], one) for m in (2, 5, 16, rows))
+    two = torch.nn.functional.linear(x[:2], w)[:1]
+    return all(torch.equal(torch.nn.functional.linear(x[:m], w)[:1], two) for m in (3, 5, 16, rows))
 
 
 @pytest.mark.skipif(
@@ -133,5 +136,29 @@ def test_requests_same_alone_and_beside_chunked_prefills_in_bf16():
             assert mixed.token_ids == alone.token_ids
             logprobs = [[e[t].logprob for e, t in zip(o.logprobs, o.token_ids)] for o in (alone, mixed)]
             assert logprobs[0] == logprobs[1]
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.skipif(
+    not _matmul_rows_invariant(), reason="this CPU's matmul rounds a row by the call's row count"
+)
+def test_greedy_request_same_alone_and_decoding_beside_another():
+    """A greedy request alone and decoding beside one other request (one-row against two-row
+    matmuls: oneDNN takes another kernel for a single row, which FD_CPU_BATCH_INVARIANT pads to two;
+    before, this request's fifth logprob moved by 0.12)."""
+    rng = random.Random(0)
+    words = (
+        "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches in paris"
+    )
+    prompts = [" ".join(rng.choice(words.split()) for _ in range(rng.randint(20, 300))) for _ in range(2)]
+    engine = LLM(enable_prefix_caching=False)
+    try:
+        greedy = SamplingParams(temperature=0, max_tokens=8, logprobs=0)
+        alone = engine.generate(prompts[:1], greedy)[0].outputs[0]
+        beside = engine.generate(prompts, greedy)[0].outputs[0]
+        assert beside.token_ids == alone.token_ids
+        logprobs = [[e[t].logprob for e, t in zip(o.logprobs, o.token_ids)] for o in (alone, beside)]
+        assert logprobs[0] == logprobs[1]
     finally:
         engine.shutdown()

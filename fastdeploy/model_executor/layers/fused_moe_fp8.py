@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from fastdeploy.model_executor.layers.linear import rows_invariant
 from fastdeploy.model_executor.layers.quantization.base import QuantizationConfig
 from fastdeploy.model_executor.layers.quantization.fp8 import Fp8Config, replace_parameter
 from fastdeploy.model_executor.layers.weight_loading import ShardId, copy_rows, set_weight_loader
@@ -62,9 +63,9 @@ def expert_matmul(
     token and ``block[1]`` columns (per token when ``block`` is None: per-channel ``scale [N]``),
     both operands dequantized, multiplied in float32.
     """
-    if scale is None:
-        return torch.mm(x, weight.t())
-    return fp8_linear_torch(x, weight, scale, block)
+    if scale is None:  # (row by row the same bits whatever the expert's row count: rows_invariant)
+        return rows_invariant(x, lambda rows: torch.mm(rows, weight.t()))
+    return rows_invariant(x, lambda rows: fp8_linear_torch(rows, weight, scale, block))
 
 
 @dataclass(frozen=True)

@@ -27,12 +27,36 @@ _graph_warm_up = False
 """True inside :func:`small_m_graph_warm_up`."""
 
 CPU_INVARIANT_ROWS = 32
-"""With ``FD_CPU_BATCH_INVARIANT``, CPU matmuls take at most this many rows a call. oneDNN picks its
-kernel by the row count, and a row's bits by that kernel: on the dev CPU (AMX) every count up to 32
-gives a row the same bits, counts above 32 another kernel, so a request's logits changed in the last
-bits with the prompts that shared its step (tests/engine/test_sampling_e2e.py checks the engine's
-tokens and logprobs alone and beside chunked prefills). The price: prefill matmuls in 32-row calls
-(a CPU prefill ~1.8x slower, docs/benchmarks.md)."""
+"""With ``FD_CPU_BATCH_INVARIANT``, CPU matmuls take 2 to this many rows a call. oneDNN picks its
+kernel by the row count, and a row's bits by that kernel: on the dev CPU (AMX) every count from 2 to
+32 gives a row the same bits, one row another kernel and counts above 32 a third, so a request's
+logits changed in the last bits with the prompts that shared its step (tests/engine/test_sampling_e2e.py
+checks the engine's tokens and logprobs alone and beside chunked prefills and another request). The
+price: prefill matmuls in 32-row calls (a CPU prefill ~1.8x slower, docs/benchmarks.md); a single
+row computed beside a zero row costs nothing measurable."""
+
+
+def rows_invariant(x: torch.Tensor, matmul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``matmul(x)`` for ``x [M, K]`` with each row's result independent of the other rows: on a
+    CPU with ``FD_CPU_BATCH_INVARIANT``, in calls of 2 to :data:`CPU_INVARIANT_ROWS` rows (a single
+    row padded with a zero row); on a GPU, or without the setting, one call."""
+    rows = x.shape[0]
+    if (
+        x.is_cuda
+        or x.dim() != 2
+        or not envs.FD_CPU_BATCH_INVARIANT
+        or 1 < rows <= CPU_INVARIANT_ROWS
+        or rows == 0
+    ):
+        return matmul(x)
+    parts = []
+    for start in range(0, rows, CPU_INVARIANT_ROWS):
+        part = x[start : start + CPU_INVARIANT_ROWS]
+        if part.shape[0] == 1:
+            parts.append(matmul(torch.cat([part, torch.zeros_like(part)]))[:1])
+        else:
+            parts.append(matmul(part))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 @contextlib.contextmanager
@@ -231,10 +255,7 @@ class Linear(nn.Linear):
             return self.quant_method.apply(self, x, bias)
         if self.small_m_gemv and x.is_cuda and small_m_eligible(x, self.weight, bias):
             return load_triton_gemv().small_m_linear(x, self.weight)
-        if not x.is_cuda and x.dim() == 2 and x.shape[0] > CPU_INVARIANT_ROWS and envs.FD_CPU_BATCH_INVARIANT:
-            rows = CPU_INVARIANT_ROWS
-            return torch.cat([self._dense_matmul(x[i : i + rows], bias) for i in range(0, x.shape[0], rows)])
-        return self._dense_matmul(x, bias)
+        return rows_invariant(x, lambda rows: self._dense_matmul(rows, bias))
 
     def _dense_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed_weight is not None:
