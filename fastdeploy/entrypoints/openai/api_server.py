@@ -279,7 +279,11 @@ def build_app(
         return await responses.create_response(request, raw_request)
 
     @v1.get("/responses/{response_id}")
-    async def retrieve_response(response_id: str) -> Response:
+    async def retrieve_response(response_id: str, stream: bool = False) -> Response:
+        if stream:  # (OpenAI streams a background response's events here; we do not, so say so)
+            raise BadRequestError(
+                "streaming a stored response is not supported: poll GET /v1/responses/{id}", param="stream"
+            )
         return JSONResponse(await responses.retrieve(response_id))
 
     @v1.delete("/responses/{response_id}")

@@ -198,10 +198,15 @@ class OpenAIServingResponses:
             response.error = {"code": "server_error", "message": "the request was aborted"}
         body = response.model_dump()
         if response.store:
-            messages = run.request.input_messages() + output_messages(output.items)
-            if not await self._save(run, body, messages):
+            if not await self._save(run, body, self._turn(run)):
                 body["store"] = False  # (logged by the store: the disk refused it)
         return body
+
+    @staticmethod
+    def _turn(run: _Run) -> list[dict[str, Any]]:
+        """The run's turn as chat messages, for a later ``previous_response_id``: its input, then its
+        output so far (none when it made none)."""
+        return run.request.input_messages() + (output_messages(run.output.items) if run.output.items else [])
 
     @staticmethod
     def _failed(run: _Run, error: OpenAIError) -> ResponseObject:
@@ -257,10 +262,11 @@ class OpenAIServingResponses:
             await run.started.close()  # (before the save: the engine request stops at once)
             run.output.abandon()
             cancelled = run.base.model_copy(update={"status": "cancelled", "output": run.output.items})
-            await self._save(run, cancelled.model_dump())
+            # (with its turn: a conversation continued from it keeps its input, as vLLM's does)
+            await self._save(run, cancelled.model_dump(), self._turn(run))
         except Exception as exc:  # the engine failed or the server is stopping
             run.output.abandon()
-            await self._save(run, self._failed(run, to_openai_error(exc)).model_dump())
+            await self._save(run, self._failed(run, to_openai_error(exc)).model_dump(), self._turn(run))
         finally:
             watcher.cancel()
             await run.started.close()
@@ -309,7 +315,12 @@ class OpenAIServingResponses:
         return (await self._stored(response_id)).response
 
     async def delete(self, response_id: str) -> dict[str, Any]:
-        """``DELETE /v1/responses/{id}``: forget a stored response (404 if it is not stored)."""
+        """``DELETE /v1/responses/{id}``: forget a stored response (404 if it is not stored). A
+        background response still running is cancelled first: left running, it would store itself
+        again once it ends (the deleted response back from the dead) and keep the engine busy."""
+        stored = await asyncio.to_thread(self.store.load, response_id)
+        if stored is not None and stored.response.get("status") in RUNNING:
+            await self.cancel(response_id)
         if not await asyncio.to_thread(self.store.delete, response_id):
             raise _not_found(response_id)
         return {"id": response_id, "object": "response", "deleted": True}

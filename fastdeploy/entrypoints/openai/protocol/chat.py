@@ -13,6 +13,7 @@ from pydantic import (
     Field,
     PrivateAttr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_serializer,
     model_validator,
@@ -59,6 +60,17 @@ class TextContentPart(OpenAIModel):
 OPENAI_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 """The roles of OpenAI's chat messages (its deprecated ``function`` role aside)."""
 
+DEPRECATED_ROLES = frozenset({"function"})
+"""OpenAI's deprecated roles: a ``function`` message answers a ``function_call`` (the template is shown
+it as a ``tool`` message); not an extension, so ``--strict-request-fields`` accepts it."""
+
+ASSISTANT_FIELDS = frozenset({"refusal", "audio", "function_call", "annotations"})
+"""OpenAI's fields of an assistant message beyond the declared ones: ``refusal``, ``audio`` and the
+deprecated ``function_call`` of its request schema, and ``annotations``, which the openai client's
+``ChatCompletionMessage.model_dump()`` adds when an answer is sent back as it came. Not extensions
+(``--strict-request-fields`` accepts them); not handed to the chat template (a ``refusal`` without
+content is shown as the content, a ``function_call`` as the message's tool call)."""
+
 
 class ChatMessage(OpenAIModel):
     """One message of a chat. ``content`` is a string or a list of content parts.
@@ -92,12 +104,15 @@ class ChatMessage(OpenAIModel):
         message = handler(data)
         raw = data.get("content") if isinstance(data, dict) else None
         if isinstance(raw, list) and isinstance(message.content, str):  # text parts only (checked)
-            message._text_parts = [dict(part) for part in raw]
+            message._text_parts = [
+                {"type": "text", "text": part["refusal"]} if part.get("type") == "refusal" else dict(part)
+                for part in raw
+            ]
         return message
 
     @field_validator("content", mode="before")
     @classmethod
-    def _join_parts(cls, value: Any) -> Any:
+    def _join_parts(cls, value: Any, info: ValidationInfo) -> Any:
         if value is None or isinstance(value, str):
             return value
         if not isinstance(value, list):
@@ -108,10 +123,15 @@ class ChatMessage(OpenAIModel):
             if is_feature_part(part):
                 parts.append(part)
                 continue
+            if kind == "refusal" and info.data.get("role") == "assistant":
+                # OpenAI's refusal part of an assistant message: its text (as vLLM reads it)
+                parts.append({"type": "text", "text": _refusal_text(part, i)})
+                continue
             if kind != "text":
                 raise ValueError(
-                    f"content part {i}: type {kind!r} is not supported (only 'text' and the feature "
-                    "parts 'image_feature_url', 'video_feature_url', 'image_embeds')"
+                    f"content part {i}: type {kind!r} is not supported (only 'text', 'refusal' in "
+                    "assistant messages, and the feature parts 'image_feature_url', 'video_feature_url', "
+                    "'image_embeds')"
                     if kind
                     else f"content part {i} must be an object with a 'type'"
                 )
@@ -133,15 +153,17 @@ class ChatMessage(OpenAIModel):
         tool call, a ``function`` message as a ``tool`` message.
         """
         extra = dict(self.model_extra or {})
-        legacy = (
-            extra.pop("function_call", None) if self.role == "assistant" and not self.tool_calls else None
+        known = (
+            {key: extra.pop(key) for key in ASSISTANT_FIELDS & set(extra)} if self.role == "assistant" else {}
         )
+        legacy = known.get("function_call") if not self.tool_calls else None
         legacy_call = isinstance(legacy, dict) and isinstance(legacy.get("name"), str)
+        refusal = known.get("refusal")
         msg: dict[str, Any] = {
             "role": {"developer": "system", "function": "tool"}.get(self.role, self.role),
             "content": None
             if self.content is None and (self.tool_calls or legacy_call)
-            else (self.content or ""),
+            else (self.content or (refusal if isinstance(refusal, str) else "")),
         }
         if legacy_call:
             arguments = legacy.get("arguments")
@@ -173,6 +195,17 @@ class ChatMessage(OpenAIModel):
         return msg
 
 
+def _refusal_text(part: dict[str, Any], i: int) -> str:
+    """The text of a ``{"type": "refusal", "refusal": TEXT}`` content part (a 400 if it has none)."""
+    text = part.get("refusal")
+    if not isinstance(text, str):
+        raise ValueError(f"content part {i}: a 'refusal' part needs a string 'refusal'")
+    extra = next((key for key in part if key not in ("type", "refusal")), None)
+    if extra is not None:
+        raise ValueError(f"content part {i}: a 'refusal' part has no field {extra[:100]!r}")
+    return text
+
+
 def _arguments(text: str) -> Any:
     """A call's arguments as templates render them: the object its JSON encodes, else the text."""
     try:
@@ -186,10 +219,12 @@ def message_extensions(messages: list[ChatMessage]) -> Iterator[tuple[int, str |
     """What the messages carry beyond OpenAI's protocol, in order: ``(i, None)`` for message ``i``'s
     role outside OpenAI's, ``(i, field)`` for each of its own fields."""
     for i, msg in enumerate(messages):
-        if msg.role not in OPENAI_ROLES:
+        if msg.role not in OPENAI_ROLES and msg.role not in DEPRECATED_ROLES:
             yield i, None
+        known = ASSISTANT_FIELDS if msg.role == "assistant" else frozenset()
         for key in msg.model_extra or {}:
-            yield i, key
+            if key not in known:
+                yield i, key
 
 
 def refuse_message_extensions(messages: list[ChatMessage]) -> None:

@@ -315,8 +315,15 @@ def _content(content: Any, param: str) -> str | list[dict[str, Any]]:
     parts: list[dict[str, Any]] = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind in _TEXT_PARTS and isinstance(part.get(_TEXT_PARTS[kind]), str):
-            parts.append({"type": "text", "text": part[_TEXT_PARTS[kind]]})
+        if kind in _TEXT_PARTS:
+            key = _TEXT_PARTS[kind]
+            if not isinstance(part.get(key), str):  # (a known part with its text missing)
+                raise BadRequestError(
+                    f"{param}[{j}].{key} must be a string (a {kind!r} part is "
+                    f'{{"type": "{kind}", "{key}": TEXT}})',
+                    param=f"{param}[{j}].{key}",
+                )
+            parts.append({"type": "text", "text": part[key]})
         elif is_feature_part(part):
             parts.append(part)
         else:
@@ -354,23 +361,77 @@ def _chat_tools(tools: list[dict[str, Any]] | None, choice: Any) -> tuple[list[d
             k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None
         }
         out.append({"type": "function", "function": function})
+    if isinstance(choice, str) and choice not in _TOOL_CHOICE_MODES:
+        raise BadRequestError(
+            f"Invalid value: {encodable(choice[:100])!r}. tool_choice must be {_TOOL_CHOICE_SHAPES}",
+            param="tool_choice",
+            code="invalid_value",
+        )
     if isinstance(choice, dict):
         kind = choice.get("type")
         if kind == "function":
-            choice = {"type": "function", "function": {"name": choice.get("name")}}
+            name = choice.get("name")
+            if not isinstance(name, str):  # (not the chat shape's {"function": {"name": ...}})
+                raise BadRequestError(
+                    "Missing required parameter: 'tool_choice.name' (a function tool_choice is "
+                    '{"type": "function", "name": NAME})',
+                    param="tool_choice.name",
+                )
+            choice = {"type": "function", "function": {"name": name}}
         elif kind == "allowed_tools":
-            allowed = {t.get("name") for t in choice.get("tools") or [] if isinstance(t, dict)}
-            out = [t for t in out if t["function"]["name"] in allowed]
-            choice = choice.get("mode", "auto")
+            choice, out = _allowed_tools(choice, out)
         else:
             raise BadRequestError(
-                f"tool_choice of type {kind!r} is not supported ('none', 'auto', 'required', "
-                '{"type": "function", "name": ...} or {"type": "allowed_tools", ...})',
+                f"tool_choice of type {kind!r} is not supported: tool_choice must be {_TOOL_CHOICE_SHAPES}",
                 param="tool_choice",
             )
     if not out and choice == "auto":
         choice = None  # (OpenAI's default whatever the tools: with none, a plain answer, not a 400)
     return out or None, choice
+
+
+_TOOL_CHOICE_MODES = ("none", "auto", "required")
+_TOOL_CHOICE_SHAPES = (
+    "'none', 'auto', 'required', {\"type\": \"function\", \"name\": NAME} or "
+    '{"type": "allowed_tools", "mode": "auto" | "required", "tools": [{"type": "function", "name": NAME}, ...]}'
+)
+"""The ``tool_choice`` values of the Responses API (as error messages list them)."""
+
+
+def _allowed_tools(choice: dict[str, Any], tools: list[dict[str, Any]]) -> tuple[str, list[dict[str, Any]]]:
+    """An ``allowed_tools`` ``tool_choice``: its mode and the offered tools narrowed to those it
+    names (each must be one of ``tools``, as a named function choice must)."""
+    mode = choice.get("mode", "auto")
+    if mode not in ("auto", "required"):
+        raise BadRequestError(
+            f"Invalid value: {encodable(str(mode)[:100])!r}. tool_choice.mode must be 'auto' or 'required'",
+            param="tool_choice.mode",
+            code="invalid_value",
+        )
+    listed = choice.get("tools")
+    if not isinstance(listed, list):
+        raise BadRequestError(
+            'tool_choice.tools must be a list of tools ({"type": "function", "name": NAME})',
+            param="tool_choice.tools",
+        )
+    names = {t["function"]["name"] for t in tools}
+    allowed = set()
+    for i, tool in enumerate(listed):
+        name = tool.get("name") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(name, str):
+            raise BadRequestError(
+                f'tool_choice.tools[{i}] must be {{"type": "function", "name": NAME}} (only function '
+                "tools are supported)",
+                param=f"tool_choice.tools[{i}]",
+            )
+        if name not in names:
+            raise BadRequestError(
+                f"Tool {encodable(name[:100])!r} not found in tools list: tool_choice.tools must name "
+                "functions of tools",
+                param=f"tool_choice.tools[{i}].name",
+            )
+        allowed.add(name)
+    return mode, [t for t in tools if t["function"]["name"] in allowed]
 
 
 def _response_format(text: ResponsesTextConfig | None) -> dict[str, Any] | None:
@@ -381,6 +442,12 @@ def _response_format(text: ResponsesTextConfig | None) -> dict[str, Any] | None:
     if fmt.get("type") == "json_object":
         return {"type": "json_object"}
     if fmt.get("type") == "json_schema":
+        if fmt.get("schema") is None:  # (flat, unlike chat's response_format.json_schema.schema)
+            raise BadRequestError(
+                "Missing required parameter: 'text.format.schema' (a json_schema format is "
+                '{"type": "json_schema", "name": NAME, "schema": {...}, "strict": ...})',
+                param="text.format.schema",
+            )
         schema = {k: fmt[k] for k in ("name", "description", "schema", "strict") if fmt.get(k) is not None}
         return {"type": "json_schema", "json_schema": schema}
     raise BadRequestError(
