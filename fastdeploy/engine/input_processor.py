@@ -69,13 +69,17 @@ class InputProcessor:
             )
         return self.tokenizer.encode(prompt)
 
-    def validate(self, prompt_token_ids: list[int], pooling: bool = False) -> None:
+    def validate(
+        self, prompt_token_ids: list[int], pooling: bool = False, max_tokens: int | None = None
+    ) -> None:
         """Refuse an empty prompt, one too long for the context (a generated prompt needs room for
-        one output token, an embedded one does not) and token ids outside the vocabulary."""
+        one output token; an embedded one, or one only scored, ``max_tokens == 0``, does not) and
+        token ids outside the vocabulary."""
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
-        if len(prompt_token_ids) >= self.max_model_len + pooling:
-            room = "" if pooling else " (prompt plus at least one generated token)"
+        scored_only = pooling or max_tokens == 0
+        if len(prompt_token_ids) >= self.max_model_len + scored_only:
+            room = "" if scored_only else " (prompt plus at least one generated token)"
             raise PromptTooLongError(
                 f"the prompt has {len(prompt_token_ids)} tokens, but this model's maximum context length is "
                 f"{self.max_model_len} tokens{room}"
@@ -104,7 +108,7 @@ class InputProcessor:
         travel with every choice, features included. ``pooling_params``: an embedding request
         (pooled after its prefill, never sampled; ``params.n`` must be 1).
         """
-        self.validate(prompt_token_ids, pooling=pooling_params is not None)
+        self.validate(prompt_token_ids, pooling=pooling_params is not None, max_tokens=params.max_tokens)
         mm_wire = validate_mm_items(mm_items, len(prompt_token_ids)) if mm_items else None
         params = self.prepare_params(params)
         arrival_time = time.time() if arrival_time is None else arrival_time

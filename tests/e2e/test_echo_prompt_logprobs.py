@@ -63,6 +63,23 @@ def test_echo_with_zero_max_tokens_returns_the_prompt(server):
     assert [c.text for c in two.choices] == [PROMPT, PROMPT, "Hi", "Hi"] and two.usage.completion_tokens == 0
 
 
+def test_a_prompt_filling_the_whole_context_can_be_scored(server):
+    """``echo`` with ``max_tokens: 0`` (lm-evaluation-harness's loglikelihood, which fills the
+    context up to the model's length) takes a prompt of exactly ``max_model_len`` tokens: nothing is
+    generated, so it needs no room for an output token (as vLLM); one token more is a 400, and so is
+    the same prompt when a token is to be generated."""
+    filler = server.tokenize(" the" * 8)["tokens"][-1:]
+    ids = (filler * server.max_model_len)[: server.max_model_len]
+    client, name = server.openai(), server.model_name()
+    resp = client.completions.create(model=name, prompt=ids, max_tokens=0, echo=True, logprobs=1)
+    lp = resp.choices[0].logprobs
+    assert resp.usage.prompt_tokens == server.max_model_len and resp.usage.completion_tokens == 0
+    assert len(lp.token_logprobs) == server.max_model_len and all(v <= 0 for v in lp.token_logprobs[1:])
+    for body in ({"prompt": ids + filler, "max_tokens": 0, "echo": True}, {"prompt": ids, "max_tokens": 1}):
+        error = server.check_error(post(server, COMPLETIONS_PATH, {"model": name, **body}), 400)
+        assert "context length" in error["message"], error
+
+
 def test_streamed_echo_sends_the_prompt_first(server):
     body = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "echo": True, "stream": True}
     with (
