@@ -16,7 +16,8 @@ kernels per layer, each costing a launch even inside a CUDA graph. Here:
   128`` programs each read one small tile of the router weight, where a GEMV's few programs each
   walk all of ``H`` (latency-bound for a router of a few hundred KB). :func:`topk_softmax` adds
   the partials up as it loads its row, rounded to the model's dtype as the router's output would
-  be, so no reduction kernel runs between them.
+  be, so no reduction kernel runs between them. Given a :class:`RouteInRouter`, the router's last
+  program to finish (a ticket counter) routes the tokens itself and no top-k kernel runs.
 * :func:`moe_align_block_size` — the layout :func:`fastdeploy.ops.triton_fused_moe.align_block_size_torch`
   builds (the (token, slot) pairs sorted stably by expert, each expert's run padded to a
   multiple of ``block_m``, the expert of every block, the padded length). Up to

@@ -64,6 +64,7 @@ from fastdeploy.ops.layer_ops import silu_and_mul, triton_module
 
 if TYPE_CHECKING:  # (the Triton modules load lazily: CPU installs may lack triton)
     from fastdeploy.ops.triton_moe_align_atomic import PairRanks
+    from fastdeploy.ops.triton_moe_routing import RouteInRouter
 
 
 def select_experts_torch(
@@ -325,7 +326,7 @@ class FusedMoE(nn.Module):
 
     def _route_in_router(
         self, kernels: ModuleType, hidden: torch.Tensor, correction_bias: torch.Tensor | None
-    ) -> object | None:
+    ) -> RouteInRouter | None:
         """With ``FD_MOE_ROUTE_IN_ROUTER``: the split router kernel's routing outputs and inputs
         (a :class:`~fastdeploy.ops.triton_moe_routing.RouteInRouter`), else None."""
         if not envs.FD_MOE_ROUTE_IN_ROUTER:
