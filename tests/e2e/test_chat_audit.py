@@ -97,6 +97,7 @@ def test_answers_sent_back_as_the_openai_client_gives_them(server, model_name):
         assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
+@pytest.mark.slow  # (its own server; tests/entrypoints/test_request_fields.py checks the same fields unit-level)
 def test_strict_request_fields_accepts_openais_own_message_fields(server_factory):
     """``--strict-request-fields`` refuses what is outside OpenAI's protocol, not OpenAI's assistant
     message fields, refusal parts or its deprecated ``function`` role (the server's ``functions``)."""

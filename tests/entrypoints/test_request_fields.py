@@ -99,6 +99,43 @@ def test_a_messages_own_fields_and_custom_roles_reach_the_template_unless_strict
     assert info.value.param == "messages[0].content[0].lang"
 
 
+def test_openais_own_assistant_fields_are_not_extensions():
+    """What the openai client's ``message.model_dump()`` sends back (``refusal``, ``audio``,
+    ``annotations``, the deprecated ``function_call``), refusal parts and the ``function`` role are
+    OpenAI's protocol: accepted with --strict-request-fields, not handed to the template; a refusal
+    with no content is the content. The same fields on a user message stay extensions."""
+    sent_back = {
+        "role": "assistant", "content": None, "refusal": "I cannot help.", "audio": None, "annotations": [],
+        "function_call": None,
+    }  # fmt: skip
+    legacy = {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}}
+    parts = {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]}
+    messages = [
+        {"role": "user", "content": "x"},
+        sent_back,
+        parts,
+        legacy,
+        {"role": "function", "name": "f", "content": "1"},
+    ]
+    request = parse_request(ChatCompletionRequest, {"messages": messages}, strict_fields=True)
+    assert request.messages[1].to_template_dict() == {"role": "assistant", "content": "I cannot help."}
+    assert request.messages[2].to_template_dict()["content"] == "No."
+    assert request.messages[4].to_template_dict()["role"] == "tool"
+    with pytest.raises(BadRequestError) as info:
+        parse_request(
+            ChatCompletionRequest,
+            {"messages": [{"role": "user", "content": "x", "refusal": "no"}]},
+            strict_fields=True,
+        )
+    assert info.value.param == "messages[0].refusal"
+    with pytest.raises(BadRequestError) as info:  # a refusal part is an assistant's only
+        parse_request(
+            ChatCompletionRequest,
+            {"messages": [{"role": "user", "content": [{"type": "refusal", "refusal": "n"}]}]},
+        )
+    assert info.value.param.startswith("messages")
+
+
 def test_other_errors_still_win_after_unknown_fields_are_dropped():
     with pytest.raises(BadRequestError) as info:
         parse_request(CompletionRequest, {"prompt": "hi", unique("f"): 1, "max_tokens": "5"})
