@@ -190,9 +190,8 @@ class EngineCore:
                 if self.source.pooler is not None
                 else "this model serves generation only; embeddings need --runner pooling"
             )
-        scored_only = (
-            pooling or core_request.sampling_params.max_tokens == 0
-        )  # (no output token: no room for one)
+        # an embedded or only scored (max_tokens 0) prompt needs no room for an output token
+        scored_only = pooling or core_request.sampling_params.max_tokens == 0
         longest = self.max_model_len if scored_only else self.max_model_len - 1
         if not 0 < num_prompt <= longest:
             raise ValueError(f"prompt has {num_prompt} tokens; it must have 1 to {longest}")
