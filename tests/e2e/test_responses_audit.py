@@ -29,16 +29,21 @@ def client(server):
     return server.openai()
 
 
-def test_deleting_a_running_background_response_cancels_it(server, client, model_name):
-    """Left running, a deleted background response stored itself again when it ended (a 200 on
-    ``GET`` after the ``DELETE``'s 200) and kept the engine busy to its last token."""
-    queued = client.responses.create(
+def long_background_response(client, model_name: str, prompt: str):
+    """A background response that runs for a while (400 tokens, EOS ignored)."""
+    return client.responses.create(
         model=model_name,
-        input="Tell a long story.",
+        input=prompt,
         background=True,
         max_output_tokens=400,
         extra_body={"ignore_eos": True},
     )
+
+
+def test_deleting_a_running_background_response_cancels_it(server, client, model_name):
+    """Left running, a deleted background response stored itself again when it ended (a 200 on
+    ``GET`` after the ``DELETE``'s 200) and kept the engine busy to its last token."""
+    queued = long_background_response(client, model_name, "Tell a long story.")
     time.sleep(0.5)
     client.responses.delete(queued.id)
     m = server.wait_idle(timeout=60)
@@ -108,13 +113,7 @@ def test_input_and_text_format_errors_name_the_missing_field(server, model_name)
 def test_a_conversation_continued_from_a_cancelled_response_keeps_its_turn(client, model_name):
     """A cancelled background response was stored without its turn: continued with
     ``previous_response_id``, the model never saw that turn's input (vLLM keeps it)."""
-    long = client.responses.create(
-        model=model_name,
-        input="Tell a long story about a dragon.",
-        background=True,
-        max_output_tokens=400,
-        extra_body={"ignore_eos": True},
-    )
+    long = long_background_response(client, model_name, "Tell a long story about a dragon.")
     time.sleep(1.0)
     assert client.responses.cancel(long.id).status == "cancelled"
     greedy = {"temperature": 0, "max_output_tokens": 2, "store": False}
