@@ -147,10 +147,10 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
     ),
     "FD_CPU_BATCH_INVARIANT": (
         _bool("FD_CPU_BATCH_INVARIANT", "1"),
-        "On a CPU, linear layers take 2 to 32 rows a matmul call (a single row beside a zero row), so that a request's logits are the "
-        "same bits whatever else shares its step (a seeded or greedy request gives the same tokens alone "
-        "or in any batch); 0: one call a layer (faster prefill, results that vary in the last bits with "
-        "the batch).",
+        "On a CPU, linear layers take 2 to 32 rows a matmul call (a single row beside a zero row), so "
+        "that a request's logits are the same bits whatever else shares its step (a seeded or greedy "
+        "request gives the same tokens alone or in any batch); 0: one call a layer (faster prefill, "
+        "results that vary in the last bits with the batch).",
     ),
     "FD_MOE_ROUTER_SPLIT": (
         _bool("FD_MOE_ROUTER_SPLIT", "1"),
