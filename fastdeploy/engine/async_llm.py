@@ -44,21 +44,17 @@ from fastdeploy.engine.input_processor import InputProcessor, eos_ids_of
 from fastdeploy.engine.ipc import decode, encode, ipc_address, new_ipc_dir, remove_ipc_dir
 from fastdeploy.engine.output_processor import OutputProcessor, RequestState
 from fastdeploy.engine.parallel_layout import check_parallel_layout
-from fastdeploy.engine.protocol import EngineClient, EngineDeadError
+from fastdeploy.engine.protocol import EngineClient, EngineDeadError, EngineRequestRejected
 from fastdeploy.metrics import EngineMetrics
 from fastdeploy.model_executor.model_loader import load_generation_defaults, load_tokenizer, resolve_model
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncLLM", "EngineGenerateError", "EngineStartupError"]
+__all__ = ["AsyncLLM", "EngineRequestRejected", "EngineStartupError"]
 
 
 def _has_tokens(output: RequestOutput) -> bool:
     return any(c.token_ids for c in output.outputs)
-
-
-class EngineGenerateError(RuntimeError):
-    """The engine failed one request; the server stays up for the others."""
 
 
 @dataclass
@@ -312,7 +308,7 @@ class AsyncLLM(EngineClient):
             parent = self.output_processor.parent_of(out.request_id)
             if parent is not None:
                 self.output_processor.remove_request(parent)
-                self._put(parent, EngineGenerateError(out.error))
+                self._put(parent, EngineRequestRejected(out.error))
         outputs, to_abort, _ = self.output_processor.process(good, delta=True, now=core.timestamp)
         detokenized = time.monotonic()
         for output in outputs:

@@ -20,6 +20,11 @@ class EngineDeadError(RuntimeError):
     """The engine core or a worker died; requests cannot be served."""
 
 
+class EngineRequestRejected(ValueError):
+    """The engine core refused one request's input (its own checks when the request arrives, e.g. a
+    prompt longer than the context): a 400 for that request; the server stays up for the others."""
+
+
 class EngineClient(ABC):
     """Asynchronous generation API of a running engine."""
 

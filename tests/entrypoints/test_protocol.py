@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from fastdeploy.core.sampling_params import SamplingParamsError
-from fastdeploy.engine.protocol import EngineDeadError
+from fastdeploy.engine.protocol import EngineDeadError, EngineRequestRejected
 from fastdeploy.entrypoints.openai.content_format import apply_content_format, resolve_content_format
 from fastdeploy.entrypoints.openai.errors import (
     AuthenticationError,
@@ -526,6 +526,8 @@ def test_invalid_json_and_non_object_bodies():
 
 def test_exception_mapping():
     assert to_openai_error(EngineDeadError("gone")).status_code == 503
+    rejected = to_openai_error(EngineRequestRejected("prompt has 9 tokens; it must have 1 to 8"))
+    assert rejected.status_code == 400 and "prompt has 9 tokens" in rejected.message
     err = to_openai_error(SamplingParamsError("top_p", "top_p must be in (0, 1]"))
     assert (err.status_code, err.param) == (400, "top_p")
     assert to_openai_error(RuntimeError("boom")).status_code == 500

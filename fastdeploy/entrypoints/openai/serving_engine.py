@@ -31,7 +31,7 @@ from fastdeploy.core.sampling_params import (
     resolve_logprobs,
 )
 from fastdeploy.engine.input_processor import PromptTokenError, PromptTooLongError
-from fastdeploy.engine.protocol import EngineClient, EngineDeadError
+from fastdeploy.engine.protocol import EngineClient, EngineDeadError, EngineRequestRejected
 from fastdeploy.entrypoints.openai.content_format import apply_content_format, resolve_content_format
 from fastdeploy.entrypoints.openai.errors import (
     BadRequestError,
@@ -90,6 +90,8 @@ def to_openai_error(exc: BaseException) -> OpenAIError:
         return BadRequestError(str(exc), param="prompt", code="context_length_exceeded")
     if isinstance(exc, PromptTokenError):
         return BadRequestError(str(exc), param="prompt")
+    if isinstance(exc, EngineRequestRejected):  # the engine core's own input checks
+        return BadRequestError(str(exc))
     logger.exception("error while serving a request", exc_info=exc)
     return InternalServerError(f"Internal server error: {type(exc).__name__}: {exc}")
 
