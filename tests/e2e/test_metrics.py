@@ -45,7 +45,8 @@ CACHED_PROMPT = (
 def test_metrics_parse_with_prefix_types_and_labels(server, model_name):
     response = httpx.get(server.url + "/metrics", timeout=30)
     assert response.status_code == 200
-    assert response.headers["content-type"].startswith("text/plain")
+    # the classic text format (docs/metrics.md), not prometheus_client's newest version=1.0.0 label
+    assert response.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
     families = {f.name: f for f in text_string_to_metric_families(response.text)}
     # prometheus_client also exports a ``<name>_created`` gauge (creation timestamp) per counter/histogram
     ours = {n: f for n, f in families.items() if n.startswith(PREFIX) and not n.endswith("_created")}
@@ -168,3 +169,10 @@ def test_gauges_move_while_a_request_runs(server, model_name):
     m = server.wait_idle(timeout=5)
     assert m["fastdeploy:num_requests_running"] == 0
     assert m["fastdeploy:kv_cache_usage_perc"] == 0
+
+
+def test_health_answers_head_probes(server):
+    """Load balancers and uptime monitors probe with HEAD: 200 as GET (no API key needed)."""
+    for path in ("/health", "/ping", "/health_generate"):
+        response = httpx.head(server.url + path, timeout=30)
+        assert response.status_code == 200, (path, response.status_code, response.text)

@@ -67,6 +67,8 @@ from fastdeploy.metrics import api_server_request_counter, exposition
 from fastdeploy.platforms.backend import backend_info
 
 logger = logging.getLogger(__name__)
+PROMETHEUS_TEXT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+"""``/metrics``' Content-Type: the Prometheus text format the body is (docs/metrics.md)."""
 
 # --------------------------------------------------------------------------- errors
 
@@ -339,9 +341,11 @@ def build_app(
     app.include_router(sagemaker)
     app.include_router(sglang_router(native, auth, OpenAIRoute, received.inc, strict))
 
-    @app.get("/health")
-    @app.get("/health_generate")  # SGLang's (its test launcher polls it): answered as /health
-    @app.api_route("/ping", methods=["GET", "POST"])  # SageMaker's health check, as vLLM answers it
+    @app.api_route("/health", methods=["GET", "HEAD"])  # (HEAD: load balancers' and monitors' probes)
+    @app.api_route(
+        "/health_generate", methods=["GET", "HEAD"]
+    )  # SGLang's (its launcher polls it): as /health
+    @app.api_route("/ping", methods=["GET", "POST", "HEAD"])  # SageMaker's health check, as vLLM answers it
     async def health() -> Response:
         if stop.stopping:  # (load balancers stop sending requests to a draining server)
             return error_response(
@@ -353,9 +357,8 @@ def build_app(
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        from prometheus_client import CONTENT_TYPE_LATEST
-
-        return Response(exposition(), media_type=CONTENT_TYPE_LATEST)
+        # the classic text format's type, whatever prometheus_client's newest (1.0.0 from 0.22 on) is
+        return Response(exposition(), media_type=PROMETHEUS_TEXT_TYPE)
 
     @app.get("/load")
     async def server_load() -> Response:
