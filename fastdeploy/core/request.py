@@ -34,6 +34,12 @@ class RequestStatus(enum.Enum):
     FINISHED = enum.auto()
 
 
+def longest_prompt(max_model_len: int, pooling: bool, max_tokens: int | None) -> int:
+    """The most prompt tokens a request may have: the whole context for an embedded prompt or one
+    only scored (``max_tokens == 0``), else one fewer (room for one output token)."""
+    return max_model_len if pooling or max_tokens == 0 else max_model_len - 1
+
+
 @dataclass
 class EngineCoreRequest:
     """A tokenized request sent from the front end to the engine core."""

@@ -11,7 +11,13 @@ from typing import TYPE_CHECKING
 
 from fastdeploy import envs
 from fastdeploy.config import EngineConfig
-from fastdeploy.core.request import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, Request
+from fastdeploy.core.request import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    Request,
+    longest_prompt,
+)
 from fastdeploy.core.step_io import GrammarBitmask, SchedulerOutput
 from fastdeploy.engine.feature_mirror import FeatureMirror
 from fastdeploy.model_executor.model_loader import ModelSource
@@ -190,9 +196,7 @@ class EngineCore:
                 if self.source.pooler is not None
                 else "this model serves generation only; embeddings need --runner pooling"
             )
-        # an embedded or only scored (max_tokens 0) prompt needs no room for an output token
-        scored_only = pooling or core_request.sampling_params.max_tokens == 0
-        longest = self.max_model_len if scored_only else self.max_model_len - 1
+        longest = longest_prompt(self.max_model_len, pooling, core_request.sampling_params.max_tokens)
         if not 0 < num_prompt <= longest:
             raise ValueError(f"prompt has {num_prompt} tokens; it must have 1 to {longest}")
         request = Request(core_request, self.config.cache.block_size, mm_items)

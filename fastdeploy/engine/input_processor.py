@@ -8,7 +8,7 @@ from typing import Any
 
 from fastdeploy.core.mm_item import MMItem
 from fastdeploy.core.pooling_params import PoolingParams
-from fastdeploy.core.request import EngineCoreRequest
+from fastdeploy.core.request import EngineCoreRequest, longest_prompt
 from fastdeploy.core.sampling_params import (
     MAX_LOGPROBS,
     SamplingParams,
@@ -77,9 +77,9 @@ class InputProcessor:
         token ids outside the vocabulary."""
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
-        scored_only = pooling or max_tokens == 0
-        if len(prompt_token_ids) >= self.max_model_len + scored_only:
-            room = "" if scored_only else " (prompt plus at least one generated token)"
+        longest = longest_prompt(self.max_model_len, pooling, max_tokens)
+        if len(prompt_token_ids) > longest:
+            room = "" if longest == self.max_model_len else " (prompt plus at least one generated token)"
             raise PromptTooLongError(
                 f"the prompt has {len(prompt_token_ids)} tokens, but this model's maximum context length is "
                 f"{self.max_model_len} tokens{room}"

@@ -141,6 +141,16 @@ class RouteInRouter:
     expert_counts: torch.Tensor | None = None
 
 
+def _checked_routing(top_k: int, experts: int, correction_bias: torch.Tensor | None) -> torch.Tensor | None:
+    """Checks ``top_k`` against the experts; returns ``correction_bias`` flattened (one per expert) or None."""
+    if not 0 < top_k <= experts:
+        raise ValueError(f"top_k must be in [1, {experts}], got {top_k}")
+    bias = None if correction_bias is None else correction_bias.reshape(-1)
+    if bias is not None and bias.numel() != experts:
+        raise ValueError(f"correction_bias must have {experts} entries, got {bias.numel()}")
+    return bias
+
+
 def _route_args(
     route: RouteInRouter | None, partials: torch.Tensor
 ) -> tuple[list[torch.Tensor], dict[str, object]]:
@@ -152,15 +162,13 @@ def _route_args(
             HAS_BIAS=False, RENORMALIZE=False, HAS_COUNTS=False,
         )  # fmt: skip
     k = route.top_k
-    bias = None if route.correction_bias is None else route.correction_bias.reshape(-1)
-    if not 0 < k <= experts or route.weights.shape != (tokens, k) or route.ids.shape != (tokens, k):
-        raise ValueError(f"route needs 0 < top_k <= {experts} and weights, ids of shape ({tokens}, top_k)")
+    bias = _checked_routing(k, experts, route.correction_bias)
+    if route.weights.shape != (tokens, k) or route.ids.shape != (tokens, k):
+        raise ValueError(f"route needs weights, ids of shape ({tokens}, top_k)")
     if route.ids.dtype != torch.int64 or route.weights.dtype not in _TL_DTYPES:
         raise ValueError("route needs int64 ids and float32 / bfloat16 / float16 weights")
     if route.counter.dtype != torch.int32 or route.counter.numel() != 1:
         raise ValueError("route.counter must be one int32 (zero)")
-    if bias is not None and bias.numel() != experts:
-        raise ValueError(f"correction_bias must have {experts} entries, got {bias.numel()}")
     counts = route.expert_counts if route.expert_counts is not None else partials
     pointers = [route.counter, bias if bias is not None else partials, route.weights, route.ids, counts]
     return pointers, dict(
@@ -413,15 +421,11 @@ def topk_softmax(
     tokens, experts = router_logits.shape[-2:]
     splits = router_logits.shape[0] if partials else 1
     dtype = dtype or router_logits.dtype
-    if not 0 < top_k <= experts:
-        raise ValueError(f"top_k must be in [1, {experts}], got {top_k}")
+    bias = _checked_routing(top_k, experts, correction_bias)
     weights = torch.empty((tokens, top_k), dtype=dtype, device=router_logits.device)
     ids = torch.empty((tokens, top_k), dtype=torch.int64, device=router_logits.device)
     if tokens == 0:
         return weights, ids
-    bias = None if correction_bias is None else correction_bias.reshape(-1)
-    if bias is not None and bias.numel() != experts:
-        raise ValueError(f"correction_bias must have {experts} entries, got {bias.numel()}")
     if ranked is not None and (ranked.ranks.numel() != tokens * top_k or ranked.counts.numel() < experts):
         raise ValueError(f"ranked must hold {tokens * top_k} ranks and {experts} counters")
     _topk_softmax_kernel[(tokens,)](
