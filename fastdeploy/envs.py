@@ -163,12 +163,6 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "inside the router's kernel (one launch fewer a layer at decode steps of at most 4 tokens; on "
         "by default; 0: the norm kernel, then the router).",
     ),
-    "FD_MOE_ROUTE_IN_ROUTER": (
-        _bool("FD_MOE_ROUTE_IN_ROUTER", "0"),
-        "With the split router (FD_MOE_ROUTER_SPLIT), the router kernel's last program to finish routes "
-        "the tokens (top-k softmax) itself instead of a top-k kernel after it: one launch fewer a layer "
-        "at decode steps of at most 4 tokens (fastdeploy/ops/triton_moe_routing.py); off until measured.",
-    ),
     "FD_FP8_CHANNEL_TRITON_MAX_M": (
         lambda: int(os.environ.get("FD_FP8_CHANNEL_TRITON_MAX_M", "512")),
         "Per-channel FP8 linears (--quantization ptpc_fp8) of more than FD_FP8_SMALL_M_MAX and at most "

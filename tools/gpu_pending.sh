@@ -34,8 +34,8 @@
 #   moe_router (~4) the batch-1 FP8 decode step, the MoE router split-K (FD_MOE_ROUTER_SPLIT) or not
 #   moe_split (~5) the MoE layer's two grouped GEMMs tuned apart at 256 and 8,192 tokens (FP8 per channel)
 #   moe_vllm_fair (~7) vLLM's bar runs with uniform simulated routing (FP8, bf16), and FP8 as before
-#   route_in_router (~5) the batch-1 MoE router routing in its last program (FD_MOE_ROUTE_IN_ROUTER):
-#                 its GPU tests, then the batch-1 FP8 / bf16 step off / on, alternated
+#   moe_fusions (~4) the batch-1 FP8 / bf16 step with the norm inside the router (FD_MOE_ROUTER_NORM_FUSION)
+#                 off / on
 #   moe_tma (~5)  the expert weights through TMA descriptors (FD_MOE_TMA_WEIGHTS) or pointer loads: its
 #                 test on the GPU, then the MoE layer at 256 and 8,192 tokens, FP8 per channel and bf16
 #   moe_pdl (~4)  the kernels that now take programmatic dependent launch (FP8 quantization, the per-channel
@@ -58,7 +58,7 @@
 #   bash tools/gpu_pending.sh OUT [section ...]
 # Run it without `| tail` in the `run` call: a call stopped at its time limit returns only what it
 # already printed (twice in the twentieth session a tail held back every line of a 600 s call).
-OUT=${1:?usage: tools/gpu_pending.sh OUT [structured_nice] [structured_threads] [structured_gil] [structured_default] [structured_guidance] [first_burst] [structured] [tests] [moe_e2e] [moe_budget] [moe_prefill] [moe_phases] [moe_vllm] [moe_fair] [moe_split] [fp8_channel] [moe_router] [gemv_sweep] [moe_vllm_fair] [route_in_router] [moe_tma] [moe_pdl] [moe_ranks] [decode256] [attn_prefill] [moe_persistent_sweep] [offline_ratio] [poisson] [prefill] [moe] [budget]}
+OUT=${1:?usage: tools/gpu_pending.sh OUT [structured_nice] [structured_threads] [structured_gil] [structured_default] [structured_guidance] [first_burst] [structured] [tests] [moe_e2e] [moe_budget] [moe_prefill] [moe_phases] [moe_vllm] [moe_fair] [moe_split] [fp8_channel] [moe_router] [gemv_sweep] [moe_vllm_fair] [moe_fusions] [moe_tma] [moe_pdl] [moe_ranks] [decode256] [attn_prefill] [moe_persistent_sweep] [offline_ratio] [poisson] [prefill] [moe] [budget]}
 shift
 sections=${*:-structured_nice tests moe_e2e poisson prefill moe budget}
 mkdir -p "$OUT"
@@ -312,20 +312,18 @@ tests() {  # one pytest a file, all at once (small tests; one GPU is enough): a 
     timeout 120 python3 tools/probe_cpu_ext_throw.py 2>&1 | tee "$W/throw_probe.txt"
 }
 
-# #18: the batch-1 MoE router routing in its last program (FD_MOE_ROUTE_IN_ROUTER: no top-k kernel after
-# it): its GPU tests, then the batch-1 FP8 / bf16 decode step off / on, twice each, alternated
-route_in_router() {
-    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/ops/test_triton_moe_routing.py \
-        tests/model_executor/test_moe_router.py -k "router" > "$W/route_test.log" 2>&1
-    echo "tests: $(tail -n 1 "$W/route_test.log")"
-    grep -E "^FAILED|Error" "$W/route_test.log" | head -n 5
+# #18: the batch-1 decode step of the Qwen3-30B-A3B shape with the MoE input's residual add + RMSNorm
+# inside the split router's kernel (FD_MOE_ROUTER_NORM_FUSION) off and on (the twenty-seventh session:
+# 2.396 -> 2.308 ms FP8, 2.709 -> 2.625 bf16; that run also timed the one-pass few-token MoE, since
+# dropped: 4x slower than the two GEMV kernels)
+moe_fusions() {
     for quant in ptpc_fp8 bf16; do
-        for route in 0 1 0 1; do
-            FD_MOE_ROUTE_IN_ROUTER=$route timeout 120 python3 -m benchmarks.gpubench.profile_decode \
+        for fusion in 0 1; do
+            FD_MOE_ROUTER_NORM_FUSION=$fusion timeout 120 python3 -m benchmarks.gpubench.profile_decode \
                 benchmarks/configs/qwen3-30b-a3b --batch 1 $([ $quant = bf16 ] || echo --quantization $quant) \
-                --rows 14 > "$W/b1_${quant}_$route.txt" 2>&1
-            echo "$quant route in router $route: $(grep '^batch 1' "$W/b1_${quant}_$route.txt" | head -n 1)"
-            grep -E "router|topk" "$W/b1_${quant}_$route.txt" | cut -c1-60,100-160
+                --rows 14 > "$W/b1_${quant}_$fusion.txt" 2>&1
+            echo "$quant norm fusion $fusion: $(grep '^batch 1' "$W/b1_${quant}_$fusion.txt" | head -n 1)"
+            grep -E "norm|router" "$W/b1_${quant}_$fusion.txt" | cut -c1-60,100-160
         done
     done
 }

@@ -16,8 +16,7 @@ kernels per layer, each costing a launch even inside a CUDA graph. Here:
   128`` programs each read one small tile of the router weight, where a GEMV's few programs each
   walk all of ``H`` (latency-bound for a router of a few hundred KB). :func:`topk_softmax` adds
   the partials up as it loads its row, rounded to the model's dtype as the router's output would
-  be, so no reduction kernel runs between them. Given a :class:`RouteInRouter`, the router's last
-  program to finish (a ticket counter) routes the tokens itself and no top-k kernel runs.
+  be, so no reduction kernel runs between them.
 * :func:`moe_align_block_size` — the layout :func:`fastdeploy.ops.triton_fused_moe.align_block_size_torch`
   builds (the (token, slot) pairs sorted stably by expert, each expert's run padded to a
   multiple of ``block_m``, the expert of every block, the padded length). Up to
@@ -32,8 +31,6 @@ The routing kernel also adds the step's per-expert pair counts into the load sta
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import torch
 import triton
@@ -67,41 +64,12 @@ def _router_tile(w_ptr, offs_e, offs_k, e_mask, k_mask, stride_we):
 
 
 @triton.jit
-def _route_when_last(
-    counter_ptr, partials_ptr, bias_ptr, weights_ptr, ids_ptr, counts_ptr, T, E, stride_os, stride_ot,
-    SPLITS: tl.constexpr, ROUND_TO: tl.constexpr, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_K: tl.constexpr, E_POW2: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
-    HAS_COUNTS: tl.constexpr,
-):  # fmt: skip
-    """The router kernel's tail under :class:`RouteInRouter`: each program, its partials stored, takes
-    a ticket; the program that takes the last one (every partial is then in memory: the ticket is
-    acquire-release at GPU scope, after a barrier of the program's threads) routes every token from
-    the partials (read past L1) with :func:`_route_row`, and puts the counter back to 0 for the
-    next launch (a CUDA graph replays it). No program waits for another."""
-    tl.debug_barrier()
-    programs = tl.num_programs(0) * tl.num_programs(1)
-    ticket = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-    if ticket == programs - 1:
-        for t in tl.static_range(BLOCK_T):
-            if t < T:
-                _route_row(
-                    partials_ptr, bias_ptr, weights_ptr, ids_ptr, counts_ptr, t, E, stride_ot, stride_os,
-                    SPLITS, ROUND_TO, TOP_K, BLOCK_K, E_POW2, HAS_BIAS, RENORMALIZE, HAS_COUNTS, ".cg",
-                )  # fmt: skip
-        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
 def _router_partials_kernel(
-    x_ptr, w_ptr, out_ptr, counter_ptr, bias_ptr, weights_ptr, ids_ptr, counts_ptr,
-    T, E, H, stride_xm, stride_we, stride_os, stride_ot,
+    x_ptr, w_ptr, out_ptr, T, E, H, stride_xm, stride_we, stride_os, stride_ot,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
-    ROUTE: tl.constexpr, SPLITS: tl.constexpr, ROUND_TO: tl.constexpr, TOP_K: tl.constexpr,
-    ROUTE_BLOCK_K: tl.constexpr, E_POW2: tl.constexpr, HAS_BIAS: tl.constexpr,
-    RENORMALIZE: tl.constexpr, HAS_COUNTS: tl.constexpr,
 ):  # fmt: skip
     """``out[s, t, e] = sum over split s's columns of x[t, :] * w[e, :]`` (float32) for this program's
-    ``BLOCK_E`` experts and split ``s``, every token; ``ROUTE``: then :func:`_route_when_last`."""
+    ``BLOCK_E`` experts and split ``s``, every token."""
     pdl_prologue(USE_PDL)
     pid_e = tl.program_id(0)
     split = tl.program_id(1)
@@ -116,66 +84,6 @@ def _router_partials_kernel(
         part = tl.sum(w * x[None, :], axis=1)
         out_mask = e_mask & (tl.zeros([BLOCK_E], dtype=tl.int32) + t < T)
         tl.store(out_ptr + split * stride_os + t * stride_ot + offs_e, part, mask=out_mask)
-    if ROUTE:
-        _route_when_last(
-            counter_ptr, out_ptr, bias_ptr, weights_ptr, ids_ptr, counts_ptr, T, E, stride_os, stride_ot,
-            SPLITS, ROUND_TO, TOP_K, BLOCK_T, ROUTE_BLOCK_K, E_POW2, HAS_BIAS, RENORMALIZE, HAS_COUNTS,
-        )  # fmt: skip
-
-
-@dataclasses.dataclass
-class RouteInRouter:
-    """The top-k routing the split router's kernel runs in its last program (``FD_MOE_ROUTE_IN_ROUTER``):
-    :func:`topk_softmax`'s result written into ``weights [T, k]`` (the model's dtype, which the
-    partial logits are rounded to) and ``ids [T, k]`` (int64), one launch fewer than the router and
-    then the top-k kernel. ``counter``: int32 ``[1]``, zero, the kernel's tickets (put back to zero by
-    it; one per layer, so that no two launches in flight share one). ``correction_bias`` and
-    ``expert_counts`` as :func:`topk_softmax` takes them."""
-
-    top_k: int
-    renormalize: bool
-    weights: torch.Tensor
-    ids: torch.Tensor
-    counter: torch.Tensor
-    correction_bias: torch.Tensor | None = None
-    expert_counts: torch.Tensor | None = None
-
-
-def _checked_routing(top_k: int, experts: int, correction_bias: torch.Tensor | None) -> torch.Tensor | None:
-    """Checks ``top_k`` against the experts; returns ``correction_bias`` flattened (one per expert) or None."""
-    if not 0 < top_k <= experts:
-        raise ValueError(f"top_k must be in [1, {experts}], got {top_k}")
-    bias = None if correction_bias is None else correction_bias.reshape(-1)
-    if bias is not None and bias.numel() != experts:
-        raise ValueError(f"correction_bias must have {experts} entries, got {bias.numel()}")
-    return bias
-
-
-def _route_args(
-    route: RouteInRouter | None, partials: torch.Tensor
-) -> tuple[list[torch.Tensor], dict[str, object]]:
-    """The router kernels' routing pointers (``partials`` where there is none) and constexprs."""
-    splits, tokens, experts = partials.shape
-    if route is None:
-        return [partials] * 5, dict(
-            ROUTE=False, SPLITS=1, ROUND_TO=tl.float32, TOP_K=1, ROUTE_BLOCK_K=1, E_POW2=1,
-            HAS_BIAS=False, RENORMALIZE=False, HAS_COUNTS=False,
-        )  # fmt: skip
-    k = route.top_k
-    bias = _checked_routing(k, experts, route.correction_bias)
-    if route.weights.shape != (tokens, k) or route.ids.shape != (tokens, k):
-        raise ValueError(f"route needs weights, ids of shape ({tokens}, top_k)")
-    if route.ids.dtype != torch.int64 or route.weights.dtype not in _TL_DTYPES:
-        raise ValueError("route needs int64 ids and float32 / bfloat16 / float16 weights")
-    if route.counter.dtype != torch.int32 or route.counter.numel() != 1:
-        raise ValueError("route.counter must be one int32 (zero)")
-    counts = route.expert_counts if route.expert_counts is not None else partials
-    pointers = [route.counter, bias if bias is not None else partials, route.weights, route.ids, counts]
-    return pointers, dict(
-        ROUTE=True, SPLITS=splits, ROUND_TO=_TL_DTYPES[route.weights.dtype], TOP_K=k,
-        ROUTE_BLOCK_K=triton.next_power_of_2(k), E_POW2=triton.next_power_of_2(experts),
-        HAS_BIAS=bias is not None, RENORMALIZE=route.renormalize, HAS_COUNTS=route.expert_counts is not None,
-    )  # fmt: skip
 
 
 def _check_router_operands(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -189,42 +97,34 @@ def _check_router_operands(x: torch.Tensor, weight: torch.Tensor) -> None:
         raise ValueError("x and weight need unit column strides")
 
 
-def router_partials(
-    x: torch.Tensor, weight: torch.Tensor, route: RouteInRouter | None = None
-) -> torch.Tensor:
+def router_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Split-K partial router logits ``[S, T, E]`` float32 of ``x [T, H]`` (``T <=``
     :data:`ROUTER_SPLIT_MAX_TOKENS`) and the router ``weight [E, H]`` (unit column strides):
-    ``partials.sum(0)`` is ``x @ weight.T`` in float32. Hand them to :func:`topk_softmax`, or give
-    ``route`` and the kernel routes the tokens itself."""
+    ``partials.sum(0)`` is ``x @ weight.T`` in float32. Hand them to :func:`topk_softmax`."""
     tokens, hidden = x.shape
     experts = weight.shape[0]
     _check_router_operands(x, weight)
     splits = triton.cdiv(hidden, ROUTER_BLOCK_K)
     out = torch.empty((splits, tokens, experts), dtype=torch.float32, device=x.device)
-    route_ptrs, route_consts = _route_args(route, out)
     _router_partials_kernel[(triton.cdiv(experts, ROUTER_BLOCK_E), splits)](
-        x, weight, out, *route_ptrs, tokens, experts, hidden, x.stride(0), weight.stride(0), out.stride(0),
-        out.stride(1), BLOCK_T=triton.next_power_of_2(tokens), BLOCK_E=ROUTER_BLOCK_E, BLOCK_K=ROUTER_BLOCK_K,
-        num_warps=4, **route_consts, **pdl_kwargs(out),
+        x, weight, out, tokens, experts, hidden, x.stride(0), weight.stride(0), out.stride(0), out.stride(1),
+        BLOCK_T=triton.next_power_of_2(tokens), BLOCK_E=ROUTER_BLOCK_E, BLOCK_K=ROUTER_BLOCK_K, num_warps=4,
+        **pdl_kwargs(out),
     )  # fmt: skip
     return out
 
 
 @triton.jit
 def _norm_router_partials_kernel(
-    x_ptr, r_ptr, g_ptr, w_ptr, normed_ptr, res_out_ptr, out_ptr,
-    counter_ptr, bias_ptr, weights_ptr, ids_ptr, counts_ptr, T, E, H, eps,
+    x_ptr, r_ptr, g_ptr, w_ptr, normed_ptr, res_out_ptr, out_ptr, T, E, H, eps,
     stride_xm, stride_rm, stride_we, stride_os, stride_ot,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
-    USE_PDL: tl.constexpr, ROUTE: tl.constexpr, SPLITS: tl.constexpr, ROUND_TO: tl.constexpr,
-    TOP_K: tl.constexpr, ROUTE_BLOCK_K: tl.constexpr, E_POW2: tl.constexpr, HAS_BIAS: tl.constexpr,
-    RENORMALIZE: tl.constexpr, HAS_COUNTS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """:func:`_router_partials_kernel` of ``rms_norm(x + r) * g``, which each program forms itself:
     the whole row's sum of squares (``H`` columns from L2, a few KB), then its split's columns,
     rounded as :func:`~fastdeploy.ops.triton_layer_ops.fused_add_rms_norm` rounds them. The
-    programs of the first expert block also store their split's ``x + r`` and normalized columns.
-    ``ROUTE``: then :func:`_route_when_last`."""
+    programs of the first expert block also store their split's ``x + r`` and normalized columns."""
     pdl_prologue(USE_PDL)
     pid_e = tl.program_id(0)
     split = tl.program_id(1)
@@ -252,27 +152,17 @@ def _norm_router_partials_kernel(
         part = tl.sum(w * normed.to(tl.float32)[None, :], axis=1)
         out_mask = e_mask & (tl.zeros([BLOCK_E], dtype=tl.int32) + t < T)
         tl.store(out_ptr + split * stride_os + t * stride_ot + offs_e, part, mask=out_mask)
-    if ROUTE:
-        _route_when_last(
-            counter_ptr, out_ptr, bias_ptr, weights_ptr, ids_ptr, counts_ptr, T, E, stride_os, stride_ot,
-            SPLITS, ROUND_TO, TOP_K, BLOCK_T, ROUTE_BLOCK_K, E_POW2, HAS_BIAS, RENORMALIZE, HAS_COUNTS,
-        )  # fmt: skip
 
 
 def norm_router_partials(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    route: RouteInRouter | None = None,
+    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(hidden, new residual, partials)``: ``hidden = rms_norm(x + residual) * norm_weight`` (new
     tensors, the inputs untouched) and :func:`router_partials` of it, in one kernel (the residual
     add and the norm before a MoE block's router at a decode step of at most
     :data:`ROUTER_SPLIT_MAX_TOKENS` tokens: one launch fewer a layer). ``x``, ``residual`` ``[T, H]``
-    of one dtype with unit column strides, ``norm_weight [H]``, ``weight [E, H]`` and ``route`` as
-    :func:`router_partials` takes them."""
+    of one dtype with unit column strides, ``norm_weight [H]``, ``weight [E, H]`` as
+    :func:`router_partials` takes it."""
     tokens, hidden = x.shape
     if residual.shape != x.shape or residual.dtype != x.dtype or norm_weight.shape != (hidden,):
         raise ValueError(
@@ -287,39 +177,52 @@ def norm_router_partials(
     out = torch.empty((splits, tokens, experts), dtype=torch.float32, device=x.device)
     normed = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
     new_residual = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
-    route_ptrs, route_consts = _route_args(route, out)
     _norm_router_partials_kernel[(triton.cdiv(experts, ROUTER_BLOCK_E), splits)](
-        x, residual, norm_weight, weight, normed, new_residual, out, *route_ptrs, tokens, experts, hidden,
-        eps, x.stride(0), residual.stride(0), weight.stride(0), out.stride(0), out.stride(1),
+        x, residual, norm_weight, weight, normed, new_residual, out, tokens, experts, hidden, eps,
+        x.stride(0), residual.stride(0), weight.stride(0), out.stride(0), out.stride(1),
         BLOCK_T=triton.next_power_of_2(tokens), BLOCK_E=ROUTER_BLOCK_E, BLOCK_K=ROUTER_BLOCK_K,
-        BLOCK_H=triton.next_power_of_2(hidden), num_warps=4, **route_consts, **pdl_kwargs(out),
+        BLOCK_H=triton.next_power_of_2(hidden), num_warps=4, **pdl_kwargs(out),
     )  # fmt: skip
     return normed, new_residual, out
 
 
 @triton.jit
-def _route_row(
-    logits_ptr, bias_ptr, weights_ptr, ids_ptr, counts_ptr, row, E, stride_lm, stride_ls,
-    SPLITS: tl.constexpr, ROUND_TO: tl.constexpr, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_E: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_COUNTS: tl.constexpr,
-    CACHE: tl.constexpr,
-):  # fmt: skip
-    """One token's routing: ``probs = softmax(logits)``; the ``TOP_K`` best by ``probs (+ bias)``; their
-    probs (renormalised or not) and ids stored at ``row * TOP_K``, the load statistic counted.
+def _topk_softmax_kernel(
+    logits_ptr,
+    bias_ptr,
+    weights_ptr,
+    ids_ptr,
+    counts_ptr,
+    pair_counts_ptr,
+    ranks_ptr,
+    E,
+    stride_lm,
+    stride_ls,
+    SPLITS: tl.constexpr,
+    ROUND_TO: tl.constexpr,
+    TOP_K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    HAS_COUNTS: tl.constexpr,
+    HAS_RANKS: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """One token: ``probs = softmax(logits)``; the ``TOP_K`` best by ``probs (+ bias)``; their probs.
     ``SPLITS > 1``: the logits are the sum of that many float32 partials (``stride_ls`` apart),
-    rounded to ``ROUND_TO`` as the router's output in the model's dtype would be. ``CACHE``: the
-    logits' load cache modifier. Returns the chosen ids ``[BLOCK_K]`` and the slot numbers."""
+    rounded to ``ROUND_TO`` as the router's output in the model's dtype would be. ``HAS_RANKS``:
+    each chosen pair's rank among its expert's pairs of the step, by an atomic add on its counter."""
+    pdl_prologue(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     mask = offs < E
     if SPLITS == 1:
-        x = tl.load(
-            logits_ptr + row * stride_lm + offs, mask=mask, other=-float("inf"), cache_modifier=CACHE
-        ).to(tl.float32)
+        x = tl.load(logits_ptr + row * stride_lm + offs, mask=mask, other=-float("inf")).to(tl.float32)
     else:
         x = tl.zeros([BLOCK_E], dtype=tl.float32)
         for s in tl.static_range(SPLITS):
-            ptrs = logits_ptr + s * stride_ls + row * stride_lm + offs
-            x += tl.load(ptrs, mask=mask, other=0.0, cache_modifier=CACHE)
+            x += tl.load(logits_ptr + s * stride_ls + row * stride_lm + offs, mask=mask, other=0.0)
         x = tl.where(mask, x.to(ROUND_TO).to(tl.float32), -float("inf"))
     ex = tl.exp(x - tl.max(x, axis=0))
     probs = ex / tl.sum(ex, axis=0)
@@ -347,45 +250,11 @@ def _route_row(
         tl.atomic_add(
             counts_ptr + chosen_id, tl.full([BLOCK_K], 1, tl.int64), mask=slots < TOP_K, sem="relaxed"
         )
-    return chosen_id, slots
-
-
-@triton.jit
-def _topk_softmax_kernel(
-    logits_ptr,
-    bias_ptr,
-    weights_ptr,
-    ids_ptr,
-    counts_ptr,
-    pair_counts_ptr,
-    ranks_ptr,
-    E,
-    stride_lm,
-    stride_ls,
-    SPLITS: tl.constexpr,
-    ROUND_TO: tl.constexpr,
-    TOP_K: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
-    HAS_COUNTS: tl.constexpr,
-    HAS_RANKS: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    """One token's :func:`_route_row`. ``HAS_RANKS``: each chosen pair's rank among its expert's
-    pairs of the step, by an atomic add on its counter."""
-    pdl_prologue(USE_PDL)
-    row = tl.program_id(0).to(tl.int64)
-    chosen_id, slots = _route_row(
-        logits_ptr, bias_ptr, weights_ptr, ids_ptr, counts_ptr, row, E, stride_lm, stride_ls,
-        SPLITS, ROUND_TO, TOP_K, BLOCK_K, BLOCK_E, HAS_BIAS, RENORMALIZE, HAS_COUNTS, "",
-    )  # fmt: skip
     if HAS_RANKS:  # (relaxed: the ranks and counts are read by the next kernel)
         rank = tl.atomic_add(
             pair_counts_ptr + chosen_id, tl.full([BLOCK_K], 1, tl.int32), mask=slots < TOP_K, sem="relaxed"
         )
-        tl.store(ranks_ptr + row * TOP_K + slots, rank, mask=slots < TOP_K)
+        tl.store(ranks_ptr + out, rank, mask=slots < TOP_K)
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -421,7 +290,11 @@ def topk_softmax(
     tokens, experts = router_logits.shape[-2:]
     splits = router_logits.shape[0] if partials else 1
     dtype = dtype or router_logits.dtype
-    bias = _checked_routing(top_k, experts, correction_bias)
+    if not 0 < top_k <= experts:
+        raise ValueError(f"top_k must be in [1, {experts}], got {top_k}")
+    bias = None if correction_bias is None else correction_bias.reshape(-1)
+    if bias is not None and bias.numel() != experts:
+        raise ValueError(f"correction_bias must have {experts} entries, got {bias.numel()}")
     weights = torch.empty((tokens, top_k), dtype=dtype, device=router_logits.device)
     ids = torch.empty((tokens, top_k), dtype=torch.int64, device=router_logits.device)
     if tokens == 0:

@@ -1,6 +1,5 @@
-"""The MoE, FP8 quantization and FP8 linear kernels of a batch-256 decode step (and the batch-1
-router that routes in its last program) compile for Hopper (sm_90) with programmatic dependent
-launch and without spilling registers, on any machine
+"""The MoE, FP8 quantization and FP8 linear kernels of a batch-256 decode step compile for Hopper
+(sm_90) with programmatic dependent launch and without spilling registers, on any machine
 (:mod:`sm90_compile`; ``test_triton_fp8_compile.py``, a slow test, compiles every FP8 linear
 configuration, this one the step's in a few seconds).
 """
@@ -32,18 +31,6 @@ CASES = [
           ranks_ptr=I32),
      dict(SPLITS=1, ROUND_TO="bfloat16", TOP_K=8, BLOCK_K=8, BLOCK_E=128, HAS_BIAS=False, RENORMALIZE=True,
           HAS_COUNTS=True, HAS_RANKS=True, USE_PDL=True), 1, 3),
-    # the batch-1 router routing in its last program (RouteInRouter): atomics, barrier, .cg loads
-    ("triton_moe_routing", "_router_partials_kernel",
-     dict(x_ptr=BF16, w_ptr=BF16, out_ptr=FP32, counter_ptr=I32, bias_ptr=FP32, weights_ptr=BF16, ids_ptr=I64,
-          counts_ptr=I64),
-     dict(BLOCK_T=1, BLOCK_E=16, BLOCK_K=128, USE_PDL=True, ROUTE=True, SPLITS=16, ROUND_TO="bfloat16", TOP_K=8,
-          ROUTE_BLOCK_K=8, E_POW2=128, HAS_BIAS=False, RENORMALIZE=True, HAS_COUNTS=True), 4, 3),
-    ("triton_moe_routing", "_norm_router_partials_kernel",
-     dict(x_ptr=BF16, r_ptr=BF16, g_ptr=BF16, w_ptr=BF16, normed_ptr=BF16, res_out_ptr=BF16, out_ptr=FP32,
-          counter_ptr=I32, bias_ptr=FP32, weights_ptr=BF16, ids_ptr=I64, counts_ptr=I64, eps="fp32"),
-     dict(BLOCK_T=1, BLOCK_E=16, BLOCK_K=128, BLOCK_H=2048, USE_PDL=True, ROUTE=True, SPLITS=16,
-          ROUND_TO="bfloat16", TOP_K=8, ROUTE_BLOCK_K=8, E_POW2=128, HAS_BIAS=True, RENORMALIZE=True,
-          HAS_COUNTS=True), 4, 3),
     ("triton_fp8_quant", "_token_quant_kernel", dict(x_ptr=BF16, q_ptr=FP8, s_ptr=FP32), dict(BLOCK=1024, **QUANT),
      4, 3),
     ("triton_fp8_quant", "_group_quant_kernel", dict(x_ptr=BF16, q_ptr=FP8, s_ptr=FP32),

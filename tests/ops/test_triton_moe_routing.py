@@ -129,69 +129,6 @@ def test_norm_router_partials_equal_the_norm_then_the_router(tokens, dtype):
         routing.norm_router_partials(x, residual, norm_weight[:-1], 1e-6, weight)
 
 
-def _route(tokens, experts, top_k, renormalize, dtype, bias=None, counts=True):
-    return routing.RouteInRouter(
-        top_k, renormalize, torch.empty(tokens, top_k, dtype=dtype, device=DEVICE),
-        torch.empty(tokens, top_k, dtype=torch.int64, device=DEVICE),
-        torch.zeros(1, dtype=torch.int32, device=DEVICE), bias,
-        torch.zeros(experts, dtype=torch.int64, device=DEVICE) if counts else None,
-    )  # fmt: skip
-
-
-@pytest.mark.parametrize(
-    "tokens,experts,top_k,renormalize,bias,dtype",
-    [
-        (1, 128, 8, True, False, torch.bfloat16),  # Qwen3-30B-A3B's routing at batch 1
-        (3, 40, 4, False, False, torch.float32),  # experts not a power of two, no renormalising
-        (4, 64, 6, True, True, torch.bfloat16),  # Ernie-4.5: bias-corrected choice
-    ],
-)
-@pytest.mark.parametrize("norm", [False, True])
-def test_routing_in_the_router_kernel_equals_the_topk_kernel(
-    tokens, experts, top_k, renormalize, bias, dtype, norm
-):
-    """``RouteInRouter``: the split router's last program routes the tokens from the partials
-    itself: the weights, ids and load statistic bit for bit those of ``topk_softmax`` on the same
-    partials, the partials unchanged, and the ticket counter back at 0 (twice over: a graph replays it)."""
-    g = torch.Generator().manual_seed(tokens + experts)
-    hidden = 200  # a partial last split
-    x = torch.randn(tokens, hidden, generator=g).to(dtype).to(DEVICE)
-    residual = torch.randn(tokens, hidden, generator=g).to(dtype).to(DEVICE)
-    norm_weight = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype).to(DEVICE)
-    weight = (torch.randn(experts, hidden, generator=g) * 4 * hidden**-0.5).to(dtype).to(DEVICE)
-    correction = (0.1 * torch.randn(experts, generator=g)).to(DEVICE) if bias else None
-    for _ in range(2):
-        route = _route(tokens, experts, top_k, renormalize, dtype, correction)
-        if norm:
-            partials = routing.norm_router_partials(x, residual, norm_weight, 1e-6, weight, route)[2]
-            plain = routing.norm_router_partials(x, residual, norm_weight, 1e-6, weight)[2]
-        else:
-            partials = routing.router_partials(x, weight, route)
-            plain = routing.router_partials(x, weight)
-        assert torch.equal(partials, plain)
-        counts = torch.zeros(experts, dtype=torch.int64, device=DEVICE)
-        w, ids = routing.topk_softmax(plain, top_k, renormalize, correction, counts, dtype=dtype)
-        assert torch.equal(route.ids, ids) and torch.equal(route.weights, w)
-        assert torch.equal(route.expert_counts, counts) and int(counts.sum()) == tokens * top_k
-        assert route.counter.item() == 0
-
-
-def test_routing_in_the_router_rejects_bad_buffers():
-    x, weight = torch.randn(2, 128, device=DEVICE), torch.randn(16, 128, device=DEVICE)
-    with pytest.raises(ValueError, match="weights, ids of shape"):
-        routing.router_partials(x, weight, _route(3, 16, 2, True, torch.float32))
-    with pytest.raises(ValueError, match="top_k"):
-        routing.router_partials(x, weight, _route(2, 16, 17, True, torch.float32))
-    bad = _route(2, 16, 2, True, torch.float32)
-    bad.counter = torch.zeros(1, dtype=torch.int64, device=DEVICE)
-    with pytest.raises(ValueError, match="counter"):
-        routing.router_partials(x, weight, bad)
-    with pytest.raises(ValueError, match="correction_bias"):
-        routing.router_partials(
-            x, weight, _route(2, 16, 2, True, torch.float32, torch.zeros(15, device=DEVICE))
-        )
-
-
 def test_topk_softmax_rejects_bad_input():
     with pytest.raises(ValueError, match="top_k"):
         routing.topk_softmax(_logits(2, 4, 0).to(DEVICE), 5, True)

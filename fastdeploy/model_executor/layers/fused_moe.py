@@ -33,7 +33,6 @@ or read from an FP8 checkpoint.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -64,7 +63,6 @@ from fastdeploy.ops.layer_ops import silu_and_mul, triton_module
 
 if TYPE_CHECKING:  # (the Triton modules load lazily: CPU installs may lack triton)
     from fastdeploy.ops.triton_moe_align_atomic import PairRanks
-    from fastdeploy.ops.triton_moe_routing import RouteInRouter
 
 
 def select_experts_torch(
@@ -107,16 +105,6 @@ def _routing_kernels(router_logits: torch.Tensor) -> ModuleType | None:
     if kernels is not None and router_logits.dim() in (2, 3) and router_logits.stride(-1) == 1:
         return kernels
     return None
-
-
-@dataclass(frozen=True)
-class RoutedLogits:
-    """What :meth:`FusedMoE.router_logits` gives where the router's kernel has routed the tokens
-    itself (``FD_MOE_ROUTE_IN_ROUTER``): :func:`select_experts`' weights and ids, so that
-    :meth:`FusedMoE.forward` runs no top-k kernel."""
-
-    weights: torch.Tensor
-    ids: torch.Tensor
 
 
 def select_experts(
@@ -197,8 +185,6 @@ class FusedMoE(nn.Module):
         set_weight_loader(self.down_proj, self.load_expert_shard, down_shapes)
         self.register_buffer("routed_tokens", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
         """(token, expert) pairs routed to each expert since the last read (:mod:`.moe_load`)."""
-        self.register_buffer("route_tickets", torch.zeros(1, dtype=torch.int32), persistent=False)
-        """The ticket counter of the router kernel that routes in its last program (zero between launches)."""
         self.fp8 = Fp8MoEMethod.from_config(quant_config)
         if self.fp8 is not None:
             self.fp8.create_weights(self)
@@ -270,19 +256,12 @@ class FusedMoE(nn.Module):
         return *norm(x, residual), None
 
     def norm_and_router_logits(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        norm: nn.Module,
-        gate: nn.Module,
-        correction_bias: torch.Tensor | None = None,
-    ) -> tuple[
-        torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None, torch.Tensor | RoutedLogits
-    ]:
+        self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module, gate: nn.Module
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None, torch.Tensor]:
         """``(hidden, residual, quantized, router logits)``: :meth:`norm_input` then
-        :meth:`router_logits` (``correction_bias``: the one :meth:`forward` gets). With
-        ``FD_MOE_ROUTER_NORM_FUSION``, where the split router runs (a decode step of a few tokens)
-        after an RMSNorm with a residual, one kernel adds, normalizes and computes the partial logits
+        :meth:`router_logits`. With ``FD_MOE_ROUTER_NORM_FUSION``, where the split router runs (a
+        decode step of a few tokens) after an RMSNorm with a residual, one kernel adds, normalizes
+        and computes the partial logits
         (:func:`~fastdeploy.ops.triton_moe_routing.norm_router_partials`)."""
         kernels = self._split_router_kernels(gate, x) if envs.FD_MOE_ROUTER_NORM_FUSION else None
         if (
@@ -294,50 +273,23 @@ class FusedMoE(nn.Module):
             and residual.dtype == x.dtype
             and norm.weight.dtype == x.dtype
         ):
-            route = self._route_in_router(kernels, x, correction_bias)
             hidden, residual, partials = kernels.norm_router_partials(
-                x, residual, norm.weight, norm.eps, gate.weight, route
+                x, residual, norm.weight, norm.eps, gate.weight
             )
-            return (
-                hidden,
-                residual,
-                None,
-                partials if route is None else RoutedLogits(route.weights, route.ids),
-            )
+            return hidden, residual, None, partials
         hidden, residual, quantized = self.norm_input(x, residual, norm)
-        return hidden, residual, quantized, self.router_logits(gate, hidden, correction_bias)
+        return hidden, residual, quantized, self.router_logits(gate, hidden)
 
-    def router_logits(
-        self, gate: nn.Module, hidden: torch.Tensor, correction_bias: torch.Tensor | None = None
-    ) -> torch.Tensor | RoutedLogits:
+    def router_logits(self, gate: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         """``gate(hidden)``: the router's logits ``[T, E]``. With ``FD_MOE_ROUTER_SPLIT`` on a GPU,
         for a decode step of at most ``ROUTER_SPLIT_MAX_TOKENS`` tokens and a plain (unquantized,
         no bias) router of the hidden states' dtype: split-K partial sums ``[S, T, E]`` instead
         (:func:`~fastdeploy.ops.triton_moe_routing.router_partials`), which :meth:`forward`'s top-k
-        kernel adds up as it loads them; with ``FD_MOE_ROUTE_IN_ROUTER`` too, the router kernel's
-        last program routes the tokens (by ``correction_bias`` where given) and this returns
-        their :class:`RoutedLogits`."""
+        kernel adds up as it loads them."""
         kernels = self._split_router_kernels(gate, hidden)
-        if kernels is None:
-            return gate(hidden)
-        route = self._route_in_router(kernels, hidden, correction_bias)
-        partials = kernels.router_partials(hidden, gate.weight, route)
-        return partials if route is None else RoutedLogits(route.weights, route.ids)
-
-    def _route_in_router(
-        self, kernels: ModuleType, hidden: torch.Tensor, correction_bias: torch.Tensor | None
-    ) -> RouteInRouter | None:
-        """With ``FD_MOE_ROUTE_IN_ROUTER``: the split router kernel's routing outputs and inputs
-        (a :class:`~fastdeploy.ops.triton_moe_routing.RouteInRouter`), else None."""
-        if not envs.FD_MOE_ROUTE_IN_ROUTER:
-            return None
-        tokens = hidden.shape[0]
-        return kernels.RouteInRouter(
-            self.top_k, self.renormalize,
-            torch.empty((tokens, self.top_k), dtype=hidden.dtype, device=hidden.device),
-            torch.empty((tokens, self.top_k), dtype=torch.int64, device=hidden.device),
-            self.route_tickets, correction_bias, self.routed_tokens,
-        )  # fmt: skip
+        if kernels is not None:
+            return kernels.router_partials(hidden, gate.weight)
+        return gate(hidden)
 
     @staticmethod
     def _split_router_kernels(gate: nn.Module, hidden: torch.Tensor) -> ModuleType | None:
@@ -366,27 +318,28 @@ class FusedMoE(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        router_logits: torch.Tensor | RoutedLogits,
+        router_logits: torch.Tensor,
         shared_experts: Callable[[], torch.Tensor] | None = None,
         correction_bias: torch.Tensor | None = None,
         quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Route each token to its top-k experts (``router_logits``: ``[T, E]``, or
-        :meth:`router_logits`' partials or :class:`RoutedLogits`) and return their weighted sum ``[T, H]``, plus the
+        :meth:`router_logits`' partials) and return their weighted sum ``[T, H]``, plus the
         output of ``shared_experts`` (this rank's partial output of the block's shared experts: run
         on a side stream beside the routed experts, :mod:`.side_stream`), summed over the
         tensor-parallel ranks: one all-reduce of routed + shared partials. ``quantized``:
         :meth:`norm_input`'s FP8 rows of ``hidden``."""
         shared = start_beside(shared_experts, hidden.device) if shared_experts is not None else None
-        ranked = None
-        if isinstance(router_logits, RoutedLogits):  # routed by the router's kernel
-            weights, ids = router_logits.weights, router_logits.ids
-        else:
-            ranked = self.pair_ranks(hidden, router_logits)
-            weights, ids = select_experts(
-                router_logits, self.top_k, self.renormalize, correction_bias, self.routed_tokens, hidden.dtype,
-                ranked,
-            )  # fmt: skip
+        ranked = self.pair_ranks(hidden, router_logits)
+        weights, ids = select_experts(
+            router_logits,
+            self.top_k,
+            self.renormalize,
+            correction_bias,
+            self.routed_tokens,
+            hidden.dtype,
+            ranked,
+        )
         if self.ep_size > 1 and ep_spans_replicas():
             out = self.experts_across_replicas(hidden, weights, ids)
             if shared is not None:

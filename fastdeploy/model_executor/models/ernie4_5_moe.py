@@ -73,11 +73,11 @@ class ErnieMoeSparseBlock(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``norm(x + residual)`` → the block's output, and the new residual."""
-        bias = self.moe_statics.e_score_correction_bias
         hidden, residual, quantized, logits = self.experts.norm_and_router_logits(
-            x, residual, norm, self.gate, bias
+            x, residual, norm, self.gate
         )
         shared = (lambda: self.shared_experts_output(hidden)) if self.shared_experts is not None else None
+        bias = self.moe_statics.e_score_correction_bias
         return self.experts(hidden, logits, shared, bias, quantized), residual
 
     def shared_experts_output(self, hidden: torch.Tensor) -> torch.Tensor:
