@@ -163,12 +163,6 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "inside the router's kernel (one launch fewer a layer at decode steps of at most 4 tokens; on "
         "by default; 0: the norm kernel, then the router).",
     ),
-    "FD_DECODE_ROTARY_FUSION": (
-        _bool("FD_DECODE_ROTARY_FUSION", "0"),
-        "Decode steps on the Triton attention kernels normalize (Qwen3's q / k norms) and rotate the "
-        "raw q / k and write the step's keys and values to the cache inside the decode kernel, instead "
-        "of a kernel before it (ops/triton_decode_rotary.py; off until timed on a GPU).",
-    ),
     "FD_FP8_CHANNEL_TRITON_MAX_M": (
         lambda: int(os.environ.get("FD_FP8_CHANNEL_TRITON_MAX_M", "512")),
         "Per-channel FP8 linears (--quantization ptpc_fp8) of more than FD_FP8_SMALL_M_MAX and at most "

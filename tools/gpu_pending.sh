@@ -34,8 +34,6 @@
 #   moe_router (~4) the batch-1 FP8 decode step, the MoE router split-K (FD_MOE_ROUTER_SPLIT) or not
 #   moe_split (~5) the MoE layer's two grouped GEMMs tuned apart at 256 and 8,192 tokens (FP8 per channel)
 #   moe_vllm_fair (~7) vLLM's bar runs with uniform simulated routing (FP8, bf16), and FP8 as before
-#   decode_rotary (~7) Qwen3's q / k norms, rotary and cache write inside the decode kernel
-#                 (FD_DECODE_ROTARY_FUSION): its GPU tests, then batch-1 FP8 / bf16, batch-256 FP8 off / on
 #   moe_fusions (~4) the batch-1 FP8 / bf16 step with the norm inside the router (FD_MOE_ROUTER_NORM_FUSION)
 #                 off / on
 #   moe_tma (~5)  the expert weights through TMA descriptors (FD_MOE_TMA_WEIGHTS) or pointer loads: its
@@ -60,7 +58,7 @@
 #   bash tools/gpu_pending.sh OUT [section ...]
 # Run it without `| tail` in the `run` call: a call stopped at its time limit returns only what it
 # already printed (twice in the twentieth session a tail held back every line of a 600 s call).
-OUT=${1:?usage: tools/gpu_pending.sh OUT [structured_nice] [structured_threads] [structured_gil] [structured_default] [structured_guidance] [first_burst] [structured] [tests] [moe_e2e] [moe_budget] [moe_prefill] [moe_phases] [moe_vllm] [moe_fair] [moe_split] [fp8_channel] [moe_router] [gemv_sweep] [moe_vllm_fair] [decode_rotary] [moe_fusions] [moe_tma] [moe_pdl] [moe_ranks] [decode256] [attn_prefill] [moe_persistent_sweep] [offline_ratio] [poisson] [prefill] [moe] [budget]}
+OUT=${1:?usage: tools/gpu_pending.sh OUT [structured_nice] [structured_threads] [structured_gil] [structured_default] [structured_guidance] [first_burst] [structured] [tests] [moe_e2e] [moe_budget] [moe_prefill] [moe_phases] [moe_vllm] [moe_fair] [moe_split] [fp8_channel] [moe_router] [gemv_sweep] [moe_vllm_fair] [moe_fusions] [moe_tma] [moe_pdl] [moe_ranks] [decode256] [attn_prefill] [moe_persistent_sweep] [offline_ratio] [poisson] [prefill] [moe] [budget]}
 shift
 sections=${*:-structured_nice tests moe_e2e poisson prefill moe budget}
 mkdir -p "$OUT"
@@ -381,27 +379,6 @@ decode256() {
             --batch 256 --quantization ptpc_fp8 --rows 24 > "$W/$name.txt" 2>&1
         echo "$setting: $(grep '^batch 256' "$W/$name.txt" | head -n 1)"
         grep -E "kernel|nvjet|Memcpy" "$W/$name.txt" | cut -c1-60,100-160 | head -n 24
-    done
-}
-
-# #18: Qwen3's q / k norms, rotary and cache write inside the decode kernel (FD_DECODE_ROTARY_FUSION: no
-# qk-norm kernel before attention at decode steps): its GPU tests, then the batch-1 FP8 / bf16 and the
-# batch-256 FP8 decode steps of Qwen3-30B-A3B off / on, alternated
-decode_rotary() {
-    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/model_executor/test_triton_decode_rotary.py \
-        tests/model_executor/test_triton_attention.py -k "gpu_decode or gpu_engine or qwen3_cache" \
-        > "$W/rotary_test.log" 2>&1
-    echo "tests: $(tail -n 1 "$W/rotary_test.log")"
-    grep -E "^FAILED|Error" "$W/rotary_test.log" | head -n 5
-    for run in "1 ptpc_fp8" "1 bf16" "256 ptpc_fp8"; do
-        set -- $run
-        for fusion in 0 1 0 1; do
-            FD_DECODE_ROTARY_FUSION=$fusion timeout 150 python3 -m benchmarks.gpubench.profile_decode \
-                benchmarks/configs/qwen3-30b-a3b --batch $1 $([ $2 = bf16 ] || echo --quantization $2) --rows 12 \
-                > "$W/rot_$1_$2_$fusion.txt" 2>&1
-            echo "batch $1 $2 fusion $fusion: $(grep "^batch $1" "$W/rot_$1_$2_$fusion.txt" | head -n 1)"
-            grep -E "decode_kernel|qk_norm_rotary" "$W/rot_$1_$2_$fusion.txt" | cut -c1-60,100-160
-        done
     done
 }
 

@@ -24,13 +24,6 @@ import torch
 import triton
 import triton.language as tl
 
-from fastdeploy.ops.triton_decode_rotary import (
-    QKRotary,
-    normed_rotated,
-    rotary_cos_sin,
-    rotary_kernel_args,
-    write_new_kv,
-)
 from fastdeploy.ops.triton_env import triton_interpreting
 from fastdeploy.ops.triton_pdl import pdl_kwargs, pdl_prologue, pdl_trigger
 
@@ -231,16 +224,10 @@ def _decode_kernel(
     block_table_ptr, seq_lens_ptr, query_start_ptr, limits_ptr, qk_scale, block_size,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_sb, stride_ss, stride_sh, stride_bt,
-    new_k_ptr, new_v_ptr, slot_ptr, pos_ptr, cos_ptr, sin_ptr, q_w_ptr, k_w_ptr, norm_eps, stride_nkt, stride_nvt,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr, FP8: tl.constexpr, HAS_LIMITS: tl.constexpr, DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, SPLIT_INTERIOR: tl.constexpr = False,
-    ROTARY: tl.constexpr = False, QK_NORM: tl.constexpr = False,
 ):  # fmt: skip
-    """One request's query token (its ``GROUP`` heads of ``kv_head``) over split ``split`` of its keys.
-    ``ROTARY``: q arrives raw; the program normalizes (``QK_NORM``) and rotates it, and the split
-    that holds the token's own key first writes that key (normalized, rotated) and its value to the
-    token's cache slot (:mod:`fastdeploy.ops.triton_decode_rotary`)."""
     pdl_prologue(USE_PDL)
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -256,17 +243,11 @@ def _decode_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     head_ok = offs_h < GROUP
     head = kv_head * GROUP + offs_h
-    q_rows = q_ptr + (token * stride_qt + head * stride_qh)[:, None]
-    if ROTARY:
-        c, s = rotary_cos_sin(pos_ptr, cos_ptr, sin_ptr, token, HEAD_DIM, q_ptr.dtype.element_ty)
-        q = normed_rotated(q_rows, head_ok, q_w_ptr, c, s, norm_eps, QK_NORM, HEAD_DIM)
-        write_new_kv(
-            new_k_ptr + token * stride_nkt + kv_head * HEAD_DIM, new_v_ptr + token * stride_nvt + kv_head * HEAD_DIM,
-            k_cache_ptr, v_cache_ptr, tl.load(slot_ptr + token), limit - 1, start, end, kv_head, k_w_ptr, c, s, norm_eps,
-            block_size, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, QK_NORM, HEAD_DIM,
-        )  # fmt: skip
-    else:
-        q = tl.load(q_rows + offs_d[None, :], mask=head_ok[:, None], other=0.0)
+    q = tl.load(
+        q_ptr + (token * stride_qt + head * stride_qh)[:, None] + offs_d[None, :],
+        mask=head_ok[:, None],
+        other=0.0,
+    )
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
@@ -484,19 +465,13 @@ def decode_attention(
     v_scale: torch.Tensor | None = None,
     mask_limits: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
-    rotary: QKRotary | None = None,
-    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Flash-decoding for a batch where every request has exactly one query token.
 
     ``num_splits`` (a power of two, e.g. from :func:`decode_num_splits`) KV splits per request
     and KV head; with more than one, fp32 partial results are merged by a reduction kernel.
     The grid is ``(num_reqs, kv_heads, num_splits)``: no dependence on the sequence lengths.
-    ``config`` overrides :func:`decode_config`'s tile sizes (benchmark sweeps). With ``rotary``,
-    q and ``new_kv`` = (keys, values ``[T, kv_heads, head_dim]``, slot mapping) arrive raw: the
-    kernel applies the q / k norms and the rotary embedding and writes the step's keys and
-    values to the cache itself (16-bit caches, no ``mask_limits``), where otherwise a kernel
-    before it would (:mod:`fastdeploy.ops.triton_decode_rotary`).
+    ``config`` overrides :func:`decode_config`'s tile sizes (benchmark sweeps).
     """
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
@@ -505,9 +480,6 @@ def decode_attention(
     constexprs, (qk_scale, strides, caches) = _common_args(
         q, key_cache, value_cache, k_scale, v_scale, block_table, scale
     )
-    if rotary is not None and (constexprs["FP8"] or mask_limits is not None):
-        raise ValueError("rotary in the decode kernel needs a 16-bit cache and no mask limits")
-    rotary_args, rotary_flags = rotary_kernel_args(rotary, new_kv, q)
     num_heads, head_dim = q.shape[1:]
     part_out = part_lse = out
     if num_splits > 1:
@@ -519,10 +491,10 @@ def decode_attention(
     _decode_kernel[grid](
         out, part_out, part_lse, q, *caches, block_table, seq_lens, query_start_loc,
         mask_limits if mask_limits is not None else seq_lens,
-        qk_scale, key_cache.shape[1], *q.stride()[:2], *out.stride()[:2], *strides, *rotary_args,
+        qk_scale, key_cache.shape[1], *q.stride()[:2], *out.stride()[:2], *strides,
         NUM_SPLITS=num_splits, HAS_LIMITS=mask_limits is not None,
         **(config or decode_config(q.dtype, head_dim, constexprs["GROUP"], num_reqs * key_cache.shape[2] * num_splits)),
-        **constexprs, **rotary_flags, **pdl_kwargs(q),
+        **constexprs, **pdl_kwargs(q),
     )  # fmt: skip
     if num_splits > 1:
         _decode_reduce_kernel[(num_reqs, num_heads)](

@@ -108,22 +108,3 @@ def reference(layer, q, common):
         probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, values)
     return out
-
-
-def tiny_qwen3(path, hidden: int, head_dim: int) -> tuple[list[dict], object]:
-    """A two-layer Qwen3 config (4 query / 2 KV heads) saved to ``path``, three prompts of 5-45 tokens
-    and greedy parameters for 24 tokens."""
-    from transformers import Qwen3Config
-
-    from fastdeploy import SamplingParams
-
-    config = Qwen3Config(
-        vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=4 * head_dim,
-        tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None,
-    )  # fmt: skip
-    config.architectures = ["Qwen3ForCausalLM"]
-    config.save_pretrained(str(path))
-    gen = torch.Generator().manual_seed(7)
-    prompts = [{"prompt_token_ids": torch.randint(0, 512, (n,), generator=gen).tolist()} for n in (5, 21, 45)]
-    return prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from paged_attention_cases import TOLERANCE, make_step, reference, tiny_qwen3  # noqa: E402
+from paged_attention_cases import TOLERANCE, make_step, reference  # noqa: E402
 
 from fastdeploy.config import EngineConfig  # noqa: E402
 from fastdeploy.model_executor.attention.forward_context import set_forward_context  # noqa: E402
@@ -199,23 +199,34 @@ def test_cuda_graph_padding_of_a_decode_batch(splits):
     assert torch.equal(out[2:], torch.zeros_like(out[2:]))
 
 
+def _tiny_qwen3(path, hidden: int, head_dim: int) -> tuple[list[dict], object]:
+    """A two-layer Qwen3 config (4 query / 2 KV heads) saved to ``path``, three prompts of 5-45 tokens
+    and greedy parameters for 24 tokens."""
+    from transformers import Qwen3Config
+
+    from fastdeploy import SamplingParams
+
+    config = Qwen3Config(
+        vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=4 * head_dim,
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )  # fmt: skip
+    config.architectures = ["Qwen3ForCausalLM"]
+    config.save_pretrained(str(path))
+    gen = torch.Generator().manual_seed(7)
+    prompts = [{"prompt_token_ids": torch.randint(0, 512, (n,), generator=gen).tolist()} for n in (5, 21, 45)]
+    return prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
 @needs_interpreter
 def test_engine_greedy_tokens_match_the_torch_backend(tmp_path, monkeypatch):
-    """A Qwen3-shaped dummy model through the engine (chunked prefill, mixed steps, decodes) on both
-    backends; Triton also with the q / k norms, rotary and cache write inside the decode kernel
-    (``FD_DECODE_ROTARY_FUSION``), which must then serve the decode steps."""
+    """A Qwen3-shaped dummy model through the engine (chunked prefill, mixed steps, decodes) on both backends."""
     from fastdeploy import LLM
 
     monkeypatch.setattr("fastdeploy.ops.cpu_ops.load_cpu_ops", lambda: None)  # the plain torch reference
-    fused_calls = []
-    fused = TritonAttentionBackend.forward_qk_rotary
-    monkeypatch.setattr(
-        TritonAttentionBackend, "forward_qk_rotary", lambda *a: fused_calls.append(1) or fused(*a)
-    )
-    prompts, params = tiny_qwen3(tmp_path, hidden=128, head_dim=32)
+    prompts, params = _tiny_qwen3(tmp_path, hidden=128, head_dim=32)
     tokens, threads = {}, torch.get_num_threads()  # the engine sets one thread (tiny matmuls); restore after
-    for backend, fusion in (("torch", "0"), ("triton", "0"), ("triton", "1")):
-        monkeypatch.setenv("FD_DECODE_ROTARY_FUSION", fusion)
+    for backend in ("torch", "triton"):
         llm = LLM(
             model=str(tmp_path), load_format="dummy", dtype="float32", seed=1234, block_size=16,
             num_gpu_blocks_override=24, max_num_seqs=4, max_num_batched_tokens=32, num_threads=1,
@@ -223,13 +234,12 @@ def test_engine_greedy_tokens_match_the_torch_backend(tmp_path, monkeypatch):
         )  # fmt: skip
         try:
             assert llm.engine.core.executor.worker.runner.attn_backend.name == backend
-            tokens[backend, fusion] = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
+            tokens[backend] = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
         finally:
             llm.shutdown()
             torch.set_num_threads(threads)
-        assert bool(fused_calls) == (fusion == "1")
-    assert tokens["triton", "0"] == tokens["torch", "0"] == tokens["triton", "1"]
-    assert len({t for seq in tokens["triton", "1"] for t in seq}) > 3
+    assert tokens["triton"] == tokens["torch"]
+    assert len({t for seq in tokens["triton"] for t in seq}) > 3
 
 
 @pytest.mark.gpu
@@ -242,7 +252,7 @@ def test_qwen3_cache_write_in_the_qk_norm_kernel_gives_the_same_tokens(tmp_path,
 
     if not torch.cuda.is_available() or layer_ops.load_triton_ops() is None:
         pytest.skip("needs a GPU and triton")
-    prompts, params = tiny_qwen3(tmp_path, hidden=256, head_dim=64)
+    prompts, params = _tiny_qwen3(tmp_path, hidden=256, head_dim=64)
     calls, fused_call = [], layer_ops.qk_norm_rotary_
     monkeypatch.setattr(
         "fastdeploy.model_executor.models.llama.qk_norm_rotary_",

@@ -34,10 +34,6 @@ CASES = [
     ("decode", "bf16", "bf16", 128, 4, 1, 1),
     ("decode", "fp16", "fp16", 256, 4, 1, 2),
     ("decode", "bf16", "fp8e4nv", 64, 1, 1, 1),
-    # the q / k norms, rotary and cache write inside the decode kernel (ops/triton_decode_rotary.py)
-    ("decode_rotary", "bf16", "bf16", 128, 8, 1, 1),
-    ("decode_rotary", "bf16", "bf16", 128, 4, 1, 8),
-    ("decode_rotary", "fp32", "fp32", 64, 2, 1, 2),
     ("reduce", "bf16", "bf16", 128, 1, 1, 16),
 ]
 
@@ -59,16 +55,13 @@ def _compile_all() -> dict[str, dict]:
                 ta._unified_kernel,
                 ta.unified_config(torch_dtypes[q_type], head_dim, group, max_query_len),
             )
-        elif kind.startswith("decode"):
+        elif kind == "decode":
             programs = 1 << 20 if splits == 1 else 0  # a large batch (small tiles), else a small one
             kernel, constexprs = (
                 ta._decode_kernel,
                 ta.decode_config(torch_dtypes[q_type], head_dim, group, programs),
             )
             constexprs["NUM_SPLITS"] = splits
-            if kind == "decode_rotary":  # Qwen3's q / k norms with an even group, Llama's rotary alone else
-                constexprs.update(ROTARY=True, QK_NORM=group % 2 == 0)
-                shared["HAS_LIMITS"] = False
         else:
             kernel, constexprs, shared = ta._decode_reduce_kernel, {"num_warps": 4}, {}
             constexprs.update(HEAD_DIM=head_dim, NUM_SPLITS=splits)
@@ -77,17 +70,6 @@ def _compile_all() -> dict[str, dict]:
             options["num_stages"] = constexprs.pop("num_stages")
         types = {"out_ptr": f"*{q_type}", "q_ptr": f"*{q_type}", "k_cache_ptr": f"*{cache_type}"}
         types.update(v_cache_ptr=types["k_cache_ptr"], qk_scale="fp32", **PTR_TYPES)
-        types.update(
-            new_k_ptr=f"*{q_type}",
-            new_v_ptr=f"*{q_type}",
-            slot_ptr="*i64",
-            pos_ptr="*i64",
-            cos_ptr="*fp32",
-            sin_ptr="*fp32",
-            q_w_ptr=f"*{q_type}",
-            k_w_ptr=f"*{q_type}",
-            norm_eps="fp32",
-        )
         types.update(
             k_scale_ptr="*fp32" if fp8 else types["k_cache_ptr"],
             v_scale_ptr="*fp32" if fp8 else types["k_cache_ptr"],

@@ -16,7 +16,6 @@ from typing import Any, Protocol
 import torch
 
 from fastdeploy.model_executor.attention.metadata import CommonAttentionMetadata
-from fastdeploy.ops.qk_rotary import QKRotary
 
 
 @dataclass(frozen=True)
@@ -100,19 +99,6 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """q: [T, Hq, D]; k/v: [T, Hkv, D] (already written to ``layer.kv_cache``) → [T, Hq, D]."""
 
-    def runs_qk_rotary(self, meta: AttentionMetadata) -> bool:
-        """Whether :meth:`forward_qk_rotary` serves this step: raw q / k normalized and rotated, and
-        the step's keys and values written to the cache, inside the attention kernel."""
-        return False
-
-    def forward_qk_rotary(
-        self, layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
-        rotary: QKRotary,
-    ) -> torch.Tensor:  # fmt: skip
-        """:meth:`forward` of raw q / k / v (not yet in the cache), ``rotary`` applied by the kernel;
-        called only where :meth:`runs_qk_rotary`."""
-        raise NotImplementedError(f"the {self.name} attention backend does not apply the rotary embedding")
-
     def build_graph_metadata(self, common: CommonAttentionMetadata) -> AttentionMetadata:
         """Metadata to capture a decode CUDA graph of ``common.num_reqs`` requests with."""
         raise NotImplementedError(f"the {self.name} attention backend has no CUDA graphs")
@@ -162,15 +148,6 @@ class PrefillDecodeBackend(AttentionBackend):
         self, layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         return self.backend_for(meta.common).forward(layer, q, k, v, meta)
-
-    def runs_qk_rotary(self, meta: AttentionMetadata) -> bool:
-        return self.backend_for(meta.common).runs_qk_rotary(meta)
-
-    def forward_qk_rotary(
-        self, layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
-        rotary: QKRotary,
-    ) -> torch.Tensor:  # fmt: skip
-        return self.backend_for(meta.common).forward_qk_rotary(layer, q, k, v, meta, rotary)
 
     def build_graph_metadata(self, common: CommonAttentionMetadata) -> AttentionMetadata:
         return self.backend_for(common).build_graph_metadata(common)

@@ -9,7 +9,6 @@ from fastdeploy import envs
 from fastdeploy.model_executor.attention.forward_context import get_attn_metadata
 from fastdeploy.ops import reshape_and_cache_flash
 from fastdeploy.ops.layer_ops import load_triton_ops
-from fastdeploy.ops.qk_rotary import QKRotary
 
 
 class Attention(nn.Module):
@@ -56,22 +55,6 @@ class Attention(nn.Module):
             return None
         return (*self.kv_cache, metadata.slot_mapping)
 
-    def runs_qk_rotary(self, x: torch.Tensor, rotary: QKRotary) -> bool:
-        """Whether this step's attention kernel applies ``rotary`` (q / k norms, rotary embedding)
-        to raw q / k and writes the keys and values to the cache itself, for activations like
-        ``x`` (``FD_DECODE_ROTARY_FUSION``; the Triton decode kernel, bf16/fp16/fp32 caches)."""
-        metadata = get_attn_metadata()
-        return (
-            envs.FD_DECODE_ROTARY_FUSION
-            and not envs.FD_DISABLE_CUSTOM_OPS
-            and metadata is not None
-            and self.kv_cache is not None
-            and self.kv_cache_dtype == "auto"
-            and metadata.slot_mapping.shape[0] == x.shape[0]
-            and rotary.usable_with(x.dtype, self.head_dim)
-            and self.backend.runs_qk_rotary(metadata)
-        )
-
     def forward(
         self,
         q: torch.Tensor,
@@ -79,7 +62,6 @@ class Attention(nn.Module):
         v: torch.Tensor,
         rotary: tuple[torch.Tensor, nn.Module] | None = None,
         cache_written: bool = False,
-        qk_rotary: QKRotary | None = None,
     ) -> torch.Tensor:
         """q: [T, num_heads * head_dim], k/v: [T, num_kv_heads * head_dim] → [T, num_heads * head_dim].
 
@@ -87,17 +69,9 @@ class Attention(nn.Module):
         (callers pass it only when :meth:`fuses_rotary`); otherwise they arrive rotated.
         ``cache_written``: q and k arrive rotated and k and v are already in the cache at
         :meth:`cache_target`'s slots (callers pass it only when that was not None).
-        ``qk_rotary``: q and k arrive raw, and the attention kernel norms, rotates and caches
-        them (callers pass it only when :meth:`runs_qk_rotary`).
         """
         num_tokens = q.shape[0]
         metadata = get_attn_metadata()
-        if qk_rotary is not None:
-            q = q.view(num_tokens, self.num_heads, self.head_dim)
-            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-            v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-            out = self.backend.forward_qk_rotary(self, q, k, v, metadata, qk_rotary)
-            return out.reshape(num_tokens, self.num_heads * self.head_dim)
         fused = (
             rotary is not None
             and metadata is not None

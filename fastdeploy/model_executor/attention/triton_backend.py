@@ -18,7 +18,6 @@ import torch
 from fastdeploy.model_executor.attention.backend import AttentionBackend, AttentionSpec
 from fastdeploy.model_executor.attention.metadata import CommonAttentionMetadata
 from fastdeploy.ops.cache_ops import FP8_KV_CACHE_DTYPES
-from fastdeploy.ops.qk_rotary import QKRotary
 from fastdeploy.ops.triton_attention import decode_attention, decode_num_splits, unified_attention
 from fastdeploy.ops.triton_env import triton_interpreting
 
@@ -90,26 +89,6 @@ class TritonAttentionBackend(AttentionBackend):
 
     def update_graph_metadata(self, meta: TritonAttentionMetadata, common: CommonAttentionMetadata) -> None:
         """Nothing to do before a replay (see :meth:`build_graph_metadata`)."""
-
-    def runs_qk_rotary(self, meta: TritonAttentionMetadata) -> bool:
-        """Decode-only steps without mask offsets: the decode kernel's prologue
-        (:mod:`fastdeploy.ops.triton_decode_rotary`)."""
-        return meta.decode_only and meta.mask_limits is None
-
-    def forward_qk_rotary(
-        self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: TritonAttentionMetadata,
-        rotary: QKRotary,
-    ) -> torch.Tensor:  # fmt: skip
-        """The decode kernel on raw q / k / v: it norms and rotates them and caches k and v itself."""
-        key_cache, value_cache = layer.kv_cache
-        common = meta.common
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        decode_attention(
-            out, q, key_cache, value_cache, common.block_table, common.seq_lens, common.query_start_loc,
-            scale=layer.scale, num_reqs=common.num_reqs, num_splits=self._splits(common, key_cache),
-            rotary=rotary, new_kv=(k, v, common.slot_mapping),
-        )  # fmt: skip
-        return out
 
     def forward(
         self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: TritonAttentionMetadata

@@ -34,7 +34,6 @@ from fastdeploy.model_executor.layers.rotary_embedding import InterleavedRotaryE
 from fastdeploy.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from fastdeploy.model_executor.layers.weight_loading import ShardId, checkpoint_shapes, weight_loader
 from fastdeploy.ops.layer_ops import qk_norm_rotary_
-from fastdeploy.ops.qk_rotary import QKRotary
 from fastdeploy.transformers_utils.config import ModelArchConfig
 
 
@@ -89,11 +88,6 @@ class LlamaAttention(nn.Module):
             return self.o_proj(self.attn(q, k, v, cache_written=True)), residual
         qkv, residual = self.qkv_proj.forward_normed(hidden, residual, norm)
         num_tokens = qkv.shape[0]
-        qk_rotary = self._qk_rotary(positions)
-        if qk_rotary is not None and self.attn.runs_qk_rotary(qkv, qk_rotary):
-            # a decode step: norms, rotary and cache write inside the attention kernel
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            return self.o_proj(self.attn(q, k, v, qk_rotary=qk_rotary)), residual
         if self.qk_norm and type(self.rotary_emb) is RotaryEmbedding:  # one kernel on a GPU
             rope = self.rotary_emb
             # on a GPU the same kernel writes the keys and values to the cache
@@ -118,18 +112,6 @@ class LlamaAttention(nn.Module):
             self.rotary_emb(positions, qkv, self.num_heads + self.num_kv_heads)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         return self.o_proj(self.attn(q, k, v)), residual
-
-    def _qk_rotary(self, positions: torch.Tensor) -> QKRotary | None:
-        """This layer's q / k norms and NeoX rotary embedding as a :class:`QKRotary` (None for
-        other rotary embeddings)."""
-        if type(self.rotary_emb) is not RotaryEmbedding:
-            return None
-        rope = self.rotary_emb
-        if not self.qk_norm:
-            return QKRotary(positions, rope.cos_cache, rope.sin_cache)
-        return QKRotary(
-            positions, rope.cos_cache, rope.sin_cache, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
-        )
 
     def _fused_rotary_cache(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
