@@ -11,6 +11,7 @@ import pytest
 
 from fastdeploy.core.outputs import CompletionOutput
 from fastdeploy.core.sampling_params import SamplingParams
+from fastdeploy.entrypoints.openai.chat_choices import ChatOptions
 from fastdeploy.entrypoints.openai.errors import BadRequestError, NotFoundError
 from fastdeploy.entrypoints.openai.protocol import parse_request
 from fastdeploy.entrypoints.openai.protocol.responses import (
@@ -24,7 +25,6 @@ from fastdeploy.entrypoints.openai.protocol.responses import (
 from fastdeploy.entrypoints.openai.reasoning import get_reasoning_parser
 from fastdeploy.entrypoints.openai.responses_output import ResponseOutput
 from fastdeploy.entrypoints.openai.responses_store import ResponseStore, StoredResponse
-from fastdeploy.entrypoints.openai.serving_chat import ChatOptions
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 

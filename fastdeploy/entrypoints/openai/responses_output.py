@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastdeploy.core.outputs import CompletionOutput
+from fastdeploy.entrypoints.openai.chat_choices import ChatOptions, ChoiceSplit
 from fastdeploy.entrypoints.openai.logprobs import chat_logprobs
 from fastdeploy.entrypoints.openai.protocol.responses import (
     function_call_item,
@@ -16,7 +17,6 @@ from fastdeploy.entrypoints.openai.protocol.responses import (
     new_id,
     reasoning_item,
 )
-from fastdeploy.entrypoints.openai.serving_chat import ChatOptions, ChoiceSplit
 
 Event = dict[str, Any]
 
