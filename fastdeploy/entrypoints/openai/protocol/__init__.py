@@ -13,7 +13,7 @@ The models live in modules by concern, all re-exported here:
 - :mod:`.common`: model bases, request parsing, ids, error bodies, usage, prompt logprobs;
 - :mod:`.sampling`: the fields shared by completions and chat, ``SamplingParams``, ``max_tokens``;
 - :mod:`.completion`: ``/v1/completions``;
-- :mod:`.chat`: ``/v1/chat/completions``, messages and their content parts;
+- :mod:`.chat`: ``/v1/chat/completions``; :mod:`.chat_messages`: its messages and their content parts;
 - :mod:`.tools`: tools, ``tool_choice``, tool calls in messages and answers, the forced-call schema;
 - :mod:`.responses`: ``/v1/responses`` (OpenAI's Responses API), served as a chat request;
 - :mod:`.embeddings`: ``/v1/embeddings``;
@@ -30,11 +30,10 @@ from fastdeploy.entrypoints.openai.protocol.chat import (
     ChatCompletionResponseChoice,
     ChatCompletionStreamChoice,
     ChatCompletionStreamResponse,
-    ChatMessage,
     ChatMessageOut,
     DeltaMessage,
-    TextContentPart,
 )
+from fastdeploy.entrypoints.openai.protocol.chat_messages import ChatMessage, TextContentPart
 from fastdeploy.entrypoints.openai.protocol.common import (
     ErrorInfo,
     ErrorResponse,

@@ -9,9 +9,9 @@ from typing import Any
 
 from pydantic import field_validator
 
-from fastdeploy.entrypoints.openai.protocol.chat import (
+from fastdeploy.entrypoints.openai.protocol.chat_messages import (
     ChatMessage,
-    _check_messages,
+    check_messages,
     refuse_message_extensions,
 )
 from fastdeploy.entrypoints.openai.protocol.common import (
@@ -70,7 +70,7 @@ class TokenizeChatRequest(OpenAIModel):
     @field_validator("messages")
     @classmethod
     def _validate_messages(cls, v: list[ChatMessage]) -> list[ChatMessage]:
-        return _check_messages(v)
+        return check_messages(v)
 
     def refuse_extensions(self) -> None:
         refuse_message_extensions(self.messages)
