@@ -15,13 +15,12 @@ from fastdeploy.entrypoints.openai.chat_choices import ChatOptions
 from fastdeploy.entrypoints.openai.errors import BadRequestError, NotFoundError
 from fastdeploy.entrypoints.openai.protocol import parse_request
 from fastdeploy.entrypoints.openai.protocol.responses import (
-    ResponseObject,
     ResponsesRequest,
     input_items,
     new_id,
-    output_messages,
     responses_error,
 )
+from fastdeploy.entrypoints.openai.protocol.responses_objects import ResponseObject, output_messages
 from fastdeploy.entrypoints.openai.reasoning import get_reasoning_parser
 from fastdeploy.entrypoints.openai.responses_output import ResponseOutput
 from fastdeploy.entrypoints.openai.responses_store import ResponseStore, StoredResponse

@@ -11,10 +11,10 @@ from typing import Any
 from fastdeploy.core.outputs import CompletionOutput
 from fastdeploy.entrypoints.openai.chat_choices import ChatOptions, ChoiceSplit
 from fastdeploy.entrypoints.openai.logprobs import chat_logprobs
-from fastdeploy.entrypoints.openai.protocol.responses import (
+from fastdeploy.entrypoints.openai.protocol.responses import new_id
+from fastdeploy.entrypoints.openai.protocol.responses_objects import (
     function_call_item,
     message_item,
-    new_id,
     reasoning_item,
 )
 

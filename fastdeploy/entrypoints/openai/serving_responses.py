@@ -38,13 +38,15 @@ from fastdeploy.entrypoints.openai.errors import (
     ServiceUnavailableError,
 )
 from fastdeploy.entrypoints.openai.protocol.responses import (
-    ResponseObject,
     ResponsesRequest,
-    ResponseUsage,
     input_items,
     new_id,
-    output_messages,
     responses_error,
+)
+from fastdeploy.entrypoints.openai.protocol.responses_objects import (
+    ResponseObject,
+    ResponseUsage,
+    output_messages,
 )
 from fastdeploy.entrypoints.openai.responses_output import Event, ResponseOutput
 from fastdeploy.entrypoints.openai.responses_store import ResponseStore, StoredResponse

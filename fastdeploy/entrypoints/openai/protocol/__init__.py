@@ -16,6 +16,7 @@ The models live in modules by concern, all re-exported here:
 - :mod:`.chat`: ``/v1/chat/completions``; :mod:`.chat_messages`: its messages and their content parts;
 - :mod:`.tools`: tools, ``tool_choice``, tool calls in messages and answers, the forced-call schema;
 - :mod:`.responses`: ``/v1/responses`` (OpenAI's Responses API), served as a chat request;
+  :mod:`.responses_objects`: its response object and output items;
 - :mod:`.embeddings`: ``/v1/embeddings``;
 - :mod:`.tokenization`: ``/tokenize`` and ``/detokenize``;
 - :mod:`.models`: ``/v1/models``.
@@ -65,7 +66,8 @@ from fastdeploy.entrypoints.openai.protocol.embeddings import (
     EmbeddingUsage,
 )
 from fastdeploy.entrypoints.openai.protocol.models import ModelCard, ModelList
-from fastdeploy.entrypoints.openai.protocol.responses import ResponseObject, ResponsesRequest
+from fastdeploy.entrypoints.openai.protocol.responses import ResponsesRequest
+from fastdeploy.entrypoints.openai.protocol.responses_objects import ResponseObject
 from fastdeploy.entrypoints.openai.protocol.sampling import (
     MAX_N,
     SamplingRequest,
