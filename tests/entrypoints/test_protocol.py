@@ -18,6 +18,7 @@ from fastdeploy.entrypoints.openai.errors import (
     ServiceUnavailableError,
     from_pydantic,
 )
+from fastdeploy.entrypoints.openai.event_streams import sse, to_openai_error
 from fastdeploy.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionStreamChoice,
@@ -33,7 +34,7 @@ from fastdeploy.entrypoints.openai.protocol import (
     random_id,
     resolve_max_tokens,
 )
-from fastdeploy.entrypoints.openai.serving_engine import sse, sub_request_ids, to_openai_error
+from fastdeploy.entrypoints.openai.serving_engine import sub_request_ids
 
 USER = [{"role": "user", "content": "Hello"}]
 

@@ -7,7 +7,8 @@ import asyncio
 
 from fastdeploy.core.outputs import CompletionOutput, RequestOutput
 from fastdeploy.core.sampling_params import SamplingParams
-from fastdeploy.entrypoints.openai.serving_engine import EnginePrompt, SSEResponse, StartedRequests
+from fastdeploy.entrypoints.openai.event_streams import SSEResponse
+from fastdeploy.entrypoints.openai.serving_engine import EnginePrompt, StartedRequests
 
 
 class RecordingEngine:

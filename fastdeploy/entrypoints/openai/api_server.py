@@ -31,11 +31,13 @@ from fastdeploy.entrypoints.openai.batch_api import batch_router
 from fastdeploy.entrypoints.openai.errors import (
     AuthenticationError,
     BadRequestError,
+    ClientDisconnectedError,
     NotFoundError,
     OpenAIError,
     ServiceUnavailableError,
     validation_error_to_openai,
 )
+from fastdeploy.entrypoints.openai.event_streams import to_openai_error
 from fastdeploy.entrypoints.openai.openapi import add_openapi_routes, json_body
 from fastdeploy.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -56,7 +58,7 @@ from fastdeploy.entrypoints.openai.server_load import ServerLoad, ServerLoadMidd
 from fastdeploy.entrypoints.openai.serving_chat import OpenAIServingChat
 from fastdeploy.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from fastdeploy.entrypoints.openai.serving_embedding import OpenAIServingEmbedding, check_generation_model
-from fastdeploy.entrypoints.openai.serving_engine import ClientDisconnectedError, ServerStop, to_openai_error
+from fastdeploy.entrypoints.openai.serving_engine import ServerStop
 from fastdeploy.entrypoints.openai.serving_generate import OpenAIServingGenerate
 from fastdeploy.entrypoints.openai.serving_responses import OpenAIServingResponses
 from fastdeploy.entrypoints.openai.serving_tokenize import OpenAIServingTokenization

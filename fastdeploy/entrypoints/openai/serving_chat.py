@@ -41,6 +41,14 @@ from fastdeploy.entrypoints.openai.chat_choices import (
     names_a_function,
 )
 from fastdeploy.entrypoints.openai.errors import BadRequestError
+from fastdeploy.entrypoints.openai.event_streams import (
+    SSE_DONE,
+    SSEResponse,
+    error_event,
+    run_until_disconnected,
+    sse,
+    to_openai_error,
+)
 from fastdeploy.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs_json
 from fastdeploy.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -57,16 +65,10 @@ from fastdeploy.entrypoints.openai.protocol.chat import refuse_request_chat_temp
 from fastdeploy.entrypoints.openai.reasoning import ReasoningParser
 from fastdeploy.entrypoints.openai.request_ids import api_request_id
 from fastdeploy.entrypoints.openai.serving_engine import (
-    SSE_DONE,
     EnginePrompt,
     OpenAIServing,
     ServerStop,
-    SSEResponse,
     StartedRequests,
-    error_event,
-    run_until_disconnected,
-    sse,
-    to_openai_error,
 )
 from fastdeploy.entrypoints.openai.serving_mm import MultimodalChatInputs
 from fastdeploy.entrypoints.openai.stream_chunks import chat_content_chunk

@@ -18,6 +18,14 @@ from starlette.responses import JSONResponse, Response
 
 from fastdeploy.core.outputs import Logprob
 from fastdeploy.entrypoints.openai.errors import BadRequestError
+from fastdeploy.entrypoints.openai.event_streams import (
+    SSE_DONE,
+    SSEResponse,
+    error_event,
+    run_until_disconnected,
+    sse,
+    to_openai_error,
+)
 from fastdeploy.entrypoints.openai.logprobs import completion_logprobs, prompt_logprobs_json
 from fastdeploy.entrypoints.openai.protocol import (
     CompletionRequest,
@@ -31,16 +39,10 @@ from fastdeploy.entrypoints.openai.protocol import (
 )
 from fastdeploy.entrypoints.openai.request_ids import api_request_id
 from fastdeploy.entrypoints.openai.serving_engine import (
-    SSE_DONE,
     EnginePrompt,
     OpenAIServing,
-    SSEResponse,
     StartedRequests,
-    error_event,
-    run_until_disconnected,
-    sse,
     sub_request_ids,
-    to_openai_error,
 )
 from fastdeploy.entrypoints.openai.stream_chunks import completion_text_chunk
 from fastdeploy.entrypoints.openai.timeline_log import TimelineRecorder

@@ -13,6 +13,7 @@ from starlette.responses import JSONResponse, Response
 from fastdeploy.core.sampling_params import SamplingParams
 from fastdeploy.engine.protocol import EngineClient
 from fastdeploy.entrypoints.openai.errors import BadRequestError, InternalServerError
+from fastdeploy.entrypoints.openai.event_streams import run_until_disconnected
 from fastdeploy.entrypoints.openai.protocol import (
     EmbeddingData,
     EmbeddingRequest,
@@ -20,12 +21,7 @@ from fastdeploy.entrypoints.openai.protocol import (
     EmbeddingUsage,
 )
 from fastdeploy.entrypoints.openai.request_ids import api_request_id
-from fastdeploy.entrypoints.openai.serving_engine import (
-    EnginePrompt,
-    OpenAIServing,
-    run_until_disconnected,
-    sub_request_ids,
-)
+from fastdeploy.entrypoints.openai.serving_engine import EnginePrompt, OpenAIServing, sub_request_ids
 
 
 def check_generation_model(engine: EngineClient) -> None:

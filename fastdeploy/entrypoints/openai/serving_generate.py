@@ -32,6 +32,14 @@ from starlette.responses import JSONResponse, Response
 import fastdeploy
 from fastdeploy.core.outputs import Logprob, RequestOutput
 from fastdeploy.entrypoints.openai.errors import BadRequestError
+from fastdeploy.entrypoints.openai.event_streams import (
+    SSE_DONE,
+    SSEResponse,
+    error_event,
+    run_until_disconnected,
+    sse,
+    to_openai_error,
+)
 from fastdeploy.entrypoints.openai.protocol import matched_stop, resolve_max_tokens
 from fastdeploy.entrypoints.openai.protocol.generate import (
     DEFAULT_MAX_NEW_TOKENS,
@@ -39,16 +47,10 @@ from fastdeploy.entrypoints.openai.protocol.generate import (
     sglang_sampling_params,
 )
 from fastdeploy.entrypoints.openai.serving_engine import (
-    SSE_DONE,
     EnginePrompt,
     OpenAIServing,
-    SSEResponse,
     StartedRequests,
     abort_quietly,
-    error_event,
-    run_until_disconnected,
-    sse,
-    to_openai_error,
 )
 
 FLUSHED = "Cache flushed.\n"

@@ -37,6 +37,7 @@ from fastdeploy.entrypoints.openai.errors import (
     OpenAIError,
     ServiceUnavailableError,
 )
+from fastdeploy.entrypoints.openai.event_streams import SSEResponse, run_until_disconnected, to_openai_error
 from fastdeploy.entrypoints.openai.protocol.responses import (
     ResponsesRequest,
     input_items,
@@ -51,12 +52,7 @@ from fastdeploy.entrypoints.openai.protocol.responses_objects import (
 from fastdeploy.entrypoints.openai.responses_output import Event, ResponseOutput
 from fastdeploy.entrypoints.openai.responses_store import ResponseStore, StoredResponse
 from fastdeploy.entrypoints.openai.serving_chat import OpenAIServingChat
-from fastdeploy.entrypoints.openai.serving_engine import (
-    SSEResponse,
-    StartedRequests,
-    run_until_disconnected,
-    to_openai_error,
-)
+from fastdeploy.entrypoints.openai.serving_engine import StartedRequests
 
 RUNNING = ("queued", "in_progress")
 """Statuses of a background response still being generated."""
