@@ -62,6 +62,11 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         lambda: float(os.environ.get("FD_FEATURE_MAX_MB", "1024")),
         "Largest multimodal feature file (or inline image_embeds payload) accepted, in MiB.",
     ),
+    "FD_FEATURE_REQUEST_MAX_MB": (
+        lambda: float(os.environ.get("FD_FEATURE_REQUEST_MAX_MB", "2048")),
+        "Most MiB the feature files of one request may take together (its URLs download in parallel, "
+        "each under FD_FEATURE_MAX_MB).",
+    ),
     "FD_FEATURE_URL_CACHE": (
         _bool("FD_FEATURE_URL_CACHE", "1"),
         "Serve a feature URL seen before from the encoder cache without fetching it again "

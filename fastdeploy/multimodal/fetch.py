@@ -34,10 +34,16 @@ import torch
 
 from fastdeploy import envs
 from fastdeploy.multimodal.hashing import mm_hash
-from fastdeploy.multimodal.inputs import FeatureItem, MultimodalInputError, validate_features
+from fastdeploy.multimodal.inputs import (
+    FeatureFetchError,
+    FeatureItem,
+    MultimodalInputError,
+    validate_features,
+)
 from fastdeploy.multimodal.loaders import load_feature_bytes
 from fastdeploy.multimodal.sources import (
     FetchCancelled,
+    RequestBytes,
     http_fetch_failed,
     new_http_client,
     read_url,
@@ -76,6 +82,7 @@ class _Limits:
     http_client: httpx.Client | None
     cancel: threading.Event
     observe_latency: Callable[[float], None] | None
+    request_bytes: RequestBytes
 
 
 def _alias(item: FeatureItem, key: str) -> str:
@@ -84,7 +91,10 @@ def _alias(item: FeatureItem, key: str) -> str:
 
 
 def _checked(item: FeatureItem, features: torch.Tensor, limits: _Limits) -> FeatureItem:
-    validate_features(features, item.grid_thw, limits.hidden_size, limits.spatial_merge_size, item.label)
+    try:
+        validate_features(features, item.grid_thw, limits.hidden_size, limits.spatial_merge_size, item.label)
+    except MultimodalInputError as exc:
+        raise item.located(exc) from None
     return item.with_features(features, mm_hash(features, item.modality, item.grid_thw))
 
 
@@ -93,21 +103,25 @@ def _run_job(job: _Job, limits: _Limits) -> list[FeatureItem]:
     if limits.cancel.is_set():
         raise FetchCancelled(job.url)
     start = time.monotonic()
-    data = read_url(
-        job.url,
-        timeout_s=limits.timeout_s,
-        max_bytes=limits.max_bytes,
-        allowed_local_media_path=limits.allowed_local_media_path,
-        http_client=limits.http_client,
-        cancel=limits.cancel,
-        url_policy=limits.url_policy,
-    )
+    first = job.items[0][1]
     try:
+        data = read_url(
+            job.url,
+            timeout_s=limits.timeout_s,
+            max_bytes=limits.max_bytes,
+            allowed_local_media_path=limits.allowed_local_media_path,
+            http_client=limits.http_client,
+            cancel=limits.cancel,
+            url_policy=limits.url_policy,
+            request_bytes=limits.request_bytes,
+        )
         features = load_feature_bytes(data)
+    except FeatureFetchError as exc:
+        raise first.located(exc) from None
     except MultimodalInputError as exc:
         if scheme_of(job.url) in ("http", "https"):  # the same text as a failed download
-            raise http_fetch_failed(job.url, str(exc)) from None
-        raise MultimodalInputError(f"{job.url}: {exc}") from None
+            raise first.located(http_fetch_failed(job.url, str(exc))) from None
+        raise first.located(MultimodalInputError(f"{job.url}: {exc}")) from None
     if limits.observe_latency is not None:
         limits.observe_latency(time.monotonic() - start)
     return [_checked(item, features, limits) for _, item in job.items]
@@ -154,6 +168,8 @@ def fetch_features(
     max_bytes: int | None = None,
     cache: EncoderCacheManager | None = None,
     observe_latency: Callable[[float], None] | None = None,
+    cancel: threading.Event | None = None,
+    request_max_bytes: int | None = None,
 ) -> list[FeatureItem]:
     """Load every item of a request and return them in request order with ``features`` and ``mm_hash``.
 
@@ -163,8 +179,10 @@ def fetch_features(
     ``[t*h*w / spatial_merge_size**2, hidden_size]``. ``parallel``,
     ``timeout_s`` (per URL) and ``max_bytes`` (per URL) default to
     ``FD_FEATURE_DOWNLOAD_PARALLEL``, ``FD_FEATURE_FETCH_TIMEOUT_S`` and
-    ``FD_FEATURE_MAX_MB``. ``observe_latency`` receives the seconds each
+    ``FD_FEATURE_MAX_MB``; ``request_max_bytes`` (all the URLs' bytes together)
+    ``FD_FEATURE_REQUEST_MAX_MB``. ``observe_latency`` receives the seconds each
     successful download plus load took (e.g. ``EngineMetrics.on_feature_fetch``).
+    Setting ``cancel`` (e.g. when the client has gone) stops the downloads at once.
 
     Raises :class:`MultimodalInputError` (a ``ValueError``; :class:`FeatureFetchError`
     for download failures) naming the failing URL or item: a client error.
@@ -178,8 +196,11 @@ def fetch_features(
         allowed_local_media_path=allowed_local_media_path,
         url_policy=url_policy if url_policy is not None else MediaUrlPolicy(),
         http_client=None,
-        cancel=threading.Event(),
+        cancel=cancel if cancel is not None else threading.Event(),
         observe_latency=observe_latency,
+        request_bytes=RequestBytes(
+            int(envs.FD_FEATURE_REQUEST_MAX_MB * MIB) if request_max_bytes is None else request_max_bytes
+        ),
     )
     url_index = cache if cache is not None and envs.FD_FEATURE_URL_CACHE else None
     results: list[FeatureItem | None] = [None] * len(items)

@@ -20,21 +20,27 @@ import torch
 
 Modality = Literal["image", "video"]
 MODALITIES: tuple[str, ...] = ("image", "video")
+FEATURE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+"""The dtypes features may have (float8 and others cannot be sent to the engine)."""
 
 
 class MultimodalInputError(ValueError):
     """A multimodal item of a request is unusable (bad URL, bad file, wrong shape).
 
-    The message names the item (its URL, or its index when it came inline) so
-    the client can tell which part of the request to fix.
+    The message names the item (its URL, or where it came inline) so the client can
+    tell which part of the request to fix; ``param`` is that request field where it
+    is known (e.g. ``messages[0].content[1]``), for the error body.
     """
+
+    param: str | None = None
 
 
 class FeatureFetchError(MultimodalInputError):
     """A feature URL could not be fetched (refused scheme or path, HTTP error, timeout, too large)."""
 
     def __init__(self, url: str, reason: str):
-        super().__init__(f"cannot fetch multimodal feature {url}: {reason}")
+        shown = url if len(url) <= 256 else f"{url[:256]}... ({len(url)} characters)"
+        super().__init__(f"cannot fetch multimodal feature {shown}: {reason}")
         self.url = url
         self.reason = reason
 
@@ -60,6 +66,8 @@ class FeatureItem:
     """Content hash (see :func:`fastdeploy.multimodal.hashing.mm_hash`), once known."""
     index: int = 0
     """Position of the item among the request's multimodal items (for error messages)."""
+    location: str | None = None
+    """The request field that carried the item (e.g. ``messages[0].content[1]``), where known."""
 
     def __post_init__(self) -> None:
         if self.modality not in MODALITIES:
@@ -72,8 +80,16 @@ class FeatureItem:
 
     @property
     def label(self) -> str:
-        """How error messages name this item: its URL, else ``<modality> item <index>``."""
-        return self.url if self.url is not None else f"{self.modality} item {self.index}"
+        """How error messages name this item: its URL, else where it came, else ``<modality> item <index>``."""
+        if self.url is not None:
+            return self.url
+        return self.location if self.location is not None else f"{self.modality} item {self.index}"
+
+    def located(self, exc: MultimodalInputError) -> MultimodalInputError:
+        """``exc`` naming this item's request field as its ``param`` (where it names none yet)."""
+        if exc.param is None:
+            exc.param = self.location
+        return exc
 
     def with_features(self, features: torch.Tensor, mm_hash: str) -> FeatureItem:
         """A copy of this item carrying its loaded features and content hash."""
@@ -126,11 +142,15 @@ def validate_features(
     actual = list(features.shape)
     if features.dim() != 2:
         raise MultimodalInputError(f"{label}: features must be 2-D {expected}, got shape {actual}")
-    if not features.dtype.is_floating_point:
-        raise MultimodalInputError(f"{label}: features must be a float tensor, got dtype {features.dtype}")
+    if features.dtype not in FEATURE_DTYPES:
+        raise MultimodalInputError(
+            f"{label}: features must be float16, bfloat16, float32 or float64, got dtype {features.dtype}"
+        )
     if actual != expected:
         what = "row count" if actual[0] != rows else "width (the model's hidden size)"
         raise MultimodalInputError(
             f"{label}: wrong {what}: expected shape {expected} for grid_thw {list(grid_thw)} "
             f"(spatial merge size {spatial_merge_size}, hidden size {hidden_size}), got {actual}"
         )
+    if not bool(torch.isfinite(features).all()):
+        raise MultimodalInputError(f"{label}: features contain NaN or infinite values")

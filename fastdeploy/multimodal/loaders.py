@@ -47,15 +47,43 @@ def detect_format(data: bytes) -> str:
     raise MultimodalInputError("unrecognised feature file: expected a .npy or .safetensors file")
 
 
+_NPY_FLOAT_SIZES = (2, 4, 8)
+"""Item sizes of the .npy float dtypes accepted (float16 / 32 / 64; not longdouble)."""
+
+
+def _check_npy_header(data: bytes) -> None:
+    """Refuse what ``np.load`` must not see: a non-float or object dtype, or a shape whose data the
+    file does not hold (numpy allocates the declared size before reading: a 200-byte file can ask
+    for terabytes)."""
+    stream = io.BytesIO(data)
+    try:
+        version = np.lib.format.read_magic(stream)
+        read = (
+            np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        )
+        shape, _, dtype = read(stream)
+    except Exception as exc:  # a malformed header: numpy raises ValueError, SyntaxError, ...
+        raise MultimodalInputError(f"unreadable .npy feature file header: {exc}") from None
+    if dtype.kind != "f" or dtype.itemsize not in _NPY_FLOAT_SIZES:
+        raise MultimodalInputError(f".npy features must be float16, float32 or float64, got dtype {dtype}")
+    declared = int(np.prod(shape, dtype=object)) * dtype.itemsize
+    if declared > len(data) - stream.tell():
+        raise MultimodalInputError(
+            f"truncated .npy feature file: its header declares {declared} bytes of data, "
+            f"it holds {len(data) - stream.tell()}"
+        )
+
+
 def _load_npy(data: bytes) -> torch.Tensor:
+    _check_npy_header(data)
     try:
         array = np.load(io.BytesIO(data), allow_pickle=False)
     except ValueError as exc:  # object arrays: "Object arrays cannot be loaded when allow_pickle=False"
         raise MultimodalInputError(f"unreadable .npy feature file: {exc}") from None
     except (OSError, EOFError) as exc:
         raise MultimodalInputError(f"truncated or corrupt .npy feature file: {exc}") from None
-    if array.dtype.kind != "f":
-        raise MultimodalInputError(f".npy features must be a float array, got dtype {array.dtype}")
+    if not array.dtype.isnative:  # big-endian floats: the same values in the machine's order
+        array = array.astype(array.dtype.newbyteorder("="))
     if not array.flags.writeable:
         array = array.copy()
     return torch.from_numpy(np.ascontiguousarray(array))
@@ -79,9 +107,15 @@ def _load_safetensors(data: bytes) -> torch.Tensor:
 
 
 def load_feature_bytes(data: bytes) -> torch.Tensor:
-    """The tensor stored in ``data`` (.npy or .safetensors bytes); never unpickles."""
+    """The tensor stored in ``data`` (.npy or .safetensors bytes); never unpickles. Whatever is
+    wrong with the bytes (a client's file) is a :class:`MultimodalInputError`."""
     fmt = detect_format(data)
-    return _load_npy(data) if fmt == "npy" else _load_safetensors(data)
+    try:
+        return _load_npy(data) if fmt == "npy" else _load_safetensors(data)
+    except MultimodalInputError:
+        raise
+    except Exception as exc:  # (MemoryError, TypeError, ...): the file's fault, not the server's
+        raise MultimodalInputError(f"unreadable .{fmt} feature file: {type(exc).__name__}: {exc}") from None
 
 
 def decode_image_embeds(payload: str, max_bytes: int | None = None) -> torch.Tensor:

@@ -32,23 +32,38 @@ def is_feature_part(part: Any) -> bool:
     )
 
 
-def item_from_content_part(part: Mapping[str, Any], index: int, max_bytes: int | None = None) -> FeatureItem:
-    """The :class:`FeatureItem` of one content part; ``index`` numbers the request's items.
+def item_from_content_part(
+    part: Mapping[str, Any], index: int, max_bytes: int | None = None, location: str | None = None
+) -> FeatureItem:
+    """The :class:`FeatureItem` of one content part; ``index`` numbers the request's items,
+    ``location`` is the part's request field (``messages[i].content[j]``), which errors name.
 
     URL parts are not fetched here. ``image_embeds`` payloads are decoded now
     (at most ``max_bytes``). Malformed parts raise :class:`MultimodalInputError`.
     """
+    where = location or f"content part {index}"
+    try:
+        return _item(part, index, max_bytes, location, where)
+    except MultimodalInputError as exc:
+        if exc.param is None:
+            exc.param = location
+        raise
+
+
+def _item(
+    part: Mapping[str, Any], index: int, max_bytes: int | None, location: str | None, where: str
+) -> FeatureItem:
     kind = part.get("type")
     if kind in URL_PART_TYPES:
         body = part.get(kind)
         if not isinstance(body, Mapping):
-            raise MultimodalInputError(
-                f"content part {index} ({kind}): expected an object with 'url' and 'grid_thw'"
-            )
+            raise MultimodalInputError(f"{where} ({kind}): expected an object with 'url' and 'grid_thw'")
         url = body.get("url")
         if not isinstance(url, str) or not url:
-            raise MultimodalInputError(f"content part {index} ({kind}): 'url' must be a non-empty string")
-        return FeatureItem(URL_PART_TYPES[kind], body.get("grid_thw"), url=url, index=index)  # type: ignore[arg-type]
+            raise MultimodalInputError(f"{where} ({kind}): 'url' must be a non-empty string")
+        return FeatureItem(
+            URL_PART_TYPES[kind], body.get("grid_thw"), url=url, index=index, location=location
+        )  # type: ignore[arg-type]
     if kind == EMBEDS_PART_TYPE:
         body = part.get(kind)
         if isinstance(body, Mapping):
@@ -58,6 +73,6 @@ def item_from_content_part(part: Mapping[str, Any], index: int, max_bytes: int |
         try:
             features = decode_image_embeds(payload, max_bytes)  # type: ignore[arg-type]
         except MultimodalInputError as exc:
-            raise MultimodalInputError(f"content part {index} (image_embeds): {exc}") from None
-        return FeatureItem("image", grid_thw, features=features, index=index)  # type: ignore[arg-type]
-    raise MultimodalInputError(f"content part {index}: type {kind!r} carries no multimodal features")
+            raise MultimodalInputError(f"{where} (image_embeds): {exc}") from None
+        return FeatureItem("image", grid_thw, features=features, index=index, location=location)  # type: ignore[arg-type]
+    raise MultimodalInputError(f"{where}: type {kind!r} carries no multimodal features")

@@ -17,6 +17,7 @@ async code) and expands each placeholder to one token per feature row.
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -134,18 +135,19 @@ class MultimodalPromptBuilder:
         """
         out: list[dict[str, Any]] = []
         items: list[FeatureItem] = []
-        for message in conversation:
+        for m, message in enumerate(conversation):
             content = message.get("content")
             if not isinstance(content, list):
                 out.append(dict(message))
                 continue
             pieces: list[str] = []
             last_was_text = False
-            for part in content:
+            for j, part in enumerate(content):
                 if is_feature_part(part):
                     self.check_supported()
                     assert self.arch.mm is not None
-                    item = item_from_content_part(part, len(items), self.max_inline_bytes)
+                    location = f"messages[{m}].content[{j}]"
+                    item = item_from_content_part(part, len(items), self.max_inline_bytes, location)
                     items.append(item)
                     pieces.append(placeholder_text(item.modality, tokenizer, self.arch.mm))
                     last_was_text = False
@@ -156,8 +158,11 @@ class MultimodalPromptBuilder:
             out.append({**message, "content": "".join(pieces)})
         return out, items
 
-    def place(self, token_ids: Sequence[int], items: Sequence[FeatureItem]) -> tuple[list[int], list[MMItem]]:
-        """Fetch and check ``items``, then give each placeholder one token per feature row (blocking)."""
+    def place(
+        self, token_ids: Sequence[int], items: Sequence[FeatureItem], cancel: threading.Event | None = None
+    ) -> tuple[list[int], list[MMItem]]:
+        """Fetch and check ``items``, then give each placeholder one token per feature row (blocking;
+        setting ``cancel`` stops the downloads)."""
         if not items:
             return list(token_ids), []
         self.check_supported()
@@ -165,10 +170,12 @@ class MultimodalPromptBuilder:
         for modality, count in counts.items():
             limit = self.limit_per_prompt.get(modality)
             if limit is not None and count > limit:
-                raise MultimodalInputError(
+                error = MultimodalInputError(
                     f"At most {limit} {modality}(s) may be provided in one prompt, got {count} "
                     "(the server's --limit-mm-per-prompt)"
                 )
+                error.param = "messages"
+                raise error
         mm = self.arch.mm
         assert mm is not None
         fetched = fetch_features(
@@ -179,6 +186,7 @@ class MultimodalPromptBuilder:
             url_policy=self.url_policy,
             cache=self.cache,
             observe_latency=self.observe_latency,
+            cancel=cancel,
         )
         return expand_placeholders(token_ids, fetched, mm)
 

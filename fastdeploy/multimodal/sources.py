@@ -1,11 +1,15 @@
 """Read the bytes behind one feature URL: ``file://``, ``http(s)://`` or ``bos://bucket/key``.
 
-Every reader is bounded: at most ``max_bytes`` are read, and one URL takes at
-most about ``timeout_s`` (socket timeouts plus a deadline checked between
-chunks). A reader also stops between chunks once ``cancel`` is set, which is how
+Every reader is bounded: at most ``max_bytes`` are read (and, with a
+:class:`RequestBytes`, at most its cap over all of a request's URLs), and one URL
+takes at most about ``timeout_s``: an http(s) download reads what arrives as it
+arrives (no chunk is waited for in full) and a watchdog shuts its socket down at
+the deadline, so a peer that sends a byte at a time, or nothing, cannot hold it
+longer. A reader also stops once ``cancel`` is set, which is how
 :func:`fastdeploy.multimodal.fetch.fetch_features` stops the downloads of a
-request that has already failed. Every failure is a :class:`FeatureFetchError`
-naming the URL.
+request that has already failed or whose client has gone. Only regular files are
+read from ``file://`` paths (a FIFO would block). Every failure is a
+:class:`FeatureFetchError` naming the URL.
 
 ``http(s)://`` URLs go through a :class:`~fastdeploy.multimodal.url_policy.MediaUrlPolicy`
 (allowed hosts, no private addresses by default; checked and pinned at every
@@ -16,9 +20,12 @@ cannot be used to probe which hosts and ports answer.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
+import socket
+import stat
 import threading
 import time
 from collections.abc import Iterator
@@ -35,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 SCHEMES: tuple[str, ...] = ("file", "http", "https", "bos")
 CHUNK_BYTES = 1 << 20
+BOS_READ_BYTES = 1 << 16
 BOS_MAX_RETRIES = 2
 """Retries of one BOS GetObject on I/O errors, 5xx and expired requests (the SDK's policy)."""
 HTTP_FETCH_FAILED = "no loadable feature file could be downloaded from it"
@@ -47,37 +55,119 @@ class FetchCancelled(Exception):
     """Raised inside a reader when its request was cancelled (another item failed)."""
 
 
-class _Budget:
-    """The limits of one read: byte cap, deadline and the request's cancel flag."""
+class RequestBytes:
+    """The bytes all downloads of one request may hold together (thread-safe): with several URLs
+    downloading at once, each under its own ``max_bytes``, a request could otherwise keep
+    gigabytes in the server."""
 
-    def __init__(self, url: str, timeout_s: float, max_bytes: int, cancel: threading.Event | None):
+    def __init__(self, cap: int):
+        self.cap = cap
+        self._used = 0
+        self._lock = threading.Lock()
+
+    def take(self, url: str, size: int) -> None:
+        """Count ``size`` more bytes; a :class:`FeatureFetchError` past the cap."""
+        with self._lock:
+            self._used += size
+            used = self._used
+        if used > self.cap:
+            raise FeatureFetchError(
+                url, f"the request's feature files exceed the limit of {self.cap} bytes together"
+            )
+
+
+class _Budget:
+    """The limits of one read: byte cap, deadline, the request's byte total and cancel flag."""
+
+    def __init__(
+        self,
+        url: str,
+        timeout_s: float,
+        max_bytes: int,
+        cancel: threading.Event | None,
+        request_bytes: RequestBytes | None = None,
+    ):
         self.url, self.timeout_s, self.max_bytes, self.cancel = url, timeout_s, max_bytes, cancel
+        self.request_bytes = request_bytes
         self.deadline = time.monotonic() + timeout_s
+
+    def cancelled(self) -> bool:
+        return self.cancel is not None and self.cancel.is_set()
+
+    def expired(self) -> bool:
+        return time.monotonic() > self.deadline
 
     def check_size(self, size: int | None) -> None:
         if size is not None and size > self.max_bytes:
             raise FeatureFetchError(self.url, f"{size} bytes exceeds the limit of {self.max_bytes} bytes")
 
     def collect(self, chunks: Iterator[bytes]) -> bytes:
-        """Join ``chunks``, enforcing the byte cap, the deadline and cancellation between chunks."""
-        parts: list[bytes] = []
-        total = 0
+        """Join ``chunks``, enforcing the byte caps, the deadline and cancellation between chunks.
+        (One growing buffer, not a list of chunks: freed, it goes back to the system whole.)"""
+        data = bytearray()
         for chunk in chunks:
-            if self.cancel is not None and self.cancel.is_set():
+            if self.cancelled():
                 raise FetchCancelled(self.url)
-            if time.monotonic() > self.deadline:
+            if self.expired():
                 raise FeatureFetchError(self.url, f"timed out after {self.timeout_s:g} s")
-            total += len(chunk)
-            self.check_size(total)
-            parts.append(chunk)
-        return b"".join(parts)
+            self.check_size(len(data) + len(chunk))
+            if self.request_bytes is not None:
+                self.request_bytes.take(self.url, len(chunk))
+            data += chunk
+        return bytes(data)
+
+
+class _Watchdog:
+    """Shuts a download's socket down at its deadline or once its request is cancelled, so that a
+    read blocked on a peer that sends nothing returns at once (a read timeout alone would let a
+    peer that sends a byte now and then hold the download, and its thread, indefinitely)."""
+
+    POLL_S = 0.05
+
+    def __init__(self, sock: socket.socket | None, budget: _Budget):
+        self.sock, self.budget = sock, budget
+        self.fired = False
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> _Watchdog:
+        if self.sock is not None:
+            self._thread = threading.Thread(target=self._watch, name="fd-feature-watchdog", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _watch(self) -> None:
+        while not self._done.wait(self.POLL_S):
+            if self.budget.cancelled() or self.budget.expired():
+                self.fired = True
+                with contextlib.suppress(OSError):
+                    self.sock.shutdown(socket.SHUT_RDWR)  # type: ignore[union-attr]
+                return
+
+
+def _response_socket(response: httpx.Response) -> socket.socket | None:
+    """The socket under a streamed httpx response (None where the transport does not expose it)."""
+    stream = response.extensions.get("network_stream")
+    try:
+        sock = stream.get_extra_info("socket") if stream is not None else None
+    except Exception:  # another transport (tests' mocks): no watchdog, the read timeouts remain
+        return None
+    return sock if isinstance(sock, socket.socket) else None
 
 
 def scheme_of(url: str) -> str:
     """The URL's scheme (lower case), or a :class:`FeatureFetchError` if it is not supported."""
     if not isinstance(url, str) or not url:
         raise FeatureFetchError(repr(url), "a feature URL must be a non-empty string")
-    scheme = urlsplit(url).scheme.lower()
+    try:
+        scheme = urlsplit(url).scheme.lower()
+    except ValueError as exc:  # e.g. "http://[::1" (an unclosed IPv6 address)
+        raise FeatureFetchError(url, f"malformed URL: {exc}") from None
     if scheme not in SCHEMES:
         raise FeatureFetchError(url, f"unsupported URL scheme {scheme!r}; use one of {', '.join(SCHEMES)}")
     return scheme
@@ -89,10 +179,13 @@ def local_path(url: str, allowed_local_media_path: str | None) -> str:
         raise FeatureFetchError(
             url, "file:// URLs are refused: the server was started without --allowed-local-media-path"
         )
-    parts = urlsplit(url)
+    parts = urlsplit(url)  # (scheme_of has parsed it)
     if parts.netloc not in ("", "localhost"):
         raise FeatureFetchError(url, "file:// URLs must name a local path (file:///path)")
-    path = os.path.realpath(unquote(parts.path))
+    try:
+        path = os.path.realpath(unquote(parts.path))
+    except ValueError as exc:  # an embedded NUL byte
+        raise FeatureFetchError(url, f"malformed path: {exc}") from None
     root = os.path.realpath(allowed_local_media_path)
     if os.path.commonpath([path, root]) != root:
         raise FeatureFetchError(url, "the path lies outside --allowed-local-media-path")
@@ -118,7 +211,10 @@ def source_key(url: str, allowed_local_media_path: str | None) -> str:
 def _read_file(url: str, allowed_local_media_path: str | None, budget: _Budget) -> bytes:
     path = local_path(url, allowed_local_media_path)
     try:
-        budget.check_size(os.path.getsize(path))
+        info = os.stat(path)
+        if not stat.S_ISREG(info.st_mode):  # a FIFO or device would block or never end
+            raise FeatureFetchError(url, "not a regular file")
+        budget.check_size(info.st_size)
         with open(path, "rb") as f:
             return budget.collect(iter(lambda: f.read(CHUNK_BYTES), b""))
     except OSError as exc:
@@ -168,7 +264,8 @@ def _read_http(url: str, client: httpx.Client, budget: _Budget, policy: MediaUrl
             with client.stream(
                 "GET",
                 current.copy_with(host=address),
-                headers={"Host": current.netloc.decode("ascii")},
+                # identity: nothing to decompress (a small gzip body can expand a thousandfold)
+                headers={"Host": current.netloc.decode("ascii"), "Accept-Encoding": "identity"},
                 timeout=remaining,
                 follow_redirects=False,
                 extensions=extensions,
@@ -181,7 +278,17 @@ def _read_http(url: str, client: httpx.Client, budget: _Budget, policy: MediaUrl
                     raise FeatureFetchError(url, f"HTTP {response.status_code} {response.reason_phrase}")
                 length = response.headers.get("content-length")
                 budget.check_size(int(length) if length and length.isdigit() else None)
-                return budget.collect(response.iter_bytes(CHUNK_BYTES))
+                with _Watchdog(_response_socket(response), budget) as watchdog:
+                    try:
+                        data = budget.collect(response.iter_bytes())  # (no size: each read as it comes)
+                    except httpx.HTTPError:
+                        if not watchdog.fired:
+                            raise
+                    if watchdog.fired:  # (a body without a length just ends when the socket is shut)
+                        if budget.cancelled():
+                            raise FetchCancelled(url)
+                        raise FeatureFetchError(url, f"timed out after {budget.timeout_s:g} s")
+                    return data
         raise FeatureFetchError(url, f"more than {policy.max_redirects} redirects")
     except FetchCancelled:
         raise
@@ -248,7 +355,9 @@ def _read_bos(url: str, budget: _Budget) -> bytes:
     try:
         length = getattr(response.metadata, "content_length", None)
         budget.check_size(int(length) if length is not None else None)
-        return budget.collect(iter(lambda: stream.read(CHUNK_BYTES), b""))
+        # small reads, so the deadline and the cancel flag are checked often (each read is bounded
+        # by the client's socket timeout)
+        return budget.collect(iter(lambda: stream.read(BOS_READ_BYTES), b""))
     except OSError as exc:
         raise FeatureFetchError(url, f"BOS read failed: {exc}") from None
     finally:
@@ -264,14 +373,16 @@ def read_url(
     http_client: httpx.Client | None = None,
     cancel: threading.Event | None = None,
     url_policy: MediaUrlPolicy | None = None,
+    request_bytes: RequestBytes | None = None,
 ) -> bytes:
     """The bytes at ``url`` (file, http(s) or bos), within the time and size limits.
 
     http(s) URLs are checked against ``url_policy`` (default: the strict
     :class:`MediaUrlPolicy`, no private addresses) at every redirect hop.
+    ``request_bytes`` counts the bytes against the request's total.
     """
     scheme = scheme_of(url)
-    budget = _Budget(url, timeout_s, max_bytes, cancel)
+    budget = _Budget(url, timeout_s, max_bytes, cancel, request_bytes)
     if scheme == "file":
         return _read_file(url, allowed_local_media_path, budget)
     if scheme == "bos":

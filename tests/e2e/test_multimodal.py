@@ -57,6 +57,7 @@ def test_chat_with_image_feature_urls(server_factory, qwen2_vl_dummy, tmp_path):
                 http.post("/v1/chat/completions", json=chat_body(model, [image_part(url)])), 400
             )
             assert url in error["message"] and what in error["message"], error
+            assert error["param"] == "messages[0].content[0]", error  # the part, not just "messages"
         missing = (media / "missing.npy").as_uri()
         error = srv.check_error(
             http.post("/v1/chat/completions", json=chat_body(model, [image_part(missing)])), 400
@@ -83,6 +84,18 @@ def test_chat_with_image_feature_urls(server_factory, qwen2_vl_dummy, tmp_path):
             message = error["message"]
             assert url in message and "not allowed by the server's media URL policy" in message, error
             assert "127.0.0.1" not in message.replace(url, ""), error
+        # files that reached numpy / torch unchecked were 500s: a float8 tensor, a long double array, a
+        # header declaring terabytes; now 400s naming the part (the second part here)
+        from safetensors.numpy import save_file
+
+        save_file({"features": np.zeros((6, HIDDEN), dtype=np.float16)}, str(media / "ok16.safetensors"))
+        np.save(media / "long.npy", np.zeros((6, HIDDEN), dtype=np.longdouble))
+        small = (media / "cat.npy").read_bytes()
+        (media / "huge.npy").write_bytes(small.replace(b"(6, 64), ", b"(1099511627776, 64), ", 1))
+        for name, what in (("long.npy", "float16, float32 or float64"), ("huge.npy", "truncated .npy")):
+            parts = [image_part((media / "ok16.safetensors").as_uri()), image_part((media / name).as_uri())]
+            error = srv.check_error(http.post("/v1/chat/completions", json=chat_body(model, parts)), 400)
+            assert what in error["message"] and error["param"] == "messages[0].content[1]", error
         # the server keeps serving after the refusals
         ok = http.post("/v1/chat/completions", json=body)
         assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == text

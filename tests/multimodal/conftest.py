@@ -35,6 +35,8 @@ class _Server(ThreadingHTTPServer):
         """The Host header of every request, in order."""
         self.delays: dict[str, float] = {}
         self.default_delay = 0.0
+        self.drips: dict[str, float] = {}
+        """Paths answered with a large Content-Length, then one byte every so many seconds."""
         self.counts: collections.Counter[str] = collections.Counter()
         self.lock = threading.Lock()
 
@@ -83,6 +85,14 @@ class FileHandler(BaseHTTPRequestHandler):
             self.send_header("Content-Length", "0")
             self.end_headers()
             return
+        if path in self.server.drips:  # a peer that keeps the download alive and sends nothing of use
+            self.send_response(200)
+            self.send_header("Content-Length", str(1 << 30))
+            self.end_headers()
+            while True:
+                self.wfile.write(b"x")
+                self.wfile.flush()
+                time.sleep(self.server.drips[path])
         time.sleep(self.server.delays.get(path, self.server.default_delay))
         body = self.server.files.get(path)
         if body is None:

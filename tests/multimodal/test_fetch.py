@@ -178,6 +178,90 @@ def test_timeout_and_size_limits(feature_server, caplog):
     assert logged(caplog, "exceeds the limit of 100 bytes")
 
 
+def test_a_peer_sending_a_byte_at_a_time_is_cut_at_the_deadline(feature_server, caplog):
+    """A download whose peer sends a byte now and then (each read within the socket timeout) ends
+    at its deadline, and leaves no thread behind."""
+    feature_server.drips["/drip"] = 0.2
+    item = FeatureItem("image", GRID, url=feature_server.url + "/drip")
+    before = set(threading.enumerate())
+    start = time.perf_counter()
+    with pytest.raises(FeatureFetchError, match=failed(item.url)):
+        fetch([item], timeout_s=1.0)
+    assert 0.9 < time.perf_counter() - start < 2.0
+    assert logged(caplog, "timed out after 1 s")
+    assert extra_threads(before) == []
+
+
+def test_cancel_stops_a_download_at_once(feature_server):
+    """Setting the request's cancel flag (its client has gone) ends a stalled download at once."""
+    from fastdeploy.multimodal.sources import FetchCancelled
+
+    feature_server.drips["/drip"] = 5.0  # one byte, then nothing for the test's length
+    item = FeatureItem("image", GRID, url=feature_server.url + "/drip")
+    cancel = threading.Event()
+    outcome: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fetch([item], timeout_s=30, cancel=cancel)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    time.sleep(0.5)
+    cancel.set()
+    worker.join(timeout=1.0)
+    assert not worker.is_alive() and isinstance(outcome[0], FetchCancelled)
+
+
+def test_a_request_s_files_share_one_byte_cap(tmp_path):
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.npy").write_bytes(encode_features(feats(1), "npy"))  # 384 bytes each
+    items = [
+        FeatureItem("image", GRID, url=f"file://{tmp_path}/{name}.npy", index=i)
+        for i, name in enumerate("ab")
+    ]
+    assert len(fetch(items, allowed_local_media_path=str(tmp_path), request_max_bytes=1000)) == 2
+    with pytest.raises(FeatureFetchError, match="exceed the limit of 500 bytes together"):
+        fetch(items, allowed_local_media_path=str(tmp_path), request_max_bytes=500, parallel=1)
+
+
+def test_malformed_urls_fifos_and_long_urls_are_client_errors(tmp_path):
+    with pytest.raises(FeatureFetchError, match="malformed URL"):
+        fetch([FeatureItem("image", GRID, url="http://[::1/x.npy")])
+    with pytest.raises(FeatureFetchError, match="malformed path"):
+        fetch(
+            [FeatureItem("image", GRID, url=f"file://{tmp_path}/a%00.npy")],
+            allowed_local_media_path=str(tmp_path),
+        )
+    os.mkfifo(tmp_path / "pipe.npy")  # opening it would block until a writer came
+    start = time.perf_counter()
+    with pytest.raises(FeatureFetchError, match="not a regular file"):
+        fetch(
+            [FeatureItem("image", GRID, url=f"file://{tmp_path}/pipe.npy")],
+            allowed_local_media_path=str(tmp_path),
+        )
+    assert time.perf_counter() - start < 1.0
+    long_url = "ftp://host/" + "a" * 100_000
+    with pytest.raises(FeatureFetchError) as err:
+        fetch([FeatureItem("image", GRID, url=long_url)])
+    assert len(str(err.value)) < 500 and "(100011 characters)" in str(err.value)
+
+
+def test_errors_name_the_item_s_request_field(feature_server, tmp_path):
+    item = FeatureItem(
+        "image", GRID, url=feature_server.url + "/missing.npy", location="messages[1].content[2]"
+    )
+    with pytest.raises(FeatureFetchError) as err:
+        fetch([item])
+    assert err.value.param == "messages[1].content[2]"
+    wrong = FeatureItem("image", GRID, features=torch.zeros(4, 3), location="messages[0].content[0]")
+    with pytest.raises(MultimodalInputError, match=r"messages\[0\]\.content\[0\]: wrong width") as err:
+        fetch([wrong])
+    assert err.value.param == "messages[0].content[0]"
+
+
 def test_unsupported_scheme_fails_before_fetching(feature_server):
     items = serve(feature_server, 2, delay=0)
     with pytest.raises(FeatureFetchError, match="unsupported URL scheme 'ftp'"):

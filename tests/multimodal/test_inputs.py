@@ -79,8 +79,8 @@ def test_round_trip(fmt, dtype):
 def test_pickle_is_never_loaded():
     buffer = io.BytesIO()
     np.save(buffer, np.array([{"a": 1}, None], dtype=object), allow_pickle=True)
-    with pytest.raises(MultimodalInputError, match="Object arrays cannot be loaded"):
-        load_feature_bytes(buffer.getvalue())
+    with pytest.raises(MultimodalInputError, match="float16, float32 or float64, got dtype object"):
+        load_feature_bytes(buffer.getvalue())  # refused from its header, before np.load
     saved = io.BytesIO()
     torch.save(torch.zeros(6, 16), saved)
     with pytest.raises(MultimodalInputError, match="torch.save / pickle files are not accepted"):
@@ -94,11 +94,64 @@ def test_pickle_is_never_loaded():
 def test_npy_non_float_and_truncated():
     buffer = io.BytesIO()
     np.save(buffer, np.zeros((6, 16), dtype=np.int64))
-    with pytest.raises(MultimodalInputError, match="float array"):
+    with pytest.raises(MultimodalInputError, match="float16, float32 or float64, got dtype int64"):
         load_feature_bytes(buffer.getvalue())
     data = encode_features(torch.zeros(6, 16), "npy")
     with pytest.raises(MultimodalInputError, match=".npy"):
         load_feature_bytes(data[:-10])
+
+
+def _npy(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    return buffer.getvalue()
+
+
+def test_npy_byte_order_long_double_and_declared_size():
+    """A client's .npy is never a 500: big-endian floats load (the same values), long doubles are
+    refused, and a header that declares more data than the file holds is refused before numpy
+    allocates it (a 200-byte file asking for terabytes)."""
+    x = np.random.default_rng(0).standard_normal((6, 16)).astype(">f4")
+    y = load_feature_bytes(_npy(x))
+    assert y.dtype == torch.float32 and torch.equal(y, torch.from_numpy(x.astype("<f4")))
+    with pytest.raises(MultimodalInputError, match="got dtype float128"):
+        load_feature_bytes(_npy(np.zeros((6, 16), dtype=np.longdouble)))
+    small = _npy(np.zeros((1, 64), dtype=np.float32))  # 128-byte header (padded), 256 bytes of data
+    forged = small[:-256].replace(b"(1, 64), ", b"(1099511627776, 64), ") + small[-256:]  # (into the padding)
+    with pytest.raises(MultimodalInputError, match="declares 281474976710656 bytes"):
+        load_feature_bytes(forged)
+    with pytest.raises(MultimodalInputError, match="unreadable .npy feature file header"):
+        load_feature_bytes(b"\x93NUMPY\x01\x00\x10\x00{'descr': <}      \n")
+
+
+def test_float8_and_non_finite_features_refused():
+    with pytest.raises(
+        MultimodalInputError, match="float16, bfloat16, float32 or float64, got dtype torch.float8"
+    ):
+        validate_features(torch.zeros(6, 16).to(torch.float8_e4m3fn), GRID, 16, 2, "image item 0")
+    bad = torch.zeros(6, 16)
+    bad[3, 5] = float("nan")
+    with pytest.raises(MultimodalInputError, match="image item 0: features contain NaN or infinite values"):
+        validate_features(bad, GRID, 16, 2, "image item 0")
+    bad[3, 5] = float("inf")
+    with pytest.raises(MultimodalInputError, match="NaN or infinite"):
+        validate_features(bad, GRID, 16, 2, "image item 0")
+
+
+def test_content_part_errors_name_their_request_field():
+    part = {"type": "image_feature_url", "image_feature_url": {"url": "", "grid_thw": list(GRID)}}
+    with pytest.raises(
+        MultimodalInputError, match=r"messages\[0\]\.content\[1\] \(image_feature_url\)"
+    ) as err:
+        item_from_content_part(part, 0, location="messages[0].content[1]")
+    assert err.value.param == "messages[0].content[1]"
+    part = {
+        "type": "image_embeds",
+        "image_embeds": base64.b64encode(encode_features(torch.zeros(6, 16))).decode(),
+    }
+    with pytest.raises(MultimodalInputError, match="grid_thw") as err:
+        item_from_content_part(part, 0, location="messages[2].content[0]")
+    assert err.value.param == "messages[2].content[0]"
 
 
 def test_safetensors_several_tensors():

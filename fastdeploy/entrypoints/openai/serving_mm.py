@@ -10,6 +10,8 @@ row). Every problem with an item is a 400 naming its URL or index.
 from __future__ import annotations
 
 import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastdeploy import envs
@@ -23,6 +25,9 @@ from fastdeploy.multimodal.inputs import FeatureItem, MultimodalInputError
 from fastdeploy.multimodal.prompt import MultimodalPromptBuilder
 from fastdeploy.multimodal.url_policy import MediaUrlPolicy
 
+PLACE_THREADS = 16
+"""Requests whose features are fetched at once (each fetches its URLs with its own threads)."""
+
 
 class MultimodalChatInputs:
     """The API server's feature-part handling for one engine (its fetch cache lives here)."""
@@ -30,6 +35,7 @@ class MultimodalChatInputs:
     def __init__(self, engine: EngineClient):
         self.engine = engine
         self._builder: MultimodalPromptBuilder | None = None
+        self._fetch_threads: ThreadPoolExecutor | None = None
 
     @property
     def builder(self) -> MultimodalPromptBuilder:
@@ -52,6 +58,13 @@ class MultimodalChatInputs:
             )
         return self._builder
 
+    def _executor(self) -> ThreadPoolExecutor:
+        """The threads that fetch requests' features: their own, so that slow downloads never hold
+        the event loop's default threads (the Responses store, tokenization fallbacks)."""
+        if self._fetch_threads is None:
+            self._fetch_threads = ThreadPoolExecutor(PLACE_THREADS, thread_name_prefix="fd-mm-place")
+        return self._fetch_threads
+
     async def split(
         self, messages: list[ChatMessage], run_tokenizer: Any
     ) -> tuple[list[dict[str, Any]] | None, list[FeatureItem]]:
@@ -66,13 +79,22 @@ class MultimodalChatInputs:
         try:
             return await run_tokenizer(self.builder.split_chat, conversation, self.engine.tokenizer)
         except MultimodalInputError as exc:
-            raise BadRequestError(str(exc), param="messages") from None
+            raise BadRequestError(str(exc), param=exc.param or "messages") from None
 
     async def place(self, token_ids: list[int], items: list[FeatureItem]) -> tuple[list[int], list[MMItem]]:
-        """Fetch and check the items (in a worker thread) and expand their placeholders."""
+        """Fetch and check the items (in a fetch thread) and expand their placeholders. A request
+        cancelled meanwhile (its client gone) stops its downloads."""
         if not items:
             return token_ids, []
+        cancel = threading.Event()
+        builder = self.builder
+        work = asyncio.get_running_loop().run_in_executor(
+            self._executor(), builder.place, token_ids, items, cancel
+        )
         try:
-            return await asyncio.to_thread(self.builder.place, token_ids, items)
+            return await work
         except MultimodalInputError as exc:
-            raise BadRequestError(str(exc), param="messages") from None
+            raise BadRequestError(str(exc), param=exc.param or "messages") from None
+        except asyncio.CancelledError:
+            cancel.set()
+            raise
