@@ -242,11 +242,18 @@ class OutputProcessor:
             if choice.undecoded:  # the tokens of the steps before, decoded with these
                 new_ids = choice.token_ids[-(choice.undecoded + len(new_ids)) :]
                 choice.undecoded = 0
-            if finishing and out.stop_reason is not None and not state.params.include_stop_str_in_output:
-                new_ids = [t for t in new_ids if t != out.stop_reason]  # a stop token id is not text
+            if finishing and out.finish_reason == "stop" and not state.params.include_stop_str_in_output:
+                # the token that ended the choice (EOS or a stop_token_ids entry) is not text, even
+                # with skip_special_tokens false (as vLLM: only include_stop_str_in_output shows it)
+                new_ids = new_ids[:-1]
             delta_text = choice.detokenizer.add_tokens(new_ids, final=finishing)
             choice.text += delta_text
-            if state.params.stop and self._match_stop(state, choice, len(delta_text)):
+            # stop strings count once the choice has more than min_tokens tokens (as vLLM)
+            if (
+                state.params.stop
+                and len(choice.token_ids) > state.params.min_tokens
+                and self._match_stop(state, choice, len(delta_text))
+            ):
                 self._on_choice_finished(state, choice, now)
                 return
         if finishing:

@@ -228,6 +228,39 @@ def test_stop_token_id_is_not_text(tokenizer):
     assert finished and finished[0].request_id == "r"
 
 
+@pytest.mark.parametrize("include", [False, True])
+def test_eos_text_is_left_out_even_with_special_tokens_shown(tokenizer, include):
+    """A choice ended by EOS (the engine's finish "stop", no stop_reason) does not show the EOS
+    token's text with skip_special_tokens false, unless include_stop_str_in_output (as vLLM)."""
+    prompt = encode(tokenizer, "Hi")
+    ids = encode(tokenizer, " there friend")
+    eos = tokenizer.eos_token_id
+    eos_text = tokenizer.decode([eos], skip_special_tokens=False)
+    params = SamplingParams(max_tokens=10, skip_special_tokens=False, include_stop_str_in_output=include)
+    processor, (child,) = make_processor(tokenizer, "r", prompt, params)
+    for t in ids:
+        processor.process([EngineCoreOutput(child, [t])], delta=False)
+    outs, _, _ = processor.process([EngineCoreOutput(child, [eos], "stop")], delta=False)
+    text = tokenizer.decode(ids)
+    assert outs[0].outputs[0].text == (text + eos_text if include else text)
+    assert outs[0].outputs[0].token_ids == [*ids, eos]  # the token itself is reported, as vLLM does
+
+
+def test_stop_strings_wait_for_min_tokens(tokenizer):
+    """A stop string completed within the first min_tokens tokens does not end the choice (as vLLM);
+    one completed after them does."""
+    prompt = encode(tokenizer, "Count:")
+    ids = encode(tokenizer, "one two one two one two one two")
+    params = SamplingParams(max_tokens=50, stop=["two"], min_tokens=5)
+    processor, (child,) = make_processor(tokenizer, "r", prompt, params)
+    results, aborts = drive(processor, child, ids, delta=False)
+    stop_step = next(i for i, a in enumerate(aborts) if a)
+    assert stop_step >= 5  # "two" first completes at the second token: ignored there
+    final = results[-1].outputs[0]
+    assert final.finish_reason == "stop" and final.stop_reason == "two"
+    assert final.text == tokenizer.decode(ids[: stop_step + 1])[: -len("two")]
+
+
 @pytest.mark.parametrize("delta", [False, True])
 def test_two_choices_aggregate_into_one_output(tokenizer, delta):
     prompt = encode(tokenizer, "Pick a word:")
