@@ -524,7 +524,9 @@ class ModelRunner:
         inputs_embeds = None if mm_step is None else self.mm.inputs_embeds(self.model, dev.input_ids, mm_step)
         return StepInputs(
             tensors=dev,
-            attn_metadata=self.attention_metadata(host, dev, query_start_loc, seq_lens, int(counts.max())),
+            attn_metadata=self.attention_metadata(
+                host, dev, query_start_loc, seq_lens, int(counts.max()), batch.num_prompt_tokens[slots]
+            ),
             inputs_embeds=inputs_embeds,
             sample_slots=sample_slots,
             num_tokens_after=num_tokens_after,
@@ -539,8 +541,10 @@ class ModelRunner:
         query_start_loc: np.ndarray,
         seq_lens: np.ndarray,
         max_query_len: int,
+        num_prompt_tokens: np.ndarray | None = None,
     ) -> AttentionMetadata:
-        """The backend's metadata of a step (``query_start_loc`` and ``seq_lens``: the int64 host copies)."""
+        """The backend's metadata of a step (``query_start_loc`` and ``seq_lens``: the int64 host
+        copies; ``num_prompt_tokens``: each request's prompt length, where known)."""
         common = CommonAttentionMetadata(
             num_reqs=len(seq_lens),
             num_actual_tokens=int(query_start_loc[-1]),
@@ -554,6 +558,7 @@ class ModelRunner:
             max_query_len=max_query_len,
             max_seq_len=int(seq_lens.max()),
             block_size=self.block_size,
+            num_prompt_tokens_cpu=num_prompt_tokens,
             attn_mask_offsets=dev.mask_offsets,
         )
         return self.attn_backend.build(common)

@@ -162,3 +162,32 @@ def test_greedy_request_same_alone_and_decoding_beside_another():
         assert logprobs[0] == logprobs[1]
     finally:
         engine.shutdown()
+
+
+@pytest.mark.skipif(
+    not _matmul_rows_invariant(), reason="this CPU's matmul rounds a row by the call's row count"
+)
+def test_greedy_request_same_after_a_prefix_cache_hit():
+    """A prompt served again from the prefix cache computes only its last tokens: the same greedy
+    tokens and logprobs to the bit, also when one token is left (it stays a prompt token for the
+    attention kernels: the decode kernel rounds differently, and its first logprob moved by 0.012)."""
+    engine = LLM()  # prefix caching on
+    try:
+        tokenizer = engine.get_tokenizer()
+        greedy = SamplingParams(temperature=0, max_tokens=6, logprobs=0)
+        texts = (  # (two whose last token alone rounded differently through the decode kernel)
+            "Translate to French: 'The coffee is very hot and the café is closed.'",
+            "List some math symbols: ∑ ∫ √ ∞ ≈ ≠ and explain each one of them in a short sentence please.",
+        )
+        for text in texts:
+            ids = tokenizer.encode(text)
+            for left in (1, 5):  # tokens past the cached full block of 16
+                prompt = {"prompt_token_ids": ids[: 16 + left]}
+                runs = [engine.generate([prompt], greedy)[0] for _ in range(2)]
+                assert runs[1].num_cached_tokens == 16
+                first, again = (r.outputs[0] for r in runs)
+                assert again.token_ids == first.token_ids
+                logprobs = [[e[t].logprob for e, t in zip(o.logprobs, o.token_ids)] for o in (first, again)]
+                assert logprobs[0] == logprobs[1]
+    finally:
+        engine.shutdown()

@@ -34,6 +34,11 @@ class CommonAttentionMetadata:
     block_size: int
     block_table_cpu: np.ndarray | None = None
     """The host copy of ``block_table`` (backends that plan on the host read it)."""
+    num_prompt_tokens_cpu: np.ndarray | None = None
+    """[num_reqs] each request's prompt length on the host, or None (unknown): where this step's
+    single token is still a prompt token (the last of a prompt after a prefix-cache hit or a
+    chunk), backends that compute prompts and decodes with different kernels keep it a prompt
+    token, so that its result does not depend on how the prompt was split."""
     attn_mask_offsets: torch.Tensor | None = None
     """[num_tokens] int32 on the device, or None (causal): per query token, the EXCLUSIVE upper
     bound of the key positions (absolute positions within its sequence) it may attend; causal
