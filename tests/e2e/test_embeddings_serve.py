@@ -134,6 +134,23 @@ def test_mean_pooling_unnormalized_from_sentence_transformers_config(mean_model)
     with pytest.raises(openai.BadRequestError) as info:  # no Matryoshka declared
         client.embeddings.create(model=server.model_name(), input="hi", dimensions=16)
     assert info.value.body["param"] == "dimensions"
+    # vLLM's per-request normalize (it was dropped with a warning: the vectors came back as the model's)
+    normed = client.embeddings.create(
+        model=server.model_name(), input=TEXTS, encoding_format="float", extra_body={"normalize": True}
+    )
+    for data, ref in zip(normed.data, expected):
+        np.testing.assert_allclose(data.embedding, (ref / ref.norm()).numpy(), rtol=1e-3, atol=1e-5)
+
+
+def test_per_request_normalize_false_keeps_the_raw_vector(last_model):
+    server, reference = last_model
+    client = server.openai()
+    raw = reference_vectors(reference, [token_ids(server, TEXTS[0])], "last", normalize=False)[0]
+    result = client.embeddings.create(
+        model=server.model_name(), input=TEXTS[0], encoding_format="float", extra_body={"normalize": False}
+    )
+    np.testing.assert_allclose(result.data[0].embedding, raw.numpy(), rtol=1e-3, atol=1e-4)
+    assert abs(np.linalg.norm(result.data[0].embedding) - 1) > 1e-2  # not unit length
 
 
 def test_concurrent_requests_batch_together(mean_model):

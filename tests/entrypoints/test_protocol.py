@@ -474,6 +474,10 @@ def test_tokenize_request_forms():
         "tools": [],
     }
     assert bad_request(parse_tokenize_request, {"messages": []}).param == "messages"
+    both = bad_request(parse_tokenize_request, {"prompt": "x", "messages": USER})  # (messages used to win)
+    assert both.param == "prompt" and "not both" in both.message
+    neither = bad_request(parse_tokenize_request, {})
+    assert neither.param == "prompt" and "prompt (or messages)" in neither.message
     assert bad_request(parse_request, DetokenizeRequest, {"tokens": [1, -2]}).param == "tokens"
     assert bad_request(parse_request, DetokenizeRequest, {"tokens": "12"}).param == "tokens"
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -71,6 +72,8 @@ class OpenAIServingEmbedding(OpenAIServing):
         max_len = self.engine.max_model_len
         self.keep_last([], request.truncate_prompt_tokens)  # (a 400 before any tokenizing if too large)
         params = pooler.params()
+        if request.normalize is not None:
+            params = dataclasses.replace(params, normalize=request.normalize)
         prompts = []
         for item in request.input:
             if isinstance(item, str):
@@ -104,7 +107,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         vectors = await run_until_disconnected(raw_request, self._collect(request_ids, prompts))
         data = [
             EmbeddingData(
-                embedding=self._encode(v, request.dimensions, request.encoding_format, pooler.normalize),
+                embedding=self._encode(v, request.dimensions, request.encoding_format, params.normalize),
                 index=i,
             )
             for i, v in enumerate(vectors)

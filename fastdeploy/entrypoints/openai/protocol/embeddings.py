@@ -30,9 +30,11 @@ class EmbeddingRequest(OpenAIModel):
     add_special_tokens: bool = True
     """Extension (vLLM): let the tokenizer add its special tokens (e.g. BOS) to text inputs."""
     truncate_prompt_tokens: int | None = None
+    """Extension (vLLM): embed only the last N tokens of each input (-1: the last ``max_model_len``)."""
     truncation_side: Literal["left", "right"] | None = None
     """vLLM's: which end ``truncate_prompt_tokens`` cuts (left, the default: the first tokens go)."""
-    """Extension (vLLM): embed only the last N tokens of each input (-1: the last ``max_model_len``)."""
+    normalize: bool | None = None
+    """Extension (vLLM): L2-normalise the vectors or not (None: as the model / ``--pooler-config`` says)."""
 
     @field_validator("input", mode="before")
     @classmethod

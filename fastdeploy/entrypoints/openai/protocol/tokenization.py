@@ -9,6 +9,7 @@ from typing import Any
 
 from pydantic import field_validator
 
+from fastdeploy.entrypoints.openai.errors import BadRequestError
 from fastdeploy.entrypoints.openai.protocol.chat_messages import (
     ChatMessage,
     check_messages,
@@ -92,9 +93,13 @@ def parse_tokenize_request(
     data: Any, *, strict_fields: bool = False
 ) -> TokenizeCompletionRequest | TokenizeChatRequest:
     """Pick the tokenize request form by whether ``messages`` is present (unknown fields as in
-    :func:`parse_request`)."""
+    :func:`parse_request`); both ``prompt`` and ``messages``, or neither, is a 400."""
     if isinstance(data, dict) and "messages" in data:
+        if "prompt" in data:
+            raise BadRequestError("give either prompt or messages, not both", param="prompt")
         return parse_request(TokenizeChatRequest, data, strict_fields=strict_fields)
+    if isinstance(data, dict) and "prompt" not in data:
+        raise BadRequestError("Missing required parameter: prompt (or messages)", param="prompt")
     return parse_request(TokenizeCompletionRequest, data, strict_fields=strict_fields)
 
 
