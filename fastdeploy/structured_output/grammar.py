@@ -153,9 +153,62 @@ def clean_message(message: str) -> str:
     return " ".join(line for line in lines if line) or "invalid grammar"
 
 
+_STRING_LENGTHS = ("minLength", "maxLength")
+
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+"""Keywords whose value maps names to subschemas (the names are not keywords)."""
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_ONE = (
+    "items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
+    "additionalItems", "unevaluatedItems", "unevaluatedProperties",
+)  # fmt: skip
+
+
+def xgrammar_dropped_constraint(schema: Any, path: str = "$") -> str | None:
+    """Where ``schema`` has a string's ``minLength`` / ``maxLength`` beside its ``pattern`` or
+    ``format``: xgrammar 0.2 compiles such a schema with a warning and enforces the pattern or format
+    without the length (so answers broke the schema). The first such place as a JSON path, or None."""
+    if not isinstance(schema, dict):
+        return None
+    if any(k in schema for k in _STRING_LENGTHS) and ("pattern" in schema or "format" in schema):
+        return path
+    subschemas: list[tuple[str, Any]] = []
+    for key in _SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            subschemas += [(f"{path}.{key}.{name}", sub) for name, sub in schema[key].items()]
+    for key in _SCHEMA_LISTS + _SCHEMA_ONE:
+        value = schema.get(key)
+        if isinstance(value, list):
+            subschemas += [(f"{path}.{key}[{i}]", sub) for i, sub in enumerate(value)]
+        elif isinstance(value, dict):
+            subschemas.append((f"{path}.{key}", value))
+    for where, sub in subschemas:
+        found = xgrammar_dropped_constraint(sub, where)
+        if found is not None:
+            return found
+    return None
+
+
 def validate_structured_outputs(params: StructuredOutputsParams, field: str) -> None:
-    """Build the grammar of ``params``; a :class:`SamplingParamsError` naming ``field`` if it is invalid."""
+    """Build the grammar of ``params``; a :class:`SamplingParamsError` naming ``field`` if it is invalid,
+    or if xgrammar would leave part of it unenforced (:func:`xgrammar_dropped_constraint`; llguidance,
+    ``FD_STRUCTURED_OUTPUTS_BACKEND=guidance``, enforces those)."""
+    from fastdeploy import envs
+
     kind, text, _ = constraint_key(params)
+    if kind == "json" and envs.FD_STRUCTURED_OUTPUTS_BACKEND != "guidance":
+        try:
+            where = xgrammar_dropped_constraint(json.loads(text))
+        except json.JSONDecodeError:
+            where = None  # (reported below)
+        if where is not None:
+            raise SamplingParamsError(
+                field,
+                f"invalid JSON schema in '{field}': at {where}, minLength / maxLength together with pattern "
+                "or format is not enforced by the structured-output backend (xgrammar); drop one of them, "
+                "or serve with FD_STRUCTURED_OUTPUTS_BACKEND=guidance",
+            )
     try:
         build_grammar(kind, text, unroll=False)
     except ImportError:

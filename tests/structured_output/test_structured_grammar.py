@@ -79,6 +79,39 @@ def test_invalid_constraints_name_the_field_and_the_problem(params, field, says)
     assert ".cc:" not in str(info.value)  # no C++ source location
 
 
+def test_lengths_xgrammar_would_drop_are_a_400_naming_where(monkeypatch):
+    """xgrammar 0.2 compiles a string's maxLength beside its pattern or format with a warning and does
+    not enforce the length (answers broke the schema, e.g. pydantic's constr(pattern=..., max_length=4)):
+    a 400 saying where, unless llguidance (which enforces it) is the backend."""
+    code = {"type": "string", "pattern": "^[a-z]+$", "maxLength": 4}
+    schema = {
+        "type": "object",
+        "properties": {
+            "format": {"type": "string"},
+            "maxLength": {"type": "integer"},
+            "items": {"$ref": "#/$defs/C"},
+        },
+        "$defs": {"C": {"type": "array", "items": {"anyOf": [{"type": "null"}, code]}}},
+    }
+    with pytest.raises(SamplingParamsError) as info:
+        validate_structured_outputs(
+            StructuredOutputsParams(json=schema), "response_format.json_schema.schema"
+        )
+    assert info.value.param == "response_format.json_schema.schema"
+    assert "at $.$defs.C.items.anyOf[1], minLength / maxLength together with pattern" in str(info.value)
+    email = {"type": "string", "format": "email", "minLength": 3}
+    with pytest.raises(SamplingParamsError, match=r"at \$,"):
+        validate_structured_outputs(StructuredOutputsParams(json=email), "guided_json")
+    # properties named like keywords are not keywords; a length alone or a pattern alone is enforced
+    names_only = {"type": "object", "properties": {"format": {"type": "string", "maxLength": 3}}}
+    validate_structured_outputs(StructuredOutputsParams(json=names_only), "guided_json")
+    validate_structured_outputs(
+        StructuredOutputsParams(json={"type": "string", "pattern": "^a+$"}), "guided_json"
+    )
+    monkeypatch.setenv("FD_STRUCTURED_OUTPUTS_BACKEND", "guidance")
+    validate_structured_outputs(StructuredOutputsParams(json=code), "guided_json")
+
+
 def test_exactly_one_constraint():
     with pytest.raises(SamplingParamsError):
         StructuredOutputsParams()
