@@ -200,7 +200,9 @@ def test_registry_and_default_rule():
          [("get_weather", '{"city": "Par')]),
         (RequiredToolParser(), '[{"name": "a", "parameters": {}}, {"name": "b", "parameters": {"x', None,
          [("a", "{}"), ("b", '{"x')]),
-        (RequiredToolParser(), '[{"name": "get_w', '{"name": "get_w', []),  # no name yet: content
+        # no name yet: no call, and no content either (the required call's grammar wrote that JSON)
+        (RequiredToolParser(), '[{"name": "get_w', None, []),
+        (HermesToolParser(), 'Sure. <tool_call>{"name": "get_w', 'Sure. <tool_call>{"name": "get_w', []),
         (HermesToolParser(), 'Sure. <tool_call>{"name": "get_weather", "arguments": {"ci', "Sure.",
          [("get_weather", '{"ci')]),
     ],

@@ -270,9 +270,10 @@ class ToolCallStream:
     """The tool calls and content of one streamed answer: :meth:`feed` each text delta, then
     :meth:`finish`; each returns ``(content delta, call deltas)``."""
 
-    def __init__(self, segmenter: Segmenter, max_calls: int | None = None):
+    def __init__(self, segmenter: Segmenter, max_calls: int | None = None, unparsed_is_content: bool = True):
         self._segmenter = segmenter
         self._max_calls = max_calls
+        self._unparsed_is_content = unparsed_is_content
         self._content = _ContentStream()
         self._call: _CallStream | None = None
         self.num_calls = 0
@@ -301,7 +302,8 @@ class ToolCallStream:
                 if not call.committed:
                     parsed = parse_call(call.body)
                     if parsed is None:
-                        content.append(self._content.feed(call.opening + call.body + text))
+                        if self._unparsed_is_content:
+                            content.append(self._content.feed(call.opening + call.body + text))
                         continue
                     calls.extend(self._allowed([ToolCallDelta(call.index, id=parsed.id, name=parsed.name)]))
                     calls.extend(self._allowed([ToolCallDelta(call.index, arguments=parsed.arguments)]))
@@ -331,6 +333,10 @@ class ToolParser:
     None: this format's calls are not held to their schemas under ``tool_choice`` auto."""
     call_closing: ClassVar[str] = ""
     """What ends a call after its arguments (with :attr:`call_trigger`)."""
+    unparsed_is_content: ClassVar[bool] = True
+    """A call that does not parse (its name cut by ``max_tokens``) is given back as content: in free
+    text it may be the model's own words. False where a grammar wrote the call syntax (the answer
+    of ``tool_choice: "required"``): it is dropped, never shown as text."""
 
     def __init__(self, max_calls: int | None = None):
         self.max_calls = max_calls
@@ -346,7 +352,7 @@ class ToolParser:
 
     def stream(self) -> ToolCallStream:
         """A fresh incremental parse of one answer."""
-        return ToolCallStream(self.segmenter(), self.max_calls)
+        return ToolCallStream(self.segmenter(), self.max_calls, self.unparsed_is_content)
 
     def extract(self, text: str) -> ExtractedToolCalls:
         """The content and calls of a whole answer. A call the answer ends inside (cut by
@@ -370,7 +376,8 @@ class ToolParser:
                 if parsed is None and at_end:
                     parsed = _cut_call(body)
                 if parsed is None:
-                    content.append(opening + body + piece)
+                    if self.unparsed_is_content:
+                        content.append(opening + body + piece)
                 elif self.max_calls is None or len(calls) < self.max_calls:
                     calls.append(parsed)
         return ExtractedToolCalls("".join(content).strip() or None, calls)

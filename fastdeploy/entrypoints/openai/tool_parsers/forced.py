@@ -19,9 +19,11 @@ from fastdeploy.entrypoints.openai.tool_parsers.json_array import JsonArraySegme
 
 
 class RequiredToolParser(ToolParser):
-    """The answer of ``tool_choice: "required"``: ``[{"name": ..., "parameters": {...}}, ...]``."""
+    """The answer of ``tool_choice: "required"``: ``[{"name": ..., "parameters": {...}}, ...]``. A call
+    cut before its name is complete is no call and no content (the grammar wrote that JSON)."""
 
     name = "required"
+    unparsed_is_content = False
 
     def segmenter(self) -> Segmenter:
         return JsonArraySegmenter(None)
