@@ -363,7 +363,7 @@ def test_retrieve_model_and_its_root():
         listed = client.get("/v1/models", headers=headers).json()["data"]
         assert [card["root"] for card in listed] == ["/models/m.gguf"] * 2
         card = client.get("/v1/models/m", headers=headers).json()
-        assert {**card, "permission": None} == {**listed[0], "permission": None}  # (fresh permission ids)
+        assert card == listed[0]
         assert client.get("/v1/models/org/alias", headers=headers).json()["id"] == "org/alias"
         missing = client.get("/v1/models/nope", headers=headers)
         assert missing.status_code == 404
@@ -377,13 +377,8 @@ def test_model_card_has_vllms_fields():
     app = build_app(fake_engine("/models/m.gguf"), ["m"], ServerConfig())
     with TestClient(app) as client:
         (card,) = client.get("/v1/models").json()["data"]
-    assert {"id", "object", "created", "owned_by", "root", "parent", "max_model_len", "permission"} <= set(
-        card
-    )
+    assert {"id", "object", "created", "owned_by", "root", "parent", "max_model_len"} <= set(card)
     assert card["parent"] is None and card["max_model_len"] == 64
-    (permission,) = card["permission"]
-    assert permission["object"] == "model_permission" and permission["id"].startswith("modelperm-")
-    assert permission["allow_sampling"] and not permission["allow_fine_tuning"]
 
 
 def test_tokenize_refuses_a_request_chat_template():
