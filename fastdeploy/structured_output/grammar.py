@@ -8,6 +8,7 @@ import logging
 import re
 from typing import Any
 
+from fastdeploy import envs
 from fastdeploy.core.sampling_params import SamplingParamsError, StructuredOutputsParams
 from fastdeploy.structured_output.repetition import MAX_UNROLLED, unroll_bounded_repetitions
 
@@ -154,8 +155,6 @@ def clean_message(message: str) -> str:
 
 
 _STRING_LENGTHS = ("minLength", "maxLength")
-
-
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 """Keywords whose value maps names to subschemas (the names are not keywords)."""
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
@@ -194,8 +193,6 @@ def validate_structured_outputs(params: StructuredOutputsParams, field: str) -> 
     """Build the grammar of ``params``; a :class:`SamplingParamsError` naming ``field`` if it is invalid,
     or if xgrammar would leave part of it unenforced (:func:`xgrammar_dropped_constraint`; llguidance,
     ``FD_STRUCTURED_OUTPUTS_BACKEND=guidance``, enforces those)."""
-    from fastdeploy import envs
-
     kind, text, _ = constraint_key(params)
     if kind == "json" and envs.FD_STRUCTURED_OUTPUTS_BACKEND != "guidance":
         try:
