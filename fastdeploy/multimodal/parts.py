@@ -41,18 +41,16 @@ def item_from_content_part(
     URL parts are not fetched here. ``image_embeds`` payloads are decoded now
     (at most ``max_bytes``). Malformed parts raise :class:`MultimodalInputError`.
     """
-    where = location or f"content part {index}"
     try:
-        return _item(part, index, max_bytes, location, where)
+        return _item(part, index, max_bytes, location)
     except MultimodalInputError as exc:
         if exc.param is None:
             exc.param = location
         raise
 
 
-def _item(
-    part: Mapping[str, Any], index: int, max_bytes: int | None, location: str | None, where: str
-) -> FeatureItem:
+def _item(part: Mapping[str, Any], index: int, max_bytes: int | None, location: str | None) -> FeatureItem:
+    where = location or f"content part {index}"
     kind = part.get("type")
     if kind in URL_PART_TYPES:
         body = part.get(kind)

@@ -170,12 +170,10 @@ class MultimodalPromptBuilder:
         for modality, count in counts.items():
             limit = self.limit_per_prompt.get(modality)
             if limit is not None and count > limit:
-                error = MultimodalInputError(
+                raise MultimodalInputError(
                     f"At most {limit} {modality}(s) may be provided in one prompt, got {count} "
                     "(the server's --limit-mm-per-prompt)"
                 )
-                error.param = "messages"
-                raise error
         mm = self.arch.mm
         assert mm is not None
         fetched = fetch_features(

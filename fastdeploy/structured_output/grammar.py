@@ -111,6 +111,13 @@ def _build_constraint(kind: str, text: str, unroll: bool) -> Any:
             schema = json.loads(text)
             if not isinstance(schema, (dict, bool)):
                 raise ValueError("a JSON schema must be an object")
+            where = xgrammar_dropped_constraint(schema)
+            if where is not None and envs.FD_STRUCTURED_OUTPUTS_BACKEND != "guidance":
+                raise ValueError(
+                    f"at {where}, minLength / maxLength together with pattern or format is not enforced by "
+                    "the structured-output backend (xgrammar); drop one of them, or serve with "
+                    "FD_STRUCTURED_OUTPUTS_BACKEND=guidance"
+                )
             return unrolled_if(xgr.Grammar.from_json_schema(text, any_whitespace=False))
         if kind == "json_object":
             return xgr.Grammar.from_json_schema(json.dumps(JSON_OBJECT_SCHEMA), any_whitespace=False)
@@ -194,18 +201,6 @@ def validate_structured_outputs(params: StructuredOutputsParams, field: str) -> 
     or if xgrammar would leave part of it unenforced (:func:`xgrammar_dropped_constraint`; llguidance,
     ``FD_STRUCTURED_OUTPUTS_BACKEND=guidance``, enforces those)."""
     kind, text, _ = constraint_key(params)
-    if kind == "json" and envs.FD_STRUCTURED_OUTPUTS_BACKEND != "guidance":
-        try:
-            where = xgrammar_dropped_constraint(json.loads(text))
-        except json.JSONDecodeError:
-            where = None  # (reported below)
-        if where is not None:
-            raise SamplingParamsError(
-                field,
-                f"invalid JSON schema in '{field}': at {where}, minLength / maxLength together with pattern "
-                "or format is not enforced by the structured-output backend (xgrammar); drop one of them, "
-                "or serve with FD_STRUCTURED_OUTPUTS_BACKEND=guidance",
-            )
     try:
         build_grammar(kind, text, unroll=False)
     except ImportError:

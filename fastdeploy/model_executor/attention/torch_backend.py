@@ -134,16 +134,15 @@ class TorchAttentionBackend(AttentionBackend):
         """Groups the step's decodes and prefill chunks (or packs them for the C++ kernels)."""
         qsl = common.query_start_loc_cpu
         query_lens = np.diff(qsl)
-        decode_reqs = np.flatnonzero(query_lens == 1)
-        prefill_reqs = np.flatnonzero(query_lens > 1)
+        decode = query_lens == 1
+        if self.cpu_kernels is not None and common.num_prompt_tokens_cpu is not None:
+            # a prompt's last token alone (after a prefix-cache hit, or a one-token last chunk) is
+            # computed by the prefill kernel, as it is when the whole prompt runs at once: the
+            # decode kernel rounds differently (CPU batch invariance, docs/api.md)
+            decode &= common.seq_lens_cpu > common.num_prompt_tokens_cpu
+        decode_reqs = np.flatnonzero(decode)
+        prefill_reqs = np.flatnonzero((query_lens > 0) & ~decode)
         if self.cpu_kernels is not None:
-            if common.num_prompt_tokens_cpu is not None:
-                # a prompt's last token alone (after a prefix-cache hit, or a one-token last chunk) is
-                # computed by the prefill kernel, as it is when the whole prompt runs at once: the
-                # decode kernel rounds differently (CPU batch invariance, docs/api.md)
-                prompt = (query_lens == 1) & (common.seq_lens_cpu <= common.num_prompt_tokens_cpu)
-                decode_reqs = np.flatnonzero((query_lens == 1) & ~prompt)
-                prefill_reqs = np.flatnonzero((query_lens > 1) | prompt)
             return TorchAttentionMetadata(
                 common=common,
                 decode_groups=[],
